@@ -1,0 +1,1 @@
+"""Experiment recipes: one YAML per paper experiment, each tuned once at its base batch B0."""

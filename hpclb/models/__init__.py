@@ -1,0 +1,15 @@
+"""Models of the paper's experiments, built by name from an experiment's ``model`` section."""
+from __future__ import annotations
+
+from torch import nn
+
+from .mnist_lstm import MnistLSTM
+
+MODELS = {"mnist_lstm": MnistLSTM}
+
+
+def build_model(name: str, **kwargs) -> nn.Module:
+    """Instantiate model ``name`` with ``kwargs``. Raises ValueError for an unknown name."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    return MODELS[name](**kwargs)

@@ -1,0 +1,23 @@
+"""MNIST-LSTM: each 28x28 image is read as 28 time steps of 28 pixels (row by row)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MnistLSTM(nn.Module):
+    """One LSTM layer (``hidden_size`` units, default 128) and a linear head to 10 classes.
+
+    Input: float32 ``[batch, 28, 28]`` (time steps x pixels). Output: logits ``[batch, 10]``
+    from the last time step's hidden state.
+    """
+
+    def __init__(self, input_size: int = 28, hidden_size: int = 128, num_classes: int = 10,
+                 num_layers: int = 1):
+        super().__init__()
+        self.lstm = nn.LSTM(input_size, hidden_size, num_layers=num_layers, batch_first=True)
+        self.head = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])

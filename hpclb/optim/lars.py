@@ -1,0 +1,84 @@
+"""LARS: layer-wise adaptive rate scaling (You, Gitman, Ginsburg 2017, arXiv 1708.03888).
+
+Per layer, with trust coefficient ``eta``, momentum ``m``, weight decay ``wd``, LR ``lr``::
+
+    ratio = eta * ||w|| / (||g|| + wd * ||w|| + eps)      (1 if ||w|| or ||g|| is 0, or excluded)
+    v    <- m * v + lr * ratio * (g + wd * w)
+    w    <- w - v
+
+The LR sits *inside* the momentum buffer, as in the TF/TPU and MLPerf reference code (torch-style
+implementations keep it outside; the two differ whenever the LR changes, i.e. during warmup).
+Excluded layers (``ndim < 2`` by default; see :mod:`hpclb.optim.base`) take plain momentum SGD
+without weight decay: ``v <- m * v + lr * g``.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from .base import LayerwiseOptimizer, check_range
+from .trust import lars_trust_ratios
+
+
+def lars_update_(params: Sequence[Tensor], grads: Sequence[Tensor],
+                 momentum_buffers: Sequence[Tensor], step_sizes: Tensor,
+                 momentum: Sequence[float], weight_decay: Sequence[float]) -> None:
+    """In place: ``v <- m*v + step_size*(g + wd*w); w <- w - v`` for every layer.
+
+    ``step_sizes`` is an fp32 tensor ``[n]`` holding ``lr * ratio`` per layer (no host sync).
+    """
+    direction = torch._foreach_add(list(grads), torch._foreach_mul(list(params), list(weight_decay)))
+    torch._foreach_mul_(direction, step_sizes.unbind())
+    torch._foreach_mul_(list(momentum_buffers), list(momentum))
+    torch._foreach_add_(list(momentum_buffers), direction)
+    torch._foreach_sub_(list(params), list(momentum_buffers))
+
+
+class LARS(LayerwiseOptimizer):
+    """LARS with momentum (algorithm in the module docstring).
+
+    Args:
+        params: parameters or parameter groups (named parameters give names in the exclusion log).
+            A group may set ``exclude`` (True/False; default None means ``ndim < 2``).
+        lr: global LR (>= 0); hpclb's schedules set it each step.
+        momentum: in [0, 1). weight_decay: >= 0. trust_coefficient: eta > 0. eps: >= 0.
+    Raises ValueError naming any out-of-range hyper-parameter.
+    """
+
+    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9,
+                 weight_decay: float = 1e-4, trust_coefficient: float = 0.001, eps: float = 1e-9):
+        check_range("learning rate", lr, 0.0)
+        check_range("momentum", momentum, 0.0, 1.0, hi_open=True)
+        check_range("weight_decay", weight_decay, 0.0)
+        check_range("trust_coefficient", trust_coefficient, 0.0, lo_open=True)
+        check_range("eps", eps, 0.0)
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient, eps=eps, exclude=None))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pairs = self._gather()
+        if not pairs:
+            return loss
+        params = [p for _, p in pairs]
+        grads = [p.grad for p in params]
+        adapt = [self.is_adapted(p, g) for g, p in pairs]
+        wd = [g["weight_decay"] if a else 0.0 for (g, _), a in zip(pairs, adapt)]
+        ratios, _, _ = lars_trust_ratios(
+            params, grads, trust_coefficient=[g["trust_coefficient"] for g, _ in pairs],
+            weight_decay=wd, eps=[g["eps"] for g, _ in pairs], adapt=adapt)
+        lrs = torch.tensor([g["lr"] for g, _ in pairs], dtype=torch.float32, device=ratios.device)
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            bufs.append(state["momentum_buffer"])
+        lars_update_(params, grads, bufs, lrs * ratios, [g["momentum"] for g, _ in pairs], wd)
+        return loss

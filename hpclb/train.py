@@ -1,0 +1,291 @@
+"""The training loop, as one rank sees it (DESIGN.md, "One training step").
+
+1. Each rank reads its shard of the global batch (``DistributedSampler``, reshuffled per epoch
+   from the seed; the union of the ranks' shards of step ``s`` is the same global batch for every
+   world size).
+2. Forward/backward in torch; :class:`~hpclb.parallel.GradientSync` averages gradients.
+3. The optimizer steps with the LR that :mod:`hpclb.schedules` gives this global step.
+4. Loss/accuracy are reduced across ranks; rank 0 prints, writes metrics and checkpoints.
+
+Preemption: SIGUSR2/SIGTERM only set a flag; at the next step the ranks agree (allreduce max),
+rank 0 saves that step's checkpoint, and every rank exits with :data:`PREEMPTED_EXIT_CODE`, which
+the job scripts use to requeue; ``--resume`` continues the same trajectory bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .comm import Communicator
+from .config import ConfigError, RunConfig
+from .data import load_dataset
+from .models import build_model
+from .optim import LAMB, LARS
+from .parallel import GradientSync, broadcast_parameters, check_model_consistency
+from .schedules import ScheduleLR
+
+log = logging.getLogger(__name__)
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
+EVAL_BATCH_SIZE = 2000
+
+
+class Preempted(Exception):
+    """Raised on every rank after the preemption checkpoint is on disk."""
+
+
+class PreemptionFlag:
+    """SIGUSR2/SIGTERM handlers that only set a flag (no I/O in the handler)."""
+
+    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+
+    def _handler(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, comm: Communicator) -> bool:
+        """True on every rank when any rank received a signal (one 1-element allreduce)."""
+        if comm.world_size == 1:
+            return self.requested
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        return bool(comm.allreduce_(flag, op="max").item() > 0)
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+def build_optimizer(name: str, model: torch.nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over ``model``'s named parameters with the recipe's ``params``.
+
+    Raises ConfigError for a hyper-parameter the optimizer does not take or rejects.
+    """
+    named = list(model.named_parameters())
+    hp = dict(params)
+    try:
+        if name == "sgd":
+            return torch.optim.SGD(named, **hp)
+        if name == "momentum":
+            hp.setdefault("momentum", 0.9)
+            return torch.optim.SGD(named, **hp)
+        if name == "adam":
+            return torch.optim.Adam(named, **hp)
+        if name == "lars":
+            return LARS(named, **hp)
+        if name == "lamb":
+            return LAMB(named, **hp)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizers.{name}: {e}") from e
+    raise ConfigError(f"unknown optimizer {name!r}")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, split, comm: Communicator,
+             batch_size: int = EVAL_BATCH_SIZE) -> tuple[float, float]:
+    """Mean loss and accuracy (fraction) over the whole ``split``, each rank scoring a disjoint
+    ``rank::world_size`` share (no padding, every sample counted once)."""
+    model.eval()
+    idx = torch.arange(comm.rank, len(split), comm.world_size)
+    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    for start in range(0, len(idx), batch_size):
+        x, y = split.batch(idx[start:start + batch_size])
+        logits = model(x)
+        sums[0] += F.cross_entropy(logits, y, reduction="sum").item()
+        sums[1] += (logits.argmax(1) == y).sum().item()
+        sums[2] += len(y)
+    comm.allreduce_(sums)
+    model.train()
+    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+
+
+def _set_threads(comm: Communicator) -> None:
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False) -> dict[str, Any]:
+    """Run one experiment on this rank; returns the summary (identical on every rank).
+
+    Raises ConfigError (bad settings, same on every rank), DataError (missing/corrupt data),
+    CheckpointError (``--resume`` without a usable checkpoint), :class:`Preempted` after a
+    preemption checkpoint.
+    """
+    t_start = time.perf_counter()
+    rank0 = comm.rank == 0
+    say = (lambda *a: print(*a, flush=True)) if rank0 and not quiet else (lambda *a: None)
+    per_rank_batch = cfg.per_rank_batch_size(comm.world_size)
+    train_set, test_set = load_dataset(cfg.recipe["data"]["name"], cfg.data_dir)
+    sched = cfg.schedule(len(train_set))  # validates warmup < training before any work
+    out = Path(cfg.out)
+    ckpt_path = out / "checkpoint.pt"
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
+    if ckpt is not None:
+        for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs",
+                    "lr"):
+            if ckpt["run"][key] != getattr(cfg, key):
+                raise ConfigError(f"--resume: the checkpoint in {ckpt_path} was made with {key}="
+                                  f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; "
+                                  f"resume with the same settings or use another --out")
+
+    _set_threads(comm)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.recipe["model"]["name"],
+                        **{k: v for k, v in cfg.recipe["model"].items() if k != "name"})
+    check_model_consistency(model, comm)
+    broadcast_parameters(model, comm)
+    optimizer = build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
+    scheduler = ScheduleLR(optimizer, sched)
+    sync = GradientSync(model.parameters(), comm)
+    sampler = DistributedSampler(train_set, num_replicas=comm.world_size, rank=comm.rank,
+                                 shuffle=True, seed=cfg.seed, drop_last=False)
+    spe = sched.steps_per_epoch
+    if math.ceil(len(sampler) / per_rank_batch) != spe:  # ceil(ceil(N/W)/b) == ceil(N/(W*b))
+        raise RuntimeError(f"rank {comm.rank}: {len(sampler)} samples in {per_rank_batch}-sample "
+                           f"batches do not make {spe} steps per epoch")
+    clip = cfg.recipe.get("grad_clip_norm")
+    k = cfg.global_batch_size / cfg.base_batch_size
+
+    pos = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "elapsed_s": 0.0,
+           "epoch_sums": torch.zeros(3, dtype=torch.float64), "history": []}
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"])
+        pos.update({key: ckpt[key] for key in pos})
+        say(f"resumed from {ckpt_path} at epoch {pos['epoch']} step {pos['global_step']}")
+
+    say(f"hpclb {cfg.experiment}: {comm.world_size} rank(s) [{comm.backend}], global batch "
+        f"{cfg.global_batch_size} = {comm.world_size} x {per_rank_batch} (B0 {cfg.base_batch_size}, "
+        f"k = {k:g}), scaling {cfg.scaling}, optimizer {cfg.optimizer}")
+    say(f"  peak LR {sched.peak_lr:.4g} (B0: {cfg.base_lr:.4g}), warmup {sched.warmup_steps} steps "
+        f"= {sched.warmup_epochs:.3g} epochs, decay {sched.decay}, {spe} steps/epoch, "
+        f"{sched.total_steps} steps in {cfg.epochs:g} epochs, {len(train_set)} train / "
+        f"{len(test_set)} test samples, gradient buffer {sync.nbytes / 2**20:.2f} MiB")
+
+    def checkpoint(epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor) -> None:
+        if rank0:
+            save_checkpoint(ckpt_path, {
+                "run": {k_: v for k_, v in cfg.to_dict().items() if k_ != "recipe"},
+                "world_size": comm.world_size, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state(), "epoch": epoch, "step_in_epoch": step_in_epoch,
+                "global_step": pos["global_step"], "epoch_sums": epoch_sums,
+                "elapsed_s": pos["elapsed_s"] + time.perf_counter() - t_start,
+                "history": pos["history"]})
+        comm.barrier()  # nobody exits or moves on before the checkpoint is on disk
+
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "config.json", {**cfg.to_dict(), "world_size": comm.world_size,
+                                          "peak_lr": sched.peak_lr,
+                                          "warmup_steps": sched.warmup_steps})
+    preempt = PreemptionFlag()
+    history: list[dict] = pos["history"]
+    n_epochs = math.ceil(sched.total_steps / spe)
+    try:
+        for epoch in range(pos["epoch"], n_epochs):
+            sampler.set_epoch(epoch)
+            indices = torch.tensor(list(sampler))
+            steps = min(spe, sched.total_steps - epoch * spe)
+            first = pos["step_in_epoch"] if epoch == pos["epoch"] else 0
+            sums = pos["epoch_sums"].clone() if first else torch.zeros(3, dtype=torch.float64)
+            t_epoch = time.perf_counter()
+            bar = tqdm(range(first, steps), desc=f"epoch {epoch + 1}", leave=False,
+                       disable=not (rank0 and not quiet and sys.stderr.isatty()))
+            for i in bar:
+                x, y = train_set.batch(indices[i * per_rank_batch:(i + 1) * per_rank_batch])
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                optimizer.zero_grad(set_to_none=False)
+                loss.backward()
+                sync.synchronize()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                scheduler.step()
+                pos["global_step"] += 1
+                with torch.no_grad():
+                    sums += torch.tensor([loss.item() * len(y),
+                                          (logits.argmax(1) == y).sum().item(), len(y)],
+                                         dtype=torch.float64)
+                if preempt.agreed(comm):
+                    checkpoint(epoch, i + 1, sums)
+                    say(f"preempted: checkpoint of step {pos['global_step']} (epoch {epoch}, "
+                        f"step {i + 1}/{steps}) saved to {ckpt_path}; exiting with "
+                        f"{PREEMPTED_EXIT_CODE} to requeue")
+                    raise Preempted(pos["global_step"])
+            train_time = time.perf_counter() - t_epoch
+            comm.allreduce_(sums)
+            test_loss, test_acc = evaluate(model, test_set, comm)
+            row = {"epoch": epoch + 1, "step": pos["global_step"],
+                   "train_loss": (sums[0] / sums[2]).item(),
+                   "train_accuracy": (sums[1] / sums[2]).item(),
+                   "test_loss": test_loss, "test_accuracy": test_acc,
+                   "lr": sched.lr(pos["global_step"] - 1),
+                   "samples_per_s": sums[2].item() / train_time if not first else None,
+                   "epoch_time_s": train_time,
+                   "elapsed_s": pos["elapsed_s"] + time.perf_counter() - t_start}
+            history.append(row)
+            sps = f"{row['samples_per_s']:9,.0f}" if row["samples_per_s"] else "   (resumed)"
+            say(f"epoch {epoch + 1:3d}/{n_epochs}  loss {row['train_loss']:.4f}  "
+                f"test_loss {test_loss:.4f}  test_acc {100 * test_acc:6.2f}%  lr {row['lr']:.3e}  "
+                f"samples/s {sps}  {train_time:5.1f}s")
+            if rank0:
+                with open(out / "metrics.jsonl", "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in history)
+            pos["epoch_sums"] = torch.zeros(3, dtype=torch.float64)
+            checkpoint(epoch + 1, 0, pos["epoch_sums"])
+    finally:
+        preempt.restore()
+
+    wall = pos["elapsed_s"] + time.perf_counter() - t_start
+    target = cfg.recipe.get("target") or {}
+    reached = [r for r in history if r.get(target.get("metric", "")) is not None
+               and r[target["metric"]] >= target.get("value", math.inf)]
+    rates = [r["samples_per_s"] for r in history if r["samples_per_s"]]
+    summary = {
+        "experiment": cfg.experiment, "final_test_accuracy": history[-1]["test_accuracy"],
+        "final_test_loss": history[-1]["test_loss"],
+        "best_test_accuracy": max(r["test_accuracy"] for r in history),
+        "global_batch_size": cfg.global_batch_size, "per_rank_batch_size": per_rank_batch,
+        "base_batch_size": cfg.base_batch_size, "batch_ratio_k": k,
+        "world_size": comm.world_size, "backend": comm.backend, "epochs": cfg.epochs,
+        "steps": pos["global_step"], "steps_per_epoch": spe, "scaling": cfg.scaling,
+        "optimizer": cfg.optimizer, "base_lr": cfg.base_lr, "peak_lr": sched.peak_lr,
+        "warmup_steps": sched.warmup_steps, "warmup_epochs": sched.warmup_epochs,
+        "decay": cfg.recipe["decay"], "seed": cfg.seed, "wall_time_s": wall,
+        "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
+        "target": target or None,
+        "time_to_target_s": reached[0]["elapsed_s"] if reached else None,
+        "torch": torch.__version__, "host": socket.gethostname(),
+    }
+    if rank0:
+        _write_json(out / "summary.json", summary)
+    say(f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} (k={k:g}) "
+        f"on {comm.world_size} rank(s): test accuracy {100 * summary['final_test_accuracy']:.2f}% "
+        f"after {cfg.epochs:g} epochs ({pos['global_step']} steps) in {wall:.1f} s -> "
+        f"{out / 'summary.json'}")
+    return summary

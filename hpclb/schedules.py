@@ -21,8 +21,10 @@ of step ``s`` is ``s / steps_per_epoch``; decays are functions of that. Warmup i
 samples: ``W`` epochs of warmup last ``round(W * N / B)`` steps, so LEGW's ``W0 * k`` epochs are
 exactly ``round(W0 * N / B0)`` steps at every ``k`` (counting it as ``W * steps_per_epoch`` would
 let the ceiling drift it by up to ``W`` steps per epoch of warmup). Warmup is a linear
-per-iteration ramp from 0: the update at step ``s < warmup_steps`` uses
-``peak * (s + 1) / warmup_steps``; the decay then starts from ``peak``.
+per-iteration ramp from 0 that multiplies the decayed LR: the update at step ``s`` uses
+``min(1, (s + 1) / warmup_steps) * decay(s)``. Poly and cosine decays start at the end of warmup
+(from ``peak``); step decays (multistep, exponential) keep their epoch boundaries even when a
+long LEGW warmup reaches past one.
 
 Pitfall the paper warns about: multiplying warmup *steps* by ``k`` gives ``k**2`` in epochs.
 Everything here is a pure function of the step; :class:`ScheduleLR` adapts a :class:`Schedule`
@@ -252,9 +254,7 @@ class Schedule:
 
     def lr(self, step: int) -> float:
         """LR of the update made at global step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return self.peak_lr * warmup_factor(step, self.warmup_steps)
-        return decay_factor(step, steps_per_epoch=self.steps_per_epoch,
+        return warmup_factor(step, self.warmup_steps) * decay_factor(step, steps_per_epoch=self.steps_per_epoch,
                             warmup_steps=self.warmup_steps, total_steps=self.total_steps,
                             decay=self.decay, params=self.decay_params, peak_lr=self.peak_lr)
 

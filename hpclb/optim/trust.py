@@ -35,6 +35,7 @@ def backend_for(tensors: Sequence[Tensor]) -> str:
     return name
 
 
+@torch.no_grad()
 def layer_norms(tensors: Sequence[Tensor]) -> Tensor:
     """L2 norm of each tensor, accumulated in fp32.
 
@@ -56,6 +57,7 @@ def _ratio(numerator: Tensor, w_norm: Tensor, other_norm: Tensor, adapt: Tensor)
     return torch.where(use, numerator, torch.ones_like(w_norm))
 
 
+@torch.no_grad()
 def lars_trust_ratios(weights: Sequence[Tensor], grads: Sequence[Tensor], *,
                       trust_coefficient: float | Sequence[float] | Tensor,
                       weight_decay: float | Sequence[float] | Tensor,
@@ -80,6 +82,7 @@ def lars_trust_ratios(weights: Sequence[Tensor], grads: Sequence[Tensor], *,
     return _ratio(ratio, w_norm, g_norm, torch.as_tensor(adapt, dtype=torch.bool)), w_norm, g_norm
 
 
+@torch.no_grad()
 def lamb_trust_ratios(weights: Sequence[Tensor], updates: Sequence[Tensor], *,
                       adapt: Sequence[bool] | Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """LAMB trust ratios ``||w|| / ||u||`` of n layers in one call.

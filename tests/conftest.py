@@ -1,0 +1,39 @@
+"""Shared fixtures. MPI-marked tests run under `mpirun -n N python -m pytest --with-mpi`;
+they must pass at any world size, and share verdicts so one failing rank cannot hang another."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    """The staged real MNIST (`make data`); tests that need it skip with the fix otherwise."""
+    root = Path(os.environ.get("HPCLB_DATA", REPO / "data")) / "mnist"
+    if not (root / "train-images-idx3-ubyte").is_file():
+        pytest.skip(f"real MNIST not staged in {root}; run `make data`")
+    return root
+
+
+@pytest.fixture(scope="session")
+def comm():
+    """The world communicator (mpi under mpirun, else self); checks HPCLB_EXPECT_WORLD_SIZE."""
+    from hpclb.comm import get_communicator
+
+    c = get_communicator("auto")
+    expected = os.environ.get("HPCLB_EXPECT_WORLD_SIZE")
+    if expected is not None and c.world_size != int(expected):
+        pytest.fail(f"world size {c.world_size}, expected {expected}: the mpirun belongs to a "
+                    f"different MPI than mpi4py's")
+    return c
+
+
+def all_ranks_ok(comm, ok: bool, what: str) -> None:
+    """Fail on every rank when any rank's check failed (no rank is left in a collective)."""
+    verdicts = comm.allgather_object((bool(ok), what))
+    bad = [f"rank {r}: {w}" for r, (v, w) in enumerate(verdicts) if not v]
+    assert not bad, "; ".join(bad)

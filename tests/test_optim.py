@@ -1,0 +1,193 @@
+"""LARS / LAMB / trust ratios against a float64 NumPy reference of the formulas (DESIGN.md)."""
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from hpclb.optim import LAMB, LARS, lamb_trust_ratios, lars_trust_ratios, layer_norms
+
+SHAPES = [(3, 5), (1,), (7,), (64, 33), (2, 3, 4), (1000,), (11, 1)]
+
+
+def make_params(seed, shapes=SHAPES, scale=1.0, zero=()):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g) * scale) for s in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g) * scale
+    for i in zero:
+        ps[i].data.zero_()
+    return ps
+
+
+def ref_lars_ratio(w, g, eta, wd, eps, adapt):
+    wn, gn = np.linalg.norm(w), np.linalg.norm(g)
+    if not adapt or wn == 0 or gn == 0:
+        return 1.0
+    return eta * wn / (gn + wd * wn + eps)
+
+
+class RefLARS:
+    """float64 NumPy LARS, LR inside the momentum buffer (TF/MLPerf style)."""
+
+    def __init__(self, ws, lr, momentum, wd, eta, eps):
+        self.ws = [w.astype(np.float64) for w in ws]
+        self.v = [np.zeros_like(w) for w in self.ws]
+        self.lr, self.m, self.wd, self.eta, self.eps = lr, momentum, wd, eta, eps
+
+    def step(self, gs):
+        for i, (w, g) in enumerate(zip(self.ws, gs)):
+            adapt = w.ndim >= 2
+            wd = self.wd if adapt else 0.0
+            r = ref_lars_ratio(w, g, self.eta, wd, self.eps, adapt)
+            self.v[i] = self.m * self.v[i] + self.lr * r * (g + wd * w)
+            self.ws[i] = w - self.v[i]
+
+
+class RefLAMB:
+    def __init__(self, ws, lr, b1, b2, eps, wd):
+        self.ws = [w.astype(np.float64) for w in ws]
+        self.m = [np.zeros_like(w) for w in self.ws]
+        self.v = [np.zeros_like(w) for w in self.ws]
+        self.t, self.lr, self.b1, self.b2, self.eps, self.wd = 0, lr, b1, b2, eps, wd
+
+    def step(self, gs):
+        self.t += 1
+        for i, (w, g) in enumerate(zip(self.ws, gs)):
+            adapt = w.ndim >= 2
+            self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
+            self.v[i] = self.b2 * self.v[i] + (1 - self.b2) * g * g
+            mh, vh = self.m[i] / (1 - self.b1 ** self.t), self.v[i] / (1 - self.b2 ** self.t)
+            u = mh / (np.sqrt(vh) + self.eps) + (self.wd if adapt else 0.0) * w
+            wn, un = np.linalg.norm(w), np.linalg.norm(u)
+            r = wn / un if adapt and wn > 0 and un > 0 else 1.0
+            self.ws[i] = w - self.lr * r * u
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-20, 1e15])
+def test_layer_norms_fp32_accumulation(scale):
+    ts = [torch.randn(s, dtype=torch.float32) * scale for s in [(1,), (5, 7), (100_000,), (0,)]]
+    got = layer_norms(ts).numpy()
+    want = [np.linalg.norm(t.double().numpy()) for t in ts]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert layer_norms(ts).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_layer_norms_low_precision_inputs(dtype):
+    t = (torch.rand(50_000) * 100).to(dtype)  # sum of squares far beyond fp16's range
+    got = layer_norms([t]).item()
+    want = np.linalg.norm(t.double().numpy())
+    assert np.isfinite(got) and got == pytest.approx(want, rel=1e-3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lars_ratios_match_reference(seed):
+    ps = make_params(seed, zero=(2,))
+    ps[4].grad.zero_()
+    adapt = [p.ndim >= 2 for p in ps]
+    ratios, wn, gn = lars_trust_ratios([p.detach() for p in ps], [p.grad for p in ps], trust_coefficient=0.001,
+                                       weight_decay=1e-4, eps=1e-9, adapt=adapt)
+    want = [ref_lars_ratio(p.detach().double().numpy(), p.grad.double().numpy(), 0.001, 1e-4,
+                           1e-9, a) for p, a in zip(ps, adapt)]
+    np.testing.assert_allclose(ratios.numpy(), want, rtol=1e-5)
+    assert ratios[2] == 1.0 and ratios[4] == 1.0  # zero weight, zero gradient
+
+
+def test_lamb_ratio_zero_rule_and_exclusion():
+    w = [torch.ones(3, 3), torch.zeros(4, 4), torch.ones(3, 3), torch.ones(5)]
+    u = [torch.full((3, 3), 2.0), torch.ones(4, 4), torch.zeros(3, 3), torch.ones(5)]
+    ratios, _, _ = lamb_trust_ratios(w, u, adapt=[True, True, True, False])
+    assert ratios.tolist() == pytest.approx([0.5, 1.0, 1.0, 1.0])
+
+
+def test_trust_ratio_length_mismatch_raises():
+    with pytest.raises(ValueError, match="2 weights, 1 grads"):
+        lars_trust_ratios([torch.ones(2), torch.ones(2)], [torch.ones(2)], trust_coefficient=1,
+                          weight_decay=0, eps=0, adapt=[True, True])
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, [(1,)] * 300 + [(4, 4)], [(2_000_000,), (3, 3)]])
+def test_lars_steps_match_float64_reference(shapes):
+    ps = make_params(3, shapes)
+    ref = RefLARS([p.detach().numpy() for p in ps], lr=2.0, momentum=0.9, wd=1e-4, eta=0.01,
+                  eps=1e-9)
+    opt = LARS(ps, lr=2.0, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.01)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in ps]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        opt.step()
+        ref.step([gr.double().numpy() for gr in grads])
+    for p, w in zip(ps, ref.ws):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, [(1,)] * 300 + [(4, 4)], [(2_000_000,), (3, 3)]])
+def test_lamb_steps_match_float64_reference(shapes):
+    ps = make_params(4, shapes)
+    ref = RefLAMB([p.detach().numpy() for p in ps], lr=0.01, b1=0.9, b2=0.999, eps=1e-6, wd=0.01)
+    opt = LAMB(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in ps]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        opt.step()
+        ref.step([gr.double().numpy() for gr in grads])
+    for p, w in zip(ps, ref.ws):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_exclusion_can_be_overridden_per_group():
+    w, b = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
+    opt = LARS([{"params": [w], "exclude": True}, {"params": [b], "exclude": False}], lr=1.0)
+    assert not opt.is_adapted(w, opt.param_groups[0])
+    assert opt.is_adapted(b, opt.param_groups[1])
+
+
+def test_exclusion_is_logged_once_with_names(caplog):
+    model = torch.nn.Linear(3, 2)
+    with caplog.at_level("INFO"):
+        LAMB(model.named_parameters(), lr=0.1)
+    msgs = [r.getMessage() for r in caplog.records if "excluded" in r.getMessage()]
+    assert len(msgs) == 1 and "bias[2]" in msgs[0] and "1 parameter tensors adapted" in msgs[0]
+
+
+@pytest.mark.parametrize("cls,kw,name", [
+    (LARS, dict(lr=-0.1), "learning rate"), (LARS, dict(lr=1, momentum=1.0), "momentum"),
+    (LARS, dict(lr=1, weight_decay=-1), "weight_decay"),
+    (LARS, dict(lr=1, trust_coefficient=0), "trust_coefficient"),
+    (LAMB, dict(lr=-1), "learning rate"), (LAMB, dict(betas=(1.0, 0.9)), "beta1"),
+    (LAMB, dict(betas=(0.9, -0.1)), "beta2"), (LAMB, dict(eps=-1), "eps")])
+def test_invalid_hyperparameters_name_the_value(cls, kw, name):
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        cls([torch.nn.Parameter(torch.ones(2, 2))], **kw)
+
+
+@pytest.mark.parametrize("cls,kw", [(LARS, dict(lr=0.5)), (LAMB, dict(lr=0.01))])
+def test_state_dict_round_trip_continues_identically(cls, kw):
+    def run(steps, opt, ps, g):
+        for _ in range(steps):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+
+    ps_a = make_params(5)
+    opt_a = cls(ps_a, **kw)
+    g_a = torch.Generator().manual_seed(1)
+    run(3, opt_a, ps_a, g_a)
+    buf = io.BytesIO()
+    torch.save(opt_a.state_dict(), buf)  # through bytes, as a checkpoint does
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    ps_b = [torch.nn.Parameter(p.detach().clone()) for p in ps_a]
+    opt_b = cls(ps_b, **kw)
+    opt_b.load_state_dict(saved)
+    g_b = torch.Generator().manual_seed(99)
+    g_b.set_state(g_a.get_state())
+    run(3, opt_a, ps_a, g_a)
+    run(3, opt_b, ps_b, g_b)
+    for a, b in zip(ps_a, ps_b):
+        assert torch.equal(a, b)

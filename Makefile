@@ -55,3 +55,29 @@ test-mpi: install data
 clean:
 	rm -rf $(VENV) build *.egg-info hpclb.egg-info .pytest_cache runs
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# --- gradient synchronisation: Horovod, benchmarks (issue 4) -------------------------------------
+# Horovod 0.28.1 hard-codes C++14 while torch 2.13 headers need C++17; CXXFLAGS does not reach its
+# CMake targets, so a toolchain file maps CMake's C++14 flags to C++17 (CMake >= 3.21 reads
+# CMAKE_TOOLCHAIN_FILE from the environment). It needs torch at build time (no build isolation)
+# and takes the first mpicc on PATH (the venv's Open MPI). 5-10 min on 2 cores; not part of `test`.
+HOROVOD_TOOLCHAIN := $(CURDIR)/build/horovod-cxx17.cmake
+$(HOROVOD_TOOLCHAIN):
+	@mkdir -p $(dir $@)
+	@printf '%s\n' 'set(CMAKE_USER_MAKE_RULES_OVERRIDE_CXX "$${CMAKE_CURRENT_LIST_FILE}")' \
+	    'set(CMAKE_CXX14_STANDARD_COMPILE_OPTION "-std=c++17")' \
+	    'set(CMAKE_CXX14_EXTENSION_COMPILE_OPTION "-std=gnu++17")' > $@
+
+$(VENV)/.horovod: $(HOROVOD_TOOLCHAIN) | $(VENV)/.installed
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH VIRTUAL_ENV=$(CURDIR)/$(VENV) \
+	CMAKE_TOOLCHAIN_FILE=$(HOROVOD_TOOLCHAIN) HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 \
+	HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+	HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j2 \
+	$(PY) -m pip install --no-build-isolation --no-cache-dir -v 'horovod==0.28.1' \
+	    'torch==2.13.0' 'numpy==2.4.6' 'PyYAML==6.0.4'
+	$(PY) -c "import horovod, horovod.torch as hvd; print('horovod', horovod.__version__, \
+	    'MPI', hvd.mpi_built(), 'Gloo', hvd.gloo_built())"
+	@touch $@
+
+.PHONY: install-horovod
+install-horovod: $(VENV)/.horovod

@@ -50,7 +50,7 @@ test-unit: install data
 
 test-mpi: install data
 	HPCLB_EXPECT_WORLD_SIZE=$(NP) $(MPIRUN) $(MPIRUN_FLAGS) -x HPCLB_EXPECT_WORLD_SIZE \
-	    $(PY) -m pytest -q --with-mpi --only-mpi -p no:cacheprovider tests
+	    $(PY) -m pytest -q --only-mpi -p no:cacheprovider tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info hpclb.egg-info .pytest_cache runs

@@ -71,6 +71,10 @@ def load_recipe(experiment: str) -> dict[str, Any]:
         _require(key in recipe, f"{where}: {key}", "missing; see hpclb/experiments/mnist_lstm.yaml")
     _require(recipe["data"].get("name") in DATASETS, f"{where}: data.name",
              f"{recipe['data'].get('name')!r} is not one of {DATASETS}")
+    for key in ("train_samples", "test_samples"):
+        n = recipe["data"].get(key)
+        _require(n is None or (isinstance(n, int) and n > 0), f"{where}: data.{key}",
+                 f"must be a positive integer (a smoke-run subset) or absent, got {n!r}")
     _require(recipe["model"].get("name") in MODELS, f"{where}: model.name",
              f"{recipe['model'].get('name')!r} is not one of {sorted(MODELS)}")
     _require(isinstance(recipe["base_batch_size"], int) and recipe["base_batch_size"] > 0,

@@ -136,7 +136,10 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False) -> dict[st
     rank0 = comm.rank == 0
     say = (lambda *a: print(*a, flush=True)) if rank0 and not quiet else (lambda *a: None)
     per_rank_batch = cfg.per_rank_batch_size(comm.world_size)
-    train_set, test_set = load_dataset(cfg.recipe["data"]["name"], cfg.data_dir)
+    data = cfg.recipe["data"]
+    train_set, test_set = load_dataset(data["name"], cfg.data_dir,
+                                       train_samples=data.get("train_samples"),
+                                       test_samples=data.get("test_samples"))
     sched = cfg.schedule(len(train_set))  # validates warmup < training before any work
     out = Path(cfg.out)
     ckpt_path = out / "checkpoint.pt"

@@ -12,13 +12,18 @@ def data_dir(explicit: str | os.PathLike | None = None) -> Path:
     return Path(explicit or os.environ.get("HPCLB_DATA") or "data")
 
 
-def load_dataset(name: str, root: str | os.PathLike | None = None):
-    """(train, test) splits of data set ``name``, read from ``root`` (see :func:`data_dir`).
+def load_dataset(name: str, root: str | os.PathLike | None = None, *,
+                 train_samples: int | None = None, test_samples: int | None = None):
+    """(train, test) splits of data set ``name``, read from ``root`` (see :func:`data_dir`),
+    optionally cut to their first ``train_samples`` / ``test_samples`` samples.
 
-    Each split has ``len()`` and ``batch(indices) -> (inputs, targets)``.
+    Each split has ``len()``, ``subset(n)`` and ``batch(indices) -> (inputs, targets)``.
     Raises DataError for an unknown name or a missing/corrupt file.
     """
     if name == "mnist":
         from .mnist import load_mnist
-        return load_mnist(root)
-    raise DataError(f"unknown data set {name!r}")
+        train, test = load_mnist(root)
+    else:
+        raise DataError(f"unknown data set {name!r}")
+    return (train.subset(train_samples) if train_samples else train,
+            test.subset(test_samples) if test_samples else test)

@@ -28,6 +28,10 @@ class Split:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def subset(self, n: int) -> "Split":
+        """The first ``n`` samples (for short smoke runs)."""
+        return Split(self.images[:n], self.labels[:n])
+
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised float32 images ``[b, 28, 28]`` and int64 labels ``[b]`` at ``indices``."""
         x = self.images[indices].to(torch.float32).div_(255.0).sub_(MEAN).div_(STD)

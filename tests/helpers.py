@@ -1,0 +1,20 @@
+"""Small real runs for the tests: the packaged MNIST-LSTM recipe with a short budget."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from hpclb.config import load_recipe
+
+
+def quick_recipe(tmp_path: Path, **changes) -> str:
+    """Write the packaged mnist-lstm recipe with ``changes``; by default on the first 4,096
+    train / 2,000 test images (B0 128: 32 steps per epoch, 8 warmup steps)."""
+    recipe = load_recipe("mnist-lstm")
+    recipe.update({"warmup_epochs": 0.25, "epochs": 1,
+                   "data": {"name": "mnist", "train_samples": 4096, "test_samples": 2000}})
+    recipe.update(changes)
+    path = Path(tmp_path) / "quick.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)

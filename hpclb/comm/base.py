@@ -1,8 +1,8 @@
 """The Communicator facade: one object answers rank/size questions and runs the collectives.
 
-Every backend (``mpi``, ``self``; later ``horovod``, ``torch``) implements this interface, so
-training code never imports a communication library. Tensors are reduced in place; every rank
-must enter every collective in the same order with the same sizes.
+Every backend (``mpi``, ``horovod``, ``torch``, ``self``) implements this interface, so training
+code never imports a communication library. Tensors are reduced in place; every rank must enter
+every collective in the same order with the same sizes.
 """
 from __future__ import annotations
 
@@ -12,12 +12,64 @@ from typing import Any
 
 from torch import Tensor
 
+REDUCE_OPS = ("sum", "max", "min")
+
+
+class Handle:
+    """A collective that has been started and may still be running (from ``iallreduce_``).
+
+    ``wait()`` blocks until it is complete and returns the reduced tensor; ``test()`` returns
+    True once it is complete (for MPI it also drives the library's progress engine, so calling
+    it now and then lets a non-blocking collective advance while the caller computes).
+    """
+
+    def wait(self) -> Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def test(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class CompletedHandle(Handle):
+    """The handle of a collective that ran to completion before it was returned."""
+
+    def __init__(self, tensor: Tensor):
+        self._tensor = tensor
+
+    def wait(self) -> Tensor:
+        return self._tensor
+
+    def test(self) -> bool:
+        return True
+
+
+class SideChannel(ABC):
+    """Small out-of-band messages between ranks, independent of the collectives in flight.
+
+    The stall watchdog uses it to ask peers where they are while this rank waits in a collective
+    that may never complete. Messages are picklable objects; delivery is asynchronous and
+    unordered across senders. Only one thread (the watchdog's) calls it.
+    """
+
+    @abstractmethod
+    def send(self, obj: Any, dest: int | None = None) -> None:
+        """Post ``obj`` to rank ``dest`` (None: every other rank) without blocking."""
+
+    @abstractmethod
+    def poll(self) -> list[tuple[int, Any]]:
+        """Messages that have arrived since the last call, as ``(source rank, obj)``; never
+        blocks."""
+
 
 class Communicator(ABC):
     """Rank/size facts and collectives for one process of a job.
 
     Attributes: ``backend`` (name), ``rank`` and ``world_size`` (in the job), ``local_rank`` and
-    ``local_size`` (on this node).
+    ``local_size`` (on this node), ``async_progress`` (True when the library advances
+    non-blocking collectives on its own threads, as gloo, NCCL and Horovod do; False for MPI,
+    whose non-blocking collectives advance only inside MPI calls such as ``Handle.test()``),
+    ``thread_safe`` (True when collectives may be called from a thread other than the one that
+    created the communicator).
     """
 
     backend: str
@@ -25,6 +77,8 @@ class Communicator(ABC):
     world_size: int
     local_rank: int
     local_size: int
+    async_progress: bool = False
+    thread_safe: bool = True
 
     @property
     def is_root(self) -> bool:
@@ -32,10 +86,27 @@ class Communicator(ABC):
 
     @abstractmethod
     def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
-        """Reduce ``tensor`` (contiguous; any shape; fp32/fp64/int) across ranks, in place.
+        """Reduce ``tensor`` (contiguous; any shape; fp16/bf16/fp32/fp64/int) across ranks, in
+        place.
 
-        ``op``: ``"sum"``, ``"max"`` or ``"min"``. Returns ``tensor``.
+        ``op``: ``"sum"``, ``"max"`` or ``"min"``. Returns ``tensor``. Raises ValueError for an
+        unknown op or a non-contiguous tensor.
         """
+
+    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None) -> Handle:
+        """Start reducing ``tensor`` in place across ranks; returns a :class:`Handle`.
+
+        ``tensor`` must not be read or written until ``handle.wait()`` returns. ``name``
+        identifies the collective where the library matches by name (Horovod; stable names let
+        it cache the negotiation) and is ignored elsewhere. The base implementation runs the
+        blocking :meth:`allreduce_` and returns a completed handle.
+        """
+        self.allreduce_(tensor, op)
+        return CompletedHandle(tensor)
+
+    def iallreduce(self, tensor: Tensor, op: str = "sum", name: str | None = None) -> Handle:
+        """Alias of :meth:`iallreduce_` (the reduction is in place either way)."""
+        return self.iallreduce_(tensor, op, name)
 
     @abstractmethod
     def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:
@@ -57,6 +128,18 @@ class Communicator(ABC):
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now with exit status ``code`` (does not return)."""
 
+    def side_channel(self) -> SideChannel | None:
+        """The out-of-band channel for the stall watchdog, or None where there is none (one
+        process, or an MPI without ``MPI_THREAD_MULTIPLE``). Created on first use by a call
+        that every rank makes at the same point (GradientSync's constructor)."""
+        return None
+
+
+def check_op(op: str) -> None:
+    """Raise ValueError unless ``op`` is one of :data:`REDUCE_OPS`."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
+
 
 def launcher_world_size() -> int | None:
     """The number of ranks the launcher says it started (Open MPI, MPICH/Hydra, SLURM srun), or
@@ -66,4 +149,19 @@ def launcher_world_size() -> int | None:
             return int(os.environ[var])
     if os.environ.get("SLURM_STEP_ID") is not None and os.environ.get("SLURM_STEP_NUM_TASKS"):
         return int(os.environ["SLURM_STEP_NUM_TASKS"])
+    return None
+
+
+def launcher_kind() -> str | None:
+    """Which launcher started this process: ``"horovod"`` (horovodrun's Gloo mode sets
+    ``HOROVOD_RANK``), ``"torch"`` (torchrun / torch.distributed.launch), ``"mpi"`` (mpirun,
+    srun, Hydra), or None (plain ``python``)."""
+    if os.environ.get("HOROVOD_RANK") is not None and os.environ.get("HOROVOD_SIZE"):
+        return "horovod"
+    if os.environ.get("TORCHELASTIC_RUN_ID") or (
+            launcher_world_size() is None
+            and all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))):
+        return "torch"
+    if launcher_world_size() is not None:
+        return "mpi"
     return None

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .base import Communicator
+from .base import Communicator, check_op
 
 
 class SelfCommunicator(Communicator):
@@ -18,8 +18,7 @@ class SelfCommunicator(Communicator):
         self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
 
     def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
-        if op not in ("sum", "max", "min"):
-            raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
+        check_op(op)
         return tensor
 
     def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:

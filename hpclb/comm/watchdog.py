@@ -1,0 +1,251 @@
+"""Stall watchdog: report a collective that waits too long, naming the ranks that have not joined.
+
+Every rank numbers the collectives it starts (``entered()``: 1, 2, 3, ... in the same order on
+every rank, because every rank starts the same collectives in the same order). While a thread
+waits for one (``waiting(seq, ...)``), a daemon thread watches the clock; after ``timeout_s`` it
+asks every other rank, over the communicator's side channel (MPI point-to-point on a duplicate
+communicator, or the torch.distributed store), for the number of the last collective it started.
+A rank that has not reached ``seq``, or does not answer within the grace period, has not joined.
+The report goes to ``on_stall`` (default: one line on stderr) and repeats every ``timeout_s``
+while the wait lasts; after ``abort_s`` the watchdog ends the job (``comm.abort``).
+
+Every rank's watchdog thread answers such questions, also while its main thread computes,
+sleeps or waits elsewhere; a rank that cannot answer (dead, or stuck in native code that holds
+the Python GIL) is named as "no reply".
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import sys
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from .base import Communicator
+
+DEFAULT_POLL_S = 1.0
+
+
+@dataclass
+class StallReport:
+    """What one rank saw when a collective stalled.
+
+    ``seq``/``label``: the collective; ``rank``: the reporting rank; ``waited_s``: seconds it has
+    waited; ``missing``: ranks that have not joined (None when unknown: no side channel);
+    ``details``: rank -> what that rank said (or that it did not answer); ``message``: one line.
+    """
+
+    seq: int
+    label: str
+    rank: int
+    waited_s: float
+    missing: list[int] | None
+    details: dict[int, str] = field(default_factory=dict)
+    message: str = ""
+
+
+def print_report(report: StallReport) -> None:
+    """The default ``on_stall``: the report's message on stderr."""
+    print(report.message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Wait:
+    seq: int
+    label: str
+    timeout_s: float
+    on_stall: Callable[[StallReport], None]
+    abort_s: float | None
+    since: float
+    next_report: float
+    query_id: tuple | None = None
+    query_deadline: float = 0.0
+    reports: int = 0
+
+
+class StallWatchdog:
+    """One per communicator (:func:`watchdog_for`); thread-safe.
+
+    Args: ``comm``; ``poll_s`` (seconds between the thread's looks at the clock and at incoming
+    questions; lowered automatically to a quarter of the smallest timeout registered).
+    """
+
+    def __init__(self, comm: Communicator, poll_s: float = DEFAULT_POLL_S):
+        self.comm = comm
+        self.channel = comm.side_channel() if comm.world_size > 1 else None
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._waits: dict[int, _Wait] = {}
+        self._ids = itertools.count()
+        self._seq = 0
+        self._entered_label = ""
+        self._entered_at = time.monotonic()
+        self._left_at = time.monotonic()
+        self._replies: dict[tuple, dict[int, dict]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- what this rank has done ---------------------------------------------------------------
+    def entered(self, label: str) -> int:
+        """Record that this rank starts its next collective (``label`` describes it); returns
+        its sequence number."""
+        with self._lock:
+            self._seq += 1
+            self._entered_label, self._entered_at = label, time.monotonic()
+            return self._seq
+
+    @property
+    def seq(self) -> int:
+        """The number of the last collective this rank started."""
+        return self._seq
+
+    def register_timeout(self, timeout_s: float) -> None:
+        """Make the thread look often enough for ``timeout_s`` (seconds) and start it."""
+        self._poll_s = max(0.02, min(self._poll_s, timeout_s / 4))
+        self.start()
+
+    @contextmanager
+    def waiting(self, seq: int, label: str, timeout_s: float,
+                on_stall: Callable[[StallReport], None] | None = None,
+                abort_s: float | None = None) -> Iterator[None]:
+        """Watch the calling thread's wait for collective ``seq``: report after ``timeout_s``
+        seconds (then every ``timeout_s``), abort the job after ``abort_s`` (None: never)."""
+        now = time.monotonic()
+        w = _Wait(seq, label, timeout_s, on_stall or print_report, abort_s, now, now + timeout_s)
+        key = next(self._ids)
+        with self._lock:
+            self._waits[key] = w
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._waits[key]
+                if not self._waits:
+                    self._left_at = time.monotonic()
+
+    # -- the thread -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hpclb-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (before MPI is finalised: it may be inside an MPI call)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._poll_s + 5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self._tick()
+            except Exception as e:  # the watchdog must never take the job down by itself
+                print(f"hpclb: rank {self.comm.rank}: stall watchdog error: {e!r}",
+                      file=sys.stderr, flush=True)
+
+    def _state(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            waits = sorted(self._waits.values(), key=lambda w: w.seq)
+            state = {"entered": self._seq, "entered_label": self._entered_label,
+                     "entered_ago_s": now - self._entered_at}
+            if waits:
+                state["waiting"] = (waits[0].seq, waits[0].label, now - waits[0].since)
+            else:
+                state["idle_s"] = now - self._left_at
+        return state
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self.channel is not None:
+            for src, msg in self.channel.poll():
+                if msg.get("kind") == "ask":
+                    self.channel.send({"kind": "state", "id": msg["id"], **self._state()}, src)
+                elif msg.get("kind") == "state":
+                    self._replies.setdefault(msg["id"], {})[src] = msg
+        with self._lock:
+            waits = list(self._waits.values())
+        for w in waits:
+            if w.query_id is not None:
+                got = self._replies.get(w.query_id, {})
+                if len(got) >= self.comm.world_size - 1 or now >= w.query_deadline:
+                    self._report(w, self._replies.pop(w.query_id, {}), now)
+            elif now >= w.next_report:
+                if self.channel is None:
+                    self._report(w, None, now)
+                else:
+                    w.query_id = (self.comm.rank, w.seq, w.reports)
+                    w.query_deadline = now + max(4 * self._poll_s, 1.0)
+                    self.channel.send({"kind": "ask", "id": w.query_id, "seq": w.seq})
+            if w.abort_s is not None and now - w.since >= w.abort_s and w.reports:
+                print(f"hpclb: rank {self.comm.rank}: aborting the job: collective #{w.seq} "
+                      f"'{w.label}' has waited {now - w.since:.1f} s (abort after "
+                      f"{w.abort_s:g} s)", file=sys.stderr, flush=True)
+                self.comm.abort(1)
+
+    def _report(self, w: _Wait, replies: dict[int, dict] | None, now: float) -> None:
+        waited = now - w.since
+        me = self.comm.rank
+        head = (f"hpclb: rank {me}: collective #{w.seq} '{w.label}' has waited {waited:.1f} s "
+                f"(stall timeout {w.timeout_s:g} s)")
+        details: dict[int, str] = {}
+        if replies is None:
+            missing = None
+            msg = f"{head}; cannot tell which ranks are missing (no side channel: one process, " \
+                  f"or MPI without MPI_THREAD_MULTIPLE)"
+        else:
+            missing = []
+            for r in range(self.comm.world_size):
+                if r == me:
+                    continue
+                st = replies.get(r)
+                if st is None:
+                    missing.append(r)
+                    details[r] = "no reply (dead, or stuck in code that holds the GIL)"
+                elif st["entered"] >= w.seq:
+                    details[r] = f"joined (started #{st['entered']})"
+                else:
+                    missing.append(r)
+                    if "waiting" in st:
+                        s, lab, t = st["waiting"]
+                        where = f"is waiting in #{s} '{lab}' for {t:.1f} s"
+                    else:
+                        where = f"is not communicating ({st['idle_s']:.1f} s since its last wait)"
+                    last = (f"last started #{st['entered']} '{st['entered_label']}' "
+                            f"{st['entered_ago_s']:.1f} s ago") if st["entered"] else \
+                        "has started no watched collective yet"
+                    details[r] = f"{last} and {where}"
+            if missing:
+                msg = f"{head}; rank(s) {', '.join(map(str, missing))} have not joined it: " + \
+                      "; ".join(f"rank {r} {details[r]}" for r in missing)
+            else:
+                msg = f"{head}; all {self.comm.world_size} ranks have joined it, so the " \
+                      f"collective itself is slow (message size, network) rather than stalled"
+        w.reports += 1
+        w.query_id = None
+        w.next_report = now + w.timeout_s
+        report = StallReport(w.seq, w.label, me, waited, missing, details, msg)
+        try:
+            w.on_stall(report)
+        except Exception as e:
+            print(f"{msg}\n(on_stall raised {e!r})", file=sys.stderr, flush=True)
+
+
+_watchdogs: "weakref.WeakKeyDictionary[Communicator, StallWatchdog]" = weakref.WeakKeyDictionary()
+_watchdogs_lock = threading.Lock()
+
+
+def watchdog_for(comm: Communicator) -> StallWatchdog:
+    """The watchdog of ``comm`` (created on first use, which every rank must reach together:
+    it may create the side channel, a collective). Its thread is stopped at interpreter exit,
+    before mpi4py finalises MPI."""
+    with _watchdogs_lock:
+        wd = _watchdogs.get(comm)
+        if wd is None:
+            wd = _watchdogs[comm] = StallWatchdog(comm)
+            atexit.register(wd.stop)
+        return wd

@@ -1,20 +1,54 @@
 """Gradient synchronisation across ranks, and the start-up checks that make ranks agree.
 
-Today one flat buffer and one Allreduce per step (bucketing overlapped with backward plugs in
-behind :class:`GradientSync`). Averaging divides by ``world_size`` exactly once.
+:class:`GradientSync` packs gradients into buckets of at most ``fusion_threshold_bytes`` bytes
+(the first, reduced first, small), makes every ``p.grad`` a view into its bucket so nothing is
+copied, and starts a bucket's allreduce from the post-accumulate-grad hook of its last gradient,
+so communication overlaps the rest of backward. ``synchronize()`` waits for every bucket and
+divides by ``world_size`` (times the accumulation count) exactly once. Every rank starts the
+buckets in the same order (bucket ``i`` only after bucket ``i-1``), which keeps the MPI rule that
+all ranks enter collectives in the same order.
+
+Two ways to overlap (``overlap=``), both measured by ``make bench-allreduce``:
+
+``thread``
+    a communication thread owns the blocking allreduces; the hook only enqueues the bucket.
+    The default for the ``mpi`` backend: Open MPI advances a non-blocking collective only inside
+    MPI calls, so an ``MPI_Iallreduce`` started from a hook mostly runs in ``synchronize()``,
+    while a thread blocked in ``MPI_Allreduce`` keeps it moving (mpi4py releases the GIL).
+``nonblocking``
+    the hook starts ``comm.iallreduce_`` and later hooks call ``Handle.test()`` to drive
+    progress. The default where the library progresses on its own threads (Gloo, NCCL,
+    Horovod).
+``none``
+    everything in ``synchronize()``, one blocking allreduce per bucket (the reference).
 """
 from __future__ import annotations
 
-from typing import Iterable
+import math
+import os
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .comm import Communicator
+from .comm.base import Handle
+from .comm.watchdog import StallReport, watchdog_for
+
+MiB = 2 ** 20
+DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+DEFAULT_STALL_TIMEOUT_S = 60.0
+OVERLAP_MODES = ("auto", "thread", "nonblocking", "none")
+COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class ModelMismatchError(RuntimeError):
-    """Ranks hold different models (names, shapes or dtypes)."""
+    """Ranks hold different models (names, shapes or dtypes) or different sync settings."""
 
 
 def check_model_consistency(model: nn.Module, comm: Communicator) -> None:
@@ -24,7 +58,11 @@ def check_model_consistency(model: nn.Module, comm: Communicator) -> None:
     and rank, so no rank is left waiting in a later collective.
     """
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    everyone = comm.allgather_object(mine)
+    _compare_entries(comm.allgather_object(mine), "a different model than rank 0",
+                     "every rank must build the same model from the same config")
+
+
+def _compare_entries(everyone: list[list[tuple]], what: str, fix: str) -> None:
     ref = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == ref:
@@ -34,13 +72,14 @@ def check_model_consistency(model: nn.Module, comm: Communicator) -> None:
             b = theirs[i] if i < len(theirs) else None
             if a != b:
                 raise ModelMismatchError(
-                    f"rank {rank} holds a different model than rank 0: parameter #{i} is "
-                    f"{_describe(b)} on rank {rank} but {_describe(a)} on rank 0; every rank must "
-                    f"build the same model from the same config")
+                    f"rank {rank} holds {what}: parameter #{i} is {_describe(b)} on rank "
+                    f"{rank} but {_describe(a)} on rank 0; {fix}")
 
 
 def _describe(entry) -> str:
-    return "missing" if entry is None else f"{entry[0]} {list(entry[1])} {entry[2]}"
+    if entry is None:
+        return "missing"
+    return " ".join(str(x) if not isinstance(x, tuple) else str(list(x)) for x in entry)
 
 
 @torch.no_grad()
@@ -52,35 +91,442 @@ def broadcast_parameters(module: nn.Module, comm: Communicator, root: int = 0) -
         comm.broadcast_(t.data, root=root)
 
 
-class GradientSync:
-    """Average gradients across ranks: flatten into one buffer, one Allreduce, divide once.
+def agree_num_steps(local_steps: int, comm: Communicator, how: str = "min") -> int:
+    """The number of steps every rank runs this epoch when shards are uneven (one allreduce).
 
-    Args: ``params`` (the model's parameters, same order on every rank), ``comm``.
-    A parameter without a gradient this step contributes zeros (and gets a zero gradient), so
-    every rank reduces the same number of bytes. Buffer: fp32, ``sum(numel)`` elements.
+    ``how="min"``: every rank stops after the shortest shard's steps (the rest of the longer
+    shards is dropped this epoch). ``how="max"``: every rank runs the longest shard's steps; a
+    rank out of data calls ``optimizer.zero_grad()`` and ``sync.synchronize()`` without a
+    backward, which contributes zeros (the mean still divides by ``world_size``). Raises
+    ValueError for another ``how`` or a negative count.
     """
+    if how not in ("min", "max"):
+        raise ValueError(f"how={how!r}: use 'min' or 'max'")
+    if local_steps < 0:
+        raise ValueError(f"local_steps={local_steps} must be >= 0")
+    t = torch.tensor([local_steps], dtype=torch.int64)
+    return int(comm.allreduce_(t, op=how).item())
 
-    def __init__(self, params: Iterable[nn.Parameter], comm: Communicator):
-        self.params = [p for p in params if p.requires_grad]
-        self.comm = comm
-        self.numels = [p.numel() for p in self.params]
-        self.buffer = torch.zeros(sum(self.numels), dtype=torch.float32,
-                                  device=self.params[0].device if self.params else "cpu")
+
+def _env(name: str, default, conv):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return conv(raw)
+    except ValueError as e:
+        raise ValueError(f"${name}={raw!r}: {e}") from e
+
+
+def _bytes(raw: str) -> int:
+    """``"26214400"``, ``"25MiB"``, ``"64 MiB"``, ``"1GiB"`` -> bytes."""
+    s = raw.strip().replace(" ", "")
+    for suffix, mult in (("GiB", 2 ** 30), ("MiB", MiB), ("KiB", 2 ** 10), ("B", 1)):
+        if s.endswith(suffix):
+            return int(float(s[:-len(suffix)]) * mult)
+    return int(s)
+
+
+@dataclass
+class _Bucket:
+    """Gradients reduced together: ``buffer`` holds them back to back (the params' ``.grad``
+    are views of it); ``comm_buffer`` is what travels (``buffer`` itself, or its fp16/bf16
+    copy)."""
+
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]
+    buffer: Tensor
+    comm_buffer: Tensor
+    predivide: bool = False
+    views: list[Tensor] = field(default_factory=list)
+    ready: list[bool] = field(default_factory=list)
+    used: list[bool] = field(default_factory=list)
+    pending: int = 0
+    seq: int = 0
+    handle: Handle | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    launched: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
-    @torch.no_grad()
-    def synchronize(self) -> None:
-        """After backward: every rank's ``p.grad`` becomes the mean over ranks."""
-        if self.comm.world_size == 1:
-            return
+    def label(self, n: int, step: int) -> str:
+        return (f"step {step} gradient bucket {self.index + 1}/{n} ({self.nbytes / MiB:.2f} MiB "
+                f"{str(self.comm_buffer.dtype).replace('torch.', '')}, {len(self.params)} "
+                f"tensors from {self.names[0]})")
+
+
+class GradientSync:
+    """Average gradients across ranks in fused buckets, overlapped with backward.
+
+    Args:
+        params: the model's parameters in the same order on every rank: an ``nn.Module``, an
+            iterable of parameters, or of ``(name, parameter)`` pairs (names make the start-up
+            check's messages readable). Parameters with ``requires_grad=False`` are skipped.
+        comm: the communicator.
+        fusion_threshold_bytes: most bytes per bucket (default $HPCLB_FUSION_THRESHOLD_BYTES or
+            25 MiB; accepts "64MiB" there). A tensor larger than this gets a bucket of its own.
+        first_bucket_bytes: most bytes in the first bucket (the last layers' gradients, ready
+            first; small so communication starts early). Default 1 MiB.
+        overlap: ``"thread"``, ``"nonblocking"``, ``"none"`` or ``"auto"`` (default
+            $HPCLB_OVERLAP or auto: ``thread`` for MPI, ``nonblocking`` for backends that
+            progress on their own threads).
+        accumulation_steps: k micro-batches per optimizer step; ``synchronize()`` after each
+            backward returns False for the first k-1 (gradients accumulate locally, no
+            communication) and reduces on the k-th. The result is the mean over ranks and
+            micro-batches (one division by ``world_size * k``), i.e. the gradient of one k-times
+            larger batch when the loss is a per-micro-batch mean.
+        compression: None, ``"fp16"`` or ``"bf16"`` (default $HPCLB_COMPRESSION): buckets travel
+            in that dtype, each rank's share divided by ``world_size * k`` *before* the cast
+            (pre-division: the sum of ranks' shares cannot overflow where each gradient does
+            not), and are cast back into the fp32 gradients.
+        stall_timeout_s: report a wait longer than this, naming the ranks that have not joined
+            (default $HPCLB_STALL_TIMEOUT_S or 60 s).
+        stall_abort_s: end the job after a wait this long (default $HPCLB_STALL_ABORT_S or
+            never).
+        on_stall: called with a :class:`~hpclb.comm.watchdog.StallReport` (default: print it).
+
+    Every ``p.grad`` becomes a view into a bucket buffer (zeros at construction, or a copy of the
+    existing gradient); keep zeroing gradients in place (``zero_grad(set_to_none=False)``) to
+    avoid a copy in the hook. A parameter whose hook did not run in a step is reduced as zeros.
+    A parameter whose gradient arrives after its bucket has started raises RuntimeError from
+    backward (e.g. a second backward through the same graph in one step without accumulation).
+
+    Raises ValueError for a bad setting, :class:`ModelMismatchError` (on every rank) when ranks
+    disagree on the buckets (names, shapes, dtypes) or on settings that change what travels.
+    """
+
+    def __init__(self, params, comm: Communicator, *, fusion_threshold_bytes: int | None = None,
+                 first_bucket_bytes: int | None = None, overlap: str | None = None,
+                 accumulation_steps: int = 1, compression: str | None = None,
+                 stall_timeout_s: float | None = None, stall_abort_s: float | None = None,
+                 on_stall: Callable[[StallReport], None] | None = None):
+        self.comm = comm
+        named = self._named(params)
+        self.params = [p for _, p in named]
+        self.names = [n for n, _ in named]
+        self.fusion_threshold_bytes = int(fusion_threshold_bytes if fusion_threshold_bytes
+                                          is not None else _env("HPCLB_FUSION_THRESHOLD_BYTES",
+                                                                DEFAULT_FUSION_THRESHOLD_BYTES,
+                                                                _bytes))
+        self.first_bucket_bytes = int(first_bucket_bytes if first_bucket_bytes is not None
+                                      else DEFAULT_FIRST_BUCKET_BYTES)
+        if self.fusion_threshold_bytes <= 0 or self.first_bucket_bytes <= 0:
+            raise ValueError("fusion_threshold_bytes and first_bucket_bytes must be > 0 bytes")
+        overlap = overlap or _env("HPCLB_OVERLAP", "auto", str)
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap={overlap!r}: choose one of {OVERLAP_MODES}")
+        if overlap == "auto":
+            overlap = "nonblocking" if comm.async_progress else "thread"
+        if overlap == "thread" and not comm.thread_safe:
+            overlap = "nonblocking"
+        self.overlap = overlap
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
+        self.accumulation_steps = accumulation_steps
+        compression = compression if compression is not None else \
+            _env("HPCLB_COMPRESSION", None, str)
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression={compression!r}: choose None, 'fp16' or 'bf16'")
+        self.compression = COMPRESSIONS[compression]
+        if self.compression is torch.bfloat16 and comm.backend == "horovod":
+            raise ValueError("compression='bf16': Horovod 0.28.1 cannot reduce bfloat16; use "
+                             "'fp16' or another backend")
+        self.stall_timeout_s = float(stall_timeout_s if stall_timeout_s is not None else
+                                     _env("HPCLB_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S, float))
+        self.stall_abort_s = stall_abort_s if stall_abort_s is not None else \
+            _env("HPCLB_STALL_ABORT_S", None, float)
+        self.on_stall = on_stall
+        self.divisor = comm.world_size * accumulation_steps
+
+        for n, p in named:
+            other = getattr(p, "_hpclb_sync", None)
+            if other is not None and other() is not None and other()._hooks:
+                raise ValueError(f"parameter {n} is already synchronised by {other()!r}; "
+                                 f"close() that GradientSync first")
+        self.buckets = self._build_buckets()
         for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        torch.cat([p.grad.reshape(-1).float() for p in self.params], out=self.buffer)
-        self.comm.allreduce_(self.buffer)
-        self.buffer.div_(self.comm.world_size)
-        for p, flat in zip(self.params, self.buffer.split(self.numels)):
-            p.grad.copy_(flat.view_as(p.grad))
+            p._hpclb_sync = weakref.ref(self)
+        self._micro = 0  # micro-batches accumulated in the current window
+        self._next = 0   # next bucket to launch
+        self.steps = 0   # synchronised (optimizer) steps so far
+        self._hooks = []
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        if comm.world_size > 1:
+            self._agree()
+            self._watchdog = watchdog_for(comm)
+            self._watchdog.register_timeout(self.stall_timeout_s)
+            for b in self.buckets:
+                for j, p in enumerate(b.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        self._make_hook(b, j)))
+            if self.overlap == "thread":
+                self._queue = queue.SimpleQueue()
+                self._thread = threading.Thread(target=_comm_loop, args=(self._queue, comm),
+                                                name="hpclb-comm", daemon=True)
+                self._thread.start()
+                self._finalizer = weakref.finalize(self, self._queue.put, None)
+
+    # -- construction -------------------------------------------------------------------------
+    @staticmethod
+    def _named(params) -> list[tuple[str, nn.Parameter]]:
+        if isinstance(params, nn.Module):
+            items = list(params.named_parameters())
+        else:
+            items = []
+            for i, x in enumerate(params):
+                if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+                    items.append(x)
+                else:
+                    items.append((f"param{i}[{'x'.join(map(str, x.shape))}]", x))
+        seen, out = set(), []
+        for n, p in items:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((n, p))
+        return out
+
+    @torch.no_grad()
+    def _build_buckets(self) -> list[_Bucket]:
+        """Reverse registration order (roughly the order backward produces gradients), split
+        by device and dtype, each bucket up to its byte cap."""
+        groups: list[list[int]] = []
+        cap = self.first_bucket_bytes
+        cur: list[int] = []
+        cur_bytes = 0
+        for i in reversed(range(len(self.params))):
+            p = self.params[i]
+            nb = p.numel() * p.element_size()
+            if cur and (cur_bytes + nb > cap or p.dtype != self.params[cur[0]].dtype
+                        or p.device != self.params[cur[0]].device):
+                groups.append(cur)
+                cur, cur_bytes, cap = [], 0, self.fusion_threshold_bytes
+            cur.append(i)
+            cur_bytes += nb
+        if cur:
+            groups.append(cur)
+        buckets = []
+        for bi, idx in enumerate(groups):
+            ps = [self.params[i] for i in idx]
+            offsets, total = [], 0
+            for p in ps:
+                offsets.append(total)
+                total += p.numel()
+            buf = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
+            comm_dtype = self.compression if (self.compression is not None and
+                                              ps[0].dtype.is_floating_point) else None
+            cbuf = buf if comm_dtype is None or comm_dtype == buf.dtype else \
+                torch.zeros(total, dtype=comm_dtype, device=buf.device)
+            b = _Bucket(bi, ps, [self.names[i] for i in idx], offsets, buf, cbuf,
+                        predivide=comm_dtype is not None)
+            for p, off in zip(ps, offsets):
+                view = buf[off:off + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                b.views.append(view)
+            b.ready = [False] * len(ps)
+            b.used = [False] * len(ps)
+            b.pending = len(ps)
+            buckets.append(b)
+        return buckets
+
+    def _agree(self) -> None:
+        """Every rank compares its bucket layout and settings with rank 0's (one allgather)."""
+        mine = {"params": [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+                           for n, p in zip(self.names, self.params)],
+                "buckets": [len(b.params) for b in self.buckets],
+                "settings": {"compression": str(self.compression),
+                             "accumulation_steps": self.accumulation_steps,
+                             "fusion_threshold_bytes": self.fusion_threshold_bytes,
+                             "first_bucket_bytes": self.first_bucket_bytes}}
+        everyone = self.comm.allgather_object(mine)
+        _compare_entries([e["params"] for e in everyone], "different gradients than rank 0",
+                         "every rank must build the same model and pass the same parameters")
+        for rank, e in enumerate(everyone[1:], start=1):
+            for key, ref in everyone[0]["settings"].items():
+                if e["settings"][key] != ref:
+                    raise ModelMismatchError(
+                        f"GradientSync: rank {rank} has {key}={e['settings'][key]!r} but rank 0 "
+                        f"has {ref!r}; every rank must use the same settings (check $HPCLB_* "
+                        f"environment variables on every node)")
+            if e["buckets"] != everyone[0]["buckets"]:
+                raise ModelMismatchError(
+                    f"GradientSync: rank {rank} packs gradients into buckets of "
+                    f"{e['buckets']} tensors, rank 0 into {everyone[0]['buckets']}")
+
+    # -- backward ------------------------------------------------------------------------------
+    def _make_hook(self, b: _Bucket, j: int):
+        def hook(p: Tensor) -> None:
+            self._on_grad(b, j, p)
+        return hook
+
+    @torch.no_grad()
+    def _on_grad(self, b: _Bucket, j: int, p: Tensor) -> None:
+        self._adopt(b, j)
+        b.used[j] = True
+        if self._micro != self.accumulation_steps - 1:
+            return  # accumulating locally
+        if b.ready[j]:
+            if b.launched:
+                raise RuntimeError(
+                    f"gradient of {b.names[j]} arrived after its bucket was sent (a second "
+                    f"backward through it before synchronize()?); use accumulation_steps for "
+                    f"several backward passes per step")
+            return
+        b.ready[j] = True
+        b.pending -= 1
+        if b.pending == 0:
+            self._launch_ready()
+        elif self.overlap == "nonblocking" and not self.comm.async_progress:
+            self._progress()
+
+    def _adopt(self, b: _Bucket, j: int) -> None:
+        """Make ``p.grad`` the bucket view again if someone replaced it (``set_to_none``)."""
+        p, view = b.params[j], b.views[j]
+        g = p.grad
+        if g is None:
+            view.zero_()
+            p.grad = view
+        elif g.data_ptr() != view.data_ptr():
+            view.copy_(g)
+            p.grad = view
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        if b.predivide:  # divide each rank's share first, then cast: the sum cannot overflow
+            b.buffer.div_(self.divisor)
+            if b.comm_buffer is not b.buffer:
+                b.comm_buffer.copy_(b.buffer)
+        b.launched = True
+        b.error = None
+        b.seq = self._watchdog.entered(b.label(len(self.buckets), self.steps + 1))
+        if self.overlap == "thread":
+            b.done.clear()
+            self._queue.put(b)
+        elif self.overlap == "nonblocking":
+            b.handle = self.comm.iallreduce_(b.comm_buffer, "sum", name=f"hpclb.grad.{b.index}")
+        # overlap == "none": reduced in synchronize()
+
+    def _progress(self) -> None:
+        for b in self.buckets[:self._next]:
+            if b.handle is not None and b.handle.test():
+                pass
+
+    # -- after backward -----------------------------------------------------------------------
+    @torch.no_grad()
+    def synchronize(self) -> bool:
+        """Call after each backward. On the last micro-batch of an accumulation window (every
+        call when ``accumulation_steps`` is 1): wait for every bucket, so that every rank's
+        ``p.grad`` is the mean over ranks (and micro-batches), and return True. Otherwise return
+        False at once (no communication; gradients keep accumulating locally).
+
+        Raises the communication thread's error, if any, naming the bucket.
+        """
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            return False
+        self._micro = 0
+        self.steps += 1
+        if self.comm.world_size == 1:
+            for b in self.buckets:
+                for j in range(len(b.params)):
+                    self._adopt(b, j)
+                if self.divisor != 1:
+                    b.buffer.div_(self.divisor)
+            return True
+        for b in self.buckets:  # parameters without a gradient in this window: zeros
+            if b.pending:
+                for j, ready in enumerate(b.ready):
+                    if not ready:
+                        if not b.used[j]:
+                            b.views[j].zero_()
+                        b.params[j].grad = b.views[j]
+                        b.ready[j] = True
+                b.pending = 0
+        self._launch_ready()
+        error = None
+        for b in self.buckets:
+            label = b.label(len(self.buckets), self.steps)
+            with self._watchdog.waiting(b.seq, label, self.stall_timeout_s, self.on_stall,
+                                        self.stall_abort_s):
+                if self.overlap == "thread":
+                    b.done.wait()
+                elif self.overlap == "nonblocking":
+                    b.handle.wait()
+                    b.handle = None
+                else:
+                    self.comm.allreduce_(b.comm_buffer)
+            if b.error is not None and error is None:
+                error = RuntimeError(f"allreduce of {label} failed: {b.error!r}")
+            if b.comm_buffer is not b.buffer:
+                b.buffer.copy_(b.comm_buffer)
+            if not b.predivide:
+                b.buffer.div_(self.divisor)
+            b.ready = [False] * len(b.params)
+            b.used = [False] * len(b.params)
+            b.pending = len(b.params)
+            b.launched = False
+        self._next = 0
+        if error is not None:
+            raise error
+        return True
+
+    def reset_epoch(self) -> int:
+        """Start a new accumulation window at an epoch boundary; returns how many micro-batches
+        of an unfinished window are dropped (their gradients stay local: zero them)."""
+        dropped, self._micro = self._micro, 0
+        return dropped
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of gradient buffers (all buckets)."""
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def bucket_sizes_bytes(self) -> list[int]:
+        return [b.nbytes for b in self.buckets]
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread (gradients stay bucket views)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for p in self.params:
+            if getattr(p, "_hpclb_sync", None) is not None and p._hpclb_sync() is self:
+                p._hpclb_sync = None
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __repr__(self) -> str:
+        return (f"GradientSync({len(self.params)} tensors, {self.nbytes / MiB:.2f} MiB in "
+                f"{len(self.buckets)} buckets, overlap={self.overlap}, "
+                f"accumulation_steps={self.accumulation_steps}, compression="
+                f"{str(self.compression).replace('torch.', '')}, world_size="
+                f"{self.comm.world_size})")
+
+
+def _comm_loop(q: queue.SimpleQueue, comm: Communicator) -> None:
+    """The communication thread: the only thread that runs gradient collectives (blocking, in
+    bucket order) while it lives."""
+    while True:
+        b = q.get()
+        if b is None:
+            return
+        try:
+            comm.allreduce_(b.comm_buffer)
+        except BaseException as e:  # reported by synchronize() on the main thread
+            b.error = e
+        finally:
+            b.done.set()

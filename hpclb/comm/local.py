@@ -19,6 +19,8 @@ class SelfCommunicator(Communicator):
 
     def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
         check_op(op)
+        if not tensor.is_contiguous():  # as the other backends, so code that runs here runs there
+            raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
         return tensor
 
     def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:

@@ -1,0 +1,223 @@
+"""GradientSync and the stall watchdog in one process: a pretend world (``ScaledComm``: N identical
+ranks, a sum multiplies by N in the tensor's own dtype) and a scripted side channel."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from hpclb.comm import SelfCommunicator, SideChannel
+from hpclb.comm.testing import ScaledComm
+from hpclb.comm.watchdog import StallWatchdog
+from hpclb.parallel import (DEFAULT_FUSION_THRESHOLD_BYTES, GradientSync, MiB, ModelMismatchError,
+                            agree_num_steps)
+
+pytestmark = pytest.mark.timeout(60, method="thread")
+MODES = ("none", "thread", "nonblocking")
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 300), nn.ReLU(), nn.Linear(300, 200), nn.ReLU(),
+                         nn.Linear(200, 4))
+
+
+def loss(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return model(torch.randn(5, 10, generator=g)).pow(2).mean()
+
+
+def test_buckets_cover_every_gradient_once_within_their_byte_caps():
+    model = net()
+    sync = GradientSync(model.named_parameters(), ScaledComm(2), fusion_threshold_bytes=100_000,
+                        first_bucket_bytes=1_000)
+    try:
+        assert sync.fusion_threshold_bytes == 100_000
+        names = [n for b in sync.buckets for n in b.names]
+        assert names == [n for n, _ in reversed(list(model.named_parameters()))]
+        sizes = sync.bucket_sizes_bytes
+        assert sizes[0] <= 1_000 and len(sizes) >= 3
+        for b, size in zip(sync.buckets[1:], sizes[1:]):
+            assert size <= 100_000 or len(b.params) == 1  # a bigger tensor gets its own bucket
+        assert sync.nbytes == sum(p.numel() * 4 for p in model.parameters())
+        for b in sync.buckets:  # gradients are views of the bucket (no copies)
+            for p in b.params:
+                assert p.grad.untyped_storage().data_ptr() == \
+                    b.buffer.untyped_storage().data_ptr()
+    finally:
+        sync.close()
+
+
+def test_defaults_environment_and_bad_settings(monkeypatch):
+    assert 25 * MiB <= DEFAULT_FUSION_THRESHOLD_BYTES <= 64 * MiB
+    monkeypatch.setenv("HPCLB_FUSION_THRESHOLD_BYTES", "64MiB")
+    monkeypatch.setenv("HPCLB_OVERLAP", "nonblocking")
+    monkeypatch.setenv("HPCLB_COMPRESSION", "fp16")
+    sync = GradientSync(net().parameters(), SelfCommunicator())
+    assert (sync.fusion_threshold_bytes, sync.overlap, sync.compression) == \
+        (64 * MiB, "nonblocking", torch.float16)
+    monkeypatch.setenv("HPCLB_FUSION_THRESHOLD_BYTES", "lots")
+    with pytest.raises(ValueError, match="HPCLB_FUSION_THRESHOLD_BYTES"):
+        GradientSync(net().parameters(), SelfCommunicator())
+    monkeypatch.delenv("HPCLB_FUSION_THRESHOLD_BYTES")
+    for bad in (dict(overlap="sometimes"), dict(accumulation_steps=0),
+                dict(compression="int8"), dict(fusion_threshold_bytes=0)):
+        with pytest.raises(ValueError):
+            GradientSync(net().parameters(), SelfCommunicator(), **bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bucketed_mean_equals_flat_mean_in_a_pretend_world(mode):
+    model, ref = net(), net()
+    comm = ScaledComm(4)
+    sync = GradientSync(model.named_parameters(), comm, overlap=mode,
+                        fusion_threshold_bytes=50_000, first_bucket_bytes=500)
+    try:
+        for step in range(2):
+            model.zero_grad(set_to_none=False)
+            loss(model, step).backward()
+            assert sync.synchronize() is True
+            ref.zero_grad()
+            loss(ref, step).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+            flat.mul_(4).div_(4)
+            got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            assert torch.equal(got, flat)
+        assert comm.calls == 2 * len(sync.buckets)
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("compression", ("fp16", "bf16"))
+def test_compression_predivides_so_large_gradients_stay_finite(compression):
+    model = nn.Linear(32, 32)
+    sync = GradientSync(model.named_parameters(), ScaledComm(8), compression=compression)
+    try:
+        (model.weight.sum() * 3e4).backward()  # 8 x 3e4 overflows fp16 (max 65504)
+        sync.synchronize()
+    finally:
+        sync.close()
+    assert model.weight.grad.dtype == torch.float32
+    assert torch.isfinite(model.weight.grad).all()
+    assert torch.allclose(model.weight.grad, torch.full((32, 32), 3e4), rtol=1e-2)
+    assert torch.count_nonzero(model.bias.grad) == 0
+
+
+def test_accumulation_in_one_process_equals_the_big_batch():
+    k = 3
+    model, big = net(), net()
+    sync = GradientSync(model.parameters(), SelfCommunicator(), accumulation_steps=k)
+    x = torch.randn(3 * 4, 10, generator=torch.Generator().manual_seed(1))
+    flags = []
+    for i in range(k):
+        model(x[4 * i:4 * (i + 1)]).pow(2).mean().backward()
+        flags.append(sync.synchronize())
+    big(x).pow(2).mean().backward()
+    assert flags == [False, False, True]
+    for p, q in zip(model.parameters(), big.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_replaced_gradients_are_adopted_and_misuse_is_refused():
+    model = net()
+    comm = ScaledComm(2)
+    sync = GradientSync(model.named_parameters(), comm, overlap="nonblocking")
+    try:
+        model.zero_grad(set_to_none=True)  # autograd then makes fresh tensors: hooks copy them
+        loss(model).backward()
+        sync.synchronize()
+        ref = net()
+        loss(ref).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        with pytest.raises(ValueError, match="already synchronised"):
+            GradientSync(model.named_parameters(), comm)
+        # a second backward through the last layer after its bucket was sent
+        out = loss(model, 3)
+        out.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="arrived after its bucket was sent"):
+            out.backward()
+    finally:
+        sync.close()
+    GradientSync(model.named_parameters(), comm).close()  # after close() it may be re-wrapped
+
+
+def test_start_up_agreement_compares_names_shapes_dtypes():
+    class TwoFaced(ScaledComm):
+        def allgather_object(self, obj):
+            other = copy.deepcopy(obj)
+            other["params"][1] = ("0.bias", (301,), "float32")
+            return [obj, other]
+
+    with pytest.raises(ModelMismatchError, match=r"rank 1 .*0\.bias \[301\] float32"):
+        GradientSync(net().named_parameters(), TwoFaced(2))
+
+
+def test_agree_num_steps_validates():
+    c = SelfCommunicator()
+    assert agree_num_steps(7, c) == 7 and agree_num_steps(7, c, how="max") == 7
+    with pytest.raises(ValueError):
+        agree_num_steps(3, c, how="mean")
+
+
+class ScriptedPeers(SideChannel):
+    """Answers every question with the given ranks' states."""
+
+    def __init__(self, states):
+        self.states, self.inbox, self.asked = states, [], 0
+
+    def send(self, obj, dest=None):
+        if obj.get("kind") == "ask":
+            self.asked += 1
+            self.inbox += [(r, {"kind": "state", "id": obj["id"], **st})
+                           for r, st in self.states.items()]
+
+    def poll(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+
+def test_watchdog_names_ranks_that_have_not_joined():
+    peers = ScriptedPeers({
+        1: {"entered": 5, "entered_label": "b5", "entered_ago_s": 0.1, "waiting": (5, "b5", 0.3)},
+        3: {"entered": 3, "entered_label": "b3", "entered_ago_s": 2.0, "idle_s": 1.9}})
+    wd = StallWatchdog(ScaledComm(4, side=peers))
+    wd.register_timeout(0.2)
+    try:
+        for _ in range(5):
+            seq = wd.entered("bucket")
+        reports = []
+        with wd.waiting(seq, "bucket 5", 0.2, on_stall=reports.append):
+            deadline = time.monotonic() + 10
+            while not reports and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        wd.stop()
+    r = reports[0]
+    assert r.seq == 5 and r.missing == [2, 3] and r.waited_s >= 0.2
+    assert "joined" in r.details[1] and "no reply" in r.details[2]
+    assert "last started #3 'b3'" in r.details[3] and "rank(s) 2, 3 have not joined" in r.message
+
+
+def test_watchdog_without_side_channel_reports_and_aborts():
+    class Aborting(ScaledComm):
+        aborted = None
+
+        def abort(self, code=1):
+            Aborting.aborted = code
+
+    wd = StallWatchdog(Aborting(2))
+    wd.register_timeout(0.1)
+    reports = []
+    try:
+        with wd.waiting(wd.entered("x"), "x", 0.1, on_stall=reports.append, abort_s=0.3):
+            deadline = time.monotonic() + 10
+            while Aborting.aborted is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        wd.stop()
+    assert reports and reports[0].missing is None and "cannot tell" in reports[0].message
+    assert Aborting.aborted == 1

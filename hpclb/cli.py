@@ -79,6 +79,31 @@ def cmd_data_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .config import ConfigError
+    from .data import DataError
+    from .sweep import run_sweep
+
+    _setup_logging(0)
+    try:
+        batches = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        _error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
+        return 2
+    try:
+        run_sweep(args.experiment, batches, [s.strip() for s in args.schemes.split(",") if s.strip()],
+                  epochs=args.epochs, ranks=args.ranks, seed=args.seed, optimizer=args.optimizer,
+                  data_dir=args.data_dir, out_dir=args.out_dir, runs_dir=args.runs_dir,
+                  quiet=not args.verbose, log=lambda m: print(m, flush=True))
+    except ConfigError as e:
+        _error(str(e))
+        return 2
+    except (DataError, RuntimeError) as e:
+        _error(f"{type(e).__name__}: {e}")
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .comm import BACKENDS
     from .config import OPTIMIZERS, available_experiments
@@ -108,6 +133,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="communication backend (auto: mpi when launched by mpirun/srun)")
     t.add_argument("--expect-world-size", type=int, help="fail unless the job has this many ranks")
     t.set_defaults(func=cmd_train)
+
+    w = sub.add_parser("sweep", help="batch-size sweep of one recipe under several scaling "
+                       "schemes (resumable); writes results/sweeps/<experiment>.{json,md,png}")
+    w.add_argument("experiment", help="recipe name or path to a recipe .yaml")
+    w.add_argument("--batch-sizes", required=True, help="comma-separated global batches, e.g. "
+                   "128,1024,8192")
+    w.add_argument("--schemes", default="legw,linear,sqrt,none",
+                   help="comma-separated subset of " + ",".join(SCHEMES))
+    w.add_argument("--epochs", type=float, help="the same budget for every point (default: the "
+                   "recipe's)")
+    w.add_argument("--ranks", type=int, default=1, help="MPI ranks per point (mpirun -n N; 1 runs "
+                   "in this process)")
+    w.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
+    w.add_argument("--out-dir", default="results/sweeps", help="where the tables and plots go")
+    w.add_argument("--runs-dir", default="runs/sweeps", help="run directories of the points")
+    w.add_argument("--verbose", action="store_true", help="print every point's training log")
+    w.set_defaults(func=cmd_sweep)
 
     d = sub.add_parser("data", help="stage data sets")
     dsub = d.add_subparsers(dest="data_command", required=True)

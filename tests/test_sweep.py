@@ -1,0 +1,66 @@
+"""`hpclb sweep`: real short MNIST points, the results files, and resumption."""
+import json
+
+import pytest
+
+from hpclb import sweep
+from hpclb.config import ConfigError
+from helpers import quick_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def test_sweep_writes_rows_tables_plot_and_resumes(tmp_path, mnist_dir, monkeypatch):
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    kw = dict(epochs=1, data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+              runs_dir=tmp_path / "runs", log=lambda m: None)
+    rows = sweep.run_sweep(recipe, [256, 128], ["legw", "linear", "none"], **kw)
+    assert [(r["batch_size"], r["scheme"]) for r in rows] == [
+        (128, "legw"), (128, "linear"), (128, "none"), (256, "legw"), (256, "linear"),
+        (256, "none")]
+    for r in rows:
+        for key in ("batch_size", "scheme", "metric_name", "metric", "epochs", "wall_time_s",
+                    "steps", "time_to_target_s"):
+            assert key in r
+        assert r["metric_name"] == "test_accuracy" and 0 < r["metric"] <= 1
+    by = {(r["batch_size"], r["scheme"]): r for r in rows}
+    assert by[(128, "linear")]["metric"] == by[(128, "legw")]["metric"]  # k = 1: one run
+    assert by[(256, "legw")]["warmup_steps"] == by[(128, "legw")]["warmup_steps"] == 1
+    assert by[(256, "linear")]["peak_lr"] == pytest.approx(2 * by[(128, "linear")]["peak_lr"])
+    assert by[(256, "legw")]["peak_lr"] == pytest.approx(2 ** 0.5 * by[(128, "legw")]["peak_lr"])
+    res = tmp_path / "res"
+    assert json.loads((res / "mnist-lstm.json").read_text()) == rows
+    md = (res / "mnist-lstm.md").read_text()
+    assert "| batch | legw | linear | none |" in md and "| 256 |" in md
+    assert (res / "mnist-lstm.png").read_bytes()[:4] == b"\x89PNG"
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished point was trained again")
+
+    monkeypatch.setattr(sweep, "_run_in_process", no_training)
+    again = sweep.run_sweep(recipe, [128, 256], ["legw", "linear", "none"], **kw)
+    assert again == rows
+    # A point that finished but was never recorded is read back from its summary.json.
+    (res / "mnist-lstm.json").write_text(json.dumps(rows[:-1]))
+    again = sweep.run_sweep(recipe, [128, 256], ["legw", "linear", "none"], **kw)
+    assert again[-1]["metric"] == rows[-1]["metric"]
+    # A different budget is a different point.
+    with pytest.raises(AssertionError, match="trained again"):
+        sweep.run_sweep(recipe, [256], ["none"], **{**kw, "epochs": 2})
+
+
+def test_rejected_point_is_recorded_not_fatal(tmp_path, mnist_dir):
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    rows = sweep.run_sweep(recipe, [512], ["legw"], epochs=1, data_dir=str(mnist_dir.parent),
+                           out_dir=tmp_path / "res", runs_dir=tmp_path / "runs", log=lambda m: None)
+    assert rows[0]["metric"] is None and "warmup" in rows[0]["error"]
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ConfigError, match="--schemes"):
+        sweep.run_sweep("mnist-lstm", [128], ["cubic"], out_dir=tmp_path, runs_dir=tmp_path)
+    with pytest.raises(ConfigError, match="--batch-sizes"):
+        sweep.run_sweep("mnist-lstm", [129], ["legw"], ranks=2, out_dir=tmp_path,
+                        runs_dir=tmp_path)

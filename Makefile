@@ -41,16 +41,17 @@ train: install data
 	$(MPIRUN) $(MPIRUN_FLAGS) $(PY) -m hpclb train $(EXPERIMENT) --batch-size $(BATCH) \
 	    --scaling $(SCALING) --expect-world-size $(NP) --out $(OUT)
 
+# The 1-process suite runs the MPI-marked tests too, at world size 1 (--with-mpi, no launcher).
 test: install data
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --with-mpi
 	$(MAKE) --no-print-directory test-mpi
 
 test-unit: install data
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --with-mpi
 
 test-mpi: install data
 	HPCLB_EXPECT_WORLD_SIZE=$(NP) $(MPIRUN) $(MPIRUN_FLAGS) -x HPCLB_EXPECT_WORLD_SIZE \
-	    $(PY) -m pytest -q --only-mpi -p no:cacheprovider tests
+	    $(PY) -m pytest -q -rfE --only-mpi -p no:cacheprovider tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info hpclb.egg-info .pytest_cache runs

@@ -8,6 +8,10 @@ Per layer at step t (1-based), with ``b1, b2, eps, wd`` and LR ``lr``::
     ratio = ||w|| / ||u||                  (1 if either is 0, or the layer is excluded)
     w <- w - lr * ratio * u
 
+On CUDA with CuPy (:mod:`hpclb.kernels`) the step is two fused launches for all layers: pass 1
+updates the moments, forms ``u`` on the fly and reduces ||w|| and ||u||; pass 2 recomputes ``u``
+and applies it (``u`` is never stored), in the arithmetic order of :func:`lamb_direction`.
+
 Weight decay sits in ``u`` (inside the ratio), not in ``g``. Excluded layers (``ndim < 2`` by
 default) take the Adam direction without weight decay and ratio 1.
 """
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from .. import kernels
 from .base import LayerwiseOptimizer, check_range
-from .trust import lamb_trust_ratios
+from .trust import fused_backend, lamb_trust_ratios
 
 
 def lamb_direction(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -62,18 +68,23 @@ class LAMB(LayerwiseOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params, us, adapt, lrs = [], [], [], []
         for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
-            for p in ps:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
+        if self._fused_step():
+            return loss
+        params, us, adapt, lrs = [], [], [], []
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
             beta1, beta2 = group["betas"]
             # One foreach call per distinct step count (all of a group's, unless added late).
             for step in sorted({self.state[p]["step"] for p in ps}):
@@ -94,3 +105,34 @@ class LAMB(LayerwiseOptimizer):
         torch._foreach_mul_(us, step_sizes.unbind())
         torch._foreach_sub_(params, us)
         return loss
+
+    def _fused_step(self) -> bool:
+        """Both passes of the fused kernel (one hyper-parameter row per group and step count);
+        False, having done nothing, when the fused path does not serve these tensors."""
+        pairs = self._gather()
+        if not pairs:
+            return False
+        params = [p for _, p in pairs]
+        grads = [p.grad for p in params]
+        m = [self.state[p]["exp_avg"] for p in params]
+        v = [self.state[p]["exp_avg_sq"] for p in params]
+        fused = fused_backend(params, grads, m, v)
+        if fused is None:
+            return False
+        rows, index, adapt = [], {}, []
+        for group, p in pairs:
+            key = (id(group), self.state[p]["step"])
+            if key not in index:
+                index[key] = len(index)
+                rows.append((group, self.state[p]["step"]))
+            adapt.append(self.is_adapted(p, group))
+        hp = np.zeros((len(rows), kernels.HP_WORDS), dtype=np.float32)
+        for k, (g, step) in enumerate(rows):
+            b1, b2 = g["betas"]
+            hp[k, [kernels.HP_LR, kernels.HP_WD, kernels.HP_EPS, kernels.HP_BETA1,
+                   kernels.HP_BETA2, kernels.HP_BC1, kernels.HP_BC2, kernels.HP_OMB1,
+                   kernels.HP_OMB2]] = (g["lr"], g["weight_decay"], g["eps"], b1, b2,
+                                        1 - b1 ** step, 1 - b2 ** step, 1 - b1, 1 - b2)
+        fused.lamb_step(params, grads, m, v, hp,
+                        [index[(id(g), self.state[p]["step"])] for g, p in pairs], adapt)
+        return True

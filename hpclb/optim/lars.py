@@ -6,6 +6,9 @@ Per layer, with trust coefficient ``eta``, momentum ``m``, weight decay ``wd``, 
     v    <- m * v + lr * ratio * (g + wd * w)
     w    <- w - v
 
+On CUDA with CuPy (:mod:`hpclb.kernels`) the whole step is two fused launches for all layers
+(norms and ratios, then the update), in the same arithmetic order as :func:`lars_update_`.
+
 The LR sits *inside* the momentum buffer, as in the TF/TPU and MLPerf reference code (torch-style
 implementations keep it outside; the two differ whenever the LR changes, i.e. during warmup).
 Excluded layers (``ndim < 2`` by default; see :mod:`hpclb.optim.base`) take plain momentum SGD
@@ -15,11 +18,13 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from .. import kernels
 from .base import LayerwiseOptimizer, check_range
-from .trust import lars_trust_ratios
+from .trust import fused_backend, lars_trust_ratios
 
 
 def lars_update_(params: Sequence[Tensor], grads: Sequence[Tensor],
@@ -70,15 +75,37 @@ class LARS(LayerwiseOptimizer):
         grads = [p.grad for p in params]
         adapt = [self.is_adapted(p, g) for g, p in pairs]
         wd = [g["weight_decay"] if a else 0.0 for (g, _), a in zip(pairs, adapt)]
+        fused = fused_backend(params, grads)
+        if fused is not None:
+            bufs = self._momentum_buffers(params)
+            if fused.supports(bufs):
+                self._fused_step(fused, pairs, grads, bufs, adapt)
+                return loss
         ratios, _, _ = lars_trust_ratios(
             params, grads, trust_coefficient=[g["trust_coefficient"] for g, _ in pairs],
             weight_decay=wd, eps=[g["eps"] for g, _ in pairs], adapt=adapt)
         lrs = torch.tensor([g["lr"] for g, _ in pairs], dtype=torch.float32, device=ratios.device)
+        bufs = self._momentum_buffers(params)
+        lars_update_(params, grads, bufs, lrs * ratios, [g["momentum"] for g, _ in pairs], wd)
+        return loss
+
+    def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
         bufs = []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             bufs.append(state["momentum_buffer"])
-        lars_update_(params, grads, bufs, lrs * ratios, [g["momentum"] for g, _ in pairs], wd)
-        return loss
+        return bufs
+
+    def _fused_step(self, fused: kernels.FusedTrust, pairs: list[tuple[dict, Tensor]],
+                    grads: list[Tensor], bufs: list[Tensor], adapt: list[bool]) -> None:
+        """Both passes of the fused kernel; one hyper-parameter row per parameter group."""
+        index = {id(g): k for k, g in enumerate(self.param_groups)}
+        hp = np.zeros((len(self.param_groups), kernels.HP_WORDS), dtype=np.float32)
+        for k, g in enumerate(self.param_groups):
+            hp[k, [kernels.HP_LR, kernels.HP_ETA, kernels.HP_WD, kernels.HP_EPS,
+                   kernels.HP_BETA1]] = (g["lr"], g["trust_coefficient"], g["weight_decay"],
+                                         g["eps"], g["momentum"])
+        fused.lars_step([p for _, p in pairs], grads, bufs, hp,
+                        [index[id(g)] for g, _ in pairs], adapt)

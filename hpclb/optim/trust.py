@@ -11,6 +11,13 @@ A layer whose ``||w||`` or ``||g||`` (``||u||``) is 0 gets ratio 1, and so does 
 excluded from adaptation (``adapt`` False). Norms accumulate in fp32 whatever the input dtype
 (fp32, fp16, bf16); results are fp32 tensors of shape ``[n_layers]`` on the tensors' device, so
 nothing synchronises with the host per layer.
+
+Backends (:func:`backend_for`): ``"cupy"``, the fused kernel of ``kernels/trust_ratio.cu``
+(:mod:`hpclb.kernels`: one launch for all layers), is chosen automatically for CUDA tensors when
+CuPy imports; ``"torch"`` (two ``torch._foreach_norm`` calls) everywhere else, and for inputs the
+kernel does not take (non-contiguous tensors keep the torch path; dtypes other than
+fp32/fp16/bf16). ``HPCLB_TRUST_BACKEND=torch`` forces the torch path. The choice is logged once
+per process and backend.
 """
 from __future__ import annotations
 
@@ -20,19 +27,33 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .. import kernels
+
 log = logging.getLogger(__name__)
 _announced: set[str] = set()
 
 
 def backend_for(tensors: Sequence[Tensor]) -> str:
-    """The implementation that serves ``tensors``: ``"torch"`` (the fused CuPy kernel, for CUDA
-    tensors, plugs in here). Logs the choice once per process."""
-    name = "torch"
+    """The implementation that serves ``tensors``: ``"cupy"`` (fused kernel) for CUDA tensors
+    when CuPy imports, ``"torch"`` otherwise (or under ``HPCLB_TRUST_BACKEND=torch``; a test may
+    install another launcher, whose name is returned). Logs the choice once per process."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    fused = kernels.fused_for(device) if tensors else None
+    name = "torch" if fused is None else fused.launcher.name
     if name not in _announced:
         _announced.add(name)
-        device = tensors[0].device if tensors else "cpu"
         log.info("trust ratios: backend %s on %s", name, device)
     return name
+
+
+def fused_backend(*lists: Sequence[Tensor | None]) -> kernels.FusedTrust | None:
+    """The fused implementation (:class:`hpclb.kernels.FusedTrust`) that can take all of
+    ``lists`` (layer-aligned tensor lists, the first non-empty), or None for the torch path."""
+    first = lists[0]
+    if not first or backend_for(first) == "torch":
+        return None
+    fused = kernels.fused_for(first[0].device)
+    return fused if fused is not None and fused.supports(*lists) else None
 
 
 @torch.no_grad()
@@ -42,6 +63,15 @@ def layer_norms(tensors: Sequence[Tensor]) -> Tensor:
     Args: ``tensors``, n tensors of any shape/size (an empty tensor has norm 0), fp32/fp16/bf16,
     all on one device. Returns an fp32 tensor of shape ``[n]`` on that device (``[0]`` if n = 0).
     """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    fused = fused_backend(tensors)
+    if fused is not None:
+        return fused.norms(tensors)
+    return _torch_norms(tensors)
+
+
+def _torch_norms(tensors: Sequence[Tensor]) -> Tensor:
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
     return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
@@ -72,8 +102,13 @@ def lars_trust_ratios(weights: Sequence[Tensor], grads: Sequence[Tensor], *,
     """
     if len(weights) != len(grads) or len(weights) != len(adapt):
         raise ValueError(f"got {len(weights)} weights, {len(grads)} grads, {len(adapt)} adapt flags")
-    backend_for(weights)
-    w_norm, g_norm = layer_norms(weights), layer_norms(grads)
+    fused = fused_backend(weights, grads)
+    if fused is not None and not isinstance(adapt, Tensor):
+        r = fused.lars_ratios(weights, grads, trust_coefficient=trust_coefficient,
+                              weight_decay=weight_decay, eps=eps, adapt=adapt)
+        return r.ratio, r.w_norm, r.o_norm
+    w_norm = _torch_norms(weights)
+    g_norm = _torch_norms(grads)
     n = len(weights)
     eta = _as_layer_vector(trust_coefficient, n, w_norm)
     wd = _as_layer_vector(weight_decay, n, w_norm)
@@ -94,7 +129,11 @@ def lamb_trust_ratios(weights: Sequence[Tensor], updates: Sequence[Tensor], *,
     if len(weights) != len(updates) or len(weights) != len(adapt):
         raise ValueError(f"got {len(weights)} weights, {len(updates)} updates, "
                          f"{len(adapt)} adapt flags")
-    backend_for(weights)
-    w_norm, u_norm = layer_norms(weights), layer_norms(updates)
+    fused = fused_backend(weights, updates)
+    if fused is not None and not isinstance(adapt, Tensor):
+        r = fused.lamb_ratios(weights, updates, adapt=adapt)
+        return r.ratio, r.w_norm, r.o_norm
+    w_norm = _torch_norms(weights)
+    u_norm = _torch_norms(updates)
     ratio = w_norm / torch.where(u_norm > 0, u_norm, torch.ones_like(u_norm))
     return _ratio(ratio, w_norm, u_norm, torch.as_tensor(adapt, dtype=torch.bool)), w_norm, u_norm

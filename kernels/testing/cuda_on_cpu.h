@@ -160,6 +160,7 @@ struct Runtime {
     std::string error;
     bool aborted = false;
     unsigned int nthreads = 0, at_barrier = 0;
+    unsigned int low_hint = 0;  // no fiber below this index is runnable (LOWEST_FIRST scan)
     std::source_location barrier_where;
     // shuffle exchange: [warp][buffer][lane]
     std::vector<Lane64> exchange;
@@ -224,6 +225,7 @@ inline void syncthreads(std::source_location loc) {
     if (++r.at_barrier == r.nthreads) {
         r.at_barrier = 0;
         for (Fiber& g : r.fibers) g.state = RUNNABLE;
+        r.low_hint = 0;
     }
     yield_to_scheduler();
 }
@@ -261,6 +263,7 @@ inline void warp_sync(unsigned int mask, const char* what, std::source_location 
             if (mask & (1u << l)) {
                 r.fibers[base + l].state = RUNNABLE;
                 r.fibers[base + l].warp_seq += 1;
+                r.low_hint = std::min(r.low_hint, base + l);
             }
     yield_to_scheduler();
 }
@@ -336,6 +339,7 @@ inline bool run_block() {
     if (__start_hlcpu_shared && __stop_hlcpu_shared)
         std::memset(__start_hlcpu_shared, 0xff, (size_t)(__stop_hlcpu_shared - __start_hlcpu_shared));
     r.at_barrier = 0;
+    r.low_hint = 0;
     for (unsigned int t = 0; t < r.nthreads; ++t) {
         Fiber& f = r.fibers[t];
         f.state = RUNNABLE;
@@ -352,8 +356,9 @@ inline bool run_block() {
     for (;;) {
         int pick = -1;
         if (r.policy == LOWEST_FIRST) {
-            for (unsigned int t = 0; t < r.nthreads; ++t)
+            for (unsigned int t = r.low_hint; t < r.nthreads; ++t)
                 if (r.fibers[t].state == RUNNABLE) { pick = (int)t; break; }
+            r.low_hint = pick < 0 ? r.nthreads : (unsigned int)pick;
         } else if (r.policy == HIGHEST_FIRST) {
             for (unsigned int t = r.nthreads; t-- > 0;)
                 if (r.fibers[t].state == RUNNABLE) { pick = (int)t; break; }

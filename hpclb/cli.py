@@ -47,8 +47,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                       data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr)
         from .train import Preempted, PREEMPTED_EXIT_CODE, train
         try:
-            train(cfg, comm)
-        except Preempted:
+            train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval)
+        except Preempted as p:
+            print(f"hpclb: rank {comm.rank} of {comm.world_size}: preempted after step {p.args[0]}"
+                  f", checkpoint saved; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
             return PREEMPTED_EXIT_CODE
         return 0
     except ConfigError as e:
@@ -104,6 +106,105 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_jobs_render(args: argparse.Namespace) -> int:
+    from .jobs import JobError, JobSpec, render
+
+    spec = JobSpec(
+        experiment=args.experiment, scheduler=args.scheduler, nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node, per_gpu_batch=args.per_gpu_batch,
+        tasks_per_node=args.tasks_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
+        partition=args.partition, account=args.account, job_name=args.job_name, out=args.out,
+        log=args.log,
+        data_dir=args.data_dir, venv=args.venv or None, modules=args.module or [],
+        fabric=args.fabric, allreduce=args.allreduce, ucx_net_devices=args.ucx_net_devices,
+        nccl_ib_hca=args.nccl_ib_hca, socket_ifname=args.socket_ifname,
+        signal_lead=args.signal_lead, checkpoint_interval=args.checkpoint_interval,
+        launcher=args.launcher, scaling=args.scaling, optimizer=args.optimizer,
+        epochs=args.epochs, seed=args.seed, exclusive=not args.shared)
+    try:
+        text, plan = render(spec)
+    except JobError as e:
+        _error(str(e))
+        return 2
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        from pathlib import Path
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(0o755)
+        print(f"{path}: {args.scheduler}, {args.nodes} node(s), global batch {plan.global_batch}, "
+              f"peak LR {plan.peak_lr:.4g}, warmup {plan.warmup_steps} steps "
+              f"({plan.warmup_epochs:.4g} epochs)", file=sys.stderr)
+    return 0
+
+
+def cmd_jobs_examples(args: argparse.Namespace) -> int:
+    from .jobs import JobError, write_examples
+
+    try:
+        for path in write_examples(args.root):
+            print(path)
+    except JobError as e:
+        _error(str(e))
+        return 2
+    return 0
+
+
+def _add_jobs_parser(sub) -> None:
+    from .jobs import ALLREDUCE, FABRICS, SCHEDULERS, SLURM_LAUNCHERS
+    from .schedules import SCHEMES
+
+    j = sub.add_parser("jobs", help="render SLURM / PBS job scripts from jobs/templates")
+    jsub = j.add_subparsers(dest="jobs_command", required=True)
+    r = jsub.add_parser("render", help="a batch script for one experiment at N nodes x G GPUs, "
+                        "global batch N*G*b with the LR/warmup of --scaling (LEGW)")
+    r.add_argument("experiment", help="recipe name or path to a recipe .yaml")
+    r.add_argument("--scheduler", required=True, choices=SCHEDULERS)
+    r.add_argument("--nodes", type=int, required=True)
+    r.add_argument("--gpus-per-node", type=int, required=True,
+                   help="one rank per GPU; 0 for CPU-only nodes (then --tasks-per-node)")
+    r.add_argument("--per-gpu-batch", type=int, help="samples per rank and step (default: the "
+                   "recipe's B0 split over one node's ranks)")
+    r.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU-only nodes")
+    r.add_argument("--cpus-per-task", type=int, help="default 8 with GPUs, 1 without")
+    r.add_argument("--time", default="04:00:00", help="time limit, [D-]HH:MM:SS")
+    r.add_argument("--partition", help="SLURM partition / PBS queue")
+    r.add_argument("--account", help="account to charge")
+    r.add_argument("--job-name")
+    r.add_argument("--out", help="run directory, relative to the submit directory")
+    r.add_argument("--log", help="the scheduler's output file (default <job-name>-%%j.out for "
+                   "SLURM, <job-name>.log for PBS, in the submit directory, which must exist)")
+    r.add_argument("--data-dir", help="data directory on the cluster (exported as HPCLB_DATA)")
+    r.add_argument("--venv", default=".venv", help="virtualenv to activate ('' for none)")
+    r.add_argument("--module", action="append", help="environment module to load (repeatable)")
+    r.add_argument("--fabric", default="ib", choices=FABRICS,
+                   help="ib: UCX/NCCL over InfiniBand; tcp: Ethernet; local: emulated nodes on "
+                   "one host")
+    r.add_argument("--allreduce", default="ring", choices=ALLREDUCE,
+                   help="allreduce algorithm for Open MPI (coll tuned) and NCCL")
+    r.add_argument("--ucx-net-devices", help="default mlx5_0:1 (ib)")
+    r.add_argument("--nccl-ib-hca", help="default mlx5 (ib)")
+    r.add_argument("--socket-ifname", help="bootstrap/TCP interface (default ib0, eth0, lo)")
+    r.add_argument("--signal-lead", type=int, default=300, metavar="SECONDS",
+                   help="preemption signal this long before the time limit (SLURM --signal)")
+    r.add_argument("--checkpoint-interval", type=int, default=1800, metavar="SECONDS",
+                   help="periodic checkpoints (0: epoch ends and preemption only)")
+    r.add_argument("--launcher", default="srun", choices=SLURM_LAUNCHERS,
+                   help="SLURM: srun --mpi=pmix, or mpirun over the allocation")
+    r.add_argument("--scaling", default="legw", choices=list(SCHEMES))
+    r.add_argument("--optimizer")
+    r.add_argument("--epochs", type=float)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--shared", action="store_true", help="do not ask for whole nodes")
+    r.add_argument("-o", "--output", help="write the script here (default: stdout)")
+    r.set_defaults(func=cmd_jobs_render)
+    e = jsub.add_parser("examples", help="re-render the committed examples (jobs/slurm, jobs/pbs)")
+    e.add_argument("root", nargs="?", default="jobs")
+    e.set_defaults(func=cmd_jobs_examples)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .comm import BACKENDS
     from .config import OPTIMIZERS, available_experiments
@@ -132,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--backend", default="auto", choices=list(BACKENDS),
                    help="communication backend (auto: mpi when launched by mpirun/srun)")
     t.add_argument("--expect-world-size", type=int, help="fail unless the job has this many ranks")
+    t.add_argument("--checkpoint-interval", type=float, metavar="SECONDS",
+                   help="also checkpoint mid-epoch every SECONDS of rank 0's wall time (default: "
+                   "at epoch ends and on preemption only)")
     t.set_defaults(func=cmd_train)
 
     w = sub.add_parser("sweep", help="batch-size sweep of one recipe under several scaling "
@@ -159,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("names", nargs="+", help="data set names (mnist)")
     f.add_argument("--data-dir", help="default $HPCLB_DATA or ./data")
     f.set_defaults(func=cmd_data_fetch)
+
+    _add_jobs_parser(sub)
     return p
 
 

@@ -1,0 +1,491 @@
+"""Job scripts for SLURM (sbatch) and PBS Pro from ``jobs/templates`` (Jinja2).
+
+``hpclb jobs render EXPERIMENT --scheduler slurm|pbs --nodes N --gpus-per-node G ...`` turns a
+recipe into a batch script: ``N`` nodes × ``G`` ranks (one rank per GPU; ``--tasks-per-node`` for
+CPU-only nodes), global batch ``N·G·b`` for a per-GPU batch ``b``, and the LEGW plan for that
+batch (peak LR ``η0·√k``, warmup ``W0·k`` epochs = the same number of steps at every ``k``)
+computed by :mod:`hpclb.schedules` exactly as ``hpclb train --batch-size B --scaling legw`` will.
+The rendered ``hpclb train`` line passes only the global batch and the scheme; the derived LR
+and warmup are printed in the script's header for the reader.
+
+Every bad request is a :class:`JobError` whose message says what to change (zero nodes, a global
+batch larger than the training set, a time limit shorter than the checkpoint interval or the
+preemption lead time, a warmup longer than training, ...).
+
+Training-set sizes: the loaders need the data on disk to count it, but a job is rendered on a
+login node that may not hold it, so :data:`TRAIN_SET_SIZES` keeps the published sizes (a recipe's
+``data.train_samples`` subset wins when it is smaller).
+"""
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from . import __version__, schedules
+
+SCHEDULERS = ("slurm", "pbs")
+FABRICS = ("ib", "tcp", "local")
+ALLREDUCE = ("ring", "segmented_ring", "recursive_doubling", "rabenseifner", "auto")
+SLURM_LAUNCHERS = ("srun", "mpirun")
+
+# Training-set sizes in the unit the loader counts one sample in (the denominator of an epoch).
+# name: (size, unit, note). Word-level LMs count tokens; their loaders cut the token stream into
+# sequences of `seq_len` tokens, so one sample is one sequence (see :func:`train_set_size`).
+TRAIN_SET_SIZES: dict[str, tuple[int, str, str]] = {
+    "mnist": (60_000, "images", "MNIST train split"),
+    "fashion-mnist": (60_000, "images", "Fashion-MNIST train split"),
+    "imagenet": (1_281_167, "images", "ILSVRC-2012 train split"),
+    "synthetic": (1_281_167, "images", "synthetic ImageNet stand-in, same size"),
+    "ptb": (929_589, "tokens", "Penn Treebank ptb.train.txt incl. <eos> (Mikolov)"),
+    "wmt16-de-en": (4_500_000, "sentence pairs", "WMT16 de-en as used by GNMT, about 4.5 M"),
+    "bible-en-es": (31_102, "sentence pairs", "KJV verses aligned with RV 1909 (at most)"),
+}
+TOKEN_UNITS = ("tokens",)
+SEQ_LEN_KEYS = ("seq_len", "bptt", "num_steps", "sequence_length")
+
+# Per-rank batch used when --per-gpu-batch is not given: the recipe's own per-GPU batch if it has
+# one (`per_gpu_batch`), else B0 split over one node's ranks (so 1 node runs the recipe at k = 1).
+_PATH_OK = re.compile(r"^[^\s'\";&|<>`\\]+$")
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)$")
+
+
+class JobError(ValueError):
+    """A job that cannot be rendered as asked; the message says what to change."""
+
+
+def parse_time(text: str) -> int:
+    """``[D-]HH:MM:SS`` (SLURM and PBS both accept it) to seconds; JobError otherwise."""
+    m = _TIME.match(str(text).strip())
+    if not m:
+        raise JobError(f"--time {text!r}: write the time limit as HH:MM:SS or D-HH:MM:SS "
+                       f"(e.g. 04:00:00)")
+    d, h, mi, s = (int(g or 0) for g in m.groups())
+    return ((d * 24 + h) * 60 + mi) * 60 + s
+
+
+def format_time(seconds: int, scheduler: str) -> str:
+    """Seconds as the scheduler's time limit: SLURM ``D-HH:MM:SS`` / PBS ``HHH:MM:SS``."""
+    h, rem = divmod(int(seconds), 3600)
+    m, s = divmod(rem, 60)
+    if scheduler == "slurm" and h >= 24:
+        return f"{h // 24}-{h % 24:02d}:{m:02d}:{s:02d}"
+    return f"{h:02d}:{m:02d}:{s:02d}"
+
+
+def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
+    """(number of training samples, unit) for a recipe, from :data:`TRAIN_SET_SIZES`.
+
+    Token-counted sets are turned into sequences of the recipe's ``data.seq_len`` (or ``bptt``,
+    ``num_steps``; also looked up under ``model``). ``data.train_samples`` (a smoke-run subset)
+    wins when smaller. JobError for a data set the table does not know.
+    """
+    data = recipe.get("data") or {}
+    name = data.get("name")
+    if name not in TRAIN_SET_SIZES:
+        raise JobError(f"data set {name!r} of recipe {recipe.get('name')!r} is not in "
+                       f"hpclb.jobs.TRAIN_SET_SIZES ({', '.join(TRAIN_SET_SIZES)}); add its "
+                       f"training-set size there")
+    size, unit, _ = TRAIN_SET_SIZES[name]
+    if unit in TOKEN_UNITS:
+        model = recipe.get("model") or {}
+        seq = next((src[k] for src in (data, model) for k in SEQ_LEN_KEYS if k in src), None)
+        if not isinstance(seq, int) or seq <= 0:
+            raise JobError(f"recipe {recipe.get('name')!r}: {name} is counted in tokens; give "
+                           f"data.seq_len (tokens per sequence) so a sample can be counted")
+        size, unit = (size - 1) // seq, f"sequences of {seq} tokens"
+    subset = data.get("train_samples")
+    if isinstance(subset, int) and 0 < subset < size:
+        size = subset
+    return size, unit
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The LEGW (or other scheme's) numbers of one job; all batches in samples."""
+
+    global_batch: int
+    per_rank_batch: int
+    base_batch: int
+    k: float
+    base_lr: float
+    peak_lr: float
+    base_warmup_epochs: float
+    warmup_epochs: float
+    warmup_steps: int
+    steps_per_epoch: int
+    total_steps: int
+    epochs: float
+    num_samples: int
+    sample_unit: str
+    data_name: str
+    lr_rule: str
+    warmup_rule: str
+
+    # Strings for the template's header.
+    k_str = property(lambda s: _g(s.k))
+    base_lr_str = property(lambda s: _g(s.base_lr))
+    peak_lr_str = property(lambda s: _g(s.peak_lr))
+    base_warmup_epochs_str = property(lambda s: _g(s.base_warmup_epochs))
+    warmup_epochs_str = property(lambda s: _g(s.warmup_epochs))
+    epochs_str = property(lambda s: _g(s.epochs))
+
+
+@dataclass
+class JobSpec:
+    """Everything ``hpclb jobs render`` takes; see :func:`render` and the CLI help."""
+
+    experiment: str
+    scheduler: str
+    nodes: int
+    gpus_per_node: int
+    per_gpu_batch: int | None = None
+    tasks_per_node: int | None = None       # default: gpus_per_node (one rank per GPU), or 1
+    cpus_per_task: int | None = None        # default: 8 with GPUs, 1 without
+    time: str = "04:00:00"
+    partition: str | None = None            # SLURM partition / PBS queue
+    account: str | None = None
+    job_name: str | None = None
+    out: str | None = None                  # run directory (relative to the submit directory)
+    log: str | None = None                  # scheduler's stdout+stderr file (its directory must exist)
+    data_dir: str | None = None
+    venv: str | None = ".venv"
+    modules: list[str] = field(default_factory=list)
+    fabric: str = "ib"
+    allreduce: str = "ring"
+    ucx_net_devices: str | None = None
+    nccl_ib_hca: str | None = None
+    socket_ifname: str | None = None
+    signal_lead: int = 300                  # seconds before the limit the USR2 comes
+    checkpoint_interval: int = 1800         # seconds between periodic checkpoints (0: epochs)
+    launcher: str = "srun"                  # SLURM: srun --mpi=pmix, or the MPI's mpirun
+    scaling: str = "legw"
+    optimizer: str | None = None
+    epochs: float | None = None
+    seed: int = 0
+    exclusive: bool = True
+
+
+def plan_for(recipe: dict[str, Any], global_batch: int, per_rank_batch: int, scaling: str,
+             epochs: float | None = None, optimizer: str | None = None) -> Plan:
+    """The schedule ``hpclb train`` will derive for this recipe at ``global_batch``."""
+    n, unit = train_set_size(recipe)
+    if global_batch > n:
+        raise JobError(f"the global batch {global_batch} is larger than the training set "
+                       f"({n} {unit} of {recipe['data']['name']}): use fewer nodes or GPUs or a "
+                       f"smaller --per-gpu-batch (at most {n // max(1, global_batch // per_rank_batch)}"
+                       f" per rank at this size)")
+    opt = optimizer or recipe["optimizer"]
+    if opt not in recipe.get("optimizers", {}):
+        raise JobError(f"--optimizer {opt}: the recipe {recipe['name']} has no tuned "
+                       f"hyper-parameters for it; choose one of {sorted(recipe['optimizers'])}")
+    if scaling not in schedules.SCHEMES:
+        raise JobError(f"--scaling {scaling!r} is not one of {tuple(schedules.SCHEMES)}")
+    base_lr = float(recipe["optimizers"][opt]["lr"])
+    b0 = int(recipe["base_batch_size"])
+    w0 = float(recipe["warmup_epochs"])
+    n_epochs = float(recipe["epochs"] if epochs is None else epochs)
+    decay = dict(recipe["decay"])
+    try:
+        s = schedules.Schedule.from_recipe(
+            base_lr=base_lr, base_batch_size=b0, base_warmup_epochs=w0,
+            global_batch_size=global_batch, num_samples=n, epochs=n_epochs, scheme=scaling,
+            decay=decay.pop("name"), decay_params=decay)
+    except ValueError as e:
+        raise JobError(f"{recipe['name']} at global batch {global_batch} ({scaling}): {e}") from e
+    lr_rule, warmup_rule = schedules.SCHEMES[scaling]
+    return Plan(global_batch=global_batch, per_rank_batch=per_rank_batch, base_batch=b0,
+                k=global_batch / b0, base_lr=base_lr, peak_lr=s.peak_lr, base_warmup_epochs=w0,
+                warmup_epochs=schedules.scale_warmup_epochs(w0, b0, global_batch, warmup_rule),
+                warmup_steps=s.warmup_steps, steps_per_epoch=s.steps_per_epoch,
+                total_steps=s.total_steps, epochs=n_epochs, num_samples=n, sample_unit=unit,
+                data_name=recipe["data"]["name"],
+                lr_rule={"sqrt": "eta0*sqrt(k)", "linear": "eta0*k", "none": "eta0"}[lr_rule],
+                warmup_rule={"legw": "W0*k epochs", "fixed": "W0 epochs",
+                             "none": "no warmup"}[warmup_rule])
+
+
+def interconnect(spec: JobSpec) -> list[tuple[str, str]]:
+    """Environment for the fabric and the allreduce algorithm, in the order it is exported.
+
+    ``ib``: UCX over the HCA for MPI (pml ucx), NCCL over IB verbs, TCP only for bootstrap.
+    ``tcp``: Open MPI ob1 over TCP, NCCL over sockets. ``local``: several (emulated) nodes on one
+    host, as in the test cluster: ob1 with ``btl self,tcp`` over loopback.
+    The allreduce: Open MPI's tuned component fixed to the algorithm (dynamic rules on) and NCCL's
+    matching ``NCCL_ALGO``; ``auto`` leaves both libraries to choose.
+    """
+    env: list[tuple[str, str]] = []
+    if spec.fabric == "ib":
+        env += [("UCX_NET_DEVICES", spec.ucx_net_devices or "mlx5_0:1"),
+                ("OMPI_MCA_pml", "ucx"), ("OMPI_MCA_btl", "^tcp,openib,uct"),
+                ("NCCL_IB_HCA", spec.nccl_ib_hca or "mlx5"),
+                ("NCCL_SOCKET_IFNAME", spec.socket_ifname or "ib0"),
+                ("NCCL_IB_DISABLE", "0")]
+    elif spec.fabric == "tcp":
+        ifname = spec.socket_ifname or "eth0"
+        env += [("OMPI_MCA_pml", "ob1"), ("OMPI_MCA_btl", "self,sm,tcp"),
+                ("OMPI_MCA_btl_tcp_if_include", ifname), ("NCCL_SOCKET_IFNAME", ifname),
+                ("NCCL_IB_DISABLE", "1")]
+        if spec.ucx_net_devices:
+            env.append(("UCX_NET_DEVICES", spec.ucx_net_devices))
+    else:  # local
+        ifname = spec.socket_ifname or "lo"
+        env += [("OMPI_MCA_pml", "ob1"), ("OMPI_MCA_btl", "self,tcp"),
+                ("OMPI_MCA_btl_tcp_if_include", ifname), ("NCCL_SOCKET_IFNAME", ifname),
+                ("NCCL_IB_DISABLE", "1")]
+    if spec.allreduce != "auto":
+        env += [("OMPI_MCA_coll_tuned_use_dynamic_rules", "1"),
+                ("OMPI_MCA_coll_tuned_allreduce_algorithm", spec.allreduce),
+                ("NCCL_ALGO", "Ring" if "ring" in spec.allreduce else "Tree")]
+    return env
+
+
+def _check_path(what: str, value: str | None) -> None:
+    if value is not None and not _PATH_OK.match(value):
+        raise JobError(f"{what} {value!r}: no spaces, quotes or shell operators (it goes into "
+                       f"#SBATCH/#PBS lines unquoted)")
+
+
+def _validate(spec: JobSpec) -> None:
+    if spec.scheduler not in SCHEDULERS:
+        raise JobError(f"--scheduler {spec.scheduler!r}: choose one of {SCHEDULERS}")
+    if not isinstance(spec.nodes, int) or spec.nodes < 1:
+        raise JobError(f"--nodes {spec.nodes}: a job needs at least 1 node")
+    if spec.gpus_per_node < 0:
+        raise JobError(f"--gpus-per-node {spec.gpus_per_node}: must be >= 0 (0 = CPU-only "
+                       f"nodes, then give --tasks-per-node)")
+    if spec.tasks_per_node is not None and spec.tasks_per_node < 1:
+        raise JobError(f"--tasks-per-node {spec.tasks_per_node}: must be >= 1")
+    if spec.gpus_per_node and spec.tasks_per_node not in (None, spec.gpus_per_node):
+        raise JobError(f"--tasks-per-node {spec.tasks_per_node} with --gpus-per-node "
+                       f"{spec.gpus_per_node}: hpclb runs one rank per GPU; drop --tasks-per-node")
+    if spec.per_gpu_batch is not None and spec.per_gpu_batch < 1:
+        raise JobError(f"--per-gpu-batch {spec.per_gpu_batch}: must be >= 1")
+    if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
+        raise JobError(f"--cpus-per-task {spec.cpus_per_task}: must be >= 1")
+    if spec.fabric not in FABRICS:
+        raise JobError(f"--fabric {spec.fabric!r}: choose one of {FABRICS}")
+    if spec.allreduce not in ALLREDUCE:
+        raise JobError(f"--allreduce {spec.allreduce!r}: choose one of {ALLREDUCE}")
+    if spec.scheduler == "slurm" and spec.launcher not in SLURM_LAUNCHERS:
+        raise JobError(f"--launcher {spec.launcher!r}: choose one of {SLURM_LAUNCHERS}")
+    limit = parse_time(spec.time)
+    if limit <= 0:
+        raise JobError(f"--time {spec.time}: the time limit must be > 0")
+    if spec.signal_lead < 30:
+        raise JobError(f"--signal-lead {spec.signal_lead}: give the ranks at least 30 s between "
+                       f"the USR2 and the time limit to finish a step and write the checkpoint")
+    if spec.signal_lead >= limit:
+        raise JobError(f"--time {spec.time} ({limit} s) is not longer than --signal-lead "
+                       f"{spec.signal_lead} s: the job would be told to checkpoint before it "
+                       f"starts; give a longer --time or a shorter --signal-lead")
+    if spec.checkpoint_interval < 0:
+        raise JobError(f"--checkpoint-interval {spec.checkpoint_interval}: must be >= 0 "
+                       f"(0 = only at epoch ends and on preemption)")
+    if spec.checkpoint_interval and spec.checkpoint_interval >= limit - spec.signal_lead:
+        raise JobError(f"--time {spec.time} ({limit} s) leaves {limit - spec.signal_lead} s "
+                       f"before the preemption signal, not more than --checkpoint-interval "
+                       f"{spec.checkpoint_interval} s: no periodic checkpoint would ever be "
+                       f"written; give a longer --time or a shorter --checkpoint-interval")
+    for what, value in (("--out", spec.out), ("--log", spec.log), ("--data-dir", spec.data_dir),
+                        ("--venv", spec.venv), ("--partition", spec.partition),
+                        ("--account", spec.account), ("--job-name", spec.job_name),
+                        *(("--module", m) for m in spec.modules)):
+        _check_path(what, value)
+
+
+def _templates_dir() -> Path:
+    """jobs/templates of the checkout, else the copy packaged as hpclb/job_templates."""
+    repo = Path(__file__).resolve().parent.parent / "jobs" / "templates"
+    if repo.is_dir():
+        return repo
+    return Path(str(resources.files("hpclb") / "job_templates"))
+
+
+def _render_args(spec: JobSpec) -> str:
+    args = [spec.experiment, "--scheduler", spec.scheduler, "--nodes", str(spec.nodes),
+            "--gpus-per-node", str(spec.gpus_per_node)]
+    defaults = JobSpec(spec.experiment, spec.scheduler, spec.nodes, spec.gpus_per_node)
+    for name in ("per_gpu_batch", "tasks_per_node", "cpus_per_task", "time", "partition",
+                 "account", "job_name", "out", "log", "data_dir", "venv", "fabric", "allreduce",
+                 "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
+                 "checkpoint_interval", "launcher", "scaling", "optimizer", "epochs", "seed"):
+        v = getattr(spec, name)
+        if v != getattr(defaults, name) and v is not None:
+            args += [f"--{name.replace('_', '-')}", str(v)]
+    for m in spec.modules:
+        args += ["--module", m]
+    if not spec.exclusive:
+        args.append("--shared")
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def render(spec: JobSpec) -> tuple[str, Plan]:
+    """(script text, plan) for ``spec``; JobError with the fix for anything invalid."""
+    import jinja2
+
+    from .config import ConfigError, load_recipe
+    from .train import PREEMPTED_EXIT_CODE
+
+    _validate(spec)
+    try:
+        recipe = load_recipe(spec.experiment)
+    except ConfigError as e:
+        raise JobError(str(e)) from e
+    tasks = spec.tasks_per_node or spec.gpus_per_node or 1
+    ranks = spec.nodes * tasks
+    b = spec.per_gpu_batch or int(recipe.get("per_gpu_batch") or
+                                  max(1, recipe["base_batch_size"] // tasks))
+    plan = plan_for(recipe, ranks * b, b, spec.scaling, spec.epochs, spec.optimizer)
+    name = spec.job_name or f"{recipe['name']}-{spec.nodes}n"
+    out = spec.out or f"runs/{recipe['name']}-{spec.nodes}n{tasks}r-b{plan.global_batch}"
+    _check_path("--out", out)
+    _check_path("--job-name", name)
+    cpus = spec.cpus_per_task or (8 if spec.gpus_per_node else 1)
+
+    train = ["hpclb", "train", shlex.quote(spec.experiment), "--batch-size",
+             str(plan.global_batch), "--scaling", spec.scaling, "--expect-world-size", str(ranks),
+             "--backend", "mpi", "--out", '"$OUT"', "--seed", str(spec.seed)]
+    if spec.optimizer:
+        train += ["--optimizer", spec.optimizer]
+    if spec.epochs is not None:
+        train += ["--epochs", f"{spec.epochs:g}"]
+    if spec.data_dir:
+        train += ["--data-dir", '"$HPCLB_DATA"']
+    if spec.checkpoint_interval:
+        train += ["--checkpoint-interval", str(spec.checkpoint_interval)]
+    env = interconnect(spec)
+    if spec.scheduler == "slurm":
+        if spec.launcher == "srun":
+            launch = (f"srun --mpi=pmix --kill-on-bad-exit=1 --ntasks={ranks} "
+                      f"--ntasks-per-node={tasks} --cpus-per-task={cpus}")
+        else:
+            launch = f"mpirun -n {ranks} --map-by ppr:{tasks}:node --bind-to none"
+    else:
+        forward = ["OMP_NUM_THREADS", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV"]
+        forward += (["HPCLB_DATA"] if spec.data_dir else [])
+        forward += [k for k, _ in env if not k.startswith("OMPI_MCA_")]
+        launch = (f'mpiexec -n {ranks} --host "$HOSTS" --map-by ppr:{tasks}:node --bind-to none '
+                  + " ".join(f"-x {k}" for k in forward))
+    limit = parse_time(spec.time)
+    context = dict(
+        job_name=name, experiment=recipe["name"], nodes=spec.nodes, tasks_per_node=tasks,
+        gpus_per_node=spec.gpus_per_node, cpus_per_task=cpus,
+        time_limit=format_time(limit, spec.scheduler), partition=spec.partition,
+        account=spec.account, exclusive=spec.exclusive, out=out, data_dir=spec.data_dir,
+        log=spec.log or (f"{name}-%j.out" if spec.scheduler == "slurm" else f"{name}.log"),
+        venv=spec.venv, modules=spec.modules, fabric=spec.fabric, interconnect=env,
+        signal_lead=spec.signal_lead, preempted_exit_code=PREEMPTED_EXIT_CODE,
+        train_argv=" ".join(train), launch=launch, scaling=spec.scaling, plan=plan,
+        render_args=_render_args(spec), version=__version__)
+    tmpl_name = "slurm.sbatch.j2" if spec.scheduler == "slurm" else "pbs.pbs.j2"
+    loader = jinja2.FileSystemLoader(str(_templates_dir()))
+    jenv = jinja2.Environment(loader=loader, trim_blocks=True, lstrip_blocks=True,
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              autoescape=False)
+    return jenv.get_template(tmpl_name).render(**context), plan
+
+
+# The committed examples (jobs/slurm, jobs/pbs): experiment -> per-GPU batch at 1, 16, 256 nodes
+# of 4 GPUs. MNIST-LSTM stops at k = 64 at 256 nodes (the paper's "batch x64 without loss"; a
+# larger k would need more warmup epochs than the 20 epochs of training).
+EXAMPLE_NODES = (1, 16, 256)
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "mnist-lstm": {"gpus_per_node": 4, "per_gpu_batch": {1: 32, 16: 32, 256: 8},
+                   "time": "01:00:00", "checkpoint_interval": 600},
+}
+
+
+def example_specs() -> list[tuple[str, JobSpec]]:
+    """(relative path, spec) of every committed example whose recipe exists."""
+    from .config import available_experiments
+
+    have = set(available_experiments())
+    specs = []
+    for exp, ex in EXAMPLES.items():
+        if exp not in have:
+            continue
+        for n in EXAMPLE_NODES:
+            for sched in SCHEDULERS:
+                spec = JobSpec(exp, sched, n, ex["gpus_per_node"],
+                               per_gpu_batch=ex["per_gpu_batch"][n], time=ex["time"],
+                               checkpoint_interval=ex["checkpoint_interval"],
+                               partition="gpu", account="hpclb")
+                ext = "sbatch" if sched == "slurm" else "pbs"
+                specs.append((f"{sched}/{exp}-{n:03d}n.{ext}", spec))
+    return specs
+
+
+def write_examples(root: str | Path) -> list[Path]:
+    """Render every example into ``root`` (jobs/); returns the paths written."""
+    written = []
+    for rel, spec in example_specs():
+        path = Path(root) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(spec)[0])
+        path.chmod(0o755)
+        written.append(path)
+    return written
+
+
+def directives(text: str, prefix: str) -> list[str]:
+    """The scheduler directives of a script (``#SBATCH`` / ``#PBS`` lines before the first
+    command), each without the prefix: ``["--nodes=16", ...]`` / ``["-l select=...", ...]``."""
+    out = []
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith(prefix + " "):
+            out.append(s[len(prefix) + 1:].strip())
+        elif s and not s.startswith("#"):
+            break
+    return out
+
+
+def pbs_resources(text: str) -> dict[str, Any]:
+    """A PBS script's request: {'select': N, 'ncpus', 'ngpus', 'mpiprocs', 'ompthreads' (per
+    chunk), 'walltime' (s), 'rerunnable' (bool), 'place', 'queue', 'account', 'name'};
+    JobError for a directive PBS Pro would reject."""
+    res: dict[str, Any] = {"rerunnable": None}
+    for d in directives(text, "#PBS"):
+        opt, _, val = d.partition(" ")
+        val = val.strip()
+        if opt == "-l":
+            for part in val.split(","):
+                key, _, v = part.partition("=")
+                if key == "select":
+                    chunks = v.split(":")
+                    if not chunks[0].isdigit():
+                        raise JobError(f"#PBS -l select={v}: the chunk count must come first")
+                    res["select"] = int(chunks[0])
+                    for c in chunks[1:]:
+                        k, _, n = c.partition("=")
+                        if not n.isdigit():
+                            raise JobError(f"#PBS -l select: {c!r} is not name=integer")
+                        res[k] = int(n)
+                elif key == "walltime":
+                    res["walltime"] = parse_time(v)
+                elif key == "place":
+                    res["place"] = v
+                else:
+                    raise JobError(f"#PBS -l {key}: not a resource these templates use")
+        elif opt == "-r":
+            if val not in ("y", "n"):
+                raise JobError(f"#PBS -r {val}: must be y or n")
+            res["rerunnable"] = val == "y"
+        elif opt in ("-q", "-A", "-N", "-o", "-j"):
+            res[{"-q": "queue", "-A": "account", "-N": "name", "-o": "output",
+                 "-j": "join"}[opt]] = val
+        else:
+            raise JobError(f"#PBS {opt}: not a directive these templates use")
+    for key in ("select", "ncpus", "mpiprocs", "walltime"):
+        if key not in res:
+            raise JobError(f"PBS script has no {key}")
+    return res

@@ -1,0 +1,240 @@
+"""Job templates: rendering, the committed examples' LEGW numbers, directives, validation.
+
+Fast (no scheduler): the real SLURM and the PBS emulation are in jobs/testing (`make test-slurm`).
+"""
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpclb import jobs, schedules
+from hpclb.cli import main
+from hpclb.config import load_recipe
+from hpclb.jobs import JobError, JobSpec, render
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = jobs.example_specs()
+
+
+def train_line(text: str) -> list[str]:
+    line = next(l for l in text.splitlines() if l.startswith("TRAIN=("))
+    return shlex.split(line[len("TRAIN=("):-1])
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def spec(**kw) -> JobSpec:
+    base = dict(experiment="mnist-lstm", scheduler="slurm", nodes=2, gpus_per_node=4)
+    return JobSpec(**{**base, **kw})
+
+
+# --- the committed examples ------------------------------------------------------------------
+
+def test_examples_cover_every_recipe_and_node_count():
+    names = {rel for rel, _ in EXAMPLES}
+    for exp in jobs.EXAMPLES:
+        if exp in {s.experiment for _, s in EXAMPLES}:
+            for n in jobs.EXAMPLE_NODES:
+                assert f"slurm/{exp}-{n:03d}n.sbatch" in names
+                assert f"pbs/{exp}-{n:03d}n.pbs" in names
+    assert len(EXAMPLES) >= 6
+
+
+@pytest.mark.parametrize("rel,sp", EXAMPLES, ids=[r for r, _ in EXAMPLES])
+def test_committed_example_is_current(rel, sp):
+    path = REPO / "jobs" / rel
+    assert path.is_file(), f"{rel} missing; run `hpclb jobs examples`"
+    assert path.read_text() == render(sp)[0], f"{rel} is stale; run `hpclb jobs examples`"
+
+
+@pytest.mark.parametrize("rel,sp", EXAMPLES, ids=[r for r, _ in EXAMPLES])
+def test_example_batch_lr_warmup_are_legw_for_its_node_count(rel, sp):
+    """The script's global batch is nodes x GPUs x per-GPU batch, and the LR/warmup in its header
+    are what hpclb.schedules gives for that batch (sqrt LR, warmup W0*k epochs = same steps)."""
+    text = (REPO / "jobs" / rel).read_text()
+    recipe = load_recipe(sp.experiment)
+    ranks = sp.nodes * sp.gpus_per_node
+    B = ranks * sp.per_gpu_batch
+    argv = train_line(text)
+    assert int(flag(argv, "--batch-size")) == B
+    assert flag(argv, "--scaling") == "legw"
+    assert int(flag(argv, "--expect-world-size")) == ranks
+    n, _ = jobs.train_set_size(recipe)
+    b0, w0 = recipe["base_batch_size"], recipe["warmup_epochs"]
+    eta0 = recipe["optimizers"][recipe["optimizer"]]["lr"]
+    decay = dict(recipe["decay"])
+    s = schedules.Schedule.from_recipe(base_lr=eta0, base_batch_size=b0, base_warmup_epochs=w0,
+                                       global_batch_size=B, num_samples=n,
+                                       epochs=recipe["epochs"], scheme="legw",
+                                       decay=decay.pop("name"), decay_params=decay)
+    k = B / b0
+    assert s.peak_lr == pytest.approx(eta0 * math.sqrt(k))
+    assert s.warmup_steps == round(w0 * n / b0)  # LEGW: the same warmup iterations at every k
+    m = re.search(r"global batch (\d+) = (\d+) nodes x (\d+) ranks x (\d+) per rank", text)
+    assert m and tuple(map(int, m.groups())) == (B, sp.nodes, sp.gpus_per_node, sp.per_gpu_batch)
+    m = re.search(r"peak LR (\S+) -> (\S+) \(eta0\*sqrt\(k\)\)", text)
+    assert float(m.group(2)) == pytest.approx(s.peak_lr, rel=1e-3)
+    m = re.search(r"warmup (\S+) -> (\S+) epochs = (\d+) steps", text)
+    assert float(m.group(2)) == pytest.approx(w0 * k, rel=1e-3)
+    assert int(m.group(3)) == s.warmup_steps
+    m = re.search(r"(\d+) steps/epoch x \S+ epochs = (\d+) steps", text)
+    assert (int(m.group(1)), int(m.group(2))) == (s.steps_per_epoch, s.total_steps)
+
+
+@pytest.mark.parametrize("rel,sp", [e for e in EXAMPLES if e[1].scheduler == "slurm"],
+                         ids=[r for r, s in EXAMPLES if s.scheduler == "slurm"])
+def test_slurm_example_directives(rel, sp):
+    text = (REPO / "jobs" / rel).read_text()
+    d = jobs.directives(text, "#SBATCH")
+    assert f"--nodes={sp.nodes}" in d
+    assert f"--ntasks-per-node={sp.gpus_per_node}" in d
+    assert f"--gpus-per-node={sp.gpus_per_node}" in d
+    assert f"--time={sp.time}" in d and "--partition=gpu" in d and "--account=hpclb" in d
+    assert any(re.fullmatch(r"--signal=B:USR2@\d+", x) for x in d)
+    assert "--requeue" in d and "--open-mode=append" in d
+    assert re.search(r"^srun --mpi=pmix .*\"\$\{TRAIN\[@\]\}\".* &$", text, re.M)
+    assert 'wait "$LAUNCH"' in text and "trap 'forward USR2' USR2" in text
+    assert re.search(r'if \[ "\$rc" -eq 75 \]; then\n.*\n\s+scontrol requeue "\$SLURM_JOB_ID"', text)
+    assert "export OMPI_MCA_coll_tuned_allreduce_algorithm=ring" in text
+    assert "export NCCL_ALGO=Ring" in text and "export UCX_NET_DEVICES=" in text
+    assert "export NCCL_IB_HCA=" in text and "export NCCL_SOCKET_IFNAME=" in text
+
+
+@pytest.mark.parametrize("rel,sp", [e for e in EXAMPLES if e[1].scheduler == "pbs"],
+                         ids=[r for r, s in EXAMPLES if s.scheduler == "pbs"])
+def test_pbs_example_directives(rel, sp):
+    text = (REPO / "jobs" / rel).read_text()
+    r = jobs.pbs_resources(text)
+    G = sp.gpus_per_node
+    assert (r["select"], r["ngpus"], r["mpiprocs"]) == (sp.nodes, G, G)
+    assert r["ncpus"] == G * 8 and r["ompthreads"] == 8
+    assert r["walltime"] == jobs.parse_time(sp.time) and r["rerunnable"] is True
+    assert r["queue"] == "gpu" and r["account"] == "hpclb" and r["place"] == "scatter:excl"
+    assert re.search(rf'^mpiexec -n {sp.nodes * G} --host "\$HOSTS" --map-by ppr:{G}:node', text,
+                     re.M)
+    assert "awk '!seen[$0]++" in text and "$PBS_NODEFILE" in text
+
+
+@pytest.mark.parametrize("rel", [r for r, _ in EXAMPLES])
+def test_example_is_valid_bash(rel):
+    subprocess.run(["bash", "-n", str(REPO / "jobs" / rel)], check=True)
+
+
+# --- rendering choices -----------------------------------------------------------------------
+
+def test_default_per_gpu_batch_runs_the_recipe_at_k1_on_one_node():
+    text, plan = render(spec(nodes=1, gpus_per_node=4))
+    assert plan.global_batch == 128 and plan.k == 1 and plan.per_rank_batch == 32
+
+
+def test_fabrics_and_allreduce_choices():
+    local = render(spec(fabric="local", allreduce="auto"))[0]
+    assert "export OMPI_MCA_btl=self,tcp" in local and "coll_tuned" not in local
+    assert "NCCL_ALGO" not in local
+    tcp = render(spec(fabric="tcp", socket_ifname="eno1", allreduce="recursive_doubling"))[0]
+    assert "export OMPI_MCA_btl_tcp_if_include=eno1" in tcp and "export NCCL_ALGO=Tree" in tcp
+    assert "OMPI_MCA_coll_tuned_allreduce_algorithm=recursive_doubling" in tcp
+    ib = render(spec(ucx_net_devices="mlx5_2:1", nccl_ib_hca="mlx5_2"))[0]
+    assert "export UCX_NET_DEVICES=mlx5_2:1" in ib and "export NCCL_IB_HCA=mlx5_2" in ib
+
+
+def test_env_modules_launcher_and_outputs():
+    text = render(spec(venv=None, modules=["cuda/12.4", "openmpi/5.0"], launcher="mpirun",
+                       out="runs/x", data_dir="/scratch/data", checkpoint_interval=0,
+                       scaling="linear", epochs=5.0))[0]
+    assert "module load cuda/12.4\nmodule load openmpi/5.0" in text and "activate" not in text
+    assert re.search(r"^mpirun -n 8 --map-by ppr:4:node", text, re.M)
+    argv = train_line(text)
+    assert flag(argv, "--scaling") == "linear" and flag(argv, "--epochs") == "5"
+    assert "--checkpoint-interval" not in argv and flag(argv, "--data-dir") == "$HPCLB_DATA"
+    assert "OUT=runs/x" in text and "export HPCLB_DATA=/scratch/data" in text
+    assert "(eta0*k)" in text
+
+
+def test_cpu_only_nodes_use_tasks_per_node():
+    text, plan = render(spec(gpus_per_node=0, tasks_per_node=16, per_gpu_batch=4))
+    assert plan.global_batch == 2 * 16 * 4
+    d = jobs.directives(text, "#SBATCH")
+    assert "--ntasks-per-node=16" in d and not any("gpus" in x for x in d)
+    pbs = jobs.pbs_resources(render(spec(scheduler="pbs", gpus_per_node=0, tasks_per_node=16))[0])
+    assert "ngpus" not in pbs and pbs["mpiprocs"] == 16
+
+
+def test_long_time_limits_per_scheduler():
+    assert "#SBATCH --time=2-00:00:00" in render(spec(time="48:00:00"))[0]
+    assert "#PBS -l walltime=48:00:00" in render(spec(scheduler="pbs", time="2-00:00:00"))[0]
+
+
+# --- validation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,match", [
+    ({"nodes": 0}, r"--nodes 0: a job needs at least 1 node"),
+    ({"nodes": 256, "per_gpu_batch": 128}, r"global batch 131072 is larger than the training set "
+                                          r"\(60000 images of mnist\)"),
+    ({"time": "00:20:00", "checkpoint_interval": 1800}, r"not more than --checkpoint-interval"),
+    ({"time": "00:04:00"}, r"not longer than --signal-lead 300"),
+    ({"time": "4h"}, r"HH:MM:SS"),
+    ({"signal_lead": 5}, r"at least 30 s"),
+    ({"nodes": 128, "per_gpu_batch": 32}, r"warmup .* must be shorter than training"),
+    ({"experiment": "no-such"}, r"unknown experiment 'no-such'"),
+    ({"tasks_per_node": 2}, r"one rank per GPU"),
+    ({"per_gpu_batch": 0}, r"--per-gpu-batch 0"),
+    ({"gpus_per_node": -1}, r"--gpus-per-node -1"),
+    ({"scheduler": "lsf"}, r"--scheduler 'lsf'"),
+    ({"out": "my runs/x"}, r"no spaces"),
+    ({"optimizer": "lion"}, r"no tuned hyper-parameters"),
+])
+def test_invalid_requests_name_the_fix(kw, match):
+    with pytest.raises(JobError, match=match):
+        render(spec(**kw))
+
+
+def test_train_set_sizes_table():
+    assert jobs.train_set_size({"name": "x", "data": {"name": "imagenet"}}) == (1_281_167, "images")
+    n, unit = jobs.train_set_size({"name": "x", "data": {"name": "ptb", "seq_len": 35}})
+    assert n == 929_588 // 35 and "35 tokens" in unit
+    assert jobs.train_set_size({"name": "x", "data": {"name": "ptb"}, "model": {"num_steps": 20}})[0] \
+        == 929_588 // 20
+    with pytest.raises(JobError, match="seq_len"):
+        jobs.train_set_size({"name": "x", "data": {"name": "ptb"}})
+    with pytest.raises(JobError, match="TRAIN_SET_SIZES"):
+        jobs.train_set_size({"name": "x", "data": {"name": "cifar"}})
+    assert jobs.train_set_size({"name": "x", "data": {"name": "mnist", "train_samples": 4096}}) \
+        == (4096, "images")
+
+
+def test_pbs_directive_parser_rejects_bad_lines():
+    good = render(spec(scheduler="pbs"))[0]
+    with pytest.raises(JobError, match="-r x"):
+        jobs.pbs_resources(good.replace("#PBS -r y", "#PBS -r x"))
+    with pytest.raises(JobError, match="chunk count"):
+        jobs.pbs_resources(good.replace("select=2:", "select=:"))
+    with pytest.raises(JobError, match="no walltime"):
+        jobs.pbs_resources(good.replace("#PBS -l walltime", "# -l walltime"))
+
+
+# --- command line ----------------------------------------------------------------------------
+
+def test_cli_render_prints_and_writes(tmp_path, capsys):
+    assert main(["jobs", "render", "mnist-lstm", "--scheduler", "slurm", "--nodes", "16",
+                 "--gpus-per-node", "4", "--per-gpu-batch", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/bash") and "--batch-size 2048" in out
+    path = tmp_path / "j" / "job.pbs"
+    assert main(["jobs", "render", "mnist-lstm", "--scheduler", "pbs", "--nodes", "1",
+                 "--gpus-per-node", "4", "-o", str(path)]) == 0
+    assert "#PBS -l select=1:" in path.read_text()
+    assert "global batch 128" in capsys.readouterr().err
+
+
+def test_cli_render_error_exit_2(capsys):
+    assert main(["jobs", "render", "mnist-lstm", "--scheduler", "slurm", "--nodes", "0",
+                 "--gpus-per-node", "4"]) == 2
+    assert "hpclb: error: --nodes 0" in capsys.readouterr().err

@@ -82,3 +82,8 @@ $(VENV)/.horovod: $(HOROVOD_TOOLCHAIN) | $(VENV)/.installed
 
 .PHONY: install-horovod
 install-horovod: $(VENV)/.horovod
+
+# Fused trust-ratio kernel benchmark: CPU part always, GPU part where CUDA + CuPy are present.
+.PHONY: bench-kernel
+bench-kernel: install
+	$(PY) -m hpclb bench trust-ratio --out results/bench_trust_ratio.json

@@ -265,7 +265,30 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_data_fetch)
 
     _add_jobs_parser(sub)
+    _add_bench_parser(sub)
     return p
+
+
+def cmd_bench_trust_ratio(args: argparse.Namespace) -> int:
+    from .bench import trust_ratio
+
+    _setup_logging(0)
+    try:
+        return trust_ratio.main_args(args)
+    except ValueError as e:
+        _error(str(e))
+        return 2
+
+
+def _add_bench_parser(sub) -> None:
+    from .bench import trust_ratio
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    tr = bsub.add_parser("trust-ratio", help="fused per-layer norms + LARS trust ratios vs the "
+                         "torch path and a per-layer loop (ResNet-50, BERT-large shapes)")
+    trust_ratio.add_arguments(tr)
+    tr.set_defaults(func=cmd_bench_trust_ratio)
 
 
 def main(argv: list[str] | None = None) -> int:

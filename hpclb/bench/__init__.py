@@ -1,2 +1,2 @@
-"""Benchmarks behind ``hpclb bench``: ``trust_ratio`` (fused per-layer norms and trust ratios
-vs the torch path and a per-layer loop, on real parameter shapes from ``shapes``)."""
+"""Benchmarks: allreduce bandwidth and gradient sync (``allreduce``), step-time scaling
+(``scaling``), the alpha-beta scaling model (``model``), trust-ratio kernels (``trust_ratio``)."""

@@ -43,6 +43,7 @@ MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
 DEFAULT_STALL_TIMEOUT_S = 60.0
+DEFAULT_COMM_POLL_S = 2e-4
 OVERLAP_MODES = ("auto", "thread", "nonblocking", "none")
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -241,6 +242,7 @@ class GradientSync:
         self.stall_abort_s = stall_abort_s if stall_abort_s is not None else \
             _env("HPCLB_STALL_ABORT_S", None, float)
         self.on_stall = on_stall
+        self.comm_poll_s = float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, float))
         self.divisor = comm.world_size * accumulation_steps
 
         for n, p in named:
@@ -267,8 +269,11 @@ class GradientSync:
                         self._make_hook(b, j)))
             if self.overlap == "thread":
                 self._queue = queue.SimpleQueue()
-                self._thread = threading.Thread(target=_comm_loop, args=(self._queue, comm),
-                                                name="hpclb-comm", daemon=True)
+                self._main_waiting = threading.Event()
+                self._thread = threading.Thread(
+                    target=_comm_loop, args=(self._queue, comm, self._main_waiting,
+                                             self.comm_poll_s),
+                    name="hpclb-comm", daemon=True)
                 self._thread.start()
                 self._finalizer = weakref.finalize(self, self._queue.put, None)
 
@@ -344,7 +349,8 @@ class GradientSync:
                 "settings": {"compression": str(self.compression),
                              "accumulation_steps": self.accumulation_steps,
                              "fusion_threshold_bytes": self.fusion_threshold_bytes,
-                             "first_bucket_bytes": self.first_bucket_bytes}}
+                             "first_bucket_bytes": self.first_bucket_bytes,
+                             "overlap": self.overlap, "comm_poll_s": self.comm_poll_s}}
         everyone = self.comm.allgather_object(mine)
         _compare_entries([e["params"] for e in everyone], "different gradients than rank 0",
                          "every rank must build the same model and pass the same parameters")
@@ -422,6 +428,17 @@ class GradientSync:
             if b.handle is not None and b.handle.test():
                 pass
 
+    def mark_all_ready(self) -> None:
+        """Declare every gradient of this step final, as the hooks do during backward, which
+        starts every bucket not yet started. For gradients written without autograd (manual
+        gradients, benchmarks); call :meth:`synchronize` afterwards as usual."""
+        if self.comm.world_size == 1 or self._micro != self.accumulation_steps - 1:
+            return
+        for b in self.buckets:
+            for j, p in enumerate(b.params):
+                if not b.ready[j]:
+                    self._on_grad(b, j, p)
+
     # -- after backward -----------------------------------------------------------------------
     @torch.no_grad()
     def synchronize(self) -> bool:
@@ -460,6 +477,7 @@ class GradientSync:
             with self._watchdog.waiting(b.seq, label, self.stall_timeout_s, self.on_stall,
                                         self.stall_abort_s):
                 if self.overlap == "thread":
+                    self._main_waiting.set()
                     b.done.wait()
                 elif self.overlap == "nonblocking":
                     b.handle.wait()
@@ -477,6 +495,8 @@ class GradientSync:
             b.pending = len(b.params)
             b.launched = False
         self._next = 0
+        if self.overlap == "thread":
+            self._main_waiting.clear()
         if error is not None:
             raise error
         return True
@@ -517,15 +537,28 @@ class GradientSync:
                 f"{self.comm.world_size})")
 
 
-def _comm_loop(q: queue.SimpleQueue, comm: Communicator) -> None:
-    """The communication thread: the only thread that runs gradient collectives (blocking, in
-    bucket order) while it lives."""
+def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading.Event,
+               poll_s: float) -> None:
+    """The communication thread: the only thread that runs gradient collectives while it lives,
+    in bucket order. While the main thread still computes (backward), it starts the bucket's
+    non-blocking allreduce and drives it with ``Handle.test()`` every ``poll_s`` seconds, sleeping
+    in between, so it does not take the core from backward (Open MPI spins inside a blocking
+    call); once the main thread waits in ``synchronize()``, it blocks in ``wait()`` (full speed).
+    Backends that progress on their own threads get the plain blocking call."""
     while True:
         b = q.get()
         if b is None:
             return
         try:
-            comm.allreduce_(b.comm_buffer)
+            # The same kind of call on every rank: a blocking collective never matches a
+            # non-blocking one (MPI standard), so the choice must not depend on timing.
+            if comm.async_progress or poll_s <= 0:
+                comm.allreduce_(b.comm_buffer)
+            else:
+                h = comm.iallreduce_(b.comm_buffer)
+                while not main_waiting.is_set() and not h.test():
+                    main_waiting.wait(poll_s)
+                h.wait()
         except BaseException as e:  # reported by synchronize() on the main thread
             b.error = e
         finally:

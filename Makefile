@@ -80,8 +80,32 @@ $(VENV)/.horovod: $(HOROVOD_TOOLCHAIN) | $(VENV)/.installed
 	    'MPI', hvd.mpi_built(), 'Gloo', hvd.gloo_built())"
 	@touch $@
 
-.PHONY: install-horovod
+.PHONY: install-horovod test-horovod bench-allreduce bench-scaling bench-model
 install-horovod: $(VENV)/.horovod
+
+# Horovod's tests run alone (its background thread would cycle beside every later test), at 1
+# process and under mpirun; `make test` (CI) skips them: building Horovod takes 5-10 minutes.
+test-horovod: install-horovod data
+	HPCLB_TEST_HOROVOD=1 $(PY) -m pytest -q --with-mpi -p no:cacheprovider tests/test_comm_horovod.py
+	HPCLB_TEST_HOROVOD=1 HPCLB_EXPECT_WORLD_SIZE=$(NP) $(MPIRUN) $(MPIRUN_FLAGS) \
+	    -x HPCLB_TEST_HOROVOD -x HPCLB_EXPECT_WORLD_SIZE \
+	    $(PY) -m pytest -q --with-mpi --only-mpi -p no:cacheprovider tests/test_comm_horovod.py
+
+# Gradient-sync benchmarks: short on purpose (the cores are shared); each ratio compares variants
+# timed in the same job, round by round. Horovod joins when it builds (a failed build is skipped).
+$(VENV)/.bench: setup.cfg | $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[bench]'
+	@touch $@
+
+bench-allreduce: $(VENV)/.bench
+	-$(MAKE) --no-print-directory install-horovod
+	$(PY) -m hpclb bench allreduce --np 2 4 --out results/bench_allreduce.json
+
+bench-scaling: $(VENV)/.bench
+	$(PY) -m hpclb bench scaling --np 1 2 4 --out results/bench_scaling.json
+
+bench-model: $(VENV)/.bench
+	$(PY) -m hpclb bench model --measurements results/bench_allreduce.json
 
 # Fused trust-ratio kernel benchmark: CPU part always, GPU part where CUDA + CuPy are present.
 .PHONY: bench-kernel

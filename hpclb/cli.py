@@ -289,6 +289,8 @@ def _add_bench_parser(sub) -> None:
                          "torch path and a per-layer loop (ResNet-50, BERT-large shapes)")
     trust_ratio.add_arguments(tr)
     tr.set_defaults(func=cmd_bench_trust_ratio)
+    from .bench import model as sync_bench  # bench model|allreduce|scaling (gradient sync)
+    sync_bench.add_cli(bsub)
 
 
 def main(argv: list[str] | None = None) -> int:

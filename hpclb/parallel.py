@@ -128,6 +128,28 @@ def _bytes(raw: str) -> int:
     return int(s)
 
 
+def plan_buckets(nbytes: list[int], fusion_threshold_bytes: int,
+                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+                 keys: list | None = None) -> list[list[int]]:
+    """How :class:`GradientSync` packs tensors of ``nbytes`` (bytes each, registration order):
+    lists of indices, in the order the buckets are reduced. Tensors are taken in reverse order
+    (backward produces the last layers' gradients first); a bucket closes before a tensor that
+    would take it past its cap (``first_bucket_bytes`` for the first, ``fusion_threshold_bytes``
+    after) or whose key (dtype, device) differs; a tensor larger than the cap gets its own."""
+    groups: list[list[int]] = []
+    cap, cur, cur_bytes = first_bucket_bytes, [], 0
+    for i in reversed(range(len(nbytes))):
+        if cur and (cur_bytes + nbytes[i] > cap or
+                    (keys is not None and keys[i] != keys[cur[0]])):
+            groups.append(cur)
+            cur, cur_bytes, cap = [], 0, fusion_threshold_bytes
+        cur.append(i)
+        cur_bytes += nbytes[i]
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 @dataclass
 class _Bucket:
     """Gradients reduced together: ``buffer`` holds them back to back (the params' ``.grad``
@@ -300,21 +322,9 @@ class GradientSync:
     def _build_buckets(self) -> list[_Bucket]:
         """Reverse registration order (roughly the order backward produces gradients), split
         by device and dtype, each bucket up to its byte cap."""
-        groups: list[list[int]] = []
-        cap = self.first_bucket_bytes
-        cur: list[int] = []
-        cur_bytes = 0
-        for i in reversed(range(len(self.params))):
-            p = self.params[i]
-            nb = p.numel() * p.element_size()
-            if cur and (cur_bytes + nb > cap or p.dtype != self.params[cur[0]].dtype
-                        or p.device != self.params[cur[0]].device):
-                groups.append(cur)
-                cur, cur_bytes, cap = [], 0, self.fusion_threshold_bytes
-            cur.append(i)
-            cur_bytes += nb
-        if cur:
-            groups.append(cur)
+        groups = plan_buckets([p.numel() * p.element_size() for p in self.params],
+                              self.fusion_threshold_bytes, self.first_bucket_bytes,
+                              keys=[(p.dtype, p.device) for p in self.params])
         buckets = []
         for bi, idx in enumerate(groups):
             ps = [self.params[i] for i in idx]

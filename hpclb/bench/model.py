@@ -1,0 +1,356 @@
+"""An alpha-beta model of ring allreduce, calibrated on this machine's measurements, projecting
+step time and scaling efficiency to 1-1024 nodes x 4 GPUs (``hpclb bench model``).
+
+Ring allreduce of ``n`` bytes over ``p`` ranks (Patarasuk & Yuan 2009; Thakur et al. 2005)::
+
+    T_ring(n, p) = 2 (p - 1) alpha + 2 (p - 1) / p * n * beta
+
+``alpha``: seconds per ring step (latency), ``beta``: seconds per byte on the slowest link.
+GradientSync reduces a step's gradients in B buckets, so the step pays the alpha term B times.
+
+Calibration from ``results/bench_allreduce.json`` (``make bench-allreduce``):
+
+* ``alpha_sw``, ``beta_local``: least-squares fit of the formula to the raw mpi4py Allreduce
+  points measured at 2 and 4 ranks (relative error weighted). ``alpha_sw`` is the software cost
+  of one ring step, which stays on a cluster; ``beta_local`` is this machine's shared memory and
+  is reported, not projected.
+* ``sync_efficiency``: hpclb's bucketed sync of ResNet-50 gradients / raw Allreduce of one buffer
+  of the same size (``hpclb_vs_raw_allreduce``), capped at 1.
+* ``hidden_fraction``: the measured share of communication hidden behind backward
+  (``overlap_hidden_fraction``); the projection also shows full overlap (everything that fits
+  inside backward is hidden).
+
+Projection for N nodes of 4 GPUs each, ``p = 4 N`` ranks, link speed L Gb/s per node::
+
+    alpha = alpha_link + alpha_sw          (alpha_link: 2 us per InfiniBand hop, assumed)
+    beta  = 8 / (eta * L * 1e9)            (eta = 0.90 of line rate, assumed)
+    flat ring   T_comm = B * 2 (p-1) alpha + 2 (p-1)/p * n * beta / sync_efficiency
+    hierarchical (NCCL/Horovod style: reduce-scatter inside the node over NVLink, ring across
+    nodes on 1/4 of the data per GPU, the node's 4 GPUs sharing its links, allgather inside):
+                T_comm = B * [2 (N-1) alpha + 2*3 alpha_nvlink]
+                         + [2 (N-1)/N * n * beta + 2 * 3/4 * n / bw_nvlink] / sync_efficiency
+    T_step = T_compute + T_comm - min(h * T_comm, backward share (2/3) * T_compute)
+    efficiency(N) = T_step(1 GPU) / T_step(N)      (weak scaling: fixed batch per GPU)
+
+Compute times per GPU step are assumptions (printed with their sources), not measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+NODES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+LINKS_GBPS = [100, 200, 400]
+GPUS_PER_NODE = 4
+ALPHA_LINK_S = 2e-6
+LINK_EFFICIENCY = 0.90
+NVLINK_BPS = 150e9          # bytes/s per GPU inside a node (V100 NVLink2 ~ 150 GB/s one way)
+ALPHA_NVLINK_S = 2e-6
+BACKWARD_SHARE = 2 / 3
+DEFAULT_FUSION_BYTES = 25 * 2 ** 20
+
+
+@dataclass
+class Workload:
+    name: str
+    gradient_bytes: int
+    tensors: list[int]          # bytes per gradient tensor (registration order)
+    compute_s: float            # one GPU's forward+backward+update at batch_per_gpu
+    batch_per_gpu: str
+    source: str
+
+
+def workloads(gpu: str = "v100") -> dict[str, Workload]:
+    """ResNet-50, PTB-large and GNMT with their real gradient shapes and assumed GPU compute."""
+    from .workloads import gradient_shapes
+
+    def tensors(name):
+        return [4 * math.prod(s) for _, s in gradient_shapes(name)]
+
+    spec = {
+        "resnet50": (0.223, "256 images",
+                     "V100 mixed precision ~1150 img/s (NVIDIA DeepLearningExamples, "
+                     "ResNet-50 v1.5 PyTorch)"),
+        "ptb_large": (0.090, "128 x 35 tokens",
+                      "assumed: ~1.35 TFLOP per step (2 x 1500 LSTM + 10k softmax, fwd+bwd) "
+                      "at 15 TFLOP/s sustained on a V100"),
+        "gnmt": (0.300, "128 sentence pairs",
+                 "assumed: 8+8-layer GNMT ~ 3x the 4-layer GNMT v2 step (~0.1 s on a V100, "
+                 "NVIDIA DeepLearningExamples)"),
+    }
+    if gpu == "p100-horovod":  # the Horovod paper's setting (Sergeev & Del Balso 2018)
+        spec = {"resnet50": (64 / 220, "64 images", "P100 fp32 ~220 img/s, batch 64 per GPU "
+                             "(Horovod paper's setting)")}
+    return {n: Workload(n, sum(tensors(n)), tensors(n), c, b, src)
+            for n, (c, b, src) in spec.items()}
+
+
+def n_buckets(tensor_bytes: list[int], fusion_bytes: int) -> int:
+    from ..parallel import DEFAULT_FIRST_BUCKET_BYTES, plan_buckets
+    return len(plan_buckets(tensor_bytes, fusion_bytes, DEFAULT_FIRST_BUCKET_BYTES))
+
+
+def fit_alpha_beta(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """Least squares of t = 2(p-1) a + 2(p-1)/p n b over (n bytes, p ranks, t seconds), each
+    point weighted by 1/t (relative error); a, b clipped at >= 0. Raises ValueError for fewer
+    than two points."""
+    rows = [(2 * (p - 1), 2 * (p - 1) / p * n, t) for n, p, t in points if p > 1 and t > 0]
+    if len(rows) < 2:
+        raise ValueError("need at least two measured points at >= 2 ranks to calibrate")
+    s11 = sum((x / t) ** 2 for x, _, t in rows)
+    s22 = sum((y / t) ** 2 for _, y, t in rows)
+    s12 = sum((x / t) * (y / t) for x, y, t in rows)
+    r1 = sum(x / t for x, _, t in rows)
+    r2 = sum(y / t for _, y, t in rows)
+    det = s11 * s22 - s12 ** 2
+    a = (r1 * s22 - r2 * s12) / det
+    b = (r2 * s11 - r1 * s12) / det
+    if a < 0:
+        a, b = 0.0, r2 / s22
+    if b < 0:
+        a, b = r1 / s11, 0.0
+    return a, b
+
+
+@dataclass
+class Calibration:
+    alpha_sw_s: float
+    beta_local_s_per_byte: float
+    sync_efficiency: float
+    hidden_fraction: float
+    source: str
+    fit_points: int
+    fit_rel_error_median: float
+
+
+def calibrate(path: Path | None) -> Calibration:
+    """From ``bench_allreduce.json``; defaults (stated) when it is missing."""
+    if path is None or not path.exists():
+        return Calibration(10e-6, 1 / 5e9, 0.95, 0.5, "defaults (no measurements: run make "
+                           "bench-allreduce)", 0, float("nan"))
+    res = json.loads(path.read_text())
+    pts = []
+    for key, run in res.get("runs", {}).items():
+        if run and run.get("raw_mpi") and key.startswith("np"):
+            p = run["conditions"]["ranks"]
+            pts += [(q["bytes"], p, q.get("time_min_s", q["time_s"])) for q in run["raw_mpi"]]
+    a, b = fit_alpha_beta(pts)
+    errs = sorted(abs(2 * (p - 1) * a + 2 * (p - 1) / p * n * b - t) / t for n, p, t in pts
+                  if p > 1)
+    if a > 1e-4:
+        print(f"warning: fitted alpha {a * 1e6:.0f} us per ring step: the measurements were "
+              f"taken on a busy machine (scheduling delays, not MPI); rerun make bench-allreduce "
+              f"when it is quieter", file=sys.stderr)
+    eff = min(1.0, res.get("hpclb_vs_raw_allreduce") or 0.95)
+    hid = res.get("overlap_hidden_fraction")
+    hid = 0.0 if hid is None else max(0.0, min(1.0, hid))
+    return Calibration(a, b, eff, hid, str(path), len(pts), errs[len(errs) // 2])
+
+
+def comm_time(w: Workload, nodes: int, link_gbps: float, cal: Calibration, fusion_bytes: int,
+              topology: str, fp16: bool = False) -> float:
+    n = w.gradient_bytes / (2 if fp16 else 1)
+    p = nodes * GPUS_PER_NODE
+    B = n_buckets(w.tensors, fusion_bytes)
+    alpha = ALPHA_LINK_S + cal.alpha_sw_s
+    beta = 8 / (LINK_EFFICIENCY * link_gbps * 1e9)
+    if topology == "flat":
+        if p == 1:
+            return 0.0
+        return B * 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta / cal.sync_efficiency
+    intra = B * 2 * (GPUS_PER_NODE - 1) * ALPHA_NVLINK_S + \
+        2 * (GPUS_PER_NODE - 1) / GPUS_PER_NODE * n / NVLINK_BPS / cal.sync_efficiency
+    if nodes == 1:
+        return intra
+    inter = B * 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * n * beta / cal.sync_efficiency
+    return intra + inter
+
+
+def step_time(w: Workload, t_comm: float, hidden_fraction: float) -> float:
+    hidden = min(hidden_fraction * t_comm, BACKWARD_SHARE * w.compute_s)
+    return w.compute_s + t_comm - hidden
+
+
+def project(cal: Calibration, gpu: str = "v100", fusion_bytes: int = DEFAULT_FUSION_BYTES,
+            nodes: list[int] = NODES, links: list[float] = LINKS_GBPS,
+            fp16: bool = False) -> list[dict]:
+    rows = []
+    for w in workloads(gpu).values():
+        for link in links:
+            for topo in ("hierarchical", "flat"):
+                for N in nodes:
+                    tc = comm_time(w, N, link, cal, fusion_bytes, topo, fp16)
+                    row = {"workload": w.name, "link_gbps": link, "topology": topo, "nodes": N,
+                           "gpus": N * GPUS_PER_NODE, "comm_s": tc, "compute_s": w.compute_s}
+                    for label, h in (("measured_overlap", cal.hidden_fraction),
+                                     ("full_overlap", 1.0)):
+                        t = step_time(w, tc, h)
+                        row[f"step_s_{label}"] = t
+                        row[f"efficiency_{label}"] = w.compute_s / t
+                    rows.append(row)
+    return rows
+
+
+def local_check(cal: Calibration, path: Path | None) -> list[dict]:
+    """How well the fitted alpha/beta reproduce this machine's raw Allreduce times."""
+    if path is None or not path.exists():
+        return []
+    out = []
+    for key, run in json.loads(path.read_text()).get("runs", {}).items():
+        if run and run.get("raw_mpi") and key.startswith("np"):
+            p = run["conditions"]["ranks"]
+            for q in run["raw_mpi"]:
+                t = q.get("time_min_s", q["time_s"])
+                m = 2 * (p - 1) * cal.alpha_sw_s + 2 * (p - 1) / p * q["bytes"] * \
+                    cal.beta_local_s_per_byte
+                out.append({"ranks": p, "bytes": q["bytes"], "measured_s": t, "model_s": m})
+    return out
+
+
+def table(rows: list[dict], link: float, topo: str) -> str:
+    names = sorted({r["workload"] for r in rows})
+    head = f"{'nodes':>6s} {'GPUs':>6s} " + " ".join(f"{n + ' eff':>22s}" for n in names)
+    lines = [f"link {link:g} Gb/s, {topo} ring; efficiency with measured overlap / full overlap",
+             head]
+    for N in sorted({r["nodes"] for r in rows}):
+        cells = []
+        for n in names:
+            r = next(r for r in rows if r["workload"] == n and r["nodes"] == N and
+                     r["link_gbps"] == link and r["topology"] == topo)
+            cells.append(f"{100 * r['efficiency_measured_overlap']:9.1f}% /"
+                         f"{100 * r['efficiency_full_overlap']:6.1f}%   ")
+        lines.append(f"{N:6d} {N * GPUS_PER_NODE:6d} " + " ".join(f"{c:>22s}" for c in cells))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for link in sorted({r["link_gbps"] for r in rows}):
+            pts = [r for r in rows if r["workload"] == name and r["link_gbps"] == link and
+                   r["topology"] == "hierarchical"]
+            ax.plot([r["gpus"] for r in pts], [100 * r["efficiency_measured_overlap"]
+                                               for r in pts], marker="o",
+                    label=f"{link:g} Gb/s, measured overlap")
+            ax.plot([r["gpus"] for r in pts], [100 * r["efficiency_full_overlap"] for r in pts],
+                    linestyle="--", label=f"{link:g} Gb/s, full overlap")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 105)
+        ax.set_xlabel("GPUs (4 per node)")
+        ax.set_ylabel("weak-scaling efficiency (%)")
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    measured = Path(args.measurements) if args.measurements else None
+    cal = calibrate(measured)
+    if args.hidden_fraction is not None:
+        cal.hidden_fraction = args.hidden_fraction
+    rows = project(cal, fusion_bytes=args.fusion_threshold_bytes, fp16=args.fp16)
+    print("alpha-beta ring allreduce model (hpclb bench model)")
+    print(f"calibration from {cal.source}: alpha_sw = {cal.alpha_sw_s * 1e6:.1f} us per ring "
+          f"step, local beta = {1 / cal.beta_local_s_per_byte / 1e9 if cal.beta_local_s_per_byte else float('inf'):.2f} GB/s "
+          f"(shared memory; not projected), fit over {cal.fit_points} points, median "
+          f"relative error {100 * cal.fit_rel_error_median:.0f}%; hpclb sync efficiency vs raw "
+          f"{cal.sync_efficiency:.2f}; measured hidden fraction {cal.hidden_fraction:.2f}")
+    print(f"assumptions: {GPUS_PER_NODE} GPUs per node; alpha_link {ALPHA_LINK_S * 1e6:g} us; "
+          f"links at {100 * LINK_EFFICIENCY:.0f}% of line rate; NVLink {NVLINK_BPS / 1e9:g} GB/s "
+          f"per GPU; backward = {BACKWARD_SHARE:.2f} of compute (the most overlap can hide); "
+          f"fusion threshold {args.fusion_threshold_bytes / 2 ** 20:g} MiB; gradients "
+          f"{'fp16' if args.fp16 else 'fp32'}")
+    for w in workloads().values():
+        print(f"  {w.name}: {w.gradient_bytes / 1e6:.1f} MB of gradients in "
+              f"{n_buckets(w.tensors, args.fusion_threshold_bytes)} buckets; compute "
+              f"{w.compute_s * 1e3:.0f} ms per step at {w.batch_per_gpu} per GPU ({w.source})")
+    for link in LINKS_GBPS:
+        print()
+        print(table(rows, link, "hierarchical"))
+    key = next(r for r in rows if r["workload"] == "resnet50" and r["nodes"] == 256 and
+               r["link_gbps"] == 200 and r["topology"] == "hierarchical")
+    flat = next(r for r in rows if r["workload"] == "resnet50" and r["nodes"] == 256 and
+                r["link_gbps"] == 200 and r["topology"] == "flat")
+    print()
+    print(f"ResNet-50 at 256 nodes x 4 GPUs (1024 GPUs), 200 Gb/s: modeled efficiency "
+          f"{100 * key['efficiency_measured_overlap']:.1f}% with the measured overlap "
+          f"({cal.hidden_fraction:.2f}), {100 * key['efficiency_full_overlap']:.1f}% with full "
+          f"overlap (hierarchical ring: comm {key['comm_s'] * 1e3:.1f} ms vs compute "
+          f"{key['compute_s'] * 1e3:.0f} ms); a flat ring over all 1024 GPUs: "
+          f"{100 * flat['efficiency_measured_overlap']:.1f}% / "
+          f"{100 * flat['efficiency_full_overlap']:.1f}% (its latency term "
+          f"{flat['comm_s'] * 1e3:.1f} ms total comm)")
+    hv_cal = Calibration(**{**asdict(cal)})
+    hv = project(hv_cal, gpu="p100-horovod", nodes=[128], links=[25],
+                 fusion_bytes=args.fusion_threshold_bytes)
+    hvr = next(r for r in hv if r["topology"] == "hierarchical")
+    print(f"Horovod paper setting (Sergeev & Del Balso 2018: P100, fp32, 64 images per GPU, "
+          f"25 Gb/s RoCE, 128 nodes x 4 = 512 GPUs): modeled "
+          f"{100 * hvr['efficiency_measured_overlap']:.1f}% (measured overlap) / "
+          f"{100 * hvr['efficiency_full_overlap']:.1f}% (full overlap); published ~90%")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"calibration": asdict(cal), "assumptions": {
+        "gpus_per_node": GPUS_PER_NODE, "alpha_link_s": ALPHA_LINK_S,
+        "link_efficiency": LINK_EFFICIENCY, "nvlink_Bps": NVLINK_BPS,
+        "backward_share": BACKWARD_SHARE, "fusion_threshold_bytes": args.fusion_threshold_bytes,
+        "fp16": args.fp16, "workloads": {n: {k: v for k, v in asdict(w).items() if k != "tensors"}
+                                         for n, w in workloads().items()}},
+        "resnet50_256x4_200gbps": key, "horovod_paper_setting": hvr,
+        "local_check": local_check(cal, measured), "projection": rows}, indent=1) + "\n")
+    drew = plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--measurements", default="results/bench_allreduce.json",
+                   help="bench_allreduce.json to calibrate from (default: %(default)s)")
+    p.add_argument("--out", default="results/bench_model.json")
+    p.add_argument("--fusion-threshold-bytes", type=int, default=DEFAULT_FUSION_BYTES)
+    p.add_argument("--hidden-fraction", type=float,
+                   help="override the measured share of communication hidden by overlap")
+    p.add_argument("--fp16", action="store_true", help="fp16-compressed gradients")
+
+
+def add_cli(bsub) -> None:
+    """Register ``hpclb bench model|allreduce|scaling`` on the ``bench`` subparsers."""
+    m = bsub.add_parser("model", help="alpha-beta ring allreduce model: projected step time "
+                        "and scaling efficiency at 1-1024 nodes x 4 GPUs")
+    add_arguments(m)
+    m.set_defaults(func=run)
+    from . import allreduce, scaling
+    a = bsub.add_parser("allreduce", help="allreduce bandwidth, GradientSync, DDP and Horovod "
+                        "step times at 2 and 4 ranks (launches mpirun itself)")
+    allreduce.add_run_arguments(a)
+    a.set_defaults(func=allreduce.driver)
+    s = bsub.add_parser("scaling", help="step time of MNIST-LSTM and ResNet-50 at 1, 2, 4 "
+                        "ranks, weak and strong (launches mpirun itself)")
+    scaling.add_run_arguments(s)
+    s.set_defaults(func=scaling.driver)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpclb.bench.model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Step-time scaling benchmark (``make bench-scaling``): MNIST-LSTM and ResNet-50 at 1, 2 and 4
+ranks (4 oversubscribes a 2-core machine), weak and strong scaling, with a compute /
+communication / overlap breakdown. Writes ``results/bench_scaling.json`` and a PNG.
+
+For each model and scaling mode, one job per rank count times, interleaved round by round
+(each number is the fastest round: on a shared machine other processes only add time; the
+medians are in the JSON too):
+
+* ``compute_s``: forward + backward + optimizer step, no communication;
+* ``blocking_s``: the same with ``GradientSync(overlap="none")`` (all communication after
+  backward);
+* ``overlapped_s``: with the default overlap (``thread`` for MPI);
+* ``comm_s``: the synchronisation alone (gradients ready, ``mark_all_ready()`` +
+  ``synchronize()``).
+
+Derived: ``exposed_comm_s`` = overlapped - compute; ``hidden_fraction`` = (blocking -
+overlapped) / (blocking - compute); samples/s = global batch / overlapped step; efficiency: weak
+= t(1) / t(p) at a fixed per-rank batch; strong = t(1) / (p t(p)) at a fixed global batch.
+Inputs are random tensors of the models' real shapes (the step time does not depend on values).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .allreduce import Timer, best, conditions, interleaved, med, run_mpi
+
+# model -> (per-rank batch for weak scaling, global batch for strong scaling)
+BATCHES = {"mnist_lstm": (128, 512), "resnet50": (16, 32)}
+IMAGE = 32
+
+
+def build(name: str):
+    from .workloads import WORKLOADS
+    torch.manual_seed(0)
+    model = WORKLOADS[name]() if name != "resnet50" else WORKLOADS[name](num_classes=10)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def batch(name: str, n: int, rank: int):
+    g = torch.Generator().manual_seed(rank)
+    if name == "mnist_lstm":
+        x = torch.randn(n, 28, 28, generator=g)
+    else:
+        x = torch.randn(n, 3, IMAGE, IMAGE, generator=g)
+    return x, torch.randint(0, 10, (n,), generator=g)
+
+
+def measure(comm, timer: Timer, name: str, per_rank: int, rounds: int) -> dict:
+    from ..parallel import GradientSync
+    x, y = batch(name, per_rank, comm.rank)
+    variants, syncs = {}, []
+
+    def stepper(model, opt, sync=None):
+        def step():
+            opt.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model(x), y).backward()
+            if sync is not None:
+                sync.synchronize()
+            opt.step()
+        return step
+
+    m, o = build(name)
+    variants["compute_s"] = stepper(m, o)
+    for key, mode in (("blocking_s", "none"), ("overlapped_s", None)):
+        m, o = build(name)
+        sync = GradientSync(m.named_parameters(), comm, overlap=mode)
+        syncs.append(sync)
+        variants[key] = stepper(m, o, sync)
+    sync_only = syncs[-1]
+
+    def comm_only():
+        sync_only.mark_all_ready()
+        sync_only.synchronize()
+    variants["comm_s"] = comm_only
+    times = interleaved(variants, timer, rounds)
+    t = {k: best(v) for k, v in times.items()}
+    blocking_exposed = t["blocking_s"] - t["compute_s"]
+    res = {**t, "per_rank_batch": per_rank, "global_batch": per_rank * comm.world_size,
+           "overlap": sync_only.overlap, "buckets": len(sync_only.buckets),
+           "gradient_bytes": sync_only.nbytes,
+           "exposed_comm_s": t["overlapped_s"] - t["compute_s"],
+           "hidden_fraction": ((t["blocking_s"] - t["overlapped_s"]) / blocking_exposed
+                               if comm.world_size > 1 and blocking_exposed > 0 else None),
+           "samples_per_s": per_rank * comm.world_size / t["overlapped_s"],
+           "median_s": {k: med(v) for k, v in times.items()}, "all_s": times}
+    for s in syncs:
+        s.close()
+    return res
+
+
+def worker(args) -> int:
+    from ..comm import get_communicator
+    comm = get_communicator("mpi")
+    torch.set_num_threads(1)
+    timer = Timer(comm)
+    res = {"conditions": conditions(comm), "models": {}}
+    t0 = time.perf_counter()
+    for name in args.models:
+        weak_b, strong_global = BATCHES[name]
+        res["models"][name] = {
+            "weak": measure(comm, timer, name, weak_b, args.rounds),
+            "strong": measure(comm, timer, name, max(1, strong_global // comm.world_size),
+                              args.rounds)}
+    res["conditions"]["loadavg_end"] = os.getloadavg()
+    res["conditions"]["wall_s"] = time.perf_counter() - t0
+    if comm.rank == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    comm.barrier()
+    return 0
+
+
+def efficiencies(runs: dict[int, dict]) -> dict:
+    """Per model and mode: step time, samples/s and efficiency at each rank count."""
+    table: dict = {}
+    if 1 not in runs or runs[1] is None:
+        return table
+    for name in runs[1]["models"]:
+        for mode in ("weak", "strong"):
+            base = runs[1]["models"][name][mode]["overlapped_s"]
+            rows = []
+            for p, run in sorted(runs.items()):
+                if run is None:
+                    continue
+                r = run["models"][name][mode]
+                eff = base / r["overlapped_s"] if mode == "weak" else \
+                    base / (p * r["overlapped_s"])
+                rows.append({"ranks": p, "step_s": r["overlapped_s"],
+                             "samples_per_s": r["samples_per_s"], "efficiency": eff,
+                             "compute_s": r["compute_s"], "comm_s": r["comm_s"],
+                             "exposed_comm_s": r["exposed_comm_s"],
+                             "hidden_fraction": r["hidden_fraction"]})
+            table[f"{name}/{mode}"] = rows
+    return table
+
+
+def report(table: dict) -> str:
+    lines = [f"{'model/mode':20s} {'ranks':>5s} {'step s':>8s} {'samples/s':>10s} {'eff':>6s} "
+             f"{'compute s':>9s} {'comm s':>8s} {'exposed s':>9s} {'hidden':>7s}"]
+    for key, rows in table.items():
+        for r in rows:
+            hid = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.2f}"
+            lines.append(f"{key:20s} {r['ranks']:5d} {r['step_s']:8.3f} "
+                         f"{r['samples_per_s']:10.1f} {r['efficiency']:6.2f} "
+                         f"{r['compute_s']:9.3f} {r['comm_s']:8.3f} "
+                         f"{r['exposed_comm_s']:9.3f} {hid:>7s}")
+    return "\n".join(lines)
+
+
+def plot(table: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    keys = list(table)
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        rows = table[key]
+        xs = [str(r["ranks"]) for r in rows]
+        comp = [r["compute_s"] for r in rows]
+        exp_ = [max(0.0, r["exposed_comm_s"]) for r in rows]
+        hid = [max(0.0, r["comm_s"] - max(0.0, r["exposed_comm_s"])) if r["ranks"] > 1 else 0
+               for r in rows]
+        ax.bar(xs, comp, label="compute")
+        ax.bar(xs, exp_, bottom=comp, label="exposed comm")
+        ax.bar(xs, hid, bottom=[c + e for c, e in zip(comp, exp_)], label="hidden comm",
+               alpha=0.4)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("seconds per step")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def driver(args) -> int:
+    out = Path(args.out)
+    tmp = out.parent / ".bench_scaling"
+    tmp.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for np_ in args.np:
+        runs[np_] = run_mpi(np_, "hpclb.bench.scaling",
+                            ["worker", "--rounds", str(args.rounds), "--models", *args.models],
+                            tmp / f"np{np_}.json", args.timeout, "bench-scaling")
+    table = efficiencies(runs)
+    result = {"table": table, "runs": {f"np{p}": r for p, r in runs.items()},
+              "note": "ranks share this machine's cores (os.cpu_count() = "
+                      f"{os.cpu_count()}): beyond that many ranks compute time per rank grows "
+                      "and strong scaling cannot improve; weak-scaling efficiency there "
+                      "mostly measures the oversubscription"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    drew = plot(table, out.with_suffix(".png"))
+    print(f"[bench-scaling] wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
+    print(report(table))
+    return 0 if all(r is not None for r in runs.values()) else 1
+
+
+def add_common(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--out", default="results/bench_scaling.json")
+    s.add_argument("--rounds", type=int, default=5, help="timed rounds per variant")
+    s.add_argument("--models", nargs="+", default=list(BATCHES), choices=list(BATCHES))
+
+
+def add_run_arguments(r: argparse.ArgumentParser) -> None:
+    """Options of the driver (``hpclb bench scaling``)."""
+    add_common(r)
+    r.add_argument("--np", type=int, nargs="+", default=[1, 2, 4])
+    r.add_argument("--timeout", type=float, default=1200.0, help="seconds per mpirun job")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpclb.bench.scaling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add_run_arguments(sub.add_parser("run"))
+    add_common(sub.add_parser("worker"))
+    args = p.parse_args(argv)
+    return driver(args) if args.cmd == "run" else worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -362,15 +362,20 @@ class FusedTrust:
 
     # -- checks and tables ----------------------------------------------------------------------
     def supports(self, *lists: Sequence["Tensor | None"]) -> bool:
-        """True when every tensor is on this device, contiguous, dense and fp32/fp16/bf16."""
+        """True when every tensor is on this device, contiguous, dense and fp32/fp16/bf16, and,
+        lists being layer-aligned (weights first), each layer's tensors share numel and dtype."""
         import torch
 
+        first = lists[0] if lists else ()
         for ts in lists:
-            for t in ts:
+            if len(ts) != len(first):
+                return False
+            for w, t in zip(first, ts):
                 if t is None:
                     continue
                 if (t.device != self.device or t.layout != torch.strided
-                        or not t.is_contiguous() or dtype_code(t.dtype) is None):
+                        or not t.is_contiguous() or dtype_code(t.dtype) is None
+                        or t.dtype != w.dtype or t.numel() != w.numel()):
                     return False
         return True
 
@@ -394,7 +399,7 @@ class FusedTrust:
         for name, other in (("g", g), ("m", m), ("v", v)):
             if other is not None and len(other) != n:
                 raise ValueError(f"{n} weights but {len(other)} {name} tensors")
-        if not self.supports(w, g or (), m or (), v or ()):
+        if not self.supports(w, *(x for x in (g, m, v) if x is not None)):
             raise ValueError("fused path needs contiguous fp32/fp16/bf16 tensors on "
                              f"{self.device}")
         numels = np.fromiter((t.numel() for t in w), dtype=np.int64, count=n)

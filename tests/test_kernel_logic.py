@@ -514,6 +514,10 @@ def test_trust_functions_use_the_installed_fused_backend(emu, caplog):
         # a non-contiguous tensor keeps the torch path
         nc = [torch.randn(6, 4).t()]
         torch.testing.assert_close(trust.layer_norms(nc), torch.linalg.vector_norm(nc[0])[None])
+        # layers whose weight and gradient differ in dtype keep the torch path too
+        mixed = trust.lars_trust_ratios([ws[-1]], [gs[-1].half()], trust_coefficient=1e-3,
+                                        weight_decay=1e-4, eps=1e-9, adapt=[True])
+        torch.testing.assert_close(mixed[0], want[0][-1:], rtol=1e-3, atol=0)
     assert len(F.launcher.launches) == 3
     for a, b in zip(want + want_lamb, got + got_lamb):
         torch.testing.assert_close(b, a, rtol=2e-6, atol=0)

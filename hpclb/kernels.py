@@ -194,13 +194,21 @@ def _cupy() -> Any:
     return cupy
 
 
+_CUPY_OK: bool | None = None
+
+
 def cupy_available() -> bool:
-    """True when CuPy imports (it is never imported before something asks)."""
-    try:
-        _cupy()
-        return True
-    except Exception:  # ImportError, or a CuPy that finds no CUDA runtime
-        return False
+    """True when CuPy imports (it is never imported before something asks; the answer is
+    remembered for the process)."""
+    global _CUPY_OK
+    if _CUPY_OK is None:
+        try:
+            _cupy()
+            _CUPY_OK = True
+        except Exception as e:  # ImportError, or a CuPy that finds no CUDA runtime
+            log.debug("CuPy unavailable: %s", e)
+            _CUPY_OK = False
+    return _CUPY_OK
 
 
 class CupyLauncher:

@@ -113,7 +113,6 @@ def copy_bandwidth_gbs(device, nbytes: int = 1 << 30, repeat: int = 20) -> float
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     ms = time_cuda(lambda: dst.copy_(src), repeat, 3)
-    del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 

@@ -368,12 +368,15 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
             launch = (f"srun --mpi=pmix --kill-on-bad-exit=1 --ntasks={ranks} "
                       f"--ntasks-per-node={tasks} --cpus-per-task={cpus}")
         else:
-            launch = f"mpirun -n {ranks} --map-by ppr:{tasks}:node --bind-to none"
+            launch = (f"env --block-signal=TERM mpirun -n {ranks} --map-by ppr:{tasks}:node "
+                      f"--bind-to none")
     else:
-        forward = ["OMP_NUM_THREADS", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV"]
+        forward = ["OMP_NUM_THREADS", "PATH", "VIRTUAL_ENV"]
+        forward += (["LD_LIBRARY_PATH"] if spec.modules else [])
         forward += (["HPCLB_DATA"] if spec.data_dir else [])
         forward += [k for k, _ in env if not k.startswith("OMPI_MCA_")]
-        launch = (f'mpiexec -n {ranks} --host "$HOSTS" --map-by ppr:{tasks}:node --bind-to none '
+        launch = (f'env --block-signal=TERM mpiexec -n {ranks} --host "$HOSTS" '
+                  f'--map-by ppr:{tasks}:node --bind-to none '
                   + " ".join(f"-x {k}" for k in forward))
     limit = parse_time(spec.time)
     context = dict(

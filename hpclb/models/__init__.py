@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from .lstm_lm import LSTMLanguageModel
 from .mnist_lstm import MnistLSTM
 
-MODELS = {"mnist_lstm": MnistLSTM}
+MODELS = {"mnist_lstm": MnistLSTM, "lstm_lm": LSTMLanguageModel}
 
 
 def build_model(name: str, **kwargs) -> nn.Module:

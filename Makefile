@@ -115,3 +115,21 @@ bench-model: $(VENV)/.bench
 .PHONY: bench-kernel
 bench-kernel: install
 	$(PY) -m hpclb bench trust-ratio --out results/bench_trust_ratio.json
+
+# --- job templates (issue 6): a real SLURM and an emulated PBS -----------------------------------
+# test-slurm installs Debian's SLURM + munge + PMIx with apt-get (root), starts a 256-node emulated
+# cluster under a temp dir, and runs jobs/testing: sbatch --test-only of every example, a stub
+# layout check, a real 2-rank MNIST-LSTM job, USR2 -> checkpoint -> requeue -> resume; then the
+# rendered PBS script run as PBS would (walltime TERM -> checkpoint -> qrerun -> resume).
+# Not part of `make test` (root + apt-get, ~4-5 min); see README "Job templates".
+.PHONY: test-slurm test-pbs jobs-examples
+test-slurm: install data
+	@test "$$(id -u)" = 0 || { echo "error: test-slurm runs SLURM's daemons and apt-get: run it as root"; exit 1; }
+	$(PY) -m pytest -q -p no:cacheprovider jobs/testing
+
+test-pbs: install data
+	$(PY) -m pytest -q -p no:cacheprovider jobs/testing/test_pbs.py
+
+# Re-render the committed examples (jobs/slurm, jobs/pbs) after a template or recipe change.
+jobs-examples: install
+	$(PY) -m hpclb jobs examples jobs

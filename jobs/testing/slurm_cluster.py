@@ -29,13 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "slurm-wlm-torque")
+# libpmix2 + libpmix-dev: slurm's mpi/pmix plugin dlopens pmix2/lib/libpmix.so, which only the
+# -dev package provides; without it `srun --mpi=pmix` fails ("can not load PMIx library").
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "slurm-wlm-torque", "libpmix2",
+            "libpmix-dev")
 MUNGE_KEY = Path("/etc/munge/munge.key")
 
 
 def install(quiet: bool = True) -> None:
-    """apt-get install Debian's SLURM + munge (+ torque wrappers for qsub/#PBS) if missing."""
-    if all(shutil.which(c) for c in ("slurmctld", "slurmd", "sbatch", "munged", "qsub")):
+    """apt-get install Debian's SLURM + munge (+ torque wrappers for qsub/#PBS, PMIx) if missing."""
+    q = subprocess.run(["dpkg-query", "-W", "-f=${db:Status-Abbrev}\\n", *PACKAGES],
+                       capture_output=True, text=True)
+    if q.returncode == 0 and all(l.startswith("ii") for l in q.stdout.split("\n") if l):
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     out = subprocess.DEVNULL if quiet else None

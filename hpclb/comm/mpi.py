@@ -3,12 +3,15 @@
 Which algorithm runs is the MPI library's choice. Open MPI 5 (the PyPI wheel) reduces large
 messages with ``coll/tuned``'s decision table (ring or Rabenseifner reduce-scatter + allgather for
 large messages, recursive doubling for small ones; ``coll/han`` on top when ranks span nodes);
-non-blocking ``MPI_Iallreduce`` comes from ``coll/libnbc``. The job templates force the ring with
-``OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=4`` (see
+non-blocking ``MPI_Iallreduce`` comes from ``coll/libnbc``, whose automatic choice for an in-place
+buffer is a binomial tree at any size, so this backend sets ``coll_libnbc_iallreduce_algorithm=1``
+(ring) unless the environment chose. The job templates force the blocking ring with
+``OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=ring`` (see
 README, "Gradient synchronisation and scaling").
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Any
@@ -103,6 +106,12 @@ class MPICommunicator(Communicator):
     async_progress = False
 
     def __init__(self) -> None:
+        # Open MPI's libnbc picks a binomial tree for every in-place MPI_Iallreduce (2 log2(p) n
+        # bytes per rank instead of the ring's 2n): hpclb's gradient buckets are in place, so
+        # ask for the ring unless the user chose. Read at MPI_Init: effective only when this is
+        # the first import of mpi4py.MPI (it is, via get_communicator, in `hpclb train`).
+        if "mpi4py.MPI" not in sys.modules:
+            os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
         from mpi4py import MPI
 
         self._MPI = MPI

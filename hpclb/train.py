@@ -55,17 +55,23 @@ class PreemptionFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        # Periodic checkpoints ride on the same allreduce: rank 0 sets checkpoint_due when its
+        # clock says so, and agreed() leaves checkpoint_now set on every rank.
+        self.checkpoint_due = False
+        self.checkpoint_now = False
         self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
 
     def _handler(self, signum, frame) -> None:
         self.requested = True
 
     def agreed(self, comm: Communicator) -> bool:
-        """True on every rank when any rank received a signal (one 1-element allreduce)."""
-        if comm.world_size == 1:
-            return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        return bool(comm.allreduce_(flag, op="max").item() > 0)
+        """True on every rank when any rank received a signal (one 1-element allreduce); the same
+        allreduce sets ``checkpoint_now`` on every rank when rank 0 set ``checkpoint_due``."""
+        mine = 2.0 if self.requested else (1.0 if self.checkpoint_due else 0.0)
+        if comm.world_size > 1:
+            mine = comm.allreduce_(torch.tensor([mine]), op="max").item()
+        self.checkpoint_now = mine == 1.0
+        return mine == 2.0
 
     def restore(self) -> None:
         for s, h in self._previous.items():
@@ -118,8 +124,12 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp.replace(path)
 
 
-def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
+          checkpoint_interval_s: float | None = None) -> dict[str, Any]:
     """Run one experiment on this rank; returns the summary (identical on every rank).
+
+    ``checkpoint_interval_s``: also checkpoint mid-epoch when this many seconds (rank 0's clock)
+    have passed since the last checkpoint (None/0: at epoch ends and on preemption only).
 
     Raises ConfigError (bad settings, same on every rank), DataError (missing/corrupt data),
     CheckpointError (``--resume`` without a usable checkpoint), :class:`Preempted` after a
@@ -177,6 +187,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False) -> dict[st
         f"{sched.total_steps} steps in {cfg.epochs:g} epochs, {task.num_train_samples} train / "
         f"{task.num_test_samples} test samples ({task.kind}), gradient buffer {sync.nbytes / 2**20:.2f} MiB")
 
+    last_checkpoint = [time.monotonic()]
+
     def checkpoint(epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor) -> None:
         task_state = task.state_dict(comm)  # collective: e.g. the LM's carried state, all ranks
         if rank0:
@@ -189,6 +201,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False) -> dict[st
                 "elapsed_s": pos["elapsed_s"] + time.perf_counter() - t_start,
                 "history": pos["history"], "task": task_state})
         comm.barrier()  # nobody exits or moves on before the checkpoint is on disk
+        last_checkpoint[0] = time.monotonic()
 
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
@@ -220,6 +233,9 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False) -> dict[st
                 scheduler.step()
                 pos["global_step"] += 1
                 sums += stats
+                preempt.checkpoint_due = bool(
+                    rank0 and checkpoint_interval_s
+                    and time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s)
                 if preempt.agreed(comm):
                     checkpoint(epoch, i + 1, sums)
                     say(f"preempted: checkpoint of step {pos['global_step']} (epoch {epoch}, "
@@ -227,6 +243,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False) -> dict[st
                         f"{PREEMPTED_EXIT_CODE} to requeue")
                     preempt.requested = True  # on every rank, also those the signal missed
                     raise Preempted(pos["global_step"])
+                if preempt.checkpoint_now:
+                    checkpoint(epoch, i + 1, sums)
             train_time = time.perf_counter() - t_epoch
             comm.allreduce_(sums)
             train_metrics = task.train_metrics(sums, train_time)

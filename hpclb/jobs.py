@@ -399,11 +399,14 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
 
 # The committed examples (jobs/slurm, jobs/pbs): experiment -> per-GPU batch at 1, 16, 256 nodes
 # of 4 GPUs. MNIST-LSTM stops at k = 64 at 256 nodes (the paper's "batch x64 without loss"; a
-# larger k would need more warmup epochs than the 20 epochs of training).
+# larger k would need more warmup epochs than the 20 epochs of training). PTB has only 26,559
+# sequences of 35 tokens: 1,024 ranks x 1 (k = 51.2) already leaves 26 steps per epoch.
 EXAMPLE_NODES = (1, 16, 256)
 EXAMPLES: dict[str, dict[str, Any]] = {
     "mnist-lstm": {"gpus_per_node": 4, "per_gpu_batch": {1: 32, 16: 32, 256: 8},
                    "time": "01:00:00", "checkpoint_interval": 600},
+    "ptb-large": {"gpus_per_node": 4, "per_gpu_batch": {1: 5, 16: 5, 256: 1},
+                  "time": "12:00:00", "checkpoint_interval": 1800},
 }
 
 

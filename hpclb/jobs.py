@@ -407,6 +407,12 @@ EXAMPLES: dict[str, dict[str, Any]] = {
                    "time": "01:00:00", "checkpoint_interval": 600},
     "ptb-large": {"gpus_per_node": 4, "per_gpu_batch": {1: 5, 16: 5, 256: 1},
                   "time": "12:00:00", "checkpoint_interval": 1800},
+    # 31k verse pairs: k = 64 at 256 nodes is 4 steps per epoch, about as far as it goes
+    "gnmt": {"gpus_per_node": 4, "per_gpu_batch": {1: 32, 16: 32, 256: 8},
+             "time": "12:00:00", "checkpoint_interval": 1800},
+    # B0 = 1024; 256 nodes x 4 x 32 = 32K, the paper's LEGW point (LR 32, 10 warmup epochs)
+    "resnet-50": {"gpus_per_node": 4, "per_gpu_batch": {1: 256, 16: 128, 256: 32},
+                  "time": "24:00:00", "checkpoint_interval": 1800},
 }
 
 

@@ -96,7 +96,8 @@ def test_slurm_example_directives(rel, sp):
     assert f"--nodes={sp.nodes}" in d
     assert f"--ntasks-per-node={sp.gpus_per_node}" in d
     assert f"--gpus-per-node={sp.gpus_per_node}" in d
-    assert f"--time={sp.time}" in d and "--partition=gpu" in d and "--account=hpclb" in d
+    assert f"--time={jobs.format_time(jobs.parse_time(sp.time), 'slurm')}" in d
+    assert "--partition=gpu" in d and "--account=hpclb" in d
     assert any(re.fullmatch(r"--signal=B:USR2@\d+", x) for x in d)
     assert "--requeue" in d and "--open-mode=append" in d
     assert re.search(r"^srun --mpi=pmix .*\"\$\{TRAIN\[@\]\}\".* &$", text, re.M)

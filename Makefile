@@ -38,7 +38,12 @@ $(HPCLB_DATA)/mnist/.verified: | $(VENV)/.installed
 $(HPCLB_DATA)/ptb/.verified: | $(VENV)/.installed
 	$(PY) -m hpclb data fetch ptb --data-dir $(HPCLB_DATA)
 
-data: $(HPCLB_DATA)/mnist/.verified $(HPCLB_DATA)/ptb/.verified
+# Fashion-MNIST from Debian's dataset-fashion-mnist (apt-get download + dpkg-deb -x, no root).
+$(HPCLB_DATA)/fashion-mnist/.verified: | $(VENV)/.installed
+	$(PY) -m hpclb data fetch fashion-mnist --data-dir $(HPCLB_DATA)
+
+data: $(HPCLB_DATA)/mnist/.verified $(HPCLB_DATA)/ptb/.verified \
+      $(HPCLB_DATA)/fashion-mnist/.verified
 
 # The main job: MNIST-LSTM with LEGW at global batch $(BATCH) (8 x B0) on $(NP) MPI ranks.
 train: install data

@@ -18,9 +18,11 @@ from . import schedules
 from .models import MODELS
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "lars", "lamb")
-DATASETS = ("mnist", "ptb")
-# task kind -> the data sets it reads (hpclb/tasks.py)
-TASKS = {"classification": ("mnist",), "language_model": ("ptb",)}
+DATASETS = ("mnist", "fashion-mnist", "imagenet", "synthetic", "ptb", "bible-en-es")
+# task kind -> the data sets it reads (hpclb/tasks.py). seq2seq recipes validate (job scripts
+# are rendered from them) but `hpclb train` refuses them until the translation pipeline exists.
+TASKS = {"classification": ("mnist", "fashion-mnist", "imagenet", "synthetic"),
+         "language_model": ("ptb",), "seq2seq": ("bible-en-es",)}
 
 
 class ConfigError(ValueError):

@@ -255,4 +255,9 @@ def build_task(recipe: dict, data_root, *, train_samples=None, test_samples=None
                             cut(corpus.test, test_samples), corpus.itos)
         return LanguageModelTask(corpus, bptt=data["bptt"],
                                  eval_streams=data.get("eval_streams", 10))
+    if kind == "seq2seq":
+        from .config import ConfigError
+
+        raise ConfigError(f"{recipe['name']}: the seq2seq (translation) training pipeline is not "
+                          f"implemented yet; this recipe only renders job scripts")
     raise ValueError(f"unknown task kind {kind!r}")

@@ -23,6 +23,15 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, *,
     if name == "mnist":
         from .mnist import load_mnist
         train, test = load_mnist(root)
+    elif name == "fashion-mnist":
+        from .images import load_fashion_mnist
+        train, test = load_fashion_mnist(root)
+    elif name == "imagenet":
+        from .images import load_imagenet
+        train, test = load_imagenet(root)
+    elif name == "synthetic":  # throughput runs: ImageNet-sized random images
+        from .images import SyntheticImages
+        train, test = SyntheticImages(1_281_167, seed=0), SyntheticImages(50_000, seed=1)
     else:
         raise DataError(f"unknown data set {name!r}")
     return (train.subset(train_samples) if train_samples else train,

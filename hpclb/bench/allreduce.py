@@ -72,15 +72,20 @@ def iterations(nbytes: int, quick: bool) -> int:
 
 
 def interleaved(variants: dict[str, Callable[[], None]], timer: Timer, rounds: int,
-                warmup: int = 1) -> dict[str, list[float]]:
-    """Run every variant once per round, in the same order on every rank; returns the times."""
+                warmup: int = 1, seed: int = 0) -> dict[str, list[float]]:
+    """Run every variant once per round, in an order shuffled each round (the same on every
+    rank: a seeded generator), so no variant always follows the same neighbour; returns the
+    times per variant."""
+    import random
     for _ in range(warmup):
         for fn in variants.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
+    order, rng = list(variants), random.Random(seed)
     for _ in range(rounds):
-        for k, fn in variants.items():
-            times[k].append(timer(fn))
+        rng.shuffle(order)
+        for k in order:
+            times[k].append(timer(variants[k]))
     return times
 
 
@@ -449,7 +454,7 @@ def report(result: dict) -> str:
 
 def add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument("--out", default="results/bench_allreduce.json")
-    s.add_argument("--rounds", type=int, default=8, help="timed rounds per variant")
+    s.add_argument("--rounds", type=int, default=10, help="timed rounds per variant")
     s.add_argument("--max-bytes", type=int, default=256 * MiB)
     s.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
 

@@ -365,7 +365,7 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
     env = interconnect(spec)
     if spec.scheduler == "slurm":
         if spec.launcher == "srun":
-            launch = (f"srun --mpi=pmix --kill-on-bad-exit=1 --ntasks={ranks} "
+            launch = (f"srun --mpi=pmix --kill-on-bad-exit=0 --ntasks={ranks} "
                       f"--ntasks-per-node={tasks} --cpus-per-task={cpus}")
         else:
             launch = (f"env --block-signal=TERM mpirun -n {ranks} --map-by ppr:{tasks}:node "

@@ -23,9 +23,8 @@ import pbs_run  # noqa: E402
 from hpclb import jobs  # noqa: E402
 
 DATA = Path(os.environ.get("HPCLB_DATA", REPO / "data"))
-# See test_slurm.py for HPCLB_COMM_POLL_S=0 (a GradientSync race, not the job scripts').
 ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "HPCLB_COMM_POLL_S": "0"}
+       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
 
 
 def render_quick(tmp: Path, epochs: float) -> Path:

@@ -11,9 +11,16 @@ one panel per scheme).
 Resumable: a point whose row is already in the JSON (same epochs, ranks, seed, optimizer) is
 skipped; a point whose run finished but was not recorded is read from its ``summary.json``; a
 point interrupted mid-run continues from its checkpoint (``--resume``), bit for bit.
+
+Several sweep processes may work on one sweep at once (e.g. each started with the points in a
+different order): a point being trained holds an exclusive ``flock`` on
+``<runs_dir>/<experiment>/.<scheme>-b<B>.lock`` and the others skip it; the results JSON is
+re-read and rewritten under ``<out_dir>/.<experiment>.lock``. Locks die with their process.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -38,6 +45,27 @@ def metric_of(recipe: dict) -> tuple[str, str]:
     name = target.get("metric", "test_accuracy")
     lower = any(w in name for w in ("perplexity", "loss", "error"))
     return name, target.get("mode", "min" if lower else "max")
+
+
+@contextlib.contextmanager
+def _flock(path: Path, *, block: bool = True):
+    """An exclusive ``flock`` on ``path`` for the ``with`` block; yields False (and holds
+    nothing) when ``block`` is False and another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _load_rows(path: Path) -> list[dict]:
+    return json.loads(path.read_text()) if path.exists() else []
 
 
 def _same_point(row: dict, batch: int, scheme: str, settings: dict) -> bool:
@@ -135,64 +163,86 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     out_dir, runs_dir = Path(out_dir), Path(runs_dir) / name
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{name}.json"
-    rows: list[dict] = json.loads(json_path.read_text()) if json_path.exists() else []
+    results_lock = out_dir / f".{name}.lock"
     runner = _run_in_process if ranks == 1 else _run_mpi
+
+    def record(row: dict) -> None:
+        with _flock(results_lock):
+            current = [r for r in _load_rows(json_path)
+                       if not _same_point(r, row["batch_size"], row["scheme"], settings)]
+            write_results(current + [row], out_dir, name, metric, mode)
+
     for batch in batch_sizes:
         for scheme in schemes:
+            with _flock(results_lock):
+                rows = _load_rows(json_path)
             if any(_same_point(r, batch, scheme, settings) for r in rows):
                 log(f"sweep {name}: B={batch} {scheme}: already recorded, skipped")
                 continue
             twin = next((r for r in rows if batch == recipe["base_batch_size"] and not r.get("error")
                          and _same_point(r, batch, r["scheme"], settings)), None)
             if twin is not None:  # k = 1: every scheme gives the same schedule, the same run
-                rows.append({**twin, "scheme": scheme,
-                             "note": f"k = 1: the same run as {twin['scheme']}"})
+                record({**twin, "scheme": scheme,
+                        "note": f"k = 1: the same run as {twin['scheme']}"})
                 log(f"sweep {name}: B={batch} {scheme}: k = 1, same run as {twin['scheme']}")
-                write_results(rows, out_dir, name, metric, mode)
                 continue
-            run_dir = runs_dir / f"{scheme}-b{batch}"
-            summary_path = run_dir / "summary.json"
-            summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-            if summary is not None and (summary.get("global_batch_size"), summary.get("scaling"),
-                                        summary.get("epochs"), summary.get("world_size"),
-                                        summary.get("seed"), summary.get("optimizer")) != \
-                    (batch, scheme, settings["epochs"], ranks, seed, settings["optimizer"]):
-                summary = None  # a different run left it there: rerun from scratch
-            if summary is None:
-                resume = (run_dir / "checkpoint.pt").exists() and (run_dir / "config.json").exists()
-                if not resume and run_dir.exists():
-                    shutil.rmtree(run_dir)
-                if resume:
-                    try:
-                        old = json.loads((run_dir / "config.json").read_text())
-                        resume = (old.get("global_batch_size"), old.get("scaling"),
-                                  old.get("epochs"), old.get("world_size"), old.get("seed")) == \
-                            (batch, scheme, settings["epochs"], ranks, seed)
-                    except (OSError, ValueError):
-                        resume = False
-                    if not resume:
-                        shutil.rmtree(run_dir)
-                log(f"sweep {name}: B={batch} {scheme}: {'resuming' if resume else 'training'} "
-                    f"({ranks} rank(s), {settings['epochs']:g} epochs) -> {run_dir}")
-                t0 = time.perf_counter()
-                try:
-                    summary = runner(experiment, batch, scheme, settings, run_dir, data_dir,
-                                     resume, quiet)
-                except ConfigError as e:
-                    log(f"sweep {name}: B={batch} {scheme}: rejected: {e}")
-                    rows.append({"batch_size": batch, "scheme": scheme, "metric_name": metric,
-                                 "metric": None, **settings, "wall_time_s": 0.0, "steps": 0,
-                                 "time_to_target_s": None, "run_dir": str(run_dir),
-                                 "error": str(e)})
-                    write_results(rows, out_dir, name, metric, mode)
+            with _flock(runs_dir / f".{scheme}-b{batch}.lock", block=False) as mine:
+                if not mine:
+                    log(f"sweep {name}: B={batch} {scheme}: being trained by another sweep "
+                        f"process, skipped")
                     continue
-                log(f"sweep {name}: B={batch} {scheme}: {metric} "
-                    f"{summary.get('final_' + metric)} in {time.perf_counter() - t0:.0f} s")
-            rows.append(_row(summary, batch=batch, scheme=scheme, metric=metric,
-                             settings=settings, run_dir=run_dir))
+                _run_point(name, experiment, batch, scheme, settings, runs_dir, data_dir, quiet,
+                           runner, metric, record, log)
+    with _flock(results_lock):
+        rows = _load_rows(json_path)
+        if rows:
             write_results(rows, out_dir, name, metric, mode)
-    write_results(rows, out_dir, name, metric, mode)
     return rows
+
+
+def _run_point(name, experiment, batch, scheme, settings, runs_dir, data_dir, quiet, runner,
+               metric, record, log) -> None:
+    """Train (or resume, or read back) one point while holding its lock; record its row."""
+    ranks, seed = settings["ranks"], settings["seed"]
+    run_dir = runs_dir / f"{scheme}-b{batch}"
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    if summary is not None and (summary.get("global_batch_size"), summary.get("scaling"),
+                                summary.get("epochs"), summary.get("world_size"),
+                                summary.get("seed"), summary.get("optimizer")) != \
+            (batch, scheme, settings["epochs"], ranks, seed, settings["optimizer"]):
+        summary = None  # a different run left it there: rerun from scratch
+    if summary is None:
+        resume = (run_dir / "checkpoint.pt").exists() and (run_dir / "config.json").exists()
+        if not resume and run_dir.exists():
+            shutil.rmtree(run_dir)
+        if resume:
+            try:
+                old = json.loads((run_dir / "config.json").read_text())
+                resume = (old.get("global_batch_size"), old.get("scaling"),
+                          old.get("epochs"), old.get("world_size"), old.get("seed")) == \
+                    (batch, scheme, settings["epochs"], ranks, seed)
+            except (OSError, ValueError):
+                resume = False
+            if not resume:
+                shutil.rmtree(run_dir)
+        log(f"sweep {name}: B={batch} {scheme}: {'resuming' if resume else 'training'} "
+            f"({ranks} rank(s), {settings['epochs']:g} epochs) -> {run_dir}")
+        t0 = time.perf_counter()
+        try:
+            summary = runner(experiment, batch, scheme, settings, run_dir, data_dir,
+                             resume, quiet)
+        except ConfigError as e:
+            log(f"sweep {name}: B={batch} {scheme}: rejected: {e}")
+            record({"batch_size": batch, "scheme": scheme, "metric_name": metric,
+                    "metric": None, **settings, "wall_time_s": 0.0, "steps": 0,
+                    "time_to_target_s": None, "run_dir": str(run_dir),
+                    "error": str(e)})
+            return
+        log(f"sweep {name}: B={batch} {scheme}: {metric} "
+            f"{summary.get('final_' + metric)} in {time.perf_counter() - t0:.0f} s")
+    record(_row(summary, batch=batch, scheme=scheme, metric=metric, settings=settings,
+                run_dir=run_dir))
 
 
 def _fmt(metric: str, value: float | None) -> str:

@@ -64,3 +64,26 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ConfigError, match="--batch-sizes"):
         sweep.run_sweep("mnist-lstm", [129], ["legw"], ranks=2, out_dir=tmp_path,
                         runs_dir=tmp_path)
+
+
+def test_point_held_by_another_sweep_process_is_skipped(tmp_path):
+    """Two sweep processes on one sweep: a point whose lock is held elsewhere is left alone."""
+    import fcntl
+    import os
+    recipe = quick_recipe(tmp_path)
+    lock = tmp_path / "runs" / "mnist-lstm" / ".linear-b256.lock"
+    lock.parent.mkdir(parents=True)
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what the other process's trainer holds
+    try:
+        import subprocess
+        import sys
+        code = ("import sys; sys.path.insert(0, 'tests'); from hpclb import sweep; "
+                f"sweep.run_sweep({recipe!r}, [256], ['linear'], out_dir={str(tmp_path / 'res')!r},"
+                f" runs_dir={str(tmp_path / 'runs')!r})")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, cwd=str(__import__("conftest").REPO)).stdout
+    finally:
+        os.close(fd)
+    assert "being trained by another sweep process, skipped" in out
+    assert not (tmp_path / "runs" / "mnist-lstm" / "linear-b256").exists()

@@ -11,10 +11,14 @@ all ranks enter collectives in the same order.
 Two ways to overlap (``overlap=``), both measured by ``make bench-allreduce``:
 
 ``thread``
-    a communication thread owns the blocking allreduces; the hook only enqueues the bucket.
-    The default for the ``mpi`` backend: Open MPI advances a non-blocking collective only inside
-    MPI calls, so an ``MPI_Iallreduce`` started from a hook mostly runs in ``synchronize()``,
-    while a thread blocked in ``MPI_Allreduce`` keeps it moving (mpi4py releases the GIL).
+    a communication thread owns the collectives; the hook only enqueues the bucket. The thread
+    starts its non-blocking allreduce and drives it with ``test()`` every ``HPCLB_COMM_POLL_S``
+    (0.2 ms), sleeping in between, while backward runs, and blocks in ``wait()`` once
+    ``synchronize()`` waits. The default for the ``mpi`` backend: Open MPI advances a
+    non-blocking collective only inside MPI calls, so an ``MPI_Iallreduce`` started from a hook
+    mostly runs in ``synchronize()``, and a thread sitting in a blocking ``MPI_Allreduce``
+    busy-polls, taking the core from backward (measured: README, "Gradient synchronisation and
+    scaling").
 ``nonblocking``
     the hook starts ``comm.iallreduce_`` and later hooks call ``Handle.test()`` to drive
     progress. The default where the library progresses on its own threads (Gloo, NCCL,
@@ -212,6 +216,9 @@ class GradientSync:
         stall_abort_s: end the job after a wait this long (default $HPCLB_STALL_ABORT_S or
             never).
         on_stall: called with a :class:`~hpclb.comm.watchdog.StallReport` (default: print it).
+
+    $HPCLB_COMM_POLL_S (seconds, default 0.0002) sets how often the communication thread drives
+    a bucket while backward runs; 0 makes it call the blocking allreduce instead.
 
     Every ``p.grad`` becomes a view into a bucket buffer (zeros at construction, or a copy of the
     existing gradient); keep zeroing gradients in place (``zero_grad(set_to_none=False)``) to

@@ -42,8 +42,12 @@ $(HPCLB_DATA)/ptb/.verified: | $(VENV)/.installed
 $(HPCLB_DATA)/fashion-mnist/.verified: | $(VENV)/.installed
 	$(PY) -m hpclb data fetch fashion-mnist --data-dir $(HPCLB_DATA)
 
+# Bible en-es pairs from Debian's sword-text-kjv + sword-text-sparv (read with pysword; ~1 CPU-min).
+$(HPCLB_DATA)/bible-en-es/.verified: | $(VENV)/.installed
+	$(PY) -m hpclb data fetch bible-en-es --data-dir $(HPCLB_DATA)
+
 data: $(HPCLB_DATA)/mnist/.verified $(HPCLB_DATA)/ptb/.verified \
-      $(HPCLB_DATA)/fashion-mnist/.verified
+      $(HPCLB_DATA)/fashion-mnist/.verified $(HPCLB_DATA)/bible-en-es/.verified
 
 # The main job: MNIST-LSTM with LEGW at global batch $(BATCH) (8 x B0) on $(NP) MPI ranks.
 train: install data

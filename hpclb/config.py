@@ -79,6 +79,14 @@ def load_recipe(experiment: str) -> dict[str, Any]:
     _require(kind in TASKS, f"{where}: task", f"{kind!r} is not one of {tuple(TASKS)}")
     _require(recipe["data"]["name"] in TASKS[kind], f"{where}: data.name",
              f"a {kind} task reads one of {TASKS[kind]}, not {recipe['data']['name']!r}")
+    if kind == "seq2seq":
+        for key in ("source", "target"):
+            _require(recipe["data"].get(key, "en" if key == "source" else "es") in ("en", "es"),
+                     f"{where}: data.{key}", "must be en or es")
+        for key in ("vocab_size", "max_length", "eval_samples"):
+            n = recipe["data"].get(key, 10)
+            _require(isinstance(n, int) and not isinstance(n, bool) and n > 0,
+                     f"{where}: data.{key}", f"must be a positive integer, got {n!r}")
     if kind == "language_model":
         for key in ("bptt", "eval_streams"):
             n = recipe["data"].get(key, 10)

@@ -11,6 +11,9 @@ copies). Sources are package registries (DESIGN.md, Data):
 - ``fashion-mnist``: Debian ``dataset-fashion-mnist`` (its gzipped IDX files under
   ``/usr/share/datasets/fashion-mnist``): copied from there when the package is installed, else
   ``apt-get download`` (no root needed) and ``dpkg-deb -x`` of the .deb.
+- ``bible-en-es``: Debian ``sword-text-kjv`` + ``sword-text-sparv`` (SWORD zText modules, read
+  with pysword), from ``/usr/share/sword`` when installed, else ``apt-get download`` +
+  ``dpkg-deb -x``; written as ``pairs.tsv`` (see :mod:`hpclb.data.translation`).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import zipfile
 from pathlib import Path
 
 from . import DataError, data_dir
-from . import images, mnist, ptb
+from . import images, mnist, ptb, translation
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +189,52 @@ def fetch_fashion_mnist(root: str | Path | None = None) -> Path:
     return dest
 
 
-FETCHERS = {"mnist": fetch_mnist, "ptb": fetch_ptb, "fashion-mnist": fetch_fashion_mnist}
+def _debian_extract(packages: tuple[str, ...], tmp: str) -> Path:
+    """``apt-get download`` each package into ``tmp`` and ``dpkg-deb -x`` them into ``tmp/x``."""
+    apt, dpkg = shutil.which("apt-get"), shutil.which("dpkg-deb")
+    if apt is None or dpkg is None:
+        raise DataError(f"needs Debian's apt-get and dpkg-deb for {', '.join(packages)}")
+    proc = subprocess.run([apt, "download", *packages], cwd=tmp, capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise DataError(f"apt-get download {' '.join(packages)} failed (run apt-get update "
+                        f"first?): {proc.stderr.strip()[-500:]}")
+    for deb in Path(tmp).glob("*.deb"):
+        proc = subprocess.run([dpkg, "-x", str(deb), str(Path(tmp) / "x")], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise DataError(f"dpkg-deb -x {deb.name} failed: {proc.stderr.strip()[-500:]}")
+    return Path(tmp) / "x"
+
+
+def fetch_bible_en_es(root: str | Path | None = None) -> Path:
+    """Stage ``<data dir>/bible-en-es/pairs.tsv``: every verse present in both the KJV and the
+    Reina-Valera 1909 SWORD modules (Debian sword-text-kjv, sword-text-sparv). Returns the
+    directory. Raises DataError when the packages cannot be had or the pair count is not
+    :data:`translation.NUM_PAIRS`. Takes minutes (pysword decompresses book by book)."""
+    dest = data_dir(root) / "bible-en-es"
+    if (dest / ".verified").is_file() and (dest / "pairs.tsv").is_file():
+        log.info("bible-en-es: already staged in %s", dest)
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        system = Path("/usr/share/sword")
+        have = all((system / "mods.d" / f"{m}.conf").is_file() or
+                   (system / "mods.d" / f"{m.lower()}.conf").is_file()
+                   for m in translation.MODULES.values())
+        sword = system if have else _debian_extract(translation.PACKAGES, tmp) / "usr/share/sword"
+        pairs = translation.read_sword_pairs(sword)
+    if len(pairs) != translation.NUM_PAIRS:
+        raise DataError(f"bible-en-es: {len(pairs)} verse pairs, expected "
+                        f"{translation.NUM_PAIRS}; the SWORD packages changed")
+    translation.write_pairs(dest / "pairs.tsv", pairs)
+    (dest / ".verified").touch()
+    log.info("bible-en-es: staged %d verse pairs into %s", len(pairs), dest)
+    return dest
+
+
+FETCHERS = {"mnist": fetch_mnist, "ptb": fetch_ptb, "fashion-mnist": fetch_fashion_mnist,
+            "bible-en-es": fetch_bible_en_es}
 
 
 def fetch(name: str, root: str | Path | None = None) -> Path:

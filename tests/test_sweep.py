@@ -87,3 +87,20 @@ def test_point_held_by_another_sweep_process_is_skipped(tmp_path):
         os.close(fd)
     assert "being trained by another sweep process, skipped" in out
     assert not (tmp_path / "runs" / "mnist-lstm" / "linear-b256").exists()
+
+
+def test_points_run_under_mpirun_with_ranks(tmp_path, mnist_dir):
+    """--ranks 2: each point is an `mpirun -n 2 ... hpclb train` subprocess."""
+    import sys
+    from pathlib import Path
+    if not (Path(sys.executable).parent / "mpirun").exists():
+        pytest.skip("no mpirun beside the interpreter (make install provides one)")
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    rows = sweep.run_sweep(recipe, [256], ["linear"], ranks=2, epochs=1,
+                           data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+                           runs_dir=tmp_path / "runs", log=lambda m: None)
+    assert rows[0]["ranks"] == 2 and rows[0]["steps"] == 2 and rows[0]["metric"] is not None
+    summary = json.loads((tmp_path / "runs" / "mnist-lstm" / "linear-b256" / "summary.json")
+                         .read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == "mpi"

@@ -85,6 +85,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .data import DataError
     from .sweep import run_sweep
+    from .train import PREEMPTED_EXIT_CODE, Preempted
 
     _setup_logging(0)
     try:
@@ -103,6 +104,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except (DataError, RuntimeError) as e:
         _error(f"{type(e).__name__}: {e}")
         return 1
+    except Preempted:
+        _error("sweep stopped by a signal; the point in progress is checkpointed: run the same "
+               "command again to resume")
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

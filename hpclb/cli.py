@@ -24,7 +24,25 @@ def _error(msg: str) -> None:
     print(f"hpclb: error: {msg}", file=sys.stderr, flush=True)
 
 
+class _PendingSignal:
+    """USR2/TERM handler for the whole life of `hpclb train` outside the training loop: the
+    scheduler's signal may come during start-up (imports, data, MPI init) or after the last
+    step; then it must neither kill the rank (a finished run would be reported as failed) nor
+    be lost (the loop's PreemptionFlag takes ``pending`` over and checkpoints at its first step).
+    """
+
+    pending = False
+
+    def __call__(self, signum, frame) -> None:
+        self.pending = True
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import signal
+
+    early = _PendingSignal()
+    for s in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(s, early)
     from .checkpoint import CheckpointError
     from .comm import get_communicator
     from .config import ConfigError, resolve

@@ -241,16 +241,3 @@ def test_cli_render_error_exit_2(capsys):
                  "--gpus-per-node", "4"]) == 2
     assert "hpclb: error: --nodes 0" in capsys.readouterr().err
 
-
-@pytest.mark.parametrize("exp", sorted({s.experiment for _, s in EXAMPLES}))
-def test_train_set_size_table_agrees_with_the_loader(exp):
-    """Where the data is staged, the table's N is the N `hpclb train` will schedule with."""
-    import os
-
-    from hpclb.tasks import build_task
-
-    recipe = load_recipe(exp)
-    root = Path(os.environ.get("HPCLB_DATA", REPO / "data"))
-    if not (root / recipe["data"]["name"]).is_dir():
-        pytest.skip(f"{recipe['data']['name']} not staged in {root}")
-    assert build_task(recipe, str(root)).num_train_samples == jobs.train_set_size(recipe)[0]

@@ -83,15 +83,17 @@ def wait_done(cluster, job: str, timeout: float, restarts: int = 0) -> str:
                              f"{log_of(cluster, job)}")
 
 
-def render_quick(tmp: Path, out: str, epochs: float, name: str) -> Path:
+def render_quick(tmp: Path, out: str, epochs: float, name: str, time: str = "00:15:00",
+                 signal_lead: int = 300) -> Path:
     """A 2-node x 1-rank MNIST-LSTM script on a 4,096-image subset (16 steps per epoch)."""
     from helpers import quick_recipe
 
     recipe = quick_recipe(tmp, epochs=epochs)
     text, plan = jobs.render(jobs.JobSpec(
         experiment=recipe, scheduler="slurm", nodes=2, gpus_per_node=1, per_gpu_batch=128,
-        cpus_per_task=1, time="00:15:00", partition="gpu", fabric="local", venv=str(VENV),
-        data_dir=str(DATA), out=out, job_name=name, checkpoint_interval=0))
+        cpus_per_task=1, time=time, partition="gpu", fabric="local", venv=str(VENV),
+        data_dir=str(DATA), out=out, job_name=name, checkpoint_interval=0,
+        signal_lead=signal_lead))
     assert plan.global_batch == 256 and plan.steps_per_epoch == 16
     path = tmp / f"{name}.sbatch"
     path.write_text(text)
@@ -245,6 +247,37 @@ def test_usr2_checkpoints_requeues_and_resumes_bit_for_bit(cluster, workdir, mni
     sa = json.loads((workdir / "ref" / "summary.json").read_text())
     sb = json.loads((workdir / "cut" / "summary.json").read_text())
     assert sa["final_test_accuracy"] == sb["final_test_accuracy"]
+
+
+@pytest.mark.timeout(1200)
+def test_time_limit_signal_requeues_until_done(cluster, workdir, mnist_ok):
+    """The real thing: SLURM itself sends USR2 (--signal=B:USR2@40 with --time=00:01:00, so 20 s
+    into each attempt give or take slurmctld's ~30 s check period); every attempt checkpoints,
+    exits 75 and requeues, the last one finishes (a signal that comes after its last step or
+    during start-up must not kill a rank); same parameters as an uninterrupted run. 1-2
+    requeues on an idle machine, more when the cores are busy (start-up then takes longer)."""
+    tl = cluster.sbatch(str(render_quick(workdir, "tl", 30, "tl", "00:01:00", 40)), cwd=workdir)
+    ref = cluster.sbatch(str(render_quick(workdir, "tlref", 30, "tlref")), cwd=workdir)
+    t0 = time.monotonic()
+    state = wait_done(cluster, tl, 1100, restarts=1)
+    log = (workdir / f"tl-{tl}.out").read_text()
+    assert state == "COMPLETED", f"{state}\n{log}"
+    assert wait_done(cluster, ref, 300) == "COMPLETED"
+    restarts = int(cluster.job_field(tl, "Restarts"))
+    print(f"\ntime-limit signal test: {time.monotonic() - t0:.1f} s, {restarts} requeue(s)")
+    assert log.count("got USR2: asking the ranks to checkpoint") == restarts, log
+    steps = re.findall(r"rank (\d) of 2: preempted after step (\d+)", log)
+    assert len(steps) == 2 * restarts, log
+    for i in range(restarts):
+        (r0, s0), (r1, s1) = sorted(steps[2 * i:2 * i + 2])
+        assert (r0, r1, s0) == ("0", "1", s1), log
+        assert f"resumed from tl/checkpoint.pt at epoch" in log and f"step {s0}\n" in log
+    assert log.rstrip().endswith("training exited with 0")
+    a = torch.load(workdir / "tlref" / "checkpoint.pt", weights_only=True)
+    b = torch.load(workdir / "tl" / "checkpoint.pt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 480
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
 
 
 @pytest.fixture(scope="module")

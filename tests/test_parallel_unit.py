@@ -221,3 +221,20 @@ def test_watchdog_without_side_channel_reports_and_aborts():
         wd.stop()
     assert reports and reports[0].missing is None and "cannot tell" in reports[0].message
     assert Aborting.aborted == 1
+
+
+def test_plan_buckets_and_the_scaling_model_fit():
+    from hpclb.bench.model import Calibration, comm_time, fit_alpha_beta, workloads
+    from hpclb.parallel import plan_buckets
+    assert plan_buckets([10, 10, 10, 30, 5], fusion_threshold_bytes=25,
+                        first_bucket_bytes=12) == [[4], [3], [2, 1], [0]]
+    alpha, beta = 3e-6, 1 / 5e9
+    pts = [(n, p, 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta)
+           for p in (2, 4) for n in (4096, 2 ** 20, 2 ** 24)]
+    a, b = fit_alpha_beta(pts)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+    cal = Calibration(alpha, beta, 1.0, 0.5, "test", len(pts), 0.0)
+    w = workloads()["resnet50"]
+    assert w.gradient_bytes == 25_557_032 * 4
+    t = [comm_time(w, n, 200, cal, 25 * MiB, "hierarchical") for n in (1, 16, 256)]
+    assert 0 < t[0] < t[1] < t[2]  # more nodes: more latency terms, more bytes over the links

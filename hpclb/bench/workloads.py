@@ -10,6 +10,7 @@ encoder layer, additive attention, separate 32k embeddings) 280,928,512; MNIST-L
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -143,12 +144,13 @@ WORKLOADS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+@lru_cache(maxsize=None)
 def gradient_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
     """``(parameter name, shape)`` of workload ``name`` in registration order (fp32 gradients),
     built on the meta device (nothing allocated). Raises KeyError for an unknown name."""
     with torch.device("meta"):
         model = WORKLOADS[name]()
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # cached: read-only
 
 
 def num_params(name: str) -> int:

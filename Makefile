@@ -106,18 +106,14 @@ test-horovod: install-horovod data
 
 # Gradient-sync benchmarks: short on purpose (the cores are shared); each ratio compares variants
 # timed in the same job, round by round. Horovod joins when it builds (a failed build is skipped).
-$(VENV)/.bench: setup.cfg | $(VENV)/.installed
-	$(PY) -m pip install --quiet -e '.[bench]'
-	@touch $@
-
-bench-allreduce: $(VENV)/.bench
+bench-allreduce: install
 	-$(MAKE) --no-print-directory install-horovod
 	$(PY) -m hpclb bench allreduce --np 2 4 --out results/bench_allreduce.json
 
-bench-scaling: $(VENV)/.bench
+bench-scaling: install
 	$(PY) -m hpclb bench scaling --np 1 2 4 --out results/bench_scaling.json
 
-bench-model: $(VENV)/.bench
+bench-model: install
 	$(PY) -m hpclb bench model --measurements results/bench_allreduce.json
 
 # Fused trust-ratio kernel benchmark: CPU part always, GPU part where CUDA + CuPy are present.

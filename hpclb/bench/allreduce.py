@@ -393,7 +393,7 @@ def plot(runs: dict, path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("[bench-allreduce] matplotlib not installed (pip install -e '.[bench]'): no plot")
+        print("[bench-allreduce] matplotlib not installed (make install): no plot")
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, run in sorted(runs.items()):

@@ -250,6 +250,8 @@ def _fmt(metric: str, value: float | None) -> str:
         return "—"
     if "accuracy" in metric:
         return f"{100 * value:.2f}%"
+    if value >= 1e5:
+        return f"{value:.2e}"
     return f"{value:.2f}" if value >= 10 else f"{value:.4f}"
 
 
@@ -263,7 +265,7 @@ def markdown_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
     lines = [f"# Sweep: {name}", "",
              f"Final {metric} ({'higher' if mode == 'max' else 'lower'} is better); in brackets "
              f"the difference to the smallest batch ({base}) under the same scheme "
-             f"({'percentage points' if 'accuracy' in metric else 'absolute'}). — = not run or "
+             f"({'percentage points' if 'accuracy' in metric else 'as a ratio'}). — = not run or "
              f"rejected (see the detail table).", "",
              "| batch | " + " | ".join(schemes) + " |", "|---:|" + "---:|" * len(schemes)]
     for b in batches:
@@ -277,7 +279,8 @@ def markdown_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
             txt = _fmt(metric, r["metric"])
             if b != base and ref and ref.get("metric") is not None:
                 d = r["metric"] - ref["metric"]
-                txt += f" ({100 * d:+.2f})" if "accuracy" in metric else f" ({d:+.2f})"
+                txt += f" ({100 * d:+.2f})" if "accuracy" in metric else \
+                    f" (x{r['metric'] / ref['metric']:.3g})" if ref["metric"] else f" ({d:+.3g})"
             cells.append(txt)
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     lines += ["", "| batch | scheme | k | peak LR | warmup steps (epochs) | steps | epochs | "

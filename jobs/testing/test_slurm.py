@@ -265,7 +265,8 @@ def test_time_limit_signal_requeues_until_done(cluster, workdir, mnist_ok):
     assert wait_done(cluster, ref, 300) == "COMPLETED"
     restarts = int(cluster.job_field(tl, "Restarts"))
     print(f"\ntime-limit signal test: {time.monotonic() - t0:.1f} s, {restarts} requeue(s)")
-    assert log.count("got USR2: asking the ranks to checkpoint") == restarts, log
+    # one more USR2 may come after the last attempt's last step: it must not fail the job
+    assert restarts <= log.count("got USR2: asking the ranks to checkpoint") <= restarts + 1, log
     steps = re.findall(r"rank (\d) of 2: preempted after step (\d+)", log)
     assert len(steps) == 2 * restarts, log
     for i in range(restarts):

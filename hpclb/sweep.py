@@ -15,7 +15,7 @@ point interrupted mid-run continues from its checkpoint (``--resume``), bit for 
 Several sweep processes may work on one sweep at once (e.g. each started with the points in a
 different order): a point being trained holds an exclusive ``flock`` on
 ``<runs_dir>/<experiment>/.<scheme>-b<B>.lock`` and the others skip it; the results JSON is
-re-read and rewritten under ``<out_dir>/.<experiment>.lock``. Locks die with their process.
+re-read and rewritten under ``<runs_dir>/<experiment>/.results.lock``. Locks die with their process.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     out_dir, runs_dir = Path(out_dir), Path(runs_dir) / name
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{name}.json"
-    results_lock = out_dir / f".{name}.lock"
+    results_lock = runs_dir / ".results.lock"
     runner = _run_in_process if ranks == 1 else _run_mpi
 
     def record(row: dict) -> None:

@@ -50,7 +50,9 @@ data: $(HPCLB_DATA)/mnist/.verified $(HPCLB_DATA)/ptb/.verified \
       $(HPCLB_DATA)/fashion-mnist/.verified $(HPCLB_DATA)/bible-en-es/.verified
 
 # The main job: MNIST-LSTM with LEGW at global batch $(BATCH) (8 x B0) on $(NP) MPI ranks.
-train: install data
+# It stages only its own data set (TRAIN_DATA); `make data` stages all of them.
+TRAIN_DATA ?= mnist
+train: install $(HPCLB_DATA)/$(TRAIN_DATA)/.verified
 	$(MPIRUN) $(MPIRUN_FLAGS) $(PY) -m hpclb train $(EXPERIMENT) --batch-size $(BATCH) \
 	    --scaling $(SCALING) --expect-world-size $(NP) --out $(OUT)
 

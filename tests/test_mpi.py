@@ -3,6 +3,8 @@
 Each rank checks locally, then verdicts are shared (``all_ranks_ok``) so a failure on one rank
 fails every rank instead of leaving the others waiting in a collective.
 """
+import json
+
 import pytest
 import torch
 
@@ -131,6 +133,12 @@ def test_preemption_on_one_rank_stops_all_at_the_same_step(comm, tmp_path_factor
     ck = load_checkpoint(f"{tmp}/cut/checkpoint.pt")
     resumed = train_mod.train(resolve(recipe, out=f"{tmp}/cut", resume=True, **kw), comm,
                               quiet=True)
-    all_ranks_ok(comm, stopped and ck["global_step"] == 5 and resumed["steps"] == 20,
-                 f"stopped at 5: {stopped}, checkpoint step {ck['global_step']}, "
-                 f"resumed to {resumed['steps']}")
+    whole = train_mod.train(resolve(recipe, out=f"{tmp}/whole", **kw), comm, quiet=True)
+    rows = [[json.loads(line) for line in open(f"{tmp}/{name}/metrics.jsonl")]
+            for name in ("cut", "whole")]
+    same_metrics = [r["train_loss"] for r in rows[0]] == [r["train_loss"] for r in rows[1]]
+    all_ranks_ok(comm, stopped and ck["global_step"] == 5 and resumed["steps"] == 20
+                 and same_metrics and resumed["final_test_accuracy"] == whole["final_test_accuracy"],
+                 f"stopped at 5: {stopped}, checkpoint step {ck['global_step']}, resumed to "
+                 f"{resumed['steps']}, epoch train losses equal to the uninterrupted run's: "
+                 f"{same_metrics}")

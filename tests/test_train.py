@@ -56,6 +56,8 @@ def test_preempted_run_resumes_bit_for_bit(tmp_path, mnist_dir, monkeypatch):
     ck = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
     assert (ck["epoch"], ck["step_in_epoch"], ck["global_step"]) == (1, 3, 11)
     monkeypatch.undo()
+    with pytest.raises(ConfigError, match="unfinished run; add --resume"):
+        run(tmp_path, "cut", data_dir=str(mnist_dir.parent))  # would overwrite the progress
     resumed, cfg_cut = run(tmp_path, "cut", data_dir=str(mnist_dir.parent), resume=True)
     a, b = params_of(cfg_full), params_of(cfg_cut)
     assert all(torch.equal(a[k], b[k]) for k in a)

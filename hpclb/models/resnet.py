@@ -67,7 +67,19 @@ def _init(model: nn.Module) -> None:
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
 
-class ResNet50(nn.Module):
+class _ResNet(nn.Module):
+    """stem -> residual blocks -> global average pool -> linear; subclasses build the parts."""
+
+    stem: nn.Module
+    layers: nn.Module
+    fc: nn.Linear
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class ResNet50(_ResNet):
     """ImageNet ResNet-50 (v1.5). ``[b, 3, H, W]`` (H, W >= 32) -> ``[b, num_classes]``."""
 
     def __init__(self, num_classes: int = 1000, in_channels: int = 3):
@@ -83,12 +95,9 @@ class ResNet50(nn.Module):
         self.fc = nn.Linear(cin, num_classes)
         _init(self)
 
-    def forward(self, x):
-        x = self.layers(self.stem(x))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
-class SmallResNet(nn.Module):
+class SmallResNet(_ResNet):
     """ResNet-(6n+2) for small images: 3x3 stem (``width`` channels), stages of ``n`` basic blocks
     at widths ``width, 2*width, 4*width`` (stride 2 between stages), global average pool, linear.
     ``depth = 6n + 2`` (20, 32, 44, 56, 110). Raises ValueError for another depth."""
@@ -111,6 +120,3 @@ class SmallResNet(nn.Module):
         self.fc = nn.Linear(cin, num_classes)
         _init(self)
 
-    def forward(self, x):
-        x = self.layers(self.stem(x))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))

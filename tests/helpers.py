@@ -5,7 +5,9 @@ from pathlib import Path
 
 import yaml
 
-from hpclb.config import load_recipe
+from hpclb import train as train_mod
+from hpclb.comm import SelfCommunicator
+from hpclb.config import load_recipe, resolve
 
 
 def quick_recipe(tmp_path: Path, **changes) -> str:
@@ -18,3 +20,14 @@ def quick_recipe(tmp_path: Path, **changes) -> str:
     path = Path(tmp_path) / "quick.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return str(path)
+
+
+def train_multi_and_single(comm, recipe: str, out: str, **kw) -> tuple[dict, dict]:
+    """Train ``recipe`` on every rank of ``comm`` (into ``out/multi``) and on rank 0 alone
+    (``out/single``); returns both summaries, on every rank. Collective."""
+    multi = train_mod.train(resolve(recipe, out=f"{out}/multi", **kw), comm, quiet=True)
+    single = None
+    if comm.rank == 0:
+        single = train_mod.train(resolve(recipe, out=f"{out}/single", **kw), SelfCommunicator(),
+                                 quiet=True)
+    return multi, comm.broadcast_object(single)

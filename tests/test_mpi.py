@@ -4,15 +4,15 @@ Each rank checks locally, then verdicts are shared (``all_ranks_ok``) so a failu
 fails every rank instead of leaving the others waiting in a collective.
 """
 import json
+import os
 
 import pytest
 import torch
 
 from conftest import all_ranks_ok
-from helpers import quick_recipe
+from helpers import quick_recipe, train_multi_and_single
 from hpclb import train as train_mod
 from hpclb.checkpoint import load_checkpoint
-from hpclb.comm import SelfCommunicator
 from hpclb.config import resolve
 from hpclb.models import MnistLSTM
 from hpclb.parallel import (GradientSync, ModelMismatchError, broadcast_parameters,
@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 
 def test_world_size_is_what_the_launcher_asked_for(comm):
-    import os
     expected = int(os.environ.get("HPCLB_EXPECT_WORLD_SIZE", comm.world_size))
     all_ranks_ok(comm, comm.world_size == expected, f"world size {comm.world_size} != {expected}")
     ranks = comm.allgather_object(comm.rank)
@@ -94,12 +93,7 @@ def test_multi_rank_training_equals_one_process(comm, tmp_path_factory, mnist_di
     tmp = comm.broadcast_object(str(tmp_path_factory.mktemp("run")) if comm.rank == 0 else None)
     recipe = quick_recipe(tmp_path_factory.mktemp("recipe"))
     kw = dict(batch_size=512, epochs=2.5, data_dir=str(mnist_dir.parent))
-    multi = train_mod.train(resolve(recipe, out=f"{tmp}/multi", **kw), comm, quiet=True)
-    single = None
-    if comm.rank == 0:
-        single = train_mod.train(resolve(recipe, out=f"{tmp}/single", **kw), SelfCommunicator(),
-                                 quiet=True)
-    single = comm.broadcast_object(single)
+    multi, single = train_multi_and_single(comm, recipe, tmp, **kw)
     a = load_checkpoint(f"{tmp}/multi/checkpoint.pt")["model"]
     b = load_checkpoint(f"{tmp}/single/checkpoint.pt")["model"]
     diff = max((a[k] - b[k]).abs().max().item() for k in a)

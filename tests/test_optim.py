@@ -107,37 +107,37 @@ def test_trust_ratio_length_mismatch_raises():
                           weight_decay=0, eps=0, adapt=[True, True])
 
 
-@pytest.mark.parametrize("shapes", [SHAPES, [(1,)] * 300 + [(4, 4)], [(2_000_000,), (3, 3)]])
+def assert_steps_match_reference(ps, opt, ref, seed, steps=4):
+    """Feed ``opt`` and its float64 ``ref`` the same random gradients; compare the weights."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        grads = [torch.randn(p.shape, generator=g) for p in ps]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        opt.step()
+        ref.step([gr.double().numpy() for gr in grads])
+    for p, w in zip(ps, ref.ws):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-5, atol=1e-6)
+
+
+MIXED_SIZES = [SHAPES, [(1,)] * 300 + [(4, 4)], [(2_000_000,), (3, 3)]]
+
+
+@pytest.mark.parametrize("shapes", MIXED_SIZES)
 def test_lars_steps_match_float64_reference(shapes):
     ps = make_params(3, shapes)
     ref = RefLARS([p.detach().numpy() for p in ps], lr=2.0, momentum=0.9, wd=1e-4, eta=0.01,
                   eps=1e-9)
     opt = LARS(ps, lr=2.0, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.01)
-    g = torch.Generator().manual_seed(7)
-    for _ in range(4):
-        grads = [torch.randn(p.shape, generator=g) for p in ps]
-        for p, gr in zip(ps, grads):
-            p.grad = gr.clone()
-        opt.step()
-        ref.step([gr.double().numpy() for gr in grads])
-    for p, w in zip(ps, ref.ws):
-        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-5, atol=1e-6)
+    assert_steps_match_reference(ps, opt, ref, seed=7)
 
 
-@pytest.mark.parametrize("shapes", [SHAPES, [(1,)] * 300 + [(4, 4)], [(2_000_000,), (3, 3)]])
+@pytest.mark.parametrize("shapes", MIXED_SIZES)
 def test_lamb_steps_match_float64_reference(shapes):
     ps = make_params(4, shapes)
     ref = RefLAMB([p.detach().numpy() for p in ps], lr=0.01, b1=0.9, b2=0.999, eps=1e-6, wd=0.01)
     opt = LAMB(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
-    g = torch.Generator().manual_seed(8)
-    for _ in range(4):
-        grads = [torch.randn(p.shape, generator=g) for p in ps]
-        for p, gr in zip(ps, grads):
-            p.grad = gr.clone()
-        opt.step()
-        ref.step([gr.double().numpy() for gr in grads])
-    for p, w in zip(ps, ref.ws):
-        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-5, atol=1e-6)
+    assert_steps_match_reference(ps, opt, ref, seed=8)
 
 
 def test_exclusion_can_be_overridden_per_group():

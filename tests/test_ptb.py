@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO, all_ranks_ok
+from helpers import train_multi_and_single
 from hpclb import train as train_mod
 from hpclb.checkpoint import load_checkpoint
 from hpclb.comm import SelfCommunicator
@@ -161,12 +162,7 @@ def test_mpi_ranks_get_disjoint_streams_and_match_one_process(comm, tmp_path_fac
     recipe = comm.broadcast_object(small_lm(tmp_path_factory.mktemp("r"), epochs=1)
                                    if comm.rank == 0 else None)
     kw = dict(batch_size=10 if 10 % W == 0 else 2 * W, data_dir=str(ptb_root))
-    multi = train_mod.train(resolve(recipe, out=f"{tmp}/multi", **kw), comm, quiet=True)
-    single = None
-    if comm.rank == 0:
-        single = train_mod.train(resolve(recipe, out=f"{tmp}/single", **kw), SelfCommunicator(),
-                                 quiet=True)
-    single = comm.broadcast_object(single)
+    multi, single = train_multi_and_single(comm, recipe, tmp, **kw)
     gap = abs(multi["final_test_loss"] - single["final_test_loss"])
     all_ranks_ok(comm, gap < 1e-3, f"test loss {multi['final_test_loss']} on {W} ranks vs "
                  f"{single['final_test_loss']} on 1")

@@ -87,6 +87,15 @@ def load_recipe(experiment: str) -> dict[str, Any]:
             n = recipe["data"].get(key, 10)
             _require(isinstance(n, int) and not isinstance(n, bool) and n > 0,
                      f"{where}: data.{key}", f"must be a positive integer, got {n!r}")
+        beam = recipe["data"].get("beam_size", 1)
+        _require(isinstance(beam, int) and not isinstance(beam, bool) and beam >= 1,
+                 f"{where}: data.beam_size", f"must be an integer >= 1 (1: greedy decoding; "
+                 f"GNMT decodes with 10), got {beam!r}")
+        alpha = recipe["data"].get("length_penalty", 0.6)
+        _require(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and
+                 math.isfinite(alpha) and alpha >= 0, f"{where}: data.length_penalty",
+                 f"must be a number >= 0 (alpha of GNMT's ((5 + length) / 6) ** alpha; 0: none, "
+                 f"default 0.6), got {alpha!r}")
     if kind == "language_model":
         for key in ("bptt", "eval_streams"):
             n = recipe["data"].get(key, 10)

@@ -33,6 +33,7 @@ class Task:
     model's constructor on top of the recipe's ``model`` section (e.g. the vocabulary size)."""
 
     kind = "task"
+    decoding: str | None = None  # how evaluate() produces outputs, where it decodes (seq2seq)
     model_kwargs: dict[str, Any] = {}
     num_train_samples: int
     num_test_samples: int
@@ -267,7 +268,9 @@ def build_task(recipe: dict, data_root, *, train_samples=None, test_samples=None
             pairs["test"] = pairs["test"][:test_samples]
         return Seq2seqTask(pairs, vocab_size=data.get("vocab_size", 8000),
                            max_length=data.get("max_length", 80),
-                           eval_samples=data.get("eval_samples", len(pairs["test"])))
+                           eval_samples=data.get("eval_samples", len(pairs["test"])),
+                           beam_size=data.get("beam_size", 1),
+                           length_penalty=data.get("length_penalty", 0.6))
     raise ValueError(f"unknown task kind {kind!r}")
 
 
@@ -280,12 +283,15 @@ class Seq2seqTask(Task):
     ``DistributedSampler`` like a classification batch. Loss: cross-entropy summed over a
     sentence's target tokens, averaged over sentences (GNMT's), PAD ignored. Metrics:
     ``train_loss``/``test_loss`` per target token (nats) and ``test_bleu`` (sacrebleu corpus BLEU
-    of greedy translations of the first ``eval_samples`` test pairs vs their references).
+    of the translations of the first ``eval_samples`` test pairs vs their references).
+    Translations: greedy for ``beam_size`` 1, else :meth:`hpclb.models.gnmt.GNMT.beam_search`
+    with ``beam_size`` and ``length_penalty`` (GNMT's alpha); ``decoding`` names the one used.
     """
 
     kind = "seq2seq"
 
-    def __init__(self, pairs: dict, *, vocab_size: int, max_length: int, eval_samples: int):
+    def __init__(self, pairs: dict, *, vocab_size: int, max_length: int, eval_samples: int,
+                 beam_size: int = 1, length_penalty: float = 0.6):
         from .data.translation import train_sentencepiece
 
         train, test = pairs["train"], pairs["test"]
@@ -299,6 +305,9 @@ class Seq2seqTask(Task):
         self.test_src = enc(self.src_sp, [s for s, _ in test])
         self.test_tgt = enc(self.tgt_sp, [t for _, t in test])
         self.eval_samples = min(eval_samples, len(test))
+        self.beam_size, self.length_penalty = int(beam_size), float(length_penalty)
+        self.decoding = "greedy" if self.beam_size == 1 else \
+            f"beam {self.beam_size}, length penalty {self.length_penalty:g}"
         self.num_train_samples, self.num_test_samples = len(train), len(test)
         self.model_kwargs = {"src_vocab": self.src_sp.get_piece_size(),
                              "tgt_vocab": self.tgt_sp.get_piece_size()}
@@ -364,11 +373,20 @@ class Seq2seqTask(Task):
             sums[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
                                        ignore_index=PAD, reduction="sum").item()
             sums[1] += int((tgt_out != PAD).sum())
-            out = model.greedy(src, mask, bos=tgt_in[0, 0].item(), eos=EOS,
-                               max_len=self.max_length + 1)
-            for j, ids in zip(idx, out.tolist()):
-                ids = ids[:ids.index(EOS)] if EOS in ids else ids
-                hyps[j] = self.tgt_sp.decode(ids)
+            bos = tgt_in[0, 0].item()
+            rows = max(1, batch_size // self.beam_size)  # the decoder runs rows * beam_size
+            for r in range(0, len(idx), rows):
+                if self.beam_size == 1:
+                    out = model.greedy(src[r:r + rows], mask[r:r + rows], bos=bos, eos=EOS,
+                                       max_len=self.max_length + 1)
+                else:
+                    out = model.beam_search(src[r:r + rows], mask[r:r + rows], bos=bos, eos=EOS,
+                                            beam_size=self.beam_size,
+                                            max_len=self.max_length + 1,
+                                            length_penalty=self.length_penalty)
+                for j, ids in zip(idx[r:r + rows], out.tolist()):
+                    ids = ids[:ids.index(EOS)] if EOS in ids else ids
+                    hyps[j] = self.tgt_sp.decode(ids)
         comm.allreduce_(sums)
         every = {}
         for part in (comm.allgather_object(hyps) if comm.world_size > 1 else [hyps]):

@@ -295,6 +295,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     evaluated = [m for m in history[-1] if m.startswith(("valid_", "test_"))]  # e.g. test_accuracy
     summary = {
         "experiment": cfg.experiment, "task": task.kind,
+        **({"decoding": task.decoding} if task.decoding else {}),
         **{f"final_{m}": history[-1][m] for m in evaluated},
         **{f"best_{m}": (max if _better(m) == "max" else min)(r[m] for r in history)
            for m in evaluated},
@@ -313,8 +314,10 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     if rank0:
         _write_json(summary_path, summary)
     shown = metric if metric in evaluated else evaluated[-1]
+    how = f" (decoding: {task.decoding})" if task.decoding and "bleu" in shown else ""
     say(f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} (k={k:g}) "
-        f"on {comm.world_size} rank(s): {shown} {_show(shown, summary['final_' + shown]).strip()} "
+        f"on {comm.world_size} rank(s): {shown} {_show(shown, summary['final_' + shown]).strip()}"
+        f"{how} "
         f"after {cfg.epochs:g} epochs ({pos['global_step']} steps) in {wall:.1f} s -> "
         f"{out / 'summary.json'}")
     return summary

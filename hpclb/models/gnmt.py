@@ -8,10 +8,12 @@ Decoder: ``decoder_layers`` LSTM layers; the first one's output queries normalis
 layer (concatenated to its input); residual connections from the third layer on; a linear
 projection of ``[top layer output; context]`` to the target vocabulary.
 
-Status: the model and greedy decoding are here and shape-tested; the seq2seq data pipeline and
-training task (``gnmt.yaml``) are not implemented yet.
+Decoding: :meth:`GNMT.greedy` and :meth:`GNMT.beam_search` (GNMT's length penalty); the seq2seq
+task (``hpclb/tasks.py``) picks one by the recipe's ``data.beam_size``.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -92,8 +94,8 @@ class GNMT(nn.Module):
         """Greedy decoding (recomputes the decoder over the prefix each step: simple, O(t^2)).
         Returns int64 ``[b, <= max_len]`` token ids without BOS; positions after EOS are EOS."""
         memory = self.encode(src, src_mask)
-        out = torch.full((src.shape[0], 1), bos, dtype=torch.int64)
-        done = torch.zeros(src.shape[0], dtype=torch.bool)
+        out = torch.full((src.shape[0], 1), bos, dtype=torch.int64, device=src.device)
+        done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
         for _ in range(max_len):
             nxt = self.decode(memory, src_mask, out)[:, -1].argmax(-1)
             nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
@@ -102,3 +104,89 @@ class GNMT(nn.Module):
             if bool(done.all()):
                 break
         return out[:, 1:]
+
+    @torch.no_grad()
+    def beam_search(self, src, src_mask, bos: int, eos: int, beam_size: int = 4,
+                    max_len: int = 100, length_penalty: float = 0.6) -> torch.Tensor:
+        """Beam search with GNMT's length penalty (Wu et al. 2016, section 7, eq. 14).
+
+        ``src`` int64 ``[b, s]`` and ``src_mask`` bool ``[b, s]`` as for :meth:`greedy`.
+        Returns int64 ``[b, <= max_len]``, one translation per sentence, without BOS, ending in
+        EOS unless ``max_len`` tokens were reached first; shorter rows are padded with EOS (as
+        :meth:`greedy` pads). Like :meth:`greedy` it runs the model as it is: call ``eval()``
+        first to switch dropout off.
+
+        Algorithm (plain beam search, batched: sentence ``i``'s ``beam_size`` hypotheses are the
+        rows ``i * beam_size ... i * beam_size + beam_size - 1`` of one decoder batch; the
+        decoder is re-run over each whole prefix, as in :meth:`greedy`):
+
+        1. Each sentence starts with one live hypothesis ``[BOS]`` of log-probability 0.
+        2. At each step every live hypothesis is extended by every token, scored by the sum of
+           its tokens' log-probabilities; of these candidates a sentence keeps its ``n`` best,
+           ``n = beam_size -`` (its finished hypotheses so far).
+        3. A kept candidate that ends in EOS, or has ``max_len`` tokens, is finished: it leaves
+           the beam (so the beam shrinks by one) and is stored with its score
+           ``log P(Y | X) / lp(Y)``, ``lp(Y) = ((5 + |Y|) / 6) ** length_penalty``, where
+           ``|Y|`` counts the generated tokens including EOS.
+        4. A sentence is done when ``beam_size`` hypotheses have finished; decoding stops when
+           every sentence is done (at most ``max_len`` steps). The answer is each sentence's
+           finished hypothesis of highest penalised score (the earliest one on a tie).
+
+        Within a step all candidates have the same length, so the penalty only matters when
+        finished hypotheses of different lengths are compared. ``beam_size=1`` is greedy
+        decoding. GNMT's coverage penalty and score-based beam pruning are not implemented
+        (coverage weight beta = 0). ``length_penalty`` is GNMT's alpha: 0 ranks by raw
+        log-probability (which favours short output); larger values favour longer output.
+
+        Raises ValueError when ``beam_size`` or ``max_len`` is not an integer >= 1, or
+        ``length_penalty`` is not a finite number >= 0.
+        """
+        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+            raise ValueError(f"beam_size must be an integer >= 1 (1 = greedy), got {beam_size!r}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
+                not math.isfinite(length_penalty) or length_penalty < 0:
+            raise ValueError(f"length_penalty must be a finite number >= 0 (GNMT's alpha), got "
+                             f"{length_penalty!r}")
+        b, k, dev = src.shape[0], beam_size, src.device
+        memory = self.encode(src, src_mask).repeat_interleave(k, 0)  # [b * k, s, h]
+        mask = src_mask.repeat_interleave(k, 0)
+        prefixes = torch.full((b * k, 1), bos, dtype=torch.int64, device=dev)  # [b * k, t]
+        scores = [[0.0] for _ in range(b)]  # per sentence, the live hypotheses' log-probs
+        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(b)]
+        for t in range(1, max_len + 1):
+            logp = torch.log_softmax(self.decode(memory, mask, prefixes)[:, -1].float(), -1)
+            vocab = logp.shape[-1]
+            live_scores = torch.tensor([s + [-math.inf] * (k - len(s)) for s in scores],
+                                       device=dev)  # [b, k]; -inf = no hypothesis in that row
+            candidates = (live_scores.unsqueeze(-1) + logp.view(b, k, vocab)).view(b, k * vocab)
+            top_scores, top_index = candidates.topk(k, dim=1)  # best first
+            top_scores, top_index = top_scores.tolist(), top_index.tolist()
+            rows, tokens = [], []  # the next step's prefixes: which row, extended by which token
+            for i in range(b):
+                n = k - len(finished[i])
+                scores[i] = []
+                for score, index in zip(top_scores[i][:n], top_index[i][:n]):
+                    if score == -math.inf:  # fewer real candidates than places (tiny vocab)
+                        break
+                    row, token = i * k + index // vocab, index % vocab
+                    if token == eos or t == max_len:
+                        lp = ((5 + t) / 6) ** length_penalty
+                        finished[i].append((score / lp, prefixes[row, 1:].tolist() + [token]))
+                    else:
+                        scores[i].append(score)
+                        rows.append(row)
+                        tokens.append(token)
+                while len(rows) < (i + 1) * k:  # unused places: any row, never read
+                    rows.append(i * k)
+                    tokens.append(eos)
+            if not any(scores):
+                break
+            prefixes = torch.cat([prefixes[torch.tensor(rows, device=dev)],
+                                  torch.tensor(tokens, device=dev)[:, None]], 1)
+        best = [max(f, key=lambda h: h[0])[1] for f in finished]  # max keeps the first on a tie
+        out = torch.full((b, max(len(y) for y in best)), eos, dtype=torch.int64, device=dev)
+        for i, y in enumerate(best):
+            out[i, :len(y)] = torch.tensor(y)
+        return out

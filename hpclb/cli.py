@@ -62,7 +62,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"{args.expect_world_size}` from the MPI that mpi4py uses (.venv/bin/mpirun)")
         cfg = resolve(args.experiment, batch_size=args.batch_size, scaling=args.scaling,
                       optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
-                      data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr)
+                      data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr,
+                      accumulation_steps=args.accumulation_steps)
         from .train import Preempted, PREEMPTED_EXIT_CODE, train
         try:
             train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval)
@@ -249,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
     t.add_argument("--lr", type=float, help="override the recipe's peak LR at B0 (for tuning)")
     t.add_argument("--epochs", type=float, help="default: the recipe's (fractional allowed)")
+    t.add_argument("--accumulation-steps", type=int, metavar="K",
+                   help="gradient accumulation: each rank runs K micro-batches of B / (ranks x K) "
+                   "samples per optimizer step, one allreduce per step; the global batch B (and "
+                   "so LR/warmup scaling) is unchanged (default: the recipe's "
+                   "accumulation_steps, else 1)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
     t.add_argument("--out", help="run directory (default runs/<experiment>)")

@@ -124,6 +124,10 @@ def load_recipe(experiment: str) -> dict[str, Any]:
     clip = recipe.get("grad_clip_norm")
     _require(clip is None or _positive_number(clip), f"{where}: grad_clip_norm",
              "must be null or > 0")
+    acc = recipe.get("accumulation_steps", 1)
+    _require(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1,
+             f"{where}: accumulation_steps", f"must be an integer >= 1 (micro-batches per "
+             f"optimizer step; 1: no accumulation), got {acc!r}")
     return recipe
 
 
@@ -144,6 +148,7 @@ class RunConfig:
     out: str
     resume: bool
     lr: float | None = None
+    accumulation_steps: int = 1
 
     @property
     def base_batch_size(self) -> int:
@@ -161,6 +166,23 @@ class RunConfig:
                 f"the world size {world_size}; choose a multiple of {world_size} or change the "
                 f"number of ranks")
         return self.global_batch_size // world_size
+
+    def micro_batch_size(self, world_size: int) -> int:
+        """Samples per micro-batch, ``global_batch_size / (world_size * accumulation_steps)``:
+        each rank runs ``accumulation_steps`` of them per optimizer step. ConfigError if it does
+        not divide."""
+        k = self.accumulation_steps
+        if k == 1:
+            return self.per_rank_batch_size(world_size)
+        if self.global_batch_size % (world_size * k):
+            n = world_size * k
+            raise ConfigError(
+                f"--batch-size {self.global_batch_size} (the global batch) is not divisible by "
+                f"the world size {world_size} x --accumulation-steps {k} = {n} (each rank runs "
+                f"{k} micro-batches of B / {n} samples); choose a --batch-size that is a "
+                f"multiple of {n}, or another --accumulation-steps (recipe field "
+                f"accumulation_steps)")
+        return self.global_batch_size // (world_size * k)
 
     def schedule(self, num_samples: int) -> schedules.Schedule:
         """The LR schedule of this run on a training set of ``num_samples`` samples."""
@@ -182,11 +204,13 @@ class RunConfig:
 def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "legw",
             optimizer: str | None = None, epochs: float | None = None, seed: int = 0,
             data_dir: str | None = None, out: str | None = None, resume: bool = False,
-            lr: float | None = None) -> RunConfig:
+            lr: float | None = None, accumulation_steps: int | None = None) -> RunConfig:
     """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
 
-    ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). Raises ConfigError naming the
-    bad field.
+    ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``accumulation_steps``
+    overrides the recipe's ``accumulation_steps`` (default 1): micro-batches per optimizer step;
+    the global batch (the unit of the scaling rules) does not change. Raises ConfigError naming
+    the bad field.
     """
     recipe = load_recipe(experiment)
     _require(scaling in schedules.SCHEMES, "--scaling",
@@ -203,7 +227,12 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     _require(_positive_number(n_epochs), "--epochs", f"must be > 0, got {n_epochs}")
     _require(lr is None or _positive_number(lr), "--lr", f"must be a positive number, got {lr}")
     _require(isinstance(seed, int) and seed >= 0, "--seed", f"must be >= 0, got {seed}")
+    acc = recipe.get("accumulation_steps", 1) if accumulation_steps is None else accumulation_steps
+    _require(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1,
+             "--accumulation-steps", f"must be an integer >= 1 (micro-batches per optimizer "
+             f"step; 1: no accumulation), got {acc!r}")
     return RunConfig(experiment=recipe["name"], recipe=recipe, global_batch_size=batch,
                      scaling=scaling, optimizer=opt, optimizer_params=dict(recipe["optimizers"][opt]),
                      epochs=float(n_epochs), seed=seed, data_dir=data_dir,
-                     out=out or f"runs/{recipe['name']}", resume=resume, lr=lr)
+                     out=out or f"runs/{recipe['name']}", resume=resume, lr=lr,
+                     accumulation_steps=acc)

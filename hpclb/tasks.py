@@ -5,6 +5,9 @@ The loop in :mod:`hpclb.train` is the same for every kind; a :class:`Task` suppl
 - ``num_train_samples``: ``N`` of the schedule (``steps_per_epoch = ceil(N / B)``, DESIGN.md);
 - ``start_epoch(epoch)`` then ``batch(i)`` for step ``i`` of the epoch: this rank's share of the
   global batch (the union over ranks is the same global batch at every world size);
+  ``batch(i, part, parts)`` is micro-batch ``part`` of ``parts`` of that share (gradient
+  accumulation), and ``part_size(i, part, parts) -> (n_part, n_share)`` the units (samples,
+  sentences, streams) the two mean losses average over, so that the loop can weight the parts;
 - ``loss(model, batch) -> (loss, stats)``: the mean loss this rank backpropagates and a float64
   ``[3]`` tensor of sums (loss sum, correct predictions, count) that is summed over ranks;
 - ``train_metrics(sums, seconds)`` and ``evaluate(model, comm)``: named metrics for a
@@ -45,8 +48,13 @@ class Task:
     def start_epoch(self, epoch: int) -> None:
         raise NotImplementedError
 
-    def batch(self, i: int):
+    def batch(self, i: int, part: int = 0, parts: int = 1):
         raise NotImplementedError
+
+    def part_size(self, i: int, part: int, parts: int) -> tuple[int, int]:
+        """``(n_part, n_share)``: units in micro-batch ``part`` and in this rank's whole share
+        of step ``i`` (default: equal parts)."""
+        return 1, parts
 
     def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -90,9 +98,19 @@ class ClassificationTask(Task):
         self.sampler.set_epoch(epoch)
         self.indices = torch.tensor(list(self.sampler))
 
-    def batch(self, i: int):
+    def _part_indices(self, i: int, part: int = 0, parts: int = 1) -> torch.Tensor:
+        """Indices of micro-batch ``part`` of ``parts`` of this rank's step ``i``: near-equal
+        contiguous pieces (the last step of an epoch may be short; a piece may then be empty)."""
         b = self.per_rank_batch
-        return self.train_set.batch(self.indices[i * b:(i + 1) * b])
+        mine = self.indices[i * b:(i + 1) * b]
+        n = len(mine)
+        return mine[part * n // parts:(part + 1) * n // parts]
+
+    def part_size(self, i, part, parts):
+        return len(self._part_indices(i, part, parts)), len(self._part_indices(i))
+
+    def batch(self, i: int, part: int = 0, parts: int = 1):
+        return self.train_set.batch(self._part_indices(i, part, parts))
 
     def loss(self, model, batch):
         x, y = batch
@@ -166,14 +184,37 @@ class LanguageModelTask(Task):
     def start_epoch(self, epoch: int) -> None:
         self.hidden = None  # every epoch starts from the zero state
 
-    def batch(self, i: int):
+    def batch(self, i: int, part: int = 0, parts: int = 1):
+        """Window ``i`` of this rank's streams; with ``parts`` > 1, of the streams of micro-batch
+        ``part`` (``b / parts`` each, a divisor: the loop checks ``B % (W * parts) == 0``).
+
+        Micro-batches split the *streams*, never the ``bptt`` window: every stream still
+        backpropagates through its whole window from the state carried from its previous window,
+        so the truncation is the same as without accumulation, and each part (same window
+        length, same number of streams) holds the same number of tokens, so the mean of the
+        parts' per-token means is the share's. Splitting the window in time instead would cut
+        the gradient at the sub-window boundaries (a different, shorter BPTT)."""
         s = slice(i * self.bptt, (i + 1) * self.bptt)
-        return self.x[:, s], self.y[:, s]
+        m = self.x.shape[0] // parts
+        rows = slice(part * m, (part + 1) * m)
+        return self.x[rows, s], self.y[rows, s], rows
 
     def loss(self, model, batch):
-        x, y = batch
-        logits, hidden = model(x, self.hidden)
-        self.hidden = tuple(h.detach() for h in hidden)
+        x, y, rows = batch
+        b = self.x.shape[0]
+        if rows.start == 0 and rows.stop == b:  # the rank's whole share (no accumulation)
+            logits, hidden = model(x, self.hidden)
+            self.hidden = tuple(h.detach() for h in hidden)
+        else:  # a micro-batch: its streams' rows of the carried [layers, b, hidden] state; the
+            # parts' new states replace the carried one after the last part of the window
+            mine = None if self.hidden is None else \
+                tuple(h[:, rows].contiguous() for h in self.hidden)
+            logits, hidden = model(x, mine)
+            self._pending = (self._pending if rows.start else []) + \
+                [tuple(h.detach() for h in hidden)]
+            if rows.stop == b:
+                self.hidden = tuple(torch.cat(hs, dim=1) for hs in zip(*self._pending))
+                self._pending = []
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         stats = torch.tensor([loss.item() * y.numel(), 0.0, y.numel()], dtype=torch.float64)
         return loss, stats
@@ -336,9 +377,11 @@ class Seq2seqTask(Task):
         s = self._pad(src)
         return s, s != PAD, self._pad(tgt, prefix=[BOS]), self._pad(tgt, suffix=[EOS])
 
-    def batch(self, i: int):
-        b = self.per_rank_batch
-        idx = self.indices[i * b:(i + 1) * b].tolist()
+    _part_indices = ClassificationTask._part_indices
+    part_size = ClassificationTask.part_size  # the loss is a mean over sentences
+
+    def batch(self, i: int, part: int = 0, parts: int = 1):
+        idx = self._part_indices(i, part, parts).tolist()
         return self._tensors([self.train_src[j] for j in idx], [self.train_tgt[j] for j in idx])
 
     def loss(self, model, batch):

@@ -6,7 +6,9 @@
    batch for every world size.
 2. Forward/backward in torch (the task gives the loss); :class:`~hpclb.parallel.GradientSync`
    averages gradients; optional clipping by global norm (recipe ``grad_clip_norm``), after the
-   averaging.
+   averaging. With ``accumulation_steps`` K > 1 the rank's share is run as K micro-batches of
+   ``B / (world_size * K)`` samples, each backward accumulating locally; the allreduce runs once,
+   on the last micro-batch, and the step's gradient is the mean over the global batch.
 3. The optimizer steps with the LR that :mod:`hpclb.schedules` gives this global step.
 4. Loss and the task's metrics (accuracy, perplexity, ...) are reduced across ranks; rank 0
    prints, writes ``metrics.jsonl`` / ``summary.json`` and checkpoints.
@@ -142,6 +144,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     rank0 = comm.rank == 0
     say = (lambda *a: print(*a, flush=True)) if rank0 and not quiet else (lambda *a: None)
     per_rank_batch = cfg.per_rank_batch_size(comm.world_size)
+    n_micro = cfg.accumulation_steps
+    micro_batch = cfg.micro_batch_size(comm.world_size)  # B % (W * K): fails before any work
     data = cfg.recipe["data"]
     task = build_task(cfg.recipe, cfg.data_dir, train_samples=data.get("train_samples"),
                       test_samples=data.get("test_samples"))
@@ -171,7 +175,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     broadcast_parameters(model, comm)
     optimizer = build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
     scheduler = ScheduleLR(optimizer, sched)
-    sync = GradientSync(model.parameters(), comm)
+    sync = GradientSync(model.parameters(), comm, accumulation_steps=n_micro)
     spe = sched.steps_per_epoch
     task.setup(per_rank_batch=per_rank_batch, global_batch=cfg.global_batch_size, rank=comm.rank,
                world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=spe)
@@ -192,7 +196,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
 
     say(f"hpclb {cfg.experiment}: {comm.world_size} rank(s) [{comm.backend}], global batch "
         f"{cfg.global_batch_size} = {comm.world_size} x {per_rank_batch} (B0 {cfg.base_batch_size}, "
-        f"k = {k:g}), scaling {cfg.scaling}, optimizer {cfg.optimizer}")
+        f"k = {k:g}), accumulation_steps {n_micro} (micro-batch {micro_batch}), scaling "
+        f"{cfg.scaling}, optimizer {cfg.optimizer}")
     say(f"  peak LR {sched.peak_lr:.4g} (B0: {cfg.base_lr:.4g}), warmup {sched.warmup_steps} steps "
         f"= {sched.warmup_epochs:.3g} epochs, decay {sched.decay}, {spe} steps/epoch, "
         f"{sched.total_steps} steps in {cfg.epochs:g} epochs, {task.num_train_samples} train / "
@@ -226,6 +231,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     try:
         for epoch in range(pos["epoch"], n_epochs):
             task.start_epoch(epoch)
+            sync.reset_epoch()  # windows end with each step: nothing to drop, the counter restarts
             steps = min(spe, sched.total_steps - epoch * spe)
             first = pos["step_in_epoch"] if epoch == pos["epoch"] else 0
             if first:
@@ -235,16 +241,25 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
             bar = tqdm(range(first, steps), desc=f"epoch {epoch + 1}", leave=False,
                        disable=not (rank0 and not quiet and sys.stderr.isatty()))
             for i in bar:
-                loss, stats = task.loss(model, task.batch(i))
                 optimizer.zero_grad(set_to_none=False)
-                loss.backward()
-                sync.synchronize()
+                for part in range(n_micro):
+                    # GradientSync divides the accumulated sum by world_size * K, which is the
+                    # mean when the K parts are equal (always, except on a short last step of an
+                    # epoch): part j's mean loss is weighted K * n_j / n so that the step's
+                    # gradient is the mean over this rank's n samples (weight exactly 1 when
+                    # equal, so K = 1 runs as before). An empty part only counts the window.
+                    n_part, n_share = task.part_size(i, part, n_micro)
+                    if n_part:
+                        loss, stats = task.loss(model, task.batch(i, part, n_micro))
+                        weight = n_micro * n_part / n_share
+                        (loss if weight == 1 else loss * weight).backward()
+                        sums += stats
+                    sync.synchronize()  # communicates on the last part only
                 if clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 scheduler.step()
                 pos["global_step"] += 1
-                sums += stats
                 preempt.checkpoint_due = bool(
                     rank0 and checkpoint_interval_s
                     and time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s)
@@ -300,6 +315,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         **{f"best_{m}": (max if _better(m) == "max" else min)(r[m] for r in history)
            for m in evaluated},
         "metric_name": metric, "global_batch_size": cfg.global_batch_size, "per_rank_batch_size": per_rank_batch,
+        "accumulation_steps": n_micro, "micro_batch_size": micro_batch,
         "base_batch_size": cfg.base_batch_size, "batch_ratio_k": k,
         "world_size": comm.world_size, "backend": comm.backend, "epochs": cfg.epochs,
         "steps": pos["global_step"], "steps_per_epoch": spe, "scaling": cfg.scaling,

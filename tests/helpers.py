@@ -22,12 +22,14 @@ def quick_recipe(tmp_path: Path, **changes) -> str:
     return str(path)
 
 
-def train_multi_and_single(comm, recipe: str, out: str, **kw) -> tuple[dict, dict]:
+def train_multi_and_single(comm, recipe: str, out: str, single: dict | None = None,
+                           **kw) -> tuple[dict, dict]:
     """Train ``recipe`` on every rank of ``comm`` (into ``out/multi``) and on rank 0 alone
-    (``out/single``); returns both summaries, on every rank. Collective."""
+    (``out/single``, with ``single``'s settings on top of ``kw``); returns both summaries, on
+    every rank. Collective."""
     multi = train_mod.train(resolve(recipe, out=f"{out}/multi", **kw), comm, quiet=True)
-    single = None
+    one = None
     if comm.rank == 0:
-        single = train_mod.train(resolve(recipe, out=f"{out}/single", **kw), SelfCommunicator(),
-                                 quiet=True)
-    return multi, comm.broadcast_object(single)
+        one = train_mod.train(resolve(recipe, out=f"{out}/single", **{**kw, **(single or {})}),
+                              SelfCommunicator(), quiet=True)
+    return multi, comm.broadcast_object(one)

@@ -40,6 +40,9 @@ def hpclb(*args, ranks=1, timeout=120):
     (["--batch-size", "0"], "--batch-size: must be a positive integer"),
     (["--lr", "-0.1"], "--lr: must be a positive number"),
     (["--epochs", "0.001"], "warmup .* must be shorter than training"),
+    (["--accumulation-steps", "0"], "--accumulation-steps: must be an integer >= 1"),
+    (["--accumulation-steps", "3"], r"world size \d x --accumulation-steps 3 = \d .*; choose a "
+     r"--batch-size that is a multiple"),
     (["--data-dir", "/nonexistent"], "no such file"),
 ])
 def test_bad_input_fails_fast_with_a_message(tmp_path, mnist_dir, ranks, args, message):
@@ -77,6 +80,9 @@ def test_recipe_errors_name_the_field(tmp_path):
     bad = quick_recipe(tmp_path, optimizers={"adam": {"lr": -1}})
     rc, out, _ = hpclb("train", bad, "--out", str(tmp_path / "o"))
     assert rc == 2 and "optimizers.adam.lr" in out, out
+    bad = quick_recipe(tmp_path, accumulation_steps=0)
+    rc, out, _ = hpclb("train", bad, "--out", str(tmp_path / "o"))
+    assert rc == 2 and "accumulation_steps: must be an integer >= 1" in out, out
 
 
 def test_expect_world_size_catches_a_lone_rank(tmp_path):

@@ -103,6 +103,33 @@ def test_multi_rank_training_equals_one_process(comm, tmp_path_factory, mnist_di
 
 
 @pytest.mark.slow
+def test_accumulation_on_n_ranks_equals_one_process_without(comm, tmp_path_factory, mnist_dir):
+    """2 micro-batches per step on every rank, one allreduce per step, = the same global batch
+    in one pass on 1 process. 3,584 + N samples at B 512 (a multiple of N: no padding by the
+    sampler): the epoch's last step holds 1 sample per rank, split 0/1, so the parts' weights
+    count too."""
+    K, B = 2, 512
+    if B % (comm.world_size * K):
+        pytest.skip(f"global batch {B} does not split into {K} micro-batches on "
+                    f"{comm.world_size} ranks")
+    tmp = comm.broadcast_object(str(tmp_path_factory.mktemp("acc")) if comm.rank == 0 else None)
+    recipe = quick_recipe(tmp_path_factory.mktemp("recipe"),
+                          data={"name": "mnist", "train_samples": 3584 + comm.world_size,
+                                "test_samples": 500})
+    multi, single = train_multi_and_single(comm, recipe, tmp, single={"accumulation_steps": 1},
+                                           batch_size=B, epochs=1.5, accumulation_steps=K,
+                                           data_dir=str(mnist_dir.parent))
+    a = load_checkpoint(f"{tmp}/multi/checkpoint.pt")["model"]
+    b = load_checkpoint(f"{tmp}/single/checkpoint.pt")["model"]
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    micro = B // (comm.world_size * K)
+    all_ranks_ok(comm, diff < 1e-5 and multi["micro_batch_size"] == micro
+                 and multi["accumulation_steps"] == K and single["accumulation_steps"] == 1,
+                 f"max param diff {diff:.3g} ({comm.world_size} ranks x {K} micro-batches of "
+                 f"{multi['micro_batch_size']} vs 1 process)")
+
+
+@pytest.mark.slow
 def test_preemption_on_one_rank_stops_all_at_the_same_step(comm, tmp_path_factory, mnist_dir,
                                                           monkeypatch):
     tmp = comm.broadcast_object(str(tmp_path_factory.mktemp("pre")) if comm.rank == 0 else None)

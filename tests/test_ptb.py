@@ -136,6 +136,46 @@ def test_lm_trains_and_resumes_bit_for_bit(tmp_path, ptb_root, monkeypatch):
     assert resumed["final_test_perplexity"] == full["final_test_perplexity"]
 
 
+@pytest.mark.slow
+def test_lm_accumulation_splits_streams_and_resumes_bit_for_bit(tmp_path, ptb_root, monkeypatch):
+    """K = 2 at batch 10: each micro-batch is 5 of the 10 streams, the whole bptt window, with
+    those streams' carried state; the trajectory is the one-pass one (fp32 order: tolerance),
+    and a run preempted mid-epoch (the carried state of both halves in the checkpoint) continues
+    bit for bit."""
+    recipe = small_lm(tmp_path)
+
+    def go(out, **kw):
+        return train_mod.train(resolve(recipe, out=str(tmp_path / out), batch_size=10,
+                                       data_dir=str(ptb_root), **kw), SelfCommunicator(),
+                               quiet=True)
+
+    def params(out):
+        return load_checkpoint(tmp_path / out / "checkpoint.pt")["model"]
+
+    go("k1")
+    full = go("k2", accumulation_steps=2)
+    assert (full["accumulation_steps"], full["micro_batch_size"], full["steps"]) == (2, 5, 20)
+    a, b = params("k1"), params("k2")
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff < 1e-5, f"max parameter difference {diff:.3g}"
+    calls = {"n": 0}
+
+    def preempt_at_13(self, comm):
+        calls["n"] += 1
+        return calls["n"] == 13
+
+    monkeypatch.setattr(train_mod.PreemptionFlag, "agreed", preempt_at_13)
+    with pytest.raises(train_mod.Preempted):
+        go("cut", accumulation_steps=2)
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["task"]["hidden"][0].shape == \
+        (2, 10, 32)
+    monkeypatch.undo()
+    resumed = go("cut", accumulation_steps=2, resume=True)
+    a, b = params("k2"), params("cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["final_test_perplexity"] == full["final_test_perplexity"]
+
+
 def test_lm_recipe_errors(tmp_path):
     with pytest.raises(ConfigError, match="data.bptt"):
         load_recipe(small_lm(tmp_path, data={"name": "ptb", "bptt": 0}))
@@ -166,3 +206,27 @@ def test_mpi_ranks_get_disjoint_streams_and_match_one_process(comm, tmp_path_fac
     gap = abs(multi["final_test_loss"] - single["final_test_loss"])
     all_ranks_ok(comm, gap < 1e-3, f"test loss {multi['final_test_loss']} on {W} ranks vs "
                  f"{single['final_test_loss']} on 1")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_mpi_accumulation_matches_one_process_without(comm, tmp_path_factory, ptb_root):
+    """2 micro-batches (stream slices) per step on N ranks = the same batch in one pass on 1
+    process, to fp32 rounding."""
+    W = comm.world_size
+    tmp = comm.broadcast_object(str(tmp_path_factory.mktemp("lmk")) if comm.rank == 0 else None)
+    recipe = comm.broadcast_object(small_lm(tmp_path_factory.mktemp("rk"), epochs=1)
+                                   if comm.rank == 0 else None)
+    multi, single = train_multi_and_single(comm, recipe, tmp, single={"accumulation_steps": 1},
+                                           batch_size=4 * W, data_dir=str(ptb_root),
+                                           accumulation_steps=2)
+    diff = None
+    if comm.rank == 0:
+        a = load_checkpoint(f"{tmp}/multi/checkpoint.pt")["model"]
+        b = load_checkpoint(f"{tmp}/single/checkpoint.pt")["model"]
+        diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    diff = comm.broadcast_object(diff)
+    all_ranks_ok(comm, diff < 1e-5 and multi["accumulation_steps"] == 2 and
+                 multi["micro_batch_size"] == 2 and single["accumulation_steps"] == 1,
+                 f"max parameter difference {diff:.3g} on {W} ranks x 2 micro-batches vs 1 "
+                 f"process; summaries {multi['micro_batch_size']}, {single['accumulation_steps']}")

@@ -14,10 +14,10 @@ from helpers import quick_recipe
 pytestmark = pytest.mark.slow
 
 
-def run(tmp_path, out, **kw):
+def run(tmp_path, out, recipe=None, **kw):
     kw.setdefault("batch_size", 512)
     kw.setdefault("epochs", 2.5)
-    cfg = resolve(quick_recipe(tmp_path), out=str(tmp_path / out), **kw)
+    cfg = resolve(recipe or quick_recipe(tmp_path), out=str(tmp_path / out), **kw)
     return train_mod.train(cfg, SelfCommunicator(), quiet=True), cfg
 
 
@@ -42,8 +42,10 @@ def test_outputs_and_same_seed_same_result(tmp_path, mnist_dir):
         s1["final_test_accuracy"]
 
 
-def test_preempted_run_resumes_bit_for_bit(tmp_path, mnist_dir, monkeypatch):
-    full, cfg_full = run(tmp_path, "full", data_dir=str(mnist_dir.parent))
+@pytest.mark.parametrize("acc", [1, 2])
+def test_preempted_run_resumes_bit_for_bit(tmp_path, mnist_dir, monkeypatch, acc):
+    """Also with 2 micro-batches per step (checkpoints are taken between optimizer steps)."""
+    full, cfg_full = run(tmp_path, "full", data_dir=str(mnist_dir.parent), accumulation_steps=acc)
     calls = {"n": 0}
 
     def preempt_at_step_11(self, comm):
@@ -52,17 +54,57 @@ def test_preempted_run_resumes_bit_for_bit(tmp_path, mnist_dir, monkeypatch):
 
     monkeypatch.setattr(train_mod.PreemptionFlag, "agreed", preempt_at_step_11)
     with pytest.raises(train_mod.Preempted):
-        run(tmp_path, "cut", data_dir=str(mnist_dir.parent))
+        run(tmp_path, "cut", data_dir=str(mnist_dir.parent), accumulation_steps=acc)
     ck = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
     assert (ck["epoch"], ck["step_in_epoch"], ck["global_step"]) == (1, 3, 11)
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="unfinished run; add --resume"):
         run(tmp_path, "cut", data_dir=str(mnist_dir.parent))  # would overwrite the progress
-    resumed, cfg_cut = run(tmp_path, "cut", data_dir=str(mnist_dir.parent), resume=True)
+    resumed, cfg_cut = run(tmp_path, "cut", data_dir=str(mnist_dir.parent), resume=True,
+                           accumulation_steps=acc)
     a, b = params_of(cfg_full), params_of(cfg_cut)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["final_test_accuracy"] == full["final_test_accuracy"]
     assert resumed["steps"] == full["steps"]
+
+
+def test_accumulation_follows_the_one_pass_trajectory(tmp_path, mnist_dir):
+    """K micro-batches per step at global batch B = one pass over B (one allreduce per step; in
+    fp32 the summation order differs, hence a tolerance). 3,585 samples at B 512: the epoch's
+    last step holds 1 sample, split 0/1 at K = 2 and 0/0/0/1 at K = 4, so the parts' weights and
+    empty parts count (unweighted, K = 4 ends 6e-3 away)."""
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 3585,
+                                          "test_samples": 500})
+    kw = dict(recipe=recipe, batch_size=512, epochs=1.5, data_dir=str(mnist_dir.parent))
+    one, cfg_one = run(tmp_path, "k1", **kw)
+    ref = params_of(cfg_one)
+    for acc in (2, 4):
+        s, cfg = run(tmp_path, f"k{acc}", accumulation_steps=acc, **kw)
+        got = params_of(cfg)
+        diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
+        assert diff < 1e-5, f"K={acc}: max parameter difference {diff:.3g}"
+        assert (s["accumulation_steps"], s["micro_batch_size"], s["steps"]) == \
+            (acc, 512 // acc, one["steps"])
+        assert s["global_batch_size"] == 512 and s["batch_ratio_k"] == one["batch_ratio_k"]
+        assert s["peak_lr"] == one["peak_lr"] and s["warmup_steps"] == one["warmup_steps"]
+        assert json.load(open(f"{cfg.out}/summary.json"))["accumulation_steps"] == acc
+    assert (one["accumulation_steps"], one["micro_batch_size"]) == (1, 512)
+
+
+def test_accumulation_steps_setting_and_errors_name_the_field(tmp_path):
+    assert resolve(quick_recipe(tmp_path)).accumulation_steps == 1
+    from_recipe = quick_recipe(tmp_path, accumulation_steps=4)
+    assert resolve(from_recipe).accumulation_steps == 4
+    assert resolve(from_recipe, accumulation_steps=2).accumulation_steps == 2  # CLI wins
+    for bad in (0, -2):
+        with pytest.raises(ConfigError, match="--accumulation-steps: must be an integer >= 1"):
+            resolve(quick_recipe(tmp_path), accumulation_steps=bad)
+    with pytest.raises(ConfigError, match="quick.yaml: accumulation_steps: must be an integer"):
+        resolve(quick_recipe(tmp_path, accumulation_steps=0))
+    with pytest.raises(ConfigError, match=r"--batch-size 512 \(the global batch\) is not divisible "
+                       r"by the world size 1 x --accumulation-steps 3 = 3.* multiple of 3"):
+        run(tmp_path, "d", accumulation_steps=3, data_dir=str(tmp_path / "no-data-needed"))
+    assert not (tmp_path / "d").exists()  # failed before any work
 
 
 def test_resume_refuses_a_different_run(tmp_path, mnist_dir):

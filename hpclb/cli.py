@@ -1,4 +1,4 @@
-"""``hpclb train|data`` command line.
+"""``hpclb train|evaluate|sweep|data|jobs|bench`` command line.
 
 Errors: a bad setting (ConfigError) is printed once, by rank 0, and every rank exits with 2; any
 other failure is printed by the rank that hit it, which then aborts the whole MPI job (exit 1) so
@@ -43,10 +43,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     early = _PendingSignal()
     for s in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(s, early)
-    from .checkpoint import CheckpointError
     from .comm import get_communicator
     from .config import ConfigError, resolve
-    from .data import DataError
 
     try:
         comm = get_communicator(args.backend)
@@ -72,18 +70,50 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f", checkpoint saved; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
             return PREEMPTED_EXIT_CODE
         return 0
-    except ConfigError as e:
+    except Exception as e:  # ConfigError, DataError, CheckpointError, anything else
+        return _failed(comm, e)
+
+
+def _failed(comm, e: Exception) -> int:
+    """Report ``e`` and return the exit status: 2 for a ConfigError (rank 0 prints it; every
+    rank raised the same), else 1 after the failing rank prints it and aborts the MPI job so no
+    rank waits forever in a collective (re-raised under $HPCLB_TRACEBACK)."""
+    from .config import ConfigError
+
+    if isinstance(e, ConfigError):
         if comm.rank == 0:
             _error(str(e))
         return 2
-    except (DataError, CheckpointError, Exception) as e:  # noqa: B014 - named for the reader
-        where = f" on rank {comm.rank} of {comm.world_size}" if comm.world_size > 1 else ""
-        _error(f"{type(e).__name__}{where}: {e}")
-        if comm.world_size > 1:
-            comm.abort(1)
-        if os.environ.get("HPCLB_TRACEBACK"):
-            raise
-        return 1
+    where = f" on rank {comm.rank} of {comm.world_size}" if comm.world_size > 1 else ""
+    _error(f"{type(e).__name__}{where}: {e}")
+    if comm.world_size > 1:
+        comm.abort(1)
+    if os.environ.get("HPCLB_TRACEBACK"):
+        raise e
+    return 1
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from .comm import get_communicator
+
+    try:
+        comm = get_communicator(args.backend)
+    except (RuntimeError, ValueError) as e:
+        _error(str(e))
+        return 2
+    _setup_logging(comm.rank)
+    try:
+        from .evaluate import evaluate_run
+
+        result = evaluate_run(args.run_dir, comm, data_dir=args.data_dir,
+                              beam_size=args.beam_size, length_penalty=args.length_penalty)
+    except Exception as e:
+        return _failed(comm, e)
+    if comm.rank == 0:
+        print(json.dumps(result, indent=1), flush=True)
+    return 0
 
 
 def cmd_data_fetch(args: argparse.Namespace) -> int:
@@ -266,6 +296,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also checkpoint mid-epoch every SECONDS of rank 0's wall time (default: "
                    "at epoch ends and on preemption only)")
     t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("evaluate", help="score a run's checkpoint again (e.g. seq2seq with "
+                       "another beam size); prints the metrics as JSON, changes nothing")
+    e.add_argument("run_dir", help="a run directory written by hpclb train --out")
+    e.add_argument("--beam-size", type=int, help="seq2seq: decode with this beam (1 = greedy; "
+                   "default: the run's recipe)")
+    e.add_argument("--length-penalty", type=float, help="seq2seq: GNMT's alpha for the beam "
+                   "(default: the run's recipe, else 0.6)")
+    e.add_argument("--data-dir", help="default: the run's")
+    e.add_argument("--backend", default="auto", choices=list(BACKENDS))
+    e.set_defaults(func=cmd_evaluate)
 
     w = sub.add_parser("sweep", help="batch-size sweep of one recipe under several scaling "
                        "schemes (resumable); writes results/sweeps/<experiment>.{json,md,png}")

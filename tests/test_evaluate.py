@@ -1,0 +1,49 @@
+"""`hpclb evaluate RUN_DIR`: a finished run's checkpoint scores what its last epoch reported."""
+import json
+
+import pytest
+
+from hpclb import cli
+from hpclb import train as train_mod
+from hpclb.comm import SelfCommunicator
+from hpclb.config import ConfigError, resolve
+from hpclb.evaluate import evaluate_run
+from helpers import quick_recipe
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, mnist_dir):
+    tmp = tmp_path_factory.mktemp("evaluate")
+    cfg = resolve(quick_recipe(tmp), out=str(tmp / "run"), batch_size=512, epochs=2,
+                  data_dir=str(mnist_dir.parent))
+    summary = train_mod.train(cfg, SelfCommunicator(), quiet=True)
+    return tmp / "run", summary
+
+
+def test_checkpoint_scores_the_final_metric(finished_run):
+    run_dir, summary = finished_run
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+    result = evaluate_run(run_dir, SelfCommunicator())
+    assert result["test_accuracy"] == summary["final_test_accuracy"]
+    assert result["global_step"] == summary["steps"] and result["decoding"] is None
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before  # read-only
+
+
+def test_cli_prints_json(finished_run, capsys):
+    run_dir, summary = finished_run
+    assert cli.main(["evaluate", str(run_dir)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["test_accuracy"] == summary["final_test_accuracy"]
+
+
+def test_bad_inputs_name_the_fix(finished_run, tmp_path, capsys):
+    run_dir, _ = finished_run
+    with pytest.raises(ConfigError, match="seq2seq runs only"):
+        evaluate_run(run_dir, SelfCommunicator(), beam_size=4)
+    with pytest.raises(ConfigError, match="hpclb train --out"):
+        evaluate_run(tmp_path, SelfCommunicator())
+    assert cli.main(["evaluate", str(tmp_path)]) == 2
+    assert "config.json: not found" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text((run_dir / "config.json").read_text())
+    assert cli.main(["evaluate", str(tmp_path)]) == 1  # no checkpoint: CheckpointError
+    assert "CheckpointError" in capsys.readouterr().err

@@ -78,6 +78,11 @@ def test_cnn_recipes_validate():
     assert (r["base_batch_size"], r["optimizer"], r["decay"]["power"]) == (1024, "lars", 2.0)
     f = load_recipe("fashion-resnet")
     assert f["optimizer"] == "lars" and f["data"]["name"] == "fashion-mnist"
+    c = load_recipe("fashion-resnet-cpu")  # the swept reduced budget: LARS LR tuned at B0 = 128
+    assert (c["model"]["depth"], c["epochs"], c["optimizers"]["lars"]["lr"]) == (8, 8, 16.0)
+    for batch in (128, 1024, 4096):  # the sweep's points: LEGW's warmup fits every one
+        sched = resolve("fashion-resnet-cpu", batch_size=batch).schedule(60000)
+        assert sched.warmup_steps == 29 and sched.total_steps > 2 * sched.warmup_steps
     assert len(load_dataset("synthetic", train_samples=64, test_samples=32)[0]) == 64
 
 

@@ -104,3 +104,16 @@ def test_points_run_under_mpirun_with_ranks(tmp_path, mnist_dir):
     summary = json.loads((tmp_path / "runs" / "mnist-lstm" / "linear-b256" / "summary.json")
                          .read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "mpi"
+
+
+def test_every_packaged_recipe_loads_and_schedules_at_b0():
+    """Each recipe of `hpclb train --help` validates and resolves to a schedule at its B0."""
+    from hpclb.config import available_experiments, resolve
+
+    names = available_experiments()
+    assert {"mnist-lstm", "ptb-small-cpu", "fashion-resnet-cpu", "gnmt-cpu"} <= set(names)
+    for name in names:
+        cfg = resolve(name)
+        sched = cfg.schedule(100_000)
+        assert cfg.global_batch_size == cfg.base_batch_size and sched.peak_lr == cfg.base_lr > 0
+        assert sched.warmup_steps < sched.total_steps, name

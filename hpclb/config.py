@@ -105,6 +105,14 @@ def load_recipe(experiment: str) -> dict[str, Any]:
         n = recipe["data"].get(key)
         _require(n is None or (isinstance(n, int) and n > 0), f"{where}: data.{key}",
                  f"must be a positive integer (a smoke-run subset) or absent, got {n!r}")
+    if "augment" in recipe["data"]:
+        aug = recipe["data"]["augment"]
+        _require(isinstance(aug, bool), f"{where}: data.augment",
+                 f"must be true or false (random-resized crop + horizontal flip of the imagenet "
+                 f"training split; default true), got {aug!r}")
+        _require(recipe["data"]["name"] == "imagenet", f"{where}: data.augment",
+                 f"only the imagenet reader augments its training split; remove the field for "
+                 f"data.name {recipe['data']['name']!r}")
     _require(recipe["model"].get("name") in MODELS, f"{where}: model.name",
              f"{recipe['model'].get('name')!r} is not one of {sorted(MODELS)}")
     _require(isinstance(recipe["base_batch_size"], int) and recipe["base_batch_size"] > 0,

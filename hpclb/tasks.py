@@ -77,7 +77,10 @@ class ClassificationTask(Task):
     """Inputs -> one label each; loss cross-entropy; metrics loss and accuracy (fraction).
 
     ``train``/``test`` have ``len()`` and ``batch(indices) -> (x, y)`` (y int64 ``[b]``). Batches
-    come from a ``DistributedSampler`` reshuffled per epoch from the seed.
+    come from a ``DistributedSampler`` reshuffled per epoch from the seed. A training split with
+    ``set_epoch(epoch, seed)`` (an augmenting ImageFolder) is told the epoch and the run's seed
+    at each ``start_epoch``, so its random draws per sample are the same at every world size and
+    after a resumption.
     """
 
     kind = "classification"
@@ -87,7 +90,7 @@ class ClassificationTask(Task):
         self.num_train_samples, self.num_test_samples = len(train), len(test)
 
     def setup(self, *, per_rank_batch, global_batch, rank, world_size, seed, steps_per_epoch):
-        self.per_rank_batch = per_rank_batch
+        self.per_rank_batch, self.seed = per_rank_batch, seed
         self.sampler = DistributedSampler(self.train_set, num_replicas=world_size, rank=rank,
                                           shuffle=True, seed=seed, drop_last=False)
         if math.ceil(len(self.sampler) / per_rank_batch) != steps_per_epoch:
@@ -97,6 +100,8 @@ class ClassificationTask(Task):
     def start_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
         self.indices = torch.tensor(list(self.sampler))
+        if hasattr(self.train_set, "set_epoch"):  # per-sample augmentation draws (ImageFolder)
+            self.train_set.set_epoch(epoch, seed=self.seed)
 
     def _part_indices(self, i: int, part: int = 0, parts: int = 1) -> torch.Tensor:
         """Indices of micro-batch ``part`` of ``parts`` of this rank's step ``i``: near-equal
@@ -284,7 +289,7 @@ def build_task(recipe: dict, data_root, *, train_samples=None, test_samples=None
         from .data import load_dataset
 
         train, test = load_dataset(data["name"], data_root, train_samples=train_samples,
-                                   test_samples=test_samples)
+                                   test_samples=test_samples, augment=data.get("augment", True))
         return ClassificationTask(train, test)
     if kind == "language_model":
         from .data.ptb import Corpus, load_ptb

@@ -9,10 +9,13 @@ import torch
 from conftest import REPO
 from hpclb import train as train_mod
 from hpclb.comm import SelfCommunicator
-from hpclb.config import load_recipe, resolve
+from hpclb.config import ConfigError, load_recipe, resolve
 from hpclb.data import DataError, load_dataset
-from hpclb.data.images import ImageFolder, SyntheticImages, load_fashion_mnist
+from hpclb.data.images import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, ImageFolder,
+                               SyntheticImages, load_fashion_mnist, load_imagenet,
+                               random_resized_crop_box, sample_seed, train_crop)
 from hpclb.models import ResNet50, SmallResNet
+from hpclb.tasks import ClassificationTask, build_task
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +74,189 @@ def test_image_folder_reads_classes_and_pixels(tmp_path):
     assert x[0, 0].mean() > 2 and x[1, 2].mean() > 2  # red cat, blue dog after normalisation
     with pytest.raises(DataError, match="no class"):
         ImageFolder(tmp_path / "cat")
+
+
+# Odd sizes: landscape, portrait, wide (3.2:1, beyond the 4/3 ratio) and near-square.
+ODD_SIZES = ((37, 23), (23, 37), (64, 20), (29, 31))
+
+
+def _noise_folder(root: Path, sizes=ODD_SIZES, classes=("a", "b")) -> Path:
+    """``root/<class>/<i>.png``: random-noise RGB PNGs of ``sizes`` (w, h) in each class."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i, (w, h) in enumerate(sizes):
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
+                root / c / f"{i}.png")
+    return root
+
+
+def _normalised(im) -> torch.Tensor:
+    """A PIL RGB image as the reader's float32 ``[3, H, W]`` with the ImageNet statistics."""
+    import numpy as np
+    t = torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
+    return (t - mean[:, None, None]) / std[:, None, None]
+
+
+def test_image_folder_eval_split_is_resize_and_centre_crop(tmp_path):
+    """augment=False (the default, val/test): shorter side to ``resize``, centre crop, exactly."""
+    from PIL import Image
+    ds = ImageFolder(_noise_folder(tmp_path), image_size=16, resize=20)
+    assert not ds.augment
+    x, _ = ds.batch(torch.arange(len(ds)))
+    for k, (path, _) in enumerate(ds.files):
+        with Image.open(path) as im:
+            w, h = im.size
+            s = 20 / min(w, h)
+            im = im.convert("RGB").resize((round(w * s), round(h * s)), Image.BILINEAR)
+            left, top = (im.size[0] - 16) // 2, (im.size[1] - 16) // 2
+            want = _normalised(im.crop((left, top, left + 16, top + 16)))
+        assert torch.equal(x[k], want), path
+    ds.set_epoch(3, seed=9)  # no effect without augmentation
+    assert torch.equal(ds.batch(torch.arange(len(ds)))[0], x)
+
+
+def test_image_folder_train_augmentation_is_deterministic_per_sample(tmp_path):
+    root = _noise_folder(tmp_path)
+    ds = ImageFolder(root, image_size=16, augment=True, seed=5)
+    n = len(ds)
+    ds.set_epoch(2)
+    x, y = ds.batch(torch.arange(n))
+    assert x.shape == (n, 3, 16, 16) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert y.tolist() == [0] * 4 + [1] * 4
+    assert torch.equal(ds.batch(torch.arange(n))[0], x)
+    # another reader (another rank, a resumed run): other order, other batches, same samples
+    other = ImageFolder(root, image_size=16, augment=True)
+    other.set_epoch(2, seed=5)
+    perm = torch.tensor([6, 1, 7, 3, 0, 5, 2, 4])
+    got = torch.cat([other.batch(perm[:3])[0], other.batch(perm[3:])[0]])
+    assert torch.equal(got, x[perm])
+    assert torch.equal(ds.subset(3).batch(torch.arange(3))[0], x[:3])
+    ds.set_epoch(3)
+    x3 = ds.batch(torch.arange(n))[0]
+    assert not any(torch.equal(x3[k], x[k]) for k in range(n))  # new crops every epoch
+    ds.set_epoch(2, seed=6)
+    assert not any(torch.equal(ds.batch(torch.arange(n))[0][k], x[k]) for k in range(n))
+
+
+def test_image_folder_train_augmentation_is_crop_resize_flip(tmp_path):
+    """Each sample is its train_crop box of the decoded image, resized bilinearly to
+    image_size, mirrored when its flip draw says so; both cases occur."""
+    from PIL import Image
+    ds = ImageFolder(_noise_folder(tmp_path), image_size=12, augment=True, seed=1)
+    flips = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        x, _ = ds.batch(torch.arange(len(ds)))
+        for k, (path, _) in enumerate(ds.files):
+            with Image.open(path) as im:
+                im = im.convert("RGB")
+                (left, top, w, h), flip = train_crop(*im.size, 1, epoch, k)
+                crop = _normalised(im.crop((left, top, left + w, top + h)).resize(
+                    (12, 12), Image.BILINEAR))
+            assert torch.equal(x[k], crop.flip(-1) if flip else crop), (epoch, path)
+            flips.append(flip)
+    assert 0 < sum(flips) < len(flips)
+    share = sum(train_crop(37, 23, 0, 0, i)[1] for i in range(4000)) / 4000
+    assert abs(share - 0.5) < 0.03  # p = 0.5
+
+
+def test_random_resized_crop_box_bounds():
+    lo, hi = CROP_RATIO
+    for width, height in ((37, 23), (23, 37), (29, 31), (300, 300), (1, 1), (2, 3)):
+        gen = torch.Generator().manual_seed(width * 1000 + height)
+        areas, ratios, lefts = [], [], set()
+        for _ in range(400):
+            left, top, w, h = random_resized_crop_box(width, height, gen)
+            assert 1 <= w and 1 <= h and 0 <= left and 0 <= top
+            assert left + w <= width and top + h <= height
+            # w, h are sqrt(area * r), sqrt(area / r) rounded: bounds up to half a pixel
+            assert (w - 0.5) / (h + 0.5) <= hi and (w + 0.5) / max(h - 0.5, 1e-9) >= lo
+            assert (w + 0.5) * (h + 0.5) >= CROP_SCALE[0] * width * height
+            areas.append(w * h / (width * height))
+            ratios.append(w / h)
+            lefts.add(left)
+        if width == height == 300:  # the whole range is drawn, at varied positions
+            assert min(areas) < 0.1 and max(areas) > 0.9 and len(lefts) > 50
+            assert min(ratios) < 0.77 and max(ratios) > 1.3
+    # no try fits a 5 x 200 strip: centre crop of the whole width, ratio clamped to 3/4
+    gen = torch.Generator().manual_seed(0)
+    assert random_resized_crop_box(5, 200, gen) == (0, 96, 5, 7)
+    assert random_resized_crop_box(200, 5, gen) == (96, 0, 7, 5)
+    # the draws come from the generator only
+    a = [random_resized_crop_box(37, 23, torch.Generator().manual_seed(s)) for s in range(20)]
+    b = [random_resized_crop_box(37, 23, torch.Generator().manual_seed(s)) for s in range(20)]
+    assert a == b and len(set(a)) > 15
+
+
+def test_sample_seed_is_a_fixed_integer_mix():
+    assert sample_seed(0, 0, 0) == 3469100030397278074  # no hash(): every process, every run
+    assert sample_seed(1, 2, 3) == 8887846339082047141
+    seeds = {sample_seed(s, e, i) for s in range(3) for e in range(3) for i in range(50)}
+    assert len(seeds) == 450 and all(0 <= v < 2 ** 63 for v in seeds)
+    assert train_crop(37, 23, 4, 1, 7) == train_crop(37, 23, 4, 1, 7)
+
+
+def test_only_imagenet_train_split_augments(tmp_path):
+    for split in ("train", "val"):
+        _noise_folder(tmp_path / "imagenet" / split)
+    train, val = load_imagenet(tmp_path, image_size=16)
+    assert train.augment and not val.augment
+    assert not load_imagenet(tmp_path, augment=False)[0].augment
+    assert load_dataset("imagenet", tmp_path, train_samples=3)[0].augment
+    recipe = {"data": {"name": "imagenet", "augment": False}}
+    assert not build_task(recipe, tmp_path).train_set.augment
+    task = build_task({"data": {"name": "imagenet"}}, tmp_path, train_samples=6)
+    assert task.train_set.augment and not task.test_set.augment and len(task.train_set) == 6
+
+
+def _task_batches(root: Path, world_size: int, epoch: int, seed: int = 7) -> dict:
+    """{sample index: image tensor} of every rank's steps of ``epoch``, read through
+    ClassificationTask as the training loop reads it (fresh objects: a new process)."""
+    out = {}
+    for rank in range(world_size):
+        train = ImageFolder(root, image_size=8, augment=True)
+        task = ClassificationTask(train, ImageFolder(root, image_size=8))
+        task.setup(per_rank_batch=2 // world_size, global_batch=2, rank=rank,
+                   world_size=world_size, seed=seed, steps_per_epoch=2)
+        task.start_epoch(epoch)
+        for i in range(2):
+            x, _ = task.batch(i)
+            for j, k in enumerate(task._part_indices(i).tolist()):
+                out[k] = x[j]
+    return out
+
+
+def test_augmented_batches_do_not_depend_on_world_size_or_resumption(tmp_path):
+    root = _noise_folder(tmp_path, sizes=ODD_SIZES[:2], classes=("a", "b"))
+    one = _task_batches(root, 1, epoch=1)
+    assert sorted(one) == list(range(4))
+    two = _task_batches(root, 2, epoch=1)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    again = _task_batches(root, 1, epoch=1)  # a resumed run: same seed, same epoch
+    assert all(torch.equal(one[k], again[k]) for k in one)
+    later = _task_batches(root, 1, epoch=2)
+    assert any(not torch.equal(one[k], later[k]) for k in one)
+    other_seed = _task_batches(root, 1, epoch=1, seed=8)
+    assert any(not torch.equal(one[k], other_seed[k]) for k in one)
+
+
+def test_augment_recipe_field_is_validated(tmp_path):
+    import yaml
+    recipe = load_recipe("resnet-50")
+    assert recipe["data"] == {"name": "imagenet"}  # augment defaults to true
+    for data, match in (({"name": "imagenet", "augment": "yes"}, "data.augment: must be true or"),
+                        ({"name": "fashion-mnist", "augment": True},
+                         "data.augment: only the imagenet reader")):
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump({**recipe, "data": data}))
+        with pytest.raises(ConfigError, match=match):
+            load_recipe(str(path))
+    path.write_text(yaml.safe_dump({**recipe, "data": {"name": "imagenet", "augment": False}}))
+    assert load_recipe(str(path))["data"]["augment"] is False
 
 
 def test_cnn_recipes_validate():

@@ -13,9 +13,13 @@ def data_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def load_dataset(name: str, root: str | os.PathLike | None = None, *,
-                 train_samples: int | None = None, test_samples: int | None = None):
+                 train_samples: int | None = None, test_samples: int | None = None,
+                 augment: bool = True):
     """(train, test) splits of data set ``name``, read from ``root`` (see :func:`data_dir`),
     optionally cut to their first ``train_samples`` / ``test_samples`` samples.
+
+    ``augment``: whether ImageNet's training split draws the random-resized-crop + flip
+    augmentation (:class:`hpclb.data.images.ImageFolder`); the other data sets have none.
 
     Each split has ``len()``, ``subset(n)`` and ``batch(indices) -> (inputs, targets)``.
     Raises DataError for an unknown name or a missing/corrupt file.
@@ -28,7 +32,7 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, *,
         train, test = load_fashion_mnist(root)
     elif name == "imagenet":
         from .images import load_imagenet
-        train, test = load_imagenet(root)
+        train, test = load_imagenet(root, augment=augment)
     elif name == "synthetic":  # throughput runs: ImageNet-sized random images
         from .images import SyntheticImages
         train, test = SyntheticImages(1_281_167, seed=0), SyntheticImages(50_000, seed=1)

@@ -1,11 +1,14 @@
 """Image data sets for the CNN experiments: Fashion-MNIST (gzipped IDX), an ImageFolder reader
-(the user's own ImageNet), and synthetic images (throughput runs, no data needed).
+(the user's own ImageNet, with the standard training augmentation on its training split), and
+synthetic images (throughput runs, no data needed).
 
 Every split has ``len()``, ``subset(n)`` and ``batch(indices) -> (x, y)``: ``x`` float32
-``[b, C, H, W]`` normalised per channel, ``y`` int64 ``[b]`` class ids.
+``[b, C, H, W]`` normalised per channel, ``y`` int64 ``[b]`` class ids. A split that draws
+random augmentation also has ``set_epoch(epoch, seed)`` (called by the task at each epoch).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +30,72 @@ FASHION_MEAN, FASHION_STD = 0.2860, 0.3530  # training-set pixel statistics on [
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp")
+# RandomResizedCrop's bounds in the common reference (torchvision.transforms.RandomResizedCrop,
+# the ImageNet training transform of Goyal et al. 2017 and You et al.'s LARS runs): crop area a
+# fraction U[0.08, 1] of the image, aspect ratio w/h log-uniform in [3/4, 4/3], 10 tries.
+CROP_SCALE = (0.08, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+CROP_TRIES = 10
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function (Steele et al. 2014) on a 64-bit integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s augmentation in ``epoch`` of a run seeded ``seed``: a
+    SplitMix64 mix of the three integers (no ``hash()``, so the same in every process and
+    Python), 63 bits (a valid ``torch.Generator.manual_seed`` everywhere)."""
+    h = 0x1A6E_C0FF_EE5E_ED00  # a fixed start, so that (0, 0, 0) is not seed 0
+    for v in (seed, epoch, index):
+        h = _splitmix64(h ^ (int(v) & _MASK64))
+    return h >> 1
+
+
+def random_resized_crop_box(width: int, height: int, gen: torch.Generator,
+                            scale: tuple[float, float] = CROP_SCALE,
+                            ratio: tuple[float, float] = CROP_RATIO,
+                            tries: int = CROP_TRIES) -> tuple[int, int, int, int]:
+    """A random crop ``(left, top, w, h)`` (pixels, inside ``width`` x ``height``), drawn from
+    ``gen`` as torchvision's ``RandomResizedCrop.get_params`` draws it (same draws in the same
+    order): up to ``tries`` times, area ``U[scale] * width * height`` and aspect ratio ``w / h``
+    ``exp(U[log ratio])``, ``w, h`` rounded; the first that fits gets a uniform position. If none
+    fits, the centre crop of the whole image with its aspect ratio clamped to ``ratio``."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(tries):
+        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=gen).item()
+        aspect = math.exp(torch.empty(1).uniform_(log_lo, log_hi, generator=gen).item())
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (1,), generator=gen).item())
+            left = int(torch.randint(0, width - w + 1, (1,), generator=gen).item())
+            return left, top, w, h
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def train_crop(width: int, height: int, seed: int, epoch: int,
+               index: int) -> tuple[tuple[int, int, int, int], bool]:
+    """The augmentation of sample ``index`` in ``epoch``: its crop box ``(left, top, w, h)``
+    (:func:`random_resized_crop_box`) and whether it is flipped left-right (p = 0.5), both from
+    a ``torch.Generator`` seeded with :func:`sample_seed` ``(seed, epoch, index)``, so the same
+    on whichever rank reads the sample and after a resumption."""
+    gen = torch.Generator().manual_seed(sample_seed(seed, epoch, index))
+    box = random_resized_crop_box(width, height, gen)
+    return box, bool(torch.rand(1, generator=gen).item() < 0.5)
 
 
 @dataclass
@@ -93,15 +162,28 @@ class SyntheticImages:
 class ImageFolder:
     """``root/<class>/<image>`` (ImageNet's ``train``/``val`` layout): classes are the sorted
     sub-directory names, images their files with an image suffix, sorted. A batch is read with
-    PIL, converted to RGB, resized (shorter side ``resize``), centre-cropped to ``image_size`` and
-    normalised with the ImageNet statistics: float32 ``[b, 3, image_size, image_size]``.
-    (No random augmentation: add it here for a full ImageNet reproduction.)
+    PIL and converted to RGB, then
+
+    - ``augment=False`` (evaluation): resized (shorter side ``resize``, bilinear) and
+      centre-cropped to ``image_size``;
+    - ``augment=True`` (the training split): the standard ImageNet training augmentation of the
+      large-batch ResNet-50 recipes (Goyal et al. 2017; You et al.), as torchvision's
+      ``RandomResizedCrop(image_size)`` + ``RandomHorizontalFlip()``: a random crop of the
+      decoded image (area 8-100 %, aspect ratio 3/4-4/3, :func:`random_resized_crop_box`)
+      resized to ``image_size`` x ``image_size`` (PIL bilinear), flipped left-right with
+      p = 0.5. The draws for sample ``i`` come from :func:`train_crop` ``(seed, epoch, i)``
+      (``set_epoch`` sets both; ``i`` is the index into this split), so they do not depend on
+      the world size, the batch or the order, and a resumed run reads bit-identical images;
+
+    and normalised with the ImageNet statistics: float32 ``[b, 3, image_size, image_size]``.
     Raises DataError for a missing directory, no classes, or an unreadable image.
     """
 
     def __init__(self, root: str | Path, image_size: int = 224, resize: int = 256,
-                 files: list[tuple[Path, int]] | None = None, classes: list[str] | None = None):
+                 files: list[tuple[Path, int]] | None = None, classes: list[str] | None = None,
+                 *, augment: bool = False, seed: int = 0):
         self.root, self.image_size, self.resize = Path(root), image_size, resize
+        self.augment, self.seed, self.epoch = bool(augment), int(seed), 0
         if files is None:
             if not self.root.is_dir():
                 raise DataError(f"{self.root}: no such directory (expected <class>/<image> "
@@ -120,21 +202,39 @@ class ImageFolder:
         return len(self.files)
 
     def subset(self, n: int) -> "ImageFolder":
-        return ImageFolder(self.root, self.image_size, self.resize, self.files[:n], self.classes)
+        sub = ImageFolder(self.root, self.image_size, self.resize, self.files[:n], self.classes,
+                          augment=self.augment, seed=self.seed)
+        sub.epoch = self.epoch
+        return sub
 
-    def _load(self, path: Path) -> torch.Tensor:
+    def set_epoch(self, epoch: int, seed: int | None = None) -> None:
+        """Draw the augmentation of ``epoch`` (and of run seed ``seed``, if given) from now on."""
+        self.epoch = int(epoch)
+        if seed is not None:
+            self.seed = int(seed)
+
+    def _load(self, path: Path, index: int) -> torch.Tensor:
+        """Sample ``index`` (file ``path``): float32 ``[3, image_size, image_size]``."""
         from PIL import Image
 
+        size = self.image_size
         try:
             with Image.open(path) as im:
                 im = im.convert("RGB")
                 w, h = im.size
-                scale = self.resize / min(w, h)
-                im = im.resize((max(1, round(w * scale)), max(1, round(h * scale))),
-                               Image.BILINEAR)
-                w, h = im.size
-                left, top = (w - self.image_size) // 2, (h - self.image_size) // 2
-                im = im.crop((left, top, left + self.image_size, top + self.image_size))
+                if self.augment:
+                    (left, top, cw, ch), flip = train_crop(w, h, self.seed, self.epoch, index)
+                    im = im.crop((left, top, left + cw, top + ch)).resize((size, size),
+                                                                          Image.BILINEAR)
+                    if flip:
+                        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+                else:
+                    scale = self.resize / min(w, h)
+                    im = im.resize((max(1, round(w * scale)), max(1, round(h * scale))),
+                                   Image.BILINEAR)
+                    w, h = im.size
+                    left, top = (w - size) // 2, (h - size) // 2
+                    im = im.crop((left, top, left + size, top + size))
                 arr = np.asarray(im, dtype=np.float32) / 255.0
         except OSError as e:
             raise DataError(f"{path}: cannot read image ({e})") from e
@@ -143,14 +243,18 @@ class ImageFolder:
             torch.tensor(IMAGENET_STD)[:, None, None]
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        items = [self.files[int(i)] for i in indices]
-        return (torch.stack([self._load(p) for p, _ in items]),
-                torch.tensor([c for _, c in items], dtype=torch.int64))
+        items = [(int(i), *self.files[int(i)]) for i in indices]
+        return (torch.stack([self._load(p, i) for i, p, _ in items]),
+                torch.tensor([c for _, _, c in items], dtype=torch.int64))
 
 
-def load_imagenet(root: str | Path | None = None, image_size: int = 224):
+def load_imagenet(root: str | Path | None = None, image_size: int = 224, *,
+                  augment: bool = True):
     """(train, val) ImageFolders from ``<data dir>/imagenet/{train,val}`` (or ``root`` holding
-    ``train`` and ``val``); the user provides the images. Raises DataError when absent."""
+    ``train`` and ``val``); the user provides the images. The train split augments (random-
+    resized crop + flip) unless ``augment`` is False; val is always resize 256 + centre crop.
+    Raises DataError when absent."""
     base = data_dir(root)
     root = base / "imagenet" if (base / "imagenet").is_dir() else base
-    return ImageFolder(root / "train", image_size), ImageFolder(root / "val", image_size)
+    return (ImageFolder(root / "train", image_size, augment=augment),
+            ImageFolder(root / "val", image_size))

@@ -44,7 +44,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     for s in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(s, early)
     from .comm import get_communicator
-    from .config import ConfigError, resolve
+    from .config import (ConfigError, check_checkpoint_interval, check_expect_world_size,
+                         resolve)
 
     try:
         comm = get_communicator(args.backend)
@@ -53,6 +54,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 2
     _setup_logging(comm.rank)
     try:
+        check_checkpoint_interval(args.checkpoint_interval)
+        check_expect_world_size(args.expect_world_size)
         if args.expect_world_size is not None and args.expect_world_size != comm.world_size:
             raise ConfigError(
                 f"--expect-world-size {args.expect_world_size}, but this job has world size "
@@ -293,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="communication backend (auto: mpi when launched by mpirun/srun)")
     t.add_argument("--expect-world-size", type=int, help="fail unless the job has this many ranks")
     t.add_argument("--checkpoint-interval", type=float, metavar="SECONDS",
-                   help="also checkpoint mid-epoch every SECONDS of rank 0's wall time (default: "
-                   "at epoch ends and on preemption only)")
+                   help="also checkpoint mid-epoch every SECONDS of rank 0's wall time (0 or "
+                   "default: at epoch ends and on preemption only)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="score a run's checkpoint again (e.g. seq2seq with "

@@ -6,6 +6,8 @@ and none is left waiting in a collective.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -19,14 +21,38 @@ from .models import MODELS
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "lars", "lamb")
 DATASETS = ("mnist", "fashion-mnist", "imagenet", "synthetic", "ptb", "bible-en-es")
-# task kind -> the data sets it reads (hpclb/tasks.py). seq2seq recipes validate (job scripts
-# are rendered from them) but `hpclb train` refuses them until the translation pipeline exists.
+# task kind -> the data sets it reads (hpclb/tasks.py); `hpclb train` runs all three kinds.
 TASKS = {"classification": ("mnist", "fashion-mnist", "imagenet", "synthetic"),
          "language_model": ("ptb",), "seq2seq": ("bible-en-es",)}
 
 
+# Every top-level recipe field the code reads; any other key is a typo and is rejected.
+RECIPE_KEYS = (
+    "name",                # the run's name (runs/<name>, results/sweeps/<name>.*)
+    "task",                # classification (default), language_model, seq2seq
+    "data",                # {name: <data set>, ...}: reader options (hpclb/tasks.py)
+    "model",               # {name: <model>, ...}: constructor arguments (hpclb/models)
+    "base_batch_size",     # B0, the batch the recipe was tuned at
+    "epochs",              # training budget (fractional allowed)
+    "warmup_epochs",       # W0 at B0
+    "decay",               # {name: <decay>, ...} (hpclb/schedules.py)
+    "optimizer",           # the default optimizer, a key of optimizers
+    "optimizers",          # {<optimizer>: {lr: ..., <hyper-parameter>: ...}, ...}
+    "grad_clip_norm",      # null or > 0
+    "accumulation_steps",  # micro-batches per optimizer step (default 1)
+    "target",              # {metric, value, mode}: time-to-target (train) and sweep metric
+    "tuning",              # free text: how the B0 hyper-parameters were tuned
+    "per_gpu_batch",       # hpclb jobs render's default per-rank batch
+)
+
+
 class ConfigError(ValueError):
     """An invalid experiment recipe or command-line setting."""
+
+
+def _did_you_mean(word: Any, choices) -> str:
+    match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def available_experiments() -> list[str]:
@@ -53,9 +79,109 @@ def _require(cond: bool, field: str, problem: str) -> None:
         raise ConfigError(f"{field}: {problem}")
 
 
-def _positive_number(value: Any) -> bool:
+def _number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and \
-        math.isfinite(value) and value > 0
+        math.isfinite(value)
+
+
+def _positive_number(value: Any) -> bool:
+    return _number(value) and value > 0
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_types(recipe: dict, where: str) -> None:
+    """Unknown top-level keys, and fields of the wrong type, before anything reads them."""
+    for key in recipe:
+        _require(key in RECIPE_KEYS, f"{where}: {key}",
+                 f"not a recipe field{_did_you_mean(key, RECIPE_KEYS)}; the fields are "
+                 f"{', '.join(RECIPE_KEYS)} (see hpclb/experiments/mnist_lstm.yaml)")
+    for key in ("name", "data", "model", "base_batch_size", "epochs", "warmup_epochs", "decay",
+                "optimizer", "optimizers"):
+        _require(key in recipe, f"{where}: {key}", "missing; see hpclb/experiments/mnist_lstm.yaml")
+    name = recipe["name"]
+    _require(isinstance(name, str) and name.strip() != "" and "/" not in name, f"{where}: name",
+             f"must be a non-empty string without '/' (the run's name: runs/<name>), got {name!r}")
+    for key, example in (("data", "data: {name: mnist}"),
+                         ("model", "model: {name: mnist_lstm, hidden_size: 128}"),
+                         ("decay", "decay: {name: poly, power: 2.0}")):
+        value = recipe[key]
+        _require(isinstance(value, dict) and "name" in value, f"{where}: {key}",
+                 f"must be a mapping with a name, e.g. `{example}`, got {value!r}")
+        _require(isinstance(value["name"], str), f"{where}: {key}.name",
+                 f"must be a string, e.g. `{example}`, got {value['name']!r}")
+    kind = recipe.get("task", "classification")
+    _require(isinstance(kind, str) and kind in TASKS, f"{where}: task",
+             f"{kind!r} is not one of {tuple(TASKS)}")
+    b0 = recipe["base_batch_size"]
+    _require(_positive_int(b0), f"{where}: base_batch_size",
+             f"must be a positive integer (the global batch the recipe was tuned at), got {b0!r}")
+    epochs = recipe["epochs"]
+    _require(_positive_number(epochs), f"{where}: epochs",
+             f"must be a finite number > 0 (fractional allowed), got {epochs!r}")
+    w0 = recipe["warmup_epochs"]
+    _require(_number(w0) and w0 >= 0, f"{where}: warmup_epochs",
+             f"must be a finite number >= 0 (warmup at base_batch_size, in epochs), got {w0!r}")
+    opts = recipe["optimizers"]
+    _require(isinstance(opts, dict) and opts, f"{where}: optimizers",
+             f"must be a mapping of optimizer to hyper-parameters, e.g. `optimizers: {{adam: "
+             f"{{lr: 0.002}}}}`, got {opts!r}")
+    for opt, hp in opts.items():
+        _require(opt in OPTIMIZERS, f"{where}: optimizers.{opt}",
+                 f"not one of {OPTIMIZERS}{_did_you_mean(opt, OPTIMIZERS)}")
+        _require(isinstance(hp, dict), f"{where}: optimizers.{opt}",
+                 f"must be a mapping of hyper-parameters with at least lr, e.g. `optimizers: "
+                 f"{{{opt}: {{lr: {hp if _positive_number(hp) else 0.002}}}}}`, got {hp!r}")
+    default = recipe["optimizer"]
+    _require(isinstance(default, str) and default in opts, f"{where}: optimizer",
+             f"the default optimizer must be one of the recipe's optimizers "
+             f"{sorted(map(str, opts))}, got {default!r}")
+    target = recipe.get("target")
+    if target is not None:
+        _require(isinstance(target, dict), f"{where}: target",
+                 f"must be a mapping, e.g. `target: {{metric: test_accuracy, value: 0.98}}`, "
+                 f"got {target!r}")
+        for key in target:
+            _require(key in ("metric", "value", "mode"), f"{where}: target.{key}",
+                     f"not a target field{_did_you_mean(key, ('metric', 'value', 'mode'))}; "
+                     f"it takes metric, value and mode")
+        _require(isinstance(target.get("metric", ""), str), f"{where}: target.metric",
+                 f"must be a metric name such as test_accuracy, got {target.get('metric')!r}")
+        _require("value" not in target or _number(target["value"]), f"{where}: target.value",
+                 f"must be a finite number, got {target.get('value')!r}")
+        _require(target.get("mode") in (None, "max", "min"), f"{where}: target.mode",
+                 f"must be max or min, got {target.get('mode')!r}")
+    tuning = recipe.get("tuning")
+    _require(tuning is None or isinstance(tuning, str), f"{where}: tuning",
+             f"must be text (how the B0 hyper-parameters were tuned), got {tuning!r}")
+    per_gpu = recipe.get("per_gpu_batch")
+    _require(per_gpu is None or _positive_int(per_gpu), f"{where}: per_gpu_batch",
+             f"must be a positive integer (hpclb jobs render's default per-rank batch) or "
+             f"absent, got {per_gpu!r}")
+
+
+# Model arguments the task sets from the data (hpclb/tasks.py, Task.model_kwargs).
+_TASK_MODEL_ARGS = {"language_model": ("vocab_size",), "seq2seq": ("src_vocab", "tgt_vocab")}
+
+
+def _check_model_args(model: dict, kind: str, where: str) -> None:
+    """The model's keys other than ``name`` must be arguments of its constructor that the task
+    does not set itself."""
+    cls = MODELS[model["name"]]
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    from_data = _TASK_MODEL_ARGS.get(kind, ())
+    takes = [p for p in params if p != "self" and p not in from_data]
+    for key in model:
+        _require(key not in from_data, f"{where}: model.{key}",
+                 f"set from the data by the {kind} task; remove it")
+        _require(key == "name" or key in takes, f"{where}: model.{key}",
+                 f"not an argument of model {model['name']}{_did_you_mean(key, takes)}; it "
+                 f"takes {', '.join(takes)}")
 
 
 def load_recipe(experiment: str) -> dict[str, Any]:
@@ -70,13 +196,11 @@ def load_recipe(experiment: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML ({e})") from e
     _require(isinstance(recipe, dict), str(path), "a recipe must be a YAML mapping")
     where = f"{path.name}"
-    for key in ("name", "data", "model", "base_batch_size", "epochs", "warmup_epochs", "decay",
-                "optimizer", "optimizers"):
-        _require(key in recipe, f"{where}: {key}", "missing; see hpclb/experiments/mnist_lstm.yaml")
-    _require(recipe["data"].get("name") in DATASETS, f"{where}: data.name",
-             f"{recipe['data'].get('name')!r} is not one of {DATASETS}")
+    _check_types(recipe, where)
+    _require(recipe["data"]["name"] in DATASETS, f"{where}: data.name",
+             f"{recipe['data']['name']!r} is not one of {DATASETS}"
+             f"{_did_you_mean(recipe['data']['name'], DATASETS)}")
     kind = recipe.get("task", "classification")
-    _require(kind in TASKS, f"{where}: task", f"{kind!r} is not one of {tuple(TASKS)}")
     _require(recipe["data"]["name"] in TASKS[kind], f"{where}: data.name",
              f"a {kind} task reads one of {TASKS[kind]}, not {recipe['data']['name']!r}")
     if kind == "seq2seq":
@@ -103,7 +227,7 @@ def load_recipe(experiment: str) -> dict[str, Any]:
                      f"{where}: data.{key}", f"must be a positive integer, got {n!r}")
     for key in ("train_samples", "test_samples"):
         n = recipe["data"].get(key)
-        _require(n is None or (isinstance(n, int) and n > 0), f"{where}: data.{key}",
+        _require(n is None or _positive_int(n), f"{where}: data.{key}",
                  f"must be a positive integer (a smoke-run subset) or absent, got {n!r}")
     if "augment" in recipe["data"]:
         aug = recipe["data"]["augment"]
@@ -113,20 +237,16 @@ def load_recipe(experiment: str) -> dict[str, Any]:
         _require(recipe["data"]["name"] == "imagenet", f"{where}: data.augment",
                  f"only the imagenet reader augments its training split; remove the field for "
                  f"data.name {recipe['data']['name']!r}")
-    _require(recipe["model"].get("name") in MODELS, f"{where}: model.name",
-             f"{recipe['model'].get('name')!r} is not one of {sorted(MODELS)}")
-    _require(isinstance(recipe["base_batch_size"], int) and recipe["base_batch_size"] > 0,
-             f"{where}: base_batch_size", "must be a positive integer")
-    _require(_positive_number(recipe["epochs"]), f"{where}: epochs", "must be > 0")
-    w0 = recipe["warmup_epochs"]
-    _require(isinstance(w0, (int, float)) and w0 >= 0, f"{where}: warmup_epochs", "must be >= 0")
+    _require(recipe["model"]["name"] in MODELS, f"{where}: model.name",
+             f"{recipe['model']['name']!r} is not one of {sorted(MODELS)}"
+             f"{_did_you_mean(recipe['model']['name'], MODELS)}")
+    _check_model_args(recipe["model"], kind, where)
     decay = dict(recipe["decay"])
     try:
-        schedules.validate_decay(decay.pop("name", None), decay)
+        schedules.validate_decay(decay.pop("name"), decay)
     except ValueError as e:
         raise ConfigError(f"{where}: decay: {e}") from e
     for name, hp in recipe["optimizers"].items():
-        _require(name in OPTIMIZERS, f"{where}: optimizers.{name}", f"not one of {OPTIMIZERS}")
         _require(_positive_number(hp.get("lr")), f"{where}: optimizers.{name}.lr",
                  f"must be a positive learning rate, got {hp.get('lr')!r}")
     clip = recipe.get("grad_clip_norm")
@@ -193,20 +313,60 @@ class RunConfig:
         return self.global_batch_size // (world_size * k)
 
     def schedule(self, num_samples: int) -> schedules.Schedule:
-        """The LR schedule of this run on a training set of ``num_samples`` samples."""
+        """The LR schedule of this run on a training set of ``num_samples`` samples.
+
+        Raises ConfigError when the global batch is larger than the training set or the
+        warmup is not shorter than training, naming the command-line fixes."""
+        b = self.global_batch_size
+        if b > num_samples:
+            unit = "bptt-token sequences" if self.recipe.get("task") == "language_model" else \
+                "samples"
+            raise ConfigError(
+                f"--batch-size {b}: the global batch is larger than the training set "
+                f"({num_samples} {unit} of {self.recipe['data']['name']}), so every step would "
+                f"see the whole set while the LR and warmup were scaled for k = B / B0 = "
+                f"{b / self.base_batch_size:g}; use --batch-size {num_samples} or less")
         decay = dict(self.recipe["decay"])
         try:
             return schedules.Schedule.from_recipe(
                 base_lr=self.base_lr, base_batch_size=self.base_batch_size,
                 base_warmup_epochs=float(self.recipe["warmup_epochs"]),
-                global_batch_size=self.global_batch_size, num_samples=num_samples,
+                global_batch_size=b, num_samples=num_samples,
                 epochs=self.epochs, scheme=self.scaling, decay=decay.pop("name"),
                 decay_params=decay)
+        except schedules.WarmupTooLong as e:
+            fixes = [f"train more epochs (--epochs, at least {e.min_epochs:g} for this batch)"]
+            if schedules.SCHEMES[self.scaling][1] == "legw":
+                fixes.append("use a smaller --batch-size (LEGW's warmup, warmup_epochs x k "
+                             "epochs, grows with the batch)")
+            fixes.append("shorten the recipe's warmup_epochs")
+            raise ConfigError(
+                f"schedule: {e.problem} at --batch-size {b} (--scaling {self.scaling}); "
+                f"{', '.join(fixes[:-1])}, or {fixes[-1]}") from e
         except ValueError as e:
             raise ConfigError(f"schedule: {e}") from e
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_checkpoint_interval(seconds: float | None) -> float | None:
+    """``--checkpoint-interval``: None or 0 (off) or a number of seconds > 0; ConfigError for a
+    negative value or nan (which would checkpoint at every step or never)."""
+    if seconds is not None and not (isinstance(seconds, (int, float)) and
+                                    not isinstance(seconds, bool) and seconds >= 0):
+        raise ConfigError(f"--checkpoint-interval {seconds}: must be a number of seconds >= 0 "
+                          f"(0: off, checkpoints at epoch ends and on preemption only; e.g. "
+                          f"1800 for every half hour)")
+    return seconds
+
+
+def check_expect_world_size(n: int | None) -> int | None:
+    """``--expect-world-size``: None or an integer >= 1; ConfigError otherwise."""
+    if n is not None and not _positive_int(n):
+        raise ConfigError(f"--expect-world-size {n}: must be an integer >= 1 (the number of "
+                          f"ranks, as in `mpirun -n N`), or leave it out")
+    return n
 
 
 def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "legw",
@@ -232,8 +392,10 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
              f"the recipe {recipe['name']} has no tuned hyper-parameters for {opt!r}; add "
              f"optimizers.{opt} to it or choose one of {sorted(recipe['optimizers'])}")
     n_epochs = recipe["epochs"] if epochs is None else epochs
-    _require(_positive_number(n_epochs), "--epochs", f"must be > 0, got {n_epochs}")
-    _require(lr is None or _positive_number(lr), "--lr", f"must be a positive number, got {lr}")
+    _require(_positive_number(n_epochs), "--epochs",
+             f"must be a finite number > 0, got {n_epochs}")
+    _require(lr is None or _positive_number(lr), "--lr",
+             f"must be a positive number, got {lr}")
     _require(isinstance(seed, int) and seed >= 0, "--seed", f"must be >= 0, got {seed}")
     acc = recipe.get("accumulation_steps", 1) if accumulation_steps is None else accumulation_steps
     _require(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1,

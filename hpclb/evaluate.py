@@ -56,8 +56,9 @@ def evaluate_run(run_dir: str | Path, comm: Communicator, *, data_dir: str | Non
     | None, <metric name>: float, ...}`` with the task's metrics (e.g. ``test_accuracy`` as a
     fraction, ``test_perplexity``, ``test_bleu`` in BLEU points), the same on every rank.
 
-    Raises ConfigError when ``run_dir`` has no ``config.json`` or an override is invalid,
-    CheckpointError when ``checkpoint.pt`` is missing or unreadable, DataError when the data is.
+    Raises ConfigError when ``run_dir`` has no ``config.json`` or no ``checkpoint.pt`` (yet) or
+    an override is invalid, CheckpointError when ``checkpoint.pt`` is unreadable, DataError when
+    the data is missing or unreadable.
     """
     run_dir = Path(run_dir)
     config_path = run_dir / "config.json"
@@ -67,7 +68,13 @@ def evaluate_run(run_dir: str | Path, comm: Communicator, *, data_dir: str | Non
     run = json.loads(config_path.read_text())
     recipe = dict(run["recipe"])
     recipe["data"] = _decoding_overrides(recipe, beam_size, length_penalty)
-    ckpt = load_checkpoint(run_dir / "checkpoint.pt")
+    ckpt_path = run_dir / "checkpoint.pt"
+    if not ckpt_path.is_file():
+        raise ConfigError(f"{ckpt_path}: not found; the run has not saved a checkpoint yet (it "
+                          f"saves one at each epoch end, and mid-epoch with "
+                          f"--checkpoint-interval): evaluate it after its first epoch, or point "
+                          f"RUN_DIR at another run")
+    ckpt = load_checkpoint(ckpt_path)  # CheckpointError if unreadable
     data = recipe["data"]
     task = build_task(recipe, data_dir if data_dir is not None else run["data_dir"],
                       train_samples=data.get("train_samples"),

@@ -179,6 +179,11 @@ def validate_decay(decay: str, params: Mapping[str, object]) -> None:
         if name not in required and name not in optional:
             raise ValueError(f"decay {decay!r} has no parameter {name!r}; "
                              f"it takes {sorted(required + optional)}")
+    for name in ("gamma", "power", "end_lr", "start_epoch"):
+        value = params.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            raise ValueError(f"{decay} {name} must be a finite number, got {value!r}")
     if "gamma" in params and not 0 < float(params["gamma"]) <= 1:
         raise ValueError(f"decay gamma must be in (0, 1], got {params['gamma']}")
     if "power" in params and float(params["power"]) < 0:
@@ -187,8 +192,35 @@ def validate_decay(decay: str, params: Mapping[str, object]) -> None:
         raise ValueError(f"end_lr must be >= 0, got {params['end_lr']}")
     if "milestones" in params:
         ms = params["milestones"]
-        if not isinstance(ms, Sequence) or any(float(m) <= 0 for m in ms):
+        if isinstance(ms, str) or not isinstance(ms, Sequence) or any(
+                isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0
+                or not math.isfinite(m) for m in ms):
             raise ValueError(f"multistep milestones must be a list of positive epochs, got {ms!r}")
+
+
+def _round_up(x: float, digits: int = 3) -> float:
+    """``x`` rounded up to ``digits`` significant digits (for printing a lower bound)."""
+    if x <= 0:
+        return x
+    quantum = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    return float(f"{math.ceil(x / quantum - 1e-9) * quantum:.{digits}g}")
+
+
+class WarmupTooLong(ValueError):
+    """Warmup is not shorter than training. ``problem`` states the two lengths; ``min_epochs``
+    is (rounded up) the smallest training budget in epochs whose steps exceed the warmup at
+    this batch (the warmup does not depend on the budget)."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, steps_per_epoch: int):
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+        self.steps_per_epoch = steps_per_epoch
+        # total_steps = ceil(epochs * spe) > warmup_steps  <=>  epochs > warmup_steps / spe
+        self.min_epochs = _round_up((warmup_steps + 1) / steps_per_epoch)
+        self.problem = (f"warmup ({warmup_steps} steps = {warmup_steps / steps_per_epoch:.3g} "
+                        f"epochs) must be shorter than training ({total_steps} steps = "
+                        f"{total_steps / steps_per_epoch:.3g} epochs)")
+        super().__init__(f"{self.problem}; train more epochs (at least {self.min_epochs:g} for "
+                         f"this batch), use a smaller batch, or shorten warmup_epochs")
 
 
 @dataclass(frozen=True)
@@ -197,7 +229,8 @@ class Schedule:
 
     Fields: ``peak_lr`` (after scaling), ``warmup_steps``, ``total_steps``, ``steps_per_epoch``
     (steps), ``decay`` and ``decay_params``. Build one with :meth:`from_recipe`.
-    Raises ValueError when the peak LR is not positive or warmup is not shorter than training.
+    Raises ValueError when the peak LR is not positive, :class:`WarmupTooLong` (a ValueError)
+    when warmup is not shorter than training.
     """
 
     peak_lr: float
@@ -214,11 +247,7 @@ class Schedule:
             raise ValueError(f"total_steps ({self.total_steps}) and steps_per_epoch "
                              f"({self.steps_per_epoch}) must be > 0")
         if self.warmup_steps >= self.total_steps:
-            raise ValueError(
-                f"warmup ({self.warmup_steps} steps = {self.warmup_steps / self.steps_per_epoch:.3g}"
-                f" epochs) must be shorter than training ({self.total_steps} steps = "
-                f"{self.total_steps / self.steps_per_epoch:.3g} epochs); shorten warmup_epochs, "
-                f"train more epochs, or use a smaller batch")
+            raise WarmupTooLong(self.warmup_steps, self.total_steps, self.steps_per_epoch)
         validate_decay(self.decay, self.decay_params)
 
     @classmethod

@@ -151,11 +151,12 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     for s in schemes:
         if s not in SCHEMES:
             raise ConfigError(f"--schemes: {s!r} is not one of {tuple(SCHEMES)}")
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ConfigError(f"--ranks: must be an integer >= 1 (MPI ranks per point; 1 runs in "
+                          f"this process), got {ranks}")
     if not batch_sizes or any(b <= 0 or b % ranks for b in batch_sizes):
         raise ConfigError(f"--batch-sizes: every batch must be a positive multiple of --ranks "
                           f"{ranks}, got {batch_sizes}")
-    if ranks < 1:
-        raise ConfigError(f"--ranks: must be >= 1, got {ranks}")
     probe = resolve(experiment, optimizer=optimizer, epochs=epochs, seed=seed)  # validates
     settings = {"epochs": probe.epochs, "ranks": ranks, "seed": seed,
                 "optimizer": probe.optimizer}

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import Communicator
-from .config import ConfigError, RunConfig
+from .config import ConfigError, RunConfig, check_checkpoint_interval
 from .models import build_model
 from .optim import LAMB, LARS
 from .parallel import GradientSync, broadcast_parameters, check_model_consistency
@@ -141,6 +141,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     preemption checkpoint.
     """
     t_start = time.perf_counter()
+    check_checkpoint_interval(checkpoint_interval_s)
     rank0 = comm.rank == 0
     say = (lambda *a: print(*a, flush=True)) if rank0 and not quiet else (lambda *a: None)
     per_rank_batch = cfg.per_rank_batch_size(comm.world_size)

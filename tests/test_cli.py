@@ -94,3 +94,112 @@ def test_resume_without_checkpoint(tmp_path, mnist_dir):
     rc, out, _ = hpclb("train", "mnist-lstm", "--resume", "--out", str(tmp_path / "none"),
                        "--data-dir", str(mnist_dir.parent))
     assert rc != 0 and "no checkpoint to resume from" in out, out
+
+
+# --- in process: cli.main(...) with the self communicator; fails before any work -----------------
+
+@pytest.fixture
+def in_process(capsys):
+    """``run(*argv) -> (rc, stderr)`` through :func:`hpclb.cli.main` in this process; the signal
+    handlers `hpclb train` installs are put back afterwards."""
+    import signal
+
+    from hpclb import cli
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+
+    def run(*argv):
+        rc = cli.main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return rc, err
+
+    yield run
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"data": "mnist"}, r"quick.yaml: data: must be a mapping .*`data: \{name: mnist\}`"),
+    ({"optimizers": {"adam": 0.002}},
+     r"quick.yaml: optimizers.adam: must be a mapping .*`optimizers: \{adam: \{lr: 0.002\}\}`"),
+    ({"optimizers": ["adam"]}, r"quick.yaml: optimizers: must be a mapping"),
+    ({"decay": "poly"}, r"quick.yaml: decay: must be a mapping .*`decay: \{name: poly"),
+    ({"decay": {"name": "poly", "power": "2"}}, r"decay: poly power must be a finite number"),
+    ({"model": "x"}, r"quick.yaml: model: must be a mapping .*`model: \{name: mnist_lstm"),
+    ({"model": {"name": "mnist_lstm", "hiden_size": 64}},
+     r"model.hiden_size: not an argument of model mnist_lstm \(did you mean 'hidden_size'\?\)"),
+    ({"warmup_epochs": float("inf")}, r"quick.yaml: warmup_epochs: must be a finite number >= 0"),
+    ({"warmup_epochs": "0.25"}, r"quick.yaml: warmup_epochs: must be a finite number >= 0"),
+    ({"epochs": float("inf")}, r"quick.yaml: epochs: must be a finite number > 0"),
+    ({"base_batch_size": 128.5}, r"quick.yaml: base_batch_size: must be a positive integer"),
+    ({"name": ["x"]}, r"quick.yaml: name: must be a non-empty string"),
+    ({"task": ["x"]}, r"quick.yaml: task: \['x'\] is not one of"),
+    ({"optimizer": "lamb", "optimizers": {"adam": {"lr": 0.002}}},
+     r"quick.yaml: optimizer: the default optimizer must be one of the recipe's optimizers"),
+    ({"target": {"metric": "test_accuracy", "valu": 0.9}},
+     r"target.valu: not a target field \(did you mean 'value'\?\)"),
+    ({"grad_clip_nrom": 1.0},
+     r"quick.yaml: grad_clip_nrom: not a recipe field \(did you mean 'grad_clip_norm'\?\)"),
+    ({"accumulation_step": 2},
+     r"quick.yaml: accumulation_step: not a recipe field \(did you mean 'accumulation_steps'\?\)"),
+])
+def test_recipe_of_the_wrong_shape_names_field_and_fix(tmp_path, in_process, changes, message):
+    rc, err = in_process("train", quick_recipe(tmp_path, **changes), "--out", tmp_path / "o")
+    assert rc == 2 and re.search(message, err), err
+    assert err.count("hpclb: error:") == 1 and not (tmp_path / "o").exists()
+
+
+def test_every_packaged_recipe_uses_only_known_fields(tmp_path):
+    from hpclb.config import RECIPE_KEYS, available_experiments, load_recipe
+    for name in available_experiments():
+        assert set(load_recipe(name)) <= set(RECIPE_KEYS), name
+    assert set(load_recipe(quick_recipe(tmp_path))) <= set(RECIPE_KEYS)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--checkpoint-interval", "-1"], r"--checkpoint-interval -1.0: must be a number of seconds "
+     r">= 0 \(0: off"),
+    (["--checkpoint-interval", "nan"], r"--checkpoint-interval nan: must be"),
+    (["--expect-world-size", "0"], r"--expect-world-size 0: must be an integer >= 1"),
+    (["--expect-world-size", "-2"], r"--expect-world-size -2: must be an integer >= 1"),
+    (["--epochs", "inf"], r"--epochs: must be a finite number > 0"),
+])
+def test_bad_flags_fail_in_process(tmp_path, in_process, args, message):
+    rc, err = in_process("train", quick_recipe(tmp_path), "--out", tmp_path / "o",
+                         "--data-dir", tmp_path / "nowhere", *args)  # fails before reading data
+    assert rc == 2 and re.search(message, err), err
+
+
+def test_checkpoint_interval_zero_means_off():
+    from hpclb.config import ConfigError, check_checkpoint_interval
+    assert check_checkpoint_interval(0) == 0 and check_checkpoint_interval(None) is None
+    assert check_checkpoint_interval(1800.0) == 1800.0
+    with pytest.raises(ConfigError, match="--checkpoint-interval"):
+        check_checkpoint_interval(-0.5)
+
+
+def test_batch_larger_than_the_training_set(tmp_path, in_process, mnist_dir):
+    recipe = quick_recipe(tmp_path)  # 4,096 training images
+    rc, err = in_process("train", recipe, "--out", tmp_path / "o", "--batch-size", 8192,
+                         "--data-dir", mnist_dir.parent)
+    assert rc == 2, err
+    assert re.search(r"--batch-size 8192: the global batch is larger than the training set "
+                     r"\(4096 samples of mnist\).*k = B / B0 = 64; use --batch-size 4096 or less",
+                     err), err
+    assert "shorter than training" not in err and not (tmp_path / "o").exists()
+
+
+def test_warmup_message_names_the_command_line_fixes(tmp_path, mnist_dir):
+    from hpclb.config import ConfigError, resolve
+    recipe = quick_recipe(tmp_path)  # 4,096 images, B0 128, warmup 0.25 epochs = 8 steps
+    with pytest.raises(ConfigError) as e:
+        resolve(recipe, batch_size=256, epochs=0.1).schedule(4096)  # 16 steps/epoch, warmup 8
+    msg = str(e.value)
+    assert re.search(r"warmup \(8 steps.*must be shorter than training \(2 steps", msg), msg
+    assert "train more epochs (--epochs, at least 0.563 for this batch)" in msg, msg
+    assert "use a smaller --batch-size" in msg and "shorten the recipe's warmup_epochs" in msg
+    resolve(recipe, batch_size=256, epochs=0.563).schedule(4096)  # the bound it names works
+    with pytest.raises(ConfigError) as e:  # fixed-epoch warmup: a smaller batch does not help
+        resolve(recipe, batch_size=256, epochs=0.1, scaling="linear").schedule(4096)
+    assert "--batch-size 256 (--scaling linear)" in str(e.value)
+    assert "smaller --batch-size" not in str(e.value) and "--epochs, at least" in str(e.value)

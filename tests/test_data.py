@@ -57,7 +57,22 @@ def test_wrong_magic_and_ndim(tmp_path):
 
 
 def test_missing_file_names_the_fix(tmp_path):
-    with pytest.raises(DataError, match=r"no such file.*hpclb data fetch"):
+    with pytest.raises(DataError, match=r"no such file.*`hpclb data fetch mnist`"):
+        load_mnist(tmp_path)
+
+
+def test_every_missing_data_set_names_its_fetch_command(tmp_path):
+    from hpclb.data.images import load_fashion_mnist
+    from hpclb.data.ptb import load_ptb
+    from hpclb.data.translation import load_bible_pairs
+    for load, name in ((load_fashion_mnist, "fashion-mnist"), (load_ptb, "ptb"),
+                       (load_bible_pairs, "bible-en-es")):
+        with pytest.raises(DataError, match=f"no such file.*`hpclb data fetch {name}`"):
+            load(tmp_path)
+    bad = tmp_path / "mnist"
+    bad.mkdir()
+    (bad / FILES["train-images"][0]).write_bytes(b"\x01\x02\x03\x04")
+    with pytest.raises(DataError, match="not an IDX file.*`hpclb data fetch mnist`"):
         load_mnist(tmp_path)
 
 

@@ -45,5 +45,10 @@ def test_bad_inputs_name_the_fix(finished_run, tmp_path, capsys):
     assert cli.main(["evaluate", str(tmp_path)]) == 2
     assert "config.json: not found" in capsys.readouterr().err
     (tmp_path / "config.json").write_text((run_dir / "config.json").read_text())
-    assert cli.main(["evaluate", str(tmp_path)]) == 1  # no checkpoint: CheckpointError
+    assert cli.main(["evaluate", str(tmp_path)]) == 2  # no checkpoint yet: a ConfigError
+    err = capsys.readouterr().err
+    assert "checkpoint.pt: not found; the run has not saved a checkpoint yet" in err, err
+    assert "--resume" not in err and err.count("hpclb: error:") == 1
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert cli.main(["evaluate", str(tmp_path)]) == 1  # corrupt: CheckpointError
     assert "CheckpointError" in capsys.readouterr().err

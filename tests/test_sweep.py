@@ -64,6 +64,18 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ConfigError, match="--batch-sizes"):
         sweep.run_sweep("mnist-lstm", [129], ["legw"], ranks=2, out_dir=tmp_path,
                         runs_dir=tmp_path)
+    for ranks in (0, -1):  # checked before the batches are divided by it
+        with pytest.raises(ConfigError, match=f"--ranks: must be an integer >= 1.*got {ranks}"):
+            sweep.run_sweep("mnist-lstm", [128], ["legw"], ranks=ranks, out_dir=tmp_path,
+                            runs_dir=tmp_path)
+
+
+def test_cli_ranks_zero_is_a_config_error(tmp_path, capsys):
+    from hpclb import cli
+    assert cli.main(["sweep", "mnist-lstm", "--batch-sizes", "128", "--ranks", "0",
+                     "--out-dir", str(tmp_path), "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--ranks: must be an integer >= 1" in err and "Traceback" not in err, err
 
 
 def test_point_held_by_another_sweep_process_is_skipped(tmp_path):

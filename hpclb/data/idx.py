@@ -16,27 +16,31 @@ _DTYPES = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i
            0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
 
-def read_idx(path: str | Path, *, ndim: int | None = None) -> np.ndarray:
+def read_idx(path: str | Path, *, ndim: int | None = None, dataset: str | None = None
+             ) -> np.ndarray:
     """Read an IDX file (plain or ``.gz``) into a native-endian array.
 
-    Args: ``path``; ``ndim``, the expected number of dimensions (None: any).
+    Args: ``path``; ``ndim``, the expected number of dimensions (None: any); ``dataset``, the
+    data set it belongs to (``mnist``, ``fashion-mnist``), named in the fix
+    (``hpclb data fetch <dataset>``).
     Returns an array of the file's shape and dtype (uint8 for MNIST).
     Raises DataError naming the file when it is missing, has a bad magic number or the wrong
     number of dimensions, or is truncated / has trailing bytes.
     """
     path = Path(path)
+    fetch = f"`hpclb data fetch {dataset}`" if dataset else "`hpclb data fetch`"
     if not path.is_file():
-        raise DataError(f"{path}: no such file; stage it with `hpclb data fetch` or point "
+        raise DataError(f"{path}: no such file; stage it with {fetch} or point "
                         f"--data-dir at a directory that holds it")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
             raw = f.read()
     except (OSError, EOFError) as e:
-        raise DataError(f"{path}: cannot read ({e}); re-stage it with `hpclb data fetch`") from e
+        raise DataError(f"{path}: cannot read ({e}); re-stage it with {fetch}") from e
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _DTYPES:
         raise DataError(f"{path}: not an IDX file (magic bytes {raw[:4].hex() or 'missing'}); "
-                        f"re-stage it with `hpclb data fetch`")
+                        f"re-stage it with {fetch}")
     dtype, dims = _DTYPES[raw[2]], raw[3]
     if ndim is not None and dims != ndim:
         raise DataError(f"{path}: IDX file has {dims} dimensions, expected {ndim}")
@@ -48,6 +52,6 @@ def read_idx(path: str | Path, *, ndim: int | None = None) -> np.ndarray:
     if len(raw) != expected:
         raise DataError(f"{path}: IDX header says shape {shape} ({expected} bytes) but the file "
                         f"has {len(raw)} bytes (truncated or corrupt); re-stage it with "
-                        f"`hpclb data fetch`")
+                        f"{fetch}")
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(
         dtype.newbyteorder("="), copy=False)

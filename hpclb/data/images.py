@@ -126,8 +126,8 @@ def load_fashion_mnist(root: str | Path | None = None) -> tuple[GreySplit, GreyS
     root = base / "fashion-mnist" if (base / "fashion-mnist").is_dir() else base
 
     def split(images: str, labels: str) -> GreySplit:
-        x = read_idx(root / FASHION_FILES[images][0], ndim=3)
-        y = read_idx(root / FASHION_FILES[labels][0], ndim=1)
+        x = read_idx(root / FASHION_FILES[images][0], ndim=3, dataset="fashion-mnist")
+        y = read_idx(root / FASHION_FILES[labels][0], ndim=1, dataset="fashion-mnist")
         if len(x) != len(y) or (y.size and int(y.max()) > 9):
             raise DataError(f"{root}: {len(x)} images / {len(y)} labels (max label "
                             f"{int(y.max()) if y.size else None}) in the {images} split")

@@ -39,8 +39,8 @@ class Split:
 
 
 def _load_split(root: Path, images: str, labels: str) -> Split:
-    x = read_idx(root / FILES[images][0], ndim=3)
-    y = read_idx(root / FILES[labels][0], ndim=1)
+    x = read_idx(root / FILES[images][0], ndim=3, dataset="mnist")
+    y = read_idx(root / FILES[labels][0], ndim=1, dataset="mnist")
     if len(x) != len(y):
         raise DataError(f"{root}: {len(x)} images but {len(y)} labels in the {images} split")
     if y.size and int(y.max()) > 9:

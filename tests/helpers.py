@@ -33,3 +33,15 @@ def train_multi_and_single(comm, recipe: str, out: str, single: dict | None = No
         one = train_mod.train(resolve(recipe, out=f"{out}/single", **{**kw, **(single or {})}),
                               SelfCommunicator(), quiet=True)
     return multi, comm.broadcast_object(one)
+
+
+def preempt_at(monkeypatch, step: int) -> None:
+    """Make the training loop see an agreed preemption request after its ``step``-th step (the
+    check runs once per optimizer step), as if SIGUSR2 had arrived then."""
+    calls = {"n": 0}
+
+    def agreed(self, comm):
+        calls["n"] += 1
+        return calls["n"] == step
+
+    monkeypatch.setattr(train_mod.PreemptionFlag, "agreed", agreed)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO, all_ranks_ok
-from helpers import train_multi_and_single
+from helpers import preempt_at, train_multi_and_single
 from hpclb import train as train_mod
 from hpclb.checkpoint import load_checkpoint
 from hpclb.comm import SelfCommunicator
@@ -115,13 +115,7 @@ def test_lm_trains_and_resumes_bit_for_bit(tmp_path, ptb_root, monkeypatch):
     assert full["final_test_perplexity"] < 5000  # learnt something: uniform over 10k words = 10000
     assert full["final_test_perplexity"] == pytest.approx(
         torch.tensor(full["final_test_loss"]).exp().item())
-    calls = {"n": 0}
-
-    def preempt_at_13(self, comm):
-        calls["n"] += 1
-        return calls["n"] == 13
-
-    monkeypatch.setattr(train_mod.PreemptionFlag, "agreed", preempt_at_13)
+    preempt_at(monkeypatch, 13)
     with pytest.raises(train_mod.Preempted):
         train_mod.train(resolve(recipe, out=str(tmp_path / "cut"), **kw), SelfCommunicator(),
                         quiet=True)
@@ -158,13 +152,7 @@ def test_lm_accumulation_splits_streams_and_resumes_bit_for_bit(tmp_path, ptb_ro
     a, b = params("k1"), params("k2")
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert diff < 1e-5, f"max parameter difference {diff:.3g}"
-    calls = {"n": 0}
-
-    def preempt_at_13(self, comm):
-        calls["n"] += 1
-        return calls["n"] == 13
-
-    monkeypatch.setattr(train_mod.PreemptionFlag, "agreed", preempt_at_13)
+    preempt_at(monkeypatch, 13)
     with pytest.raises(train_mod.Preempted):
         go("cut", accumulation_steps=2)
     assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["task"]["hidden"][0].shape == \

@@ -9,7 +9,7 @@ from hpclb.checkpoint import load_checkpoint
 from hpclb.comm import SelfCommunicator
 from hpclb.config import ConfigError, resolve
 from hpclb.data import DataError
-from helpers import quick_recipe
+from helpers import preempt_at, quick_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -46,13 +46,7 @@ def test_outputs_and_same_seed_same_result(tmp_path, mnist_dir):
 def test_preempted_run_resumes_bit_for_bit(tmp_path, mnist_dir, monkeypatch, acc):
     """Also with 2 micro-batches per step (checkpoints are taken between optimizer steps)."""
     full, cfg_full = run(tmp_path, "full", data_dir=str(mnist_dir.parent), accumulation_steps=acc)
-    calls = {"n": 0}
-
-    def preempt_at_step_11(self, comm):
-        calls["n"] += 1
-        return calls["n"] == 11  # mid-epoch 2 (8 steps per epoch)
-
-    monkeypatch.setattr(train_mod.PreemptionFlag, "agreed", preempt_at_step_11)
+    preempt_at(monkeypatch, 11)  # mid-epoch 2 (8 steps per epoch)
     with pytest.raises(train_mod.Preempted):
         run(tmp_path, "cut", data_dir=str(mnist_dir.parent), accumulation_steps=acc)
     ck = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")

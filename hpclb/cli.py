@@ -37,22 +37,32 @@ class _PendingSignal:
         self.pending = True
 
 
+def _start_comm(backend: str):
+    """The communicator of ``--backend`` with logging set up for its rank; None (after printing
+    why) when the launcher and the backend do not fit, for the command to exit 2."""
+    from .comm import get_communicator
+
+    try:
+        comm = get_communicator(backend)
+    except (RuntimeError, ValueError) as e:
+        _error(str(e))
+        return None
+    _setup_logging(comm.rank)
+    return comm
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import signal
 
     early = _PendingSignal()
     for s in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(s, early)
-    from .comm import get_communicator
     from .config import (ConfigError, check_checkpoint_interval, check_expect_world_size,
                          resolve)
 
-    try:
-        comm = get_communicator(args.backend)
-    except (RuntimeError, ValueError) as e:
-        _error(str(e))
+    comm = _start_comm(args.backend)
+    if comm is None:
         return 2
-    _setup_logging(comm.rank)
     try:
         check_checkpoint_interval(args.checkpoint_interval)
         check_expect_world_size(args.expect_world_size)
@@ -99,14 +109,9 @@ def _failed(comm, e: Exception) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from .comm import get_communicator
-
-    try:
-        comm = get_communicator(args.backend)
-    except (RuntimeError, ValueError) as e:
-        _error(str(e))
+    comm = _start_comm(args.backend)
+    if comm is None:
         return 2
-    _setup_logging(comm.rank)
     try:
         from .evaluate import evaluate_run
 

@@ -122,3 +122,27 @@ def test_torch_scheduler_adapter_follows_schedule():
         opt.step()
         sch.step()
     assert seen == pytest.approx([s.lr(i) for i in range(200)])
+
+
+def test_schedule_lr_load_state_dict_restores_the_step_lr():
+    s = legw(8)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sch = S.ScheduleLR(opt, s)
+    for _ in range(150):
+        opt.step()
+        sch.step()
+    state = sch.state_dict()
+    assert state == {"last_epoch": 150}
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sch2 = S.ScheduleLR(opt2, s)
+    assert sch2.get_last_lr() == pytest.approx([s.lr(0)])
+    sch2.load_state_dict(state)
+    assert s.lr(150) != pytest.approx(s.lr(0))
+    assert sch2.get_last_lr() == pytest.approx([s.lr(150)]) == sch.get_last_lr()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(s.lr(150))
+    opt2.step()
+    sch2.step()  # continues from the restored step
+    assert sch2.get_last_lr() == pytest.approx([s.lr(151)])
+    with pytest.raises(ValueError, match="last_epoch"):
+        sch2.load_state_dict({"last_epoch": -3})

@@ -22,11 +22,13 @@ MPIRUN_FLAGS ?= -n $(NP) --bind-to none -x HPCLB_DATA -x OMP_NUM_THREADS
 .PHONY: install data train test test-unit test-mpi clean
 .DEFAULT_GOAL := train
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+# The library needs only torch, numpy, mpi4py, PyYAML and tqdm (setup.cfg, ranges); this
+# repository's runs install every extra at the exact versions of constraints.txt.
+$(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt
 	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (apt-get install python3 python3-venv)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,test]'
 	@touch $@
 
 install: $(VENV)/.installed
@@ -89,8 +91,8 @@ $(VENV)/.horovod: $(HOROVOD_TOOLCHAIN) | $(VENV)/.installed
 	CMAKE_TOOLCHAIN_FILE=$(HOROVOD_TOOLCHAIN) HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 \
 	HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
 	HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j2 \
-	$(PY) -m pip install --no-build-isolation --no-cache-dir -v 'horovod==0.28.1' \
-	    'torch==2.13.0' 'numpy==2.4.6' 'PyYAML==6.0.4'
+	$(PY) -m pip install --no-build-isolation --no-cache-dir -v -c constraints.txt \
+	    horovod torch numpy PyYAML
 	$(PY) -c "import horovod, horovod.torch as hvd; print('horovod', horovod.__version__, \
 	    'MPI', hvd.mpi_built(), 'Gloo', hvd.gloo_built())"
 	@touch $@

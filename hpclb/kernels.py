@@ -44,8 +44,13 @@ if TYPE_CHECKING:  # torch is imported lazily so kernels/testing can run this un
 
 log = logging.getLogger(__name__)
 
+#: Where the .cu source is looked for, in order: $HPCLB_KERNELS_DIR, the installed package's copy
+#: (``hpclb/_kernels/``, put there by setup.py when a wheel is built), the repository's ``kernels/``.
+PACKAGE_KERNELS_DIR = Path(__file__).resolve().parent / "_kernels"
+REPO_KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 KERNELS_DIR = Path(os.environ.get("HPCLB_KERNELS_DIR")
-                   or Path(__file__).resolve().parent.parent / "kernels")
+                   or next((d for d in (PACKAGE_KERNELS_DIR, REPO_KERNELS_DIR)
+                            if (d / "trust_ratio.cu").is_file()), REPO_KERNELS_DIR))
 KERNEL_PATH = KERNELS_DIR / "trust_ratio.cu"
 #: NVRTC options hpclb hands CuPy (CuPy adds the architecture); the compile gate uses them too.
 NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
@@ -76,15 +81,18 @@ class KernelCompileError(RuntimeError):
 
 
 def kernel_source() -> str:
-    """The exact text handed to NVRTC (``kernels/trust_ratio.cu``, unchanged).
+    """The exact text handed to NVRTC (``kernels/trust_ratio.cu``, unchanged), read from
+    :data:`KERNEL_PATH`: ``$HPCLB_KERNELS_DIR``, else the wheel's ``hpclb/_kernels/``, else the
+    repository's ``kernels/`` (editable install).
 
-    Raises FileNotFoundError when the kernels directory is missing (hpclb must be installed
-    editable from its repository, or ``HPCLB_KERNELS_DIR`` must point at ``kernels/``)."""
+    Raises FileNotFoundError when none holds it (reinstall hpclb from a wheel or its repository,
+    or point ``HPCLB_KERNELS_DIR`` at a ``kernels/`` directory)."""
     try:
         return KERNEL_PATH.read_text()
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"{KERNEL_PATH} not found: install hpclb editable from its "
-                                "repository (pip install -e .) or set HPCLB_KERNELS_DIR") from e
+        raise FileNotFoundError(f"{KERNEL_PATH} not found: reinstall hpclb (a wheel ships "
+                                "hpclb/_kernels/trust_ratio.cu; pip install -e . reads kernels/) "
+                                "or set HPCLB_KERNELS_DIR to a directory holding it") from e
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""GlobalBatchSampler: no padding, every sample once per epoch, world-size independent batches."""
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from hpclb.data.sampler import GlobalBatchSampler
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def shares(n, b, w, seed=0, epoch=0):
+    """[step][rank] -> LongTensor of that rank's share."""
+    samplers = [GlobalBatchSampler(n, b, r, w, seed) for r in range(w)]
+    for s in samplers:
+        s.set_epoch(epoch)
+    return [[s.share(i) for s in samplers] for i in range(samplers[0].steps_per_epoch)]
+
+
+@pytest.mark.parametrize("epoch", [0, 3])
+def test_n1000_b300_every_sample_once_and_same_batches_at_w_1_3_6(epoch):
+    per_w = {w: shares(1000, 300, w, seed=7, epoch=epoch) for w in (1, 3, 6)}
+    for w, steps in per_w.items():
+        assert len(steps) == 4
+        everything = torch.cat([t for step in steps for t in step])
+        assert len(everything) == 1000 and torch.equal(everything.sort().values,
+                                                       torch.arange(1000)), w
+        sizes = [sum(len(t) for t in step) for step in steps]
+        assert sizes == [300, 300, 300, 100], (w, sizes)
+    # the union of the shares of each step is the same set of samples at every world size
+    for i in range(4):
+        ref = set(per_w[1][i][0].tolist())
+        for w in (3, 6):
+            assert set(torch.cat(per_w[w][i]).tolist()) == ref, (w, i)
+    last6 = [len(t) for t in per_w[6][3]]
+    assert last6 == [17, 17, 17, 17, 16, 16]
+
+
+def test_global_size_and_len():
+    s = GlobalBatchSampler(1000, 300, rank=5, world_size=6, seed=0)
+    assert [s.global_size(i) for i in range(s.steps_per_epoch)] == [300, 300, 300, 100]
+    assert len(s) == 50 * 3 + 16 and len(s.share(3)) == 16
+    # a share may be empty: 5 samples in the last step on 8 ranks
+    t = GlobalBatchSampler(13, 8, rank=7, world_size=8)
+    assert t.global_size(1) == 5 and len(t.share(1)) == 0 and len(t.share(0)) == 1
+
+
+@pytest.mark.parametrize("n,b,w", [(1200, 300, 3), (1200, 300, 6), (960, 96, 4), (1000, 100, 1),
+                                   (64, 16, 2)])
+def test_bit_for_bit_distributed_sampler_when_nothing_is_padded(n, b, w):
+    per_rank = b // w
+    for epoch in (0, 1, 5):
+        for r in range(w):
+            ds = DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=True, seed=11,
+                                    drop_last=False)
+            ds.set_epoch(epoch)
+            ref = torch.tensor(list(ds))
+            gs = GlobalBatchSampler(n, b, r, w, seed=11)
+            gs.set_epoch(epoch)
+            mine = torch.cat([gs.share(i) for i in range(gs.steps_per_epoch)])
+            assert torch.equal(mine, ref), (n, b, w, r, epoch)
+            assert all(len(gs.share(i)) == per_rank for i in range(gs.steps_per_epoch))
+
+
+def test_distributed_sampler_pads_where_this_does_not():
+    ds = DistributedSampler(range(1000), num_replicas=3, rank=0, shuffle=True, seed=0)
+    assert len(ds) * 3 == 1002  # two repeated samples per epoch
+    assert sum(len(GlobalBatchSampler(1000, 300, r, 3).share(3)) for r in range(3)) == 100
+
+
+def test_epochs_reshuffle_and_are_reproducible():
+    a, b = GlobalBatchSampler(100, 10, 0, 1, seed=3), GlobalBatchSampler(100, 10, 0, 1, seed=3)
+    a.set_epoch(2)
+    b.set_epoch(2)
+    assert torch.equal(a.share(0), b.share(0))
+    b.set_epoch(3)
+    assert not torch.equal(a.permutation, b.permutation)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(num_samples=0, global_batch=1, rank=0, world_size=1), "num_samples"),
+    (dict(num_samples=10, global_batch=0, rank=0, world_size=1), "global_batch"),
+    (dict(num_samples=10, global_batch=2, rank=2, world_size=2), "rank 2 must be < world_size"),
+    (dict(num_samples=10, global_batch=2, rank=0, world_size=0), "world_size"),
+    (dict(num_samples=10.0, global_batch=2, rank=0, world_size=1), "num_samples"),
+])
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        GlobalBatchSampler(**kwargs)
+
+
+def test_step_outside_the_epoch_is_an_index_error():
+    s = GlobalBatchSampler(10, 4, 0, 1)
+    with pytest.raises(IndexError, match="outside the epoch's 3 steps"):
+        s.share(3)
+    with pytest.raises(ValueError, match="epoch"):
+        s.set_epoch(-1)

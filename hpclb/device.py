@@ -1,0 +1,185 @@
+"""One device per rank: which GPU a rank trains on, found before any CUDA or MPI work.
+
+Each rank takes GPU ``local_rank % visible_gpus`` of its node (``CUDA_VISIBLE_DEVICES`` decides
+what is visible: torch counts only those). The node-local rank comes from the launcher's
+environment (:func:`env_local_rank`) so the device can be bound *before* MPI/NCCL initialise
+(a CUDA-aware MPI or NCCL otherwise opens a context on GPU 0 from every rank); the
+communicator's own node-local split confirms it afterwards (``hpclb.comm.get_communicator``).
+More ranks than GPUs on a node is an error unless sharing is asked for (``--share-gpu``).
+See docs/gpus.md.
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from .config import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+# Launcher variables holding the node-local rank, each with the variable holding the same
+# launcher's global rank (used to spot values inherited from an outer launcher).
+LOCAL_RANK_VARS = (
+    ("SLURM_LOCALID", "SLURM_PROCID"),                 # srun
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_RANK"),  # Open MPI mpirun / PMIx
+    ("LOCAL_RANK", "RANK"),                             # torchrun
+    ("PMI_LOCAL_RANK", "PMI_RANK"),                     # MPICH / Hydra (PMI-2)
+    ("MPI_LOCALRANKID", "PMI_RANK"),                    # MPICH / Intel MPI (Hydra)
+)
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def _int_env(var: str) -> int:
+    raw = os.environ[var]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not an integer; the launcher sets it to this "
+                          f"process's node-local rank (unset it if you set it by hand)") from None
+    if value < 0:
+        raise ConfigError(f"{var}={value} is negative; it must be a node-local rank >= 0")
+    return value
+
+
+def _inherited_slurm(found: dict[str, int]) -> bool:
+    """True when SLURM_LOCALID belongs to an outer ``srun`` step (mpirun inside an allocation
+    starts its ranks from daemons that srun launched, one per node: every rank inherits the
+    daemon's SLURM_LOCALID 0), seen as SLURM_PROCID differing from the MPI launcher's rank."""
+    if "SLURM_LOCALID" not in found or os.environ.get("SLURM_PROCID") is None:
+        return False
+    return any(os.environ.get(v) is not None and os.environ[v] != os.environ["SLURM_PROCID"]
+               for v in _MPI_RANK_VARS)
+
+
+def env_local_rank() -> int | None:
+    """This process's node-local rank as its launcher set it, or None without a launcher.
+
+    Read from ``SLURM_LOCALID`` (srun), ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI),
+    ``LOCAL_RANK`` (torchrun), ``PMI_LOCAL_RANK`` / ``MPI_LOCALRANKID`` (MPICH/Hydra). A
+    ``SLURM_LOCALID`` inherited from an outer srun step (mpirun inside ``sbatch``: its
+    ``SLURM_PROCID`` differs from the MPI rank) is ignored.
+
+    Raises ConfigError when a variable is not a non-negative integer, or when several are set
+    and disagree (the message names each variable and value).
+    """
+    found = {var: _int_env(var) for var, _ in LOCAL_RANK_VARS if os.environ.get(var)}
+    if _inherited_slurm(found):
+        del found["SLURM_LOCALID"]
+    values = set(found.values())
+    if len(values) > 1:
+        names = ", ".join(f"{k}={v}" for k, v in found.items())
+        raise ConfigError(
+            f"the launcher variables disagree about this process's node-local rank ({names}); "
+            f"two launchers are nested or a variable was exported by hand: unset the stale "
+            f"one(s) and launch with one launcher (mpirun, srun or torchrun)")
+    return values.pop() if values else None
+
+
+def _check_requested(requested: str) -> None:
+    if requested not in DEVICES:
+        raise ConfigError(f"--device {requested!r} is not a device choice; use one of "
+                          f"{', '.join(DEVICES)} (auto = cuda when a GPU is visible)")
+
+
+def select_device(requested: str, local_rank: int, local_size: int, *, share_gpu: bool = False,
+                  device_count: int | None = None,
+                  cuda_available: bool | None = None) -> torch.device:
+    """The device this rank trains on, bound as the current CUDA device.
+
+    requested: ``auto`` (cuda when a GPU is visible, else cpu), ``cpu`` or ``cuda``.
+    local_rank, local_size: this rank's index and the number of ranks on its node that see the
+    same GPUs. share_gpu: allow more ranks than visible GPUs (ranks then share GPUs round robin;
+    for tests on one GPU). device_count, cuda_available: fake a GPU node in tests (then
+    ``torch.cuda.set_device`` is not called); default torch's answers (``CUDA_VISIBLE_DEVICES``
+    honoured).
+
+    Returns ``torch.device("cpu")`` or ``torch.device("cuda", local_rank % visible_gpus)``.
+    Raises ConfigError for an unknown ``requested`` (naming ``--device``), ``cuda`` without a
+    CUDA build or without visible GPUs (naming the fix), a negative local rank, or
+    ``local_size`` greater than the visible GPUs without ``share_gpu`` (naming
+    ``--share-gpu``).
+    """
+    _check_requested(requested)
+    if local_rank < 0 or local_size < 1:
+        raise ConfigError(f"local_rank {local_rank} / local_size {local_size}: the node-local "
+                          f"rank must be >= 0 and the node's rank count >= 1")
+    faked = device_count is not None or cuda_available is not None
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    n = (device_count if device_count is not None
+         else torch.cuda.device_count() if cuda_available else 0)
+    if requested == "cpu" or (requested == "auto" and not (cuda_available and n > 0)):
+        return torch.device("cpu")
+    if not cuda_available:
+        raise ConfigError(
+            f"--device cuda, but this torch ({torch.__version__}) has no CUDA support or no "
+            f"CUDA driver: install a CUDA build of torch (`make install-gpu`) or train with "
+            f"--device cpu")
+    if n == 0:
+        raise ConfigError(
+            f"--device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): give the job GPUs or use --device cpu")
+    if local_size > n and not share_gpu:
+        raise ConfigError(
+            f"{local_size} ranks on this node but {n} visible GPU(s): launch at most {n} "
+            f"rank(s) per node, or pass --share-gpu to let ranks share GPUs (tests only: "
+            f"they then contend for one GPU's memory and compute)")
+    device = torch.device("cuda", local_rank % n)
+    if not faked:
+        torch.cuda.set_device(device)
+    return device
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def visible_gpus() -> int:
+    """GPUs this process can use (0 without CUDA; ``CUDA_VISIBLE_DEVICES`` honoured)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_info(device: torch.device | str) -> dict:
+    """What the header line and ``summary.json`` say about the device.
+
+    Returns ``{"device": "cuda:0" | "cpu", "name": GPU model or CPU model (/proc/cpuinfo),
+    "memory_bytes": the GPU's total memory or the host's physical memory (bytes; None where
+    unknown), "count": visible GPUs}``.
+    """
+    device = torch.device(device)
+    count = visible_gpus()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return {"device": f"cuda:{index}", "name": props.name,
+                "memory_bytes": int(props.total_memory), "count": count}
+    if device.type == "cpu":
+        return {"device": "cpu", "name": _cpu_name(), "memory_bytes": _host_memory_bytes(),
+                "count": count}
+    return {"device": str(device), "name": device.type, "memory_bytes": None, "count": count}
+
+
+def gpus_idle_warning(device: torch.device | str, *, device_count: int | None = None) -> str | None:
+    """The warning rank 0 prints when GPUs are visible but the run trains on the CPU; None
+    otherwise. ``device_count`` fakes the visible GPUs in tests."""
+    n = visible_gpus() if device_count is None else device_count
+    if torch.device(device).type != "cpu" or n == 0:
+        return None
+    return (f"warning: {n} GPU(s) visible but training on the CPU (--device cpu); they stay "
+            f"idle. Use --device auto or cuda to train on them.")

@@ -1,0 +1,127 @@
+"""The rank -> device mapping (hpclb/device.py) over the launchers' environments, with faked GPU
+counts: no GPU is needed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpclb.config import ConfigError
+from hpclb.device import (LOCAL_RANK_VARS, device_info, env_local_rank, gpus_idle_warning,
+                          select_device)
+
+pytestmark = pytest.mark.timeout(30)
+
+RANK_VARS = {v for pair in LOCAL_RANK_VARS for v in pair}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A process with no launcher variables set (and all GPUs visible)."""
+    for v in RANK_VARS | {"CUDA_VISIBLE_DEVICES"}:
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+def fake_node(local_rank, local_size, gpus, **kw):
+    return select_device(kw.pop("requested", "cuda"), local_rank, local_size,
+                         device_count=gpus, cuda_available=True, **kw)
+
+
+@pytest.mark.parametrize("launcher", [
+    {"SLURM_LOCALID": "3", "SLURM_PROCID": "7"},
+    {"OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_RANK": "7"},
+    {"LOCAL_RANK": "3", "RANK": "7"},
+    {"PMI_LOCAL_RANK": "3", "PMI_RANK": "7"},
+    {"MPI_LOCALRANKID": "3", "PMI_RANK": "7"},
+    {"SLURM_LOCALID": "3", "SLURM_PROCID": "7", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+     "OMPI_COMM_WORLD_RANK": "7"},  # srun direct launch of Open MPI ranks: both agree
+])
+def test_each_launcher_gives_the_local_rank_and_its_gpu(env, launcher):
+    for k, v in launcher.items():
+        env.setenv(k, v)
+    assert env_local_rank() == 3
+    assert fake_node(env_local_rank(), 4, 4) == torch.device("cuda", 3)
+
+
+def test_no_launcher_means_no_local_rank(env):
+    assert env_local_rank() is None
+
+
+def test_disagreeing_launcher_variables_are_an_error_naming_them(env):
+    env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    env.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ConfigError, match=r"OMPI_COMM_WORLD_LOCAL_RANK=1, LOCAL_RANK=2"):
+        env_local_rank()
+
+
+def test_slurm_localid_inherited_by_mpirun_inside_sbatch_is_ignored(env):
+    # mpirun's daemon was srun task 0 of its node: every rank inherits SLURM_LOCALID=0.
+    env.setenv("SLURM_LOCALID", "0")
+    env.setenv("SLURM_PROCID", "1")
+    env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2")
+    env.setenv("OMPI_COMM_WORLD_RANK", "6")
+    assert env_local_rank() == 2
+    env.setenv("OMPI_COMM_WORLD_RANK", "1")  # same global rank: the two really disagree
+    with pytest.raises(ConfigError, match="SLURM_LOCALID=0"):
+        env_local_rank()
+
+
+def test_non_integer_launcher_variable_is_an_error(env):
+    env.setenv("LOCAL_RANK", "one")
+    with pytest.raises(ConfigError, match="LOCAL_RANK='one'"):
+        env_local_rank()
+
+
+def test_rank_mapping_wraps_over_visible_gpus_only_when_sharing():
+    assert [fake_node(r, 8, 8) for r in range(8)] == [torch.device("cuda", r) for r in range(8)]
+    # CUDA_VISIBLE_DEVICES=2,3 leaves torch two devices: ranks 0..3 share cuda:0/cuda:1
+    assert [fake_node(r, 4, 2, share_gpu=True).index for r in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ConfigError, match="--share-gpu"):
+        fake_node(3, 4, 2)
+    # two ranks on one GPU (the one-GPU tests)
+    assert fake_node(1, 2, 1, share_gpu=True) == torch.device("cuda", 0)
+
+
+def test_cuda_visible_devices_is_what_torch_counts(env):
+    env.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match="no GPU is visible.*CUDA_VISIBLE_DEVICES=''"):
+        fake_node(0, 1, 0)
+    assert select_device("auto", 0, 1, device_count=0, cuda_available=True).type == "cpu"
+
+
+def test_cuda_without_cuda_names_the_fix():
+    with pytest.raises(ConfigError, match=r"make install-gpu.*--device cpu"):
+        select_device("cuda", 0, 1, cuda_available=False, device_count=0)
+
+
+def test_unknown_device_names_the_flag_and_choices():
+    with pytest.raises(ConfigError, match=r"--device 'gpu'.*auto, cpu, cuda"):
+        select_device("gpu", 0, 1)
+    with pytest.raises(ConfigError, match="local_rank -1"):
+        select_device("cpu", -1, 1)
+
+
+def test_auto_follows_visible_gpus():
+    want = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert select_device("auto", 0, 1) == want
+    assert select_device("auto", 1, 2, device_count=2, cuda_available=True) == torch.device(
+        "cuda", 1)
+    assert select_device("auto", 1, 2, device_count=4, cuda_available=False).type == "cpu"
+    assert select_device("cpu", 5, 8, device_count=1, cuda_available=True).type == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+def test_auto_is_cpu_here_and_cuda_is_refused():
+    assert select_device("auto", 0, 1) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="--device cuda"):
+        select_device("cuda", 0, 1)
+
+
+def test_device_info_cpu_and_idle_gpu_warning():
+    info = device_info("cpu")
+    assert info["device"] == "cpu" and info["name"] and info["name"] != "unknown CPU"
+    assert info["memory_bytes"] > 2**28 and info["count"] == torch.cuda.device_count()
+    assert device_info(torch.device("meta"))["memory_bytes"] is None
+    assert gpus_idle_warning("cpu", device_count=4).startswith("warning: 4 GPU(s) visible")
+    assert gpus_idle_warning("cpu", device_count=0) is None
+    assert gpus_idle_warning(torch.device("cuda", 0), device_count=4) is None

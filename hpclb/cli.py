@@ -37,6 +37,41 @@ class _PendingSignal:
         self.pending = True
 
 
+# Commands whose USR2/TERM means "checkpoint and exit 75" (the job templates requeue on 75).
+_PREEMPTIBLE_COMMANDS = ("train", "sweep")
+_early_signal: _PendingSignal | None = None
+
+
+def _install_early_signals(argv: list[str], fresh: bool = True) -> _PendingSignal | None:
+    """Catch USR2/TERM from the first instruction of a preemptible command, then unblock them.
+
+    Runs before any heavy import (torch, numpy: seconds of start-up during which the default
+    action would kill the rank with 140/143). The job templates start every rank with USR2 and
+    TERM blocked (``env --block-signal``) so that a signal during interpreter start-up stays
+    pending; it is delivered here, at the unblock, to the handler. Other commands get the
+    default actions, unblocked. ``fresh=False`` keeps the handler main() installed (a flag
+    already set stays set). Returns the handler (None for other commands).
+    """
+    import signal
+
+    global _early_signal
+    signals = {signal.SIGUSR2, signal.SIGTERM}
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command in _PREEMPTIBLE_COMMANDS:
+        if fresh or _early_signal is None or signal.getsignal(signal.SIGUSR2) is not _early_signal:
+            _early_signal = _PendingSignal()
+        for s in signals:
+            signal.signal(s, _early_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    return _early_signal if command in _PREEMPTIBLE_COMMANDS else None
+
+
+def _preempted_during_start_up(comm, early: _PendingSignal) -> bool:
+    """True on every rank when any rank got USR2/TERM before training began (one object
+    allgather, taken by all ranks at the same point of start-up)."""
+    return any(comm.allgather_object(bool(early.pending)))
+
+
 def _start_comm(backend: str):
     """The communicator of ``--backend`` with logging set up for its rank; None (after printing
     why) when the launcher and the backend do not fit, for the command to exit 2."""
@@ -52,11 +87,7 @@ def _start_comm(backend: str):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import signal
-
-    early = _PendingSignal()
-    for s in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(s, early)
+    early = _install_early_signals(["train"], fresh=False)  # main() did it; for direct calls
     from .config import (ConfigError, check_checkpoint_interval, check_expect_world_size,
                          resolve)
 
@@ -76,6 +107,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                       data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr,
                       accumulation_steps=args.accumulation_steps)
         from .train import Preempted, PREEMPTED_EXIT_CODE, train
+        if _preempted_during_start_up(comm, early):
+            # no model yet, so no checkpoint to write: exit 75 and let the job requeue (it
+            # resumes from an earlier checkpoint under --out, or starts afresh)
+            print(f"hpclb: rank {comm.rank} of {comm.world_size}: preempted during start-up, "
+                  f"before training began; no new checkpoint; exit {PREEMPTED_EXIT_CODE}",
+                  file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT_CODE
         try:
             train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval)
         except Preempted as p:
@@ -374,5 +412,6 @@ def _add_bench_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _install_early_signals(sys.argv[1:] if argv is None else list(argv))  # before any import
     args = build_parser().parse_args(argv)
     return args.func(args)

@@ -125,3 +125,51 @@ def test_device_info_cpu_and_idle_gpu_warning():
     assert gpus_idle_warning("cpu", device_count=4).startswith("warning: 4 GPU(s) visible")
     assert gpus_idle_warning("cpu", device_count=0) is None
     assert gpus_idle_warning(torch.device("cuda", 0), device_count=4) is None
+
+
+class _NodeComm:
+    """Facts of one rank in a pretend world; allgather_object returns ``everyone``."""
+
+    backend = "fake"
+
+    def __init__(self, rank, local_rank, local_size, everyone):
+        self.rank, self.world_size = rank, len(everyone)
+        self.local_rank, self.local_size, self._everyone = local_rank, local_size, everyone
+
+    def allgather_object(self, obj):
+        assert obj == self._everyone[self.rank]
+        return self._everyone
+
+
+def test_gpu_peers_per_task_binding_is_not_sharing(env):
+    import socket
+
+    from hpclb.comm import _gpu_peers
+    host = socket.gethostname()
+    # srun --gpus-per-task=1: rank 2 of 4 on this node sees only its own GPU
+    env.setenv("CUDA_VISIBLE_DEVICES", "2")
+    everyone = [(host, str(i)) for i in range(4)] + [("other", "0")]
+    assert _gpu_peers(_NodeComm(2, 2, 4, everyone), "cuda") == (0, 1)
+    # mpirun: all four see the same GPUs: the node-local rank and size
+    env.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    same = [(host, "0,1")] * 4
+    assert _gpu_peers(_NodeComm(3, 3, 4, same), "cuda") == (3, 4)
+    assert _gpu_peers(_NodeComm(3, 3, 4, same), "cpu") == (3, 4)  # no collective for cpu
+
+
+def test_get_communicator_sets_the_device_and_checks_the_launcher(env):
+    import hpclb.comm as hc
+    for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD", "SLURM_STEP_ID",
+              "HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR"):
+        env.delenv(v, raising=False)
+    env.setattr(hc, "_world", None)
+    with pytest.raises(ConfigError, match="--device 'gpu'"):
+        hc.get_communicator("auto", device="gpu")
+    env.setenv("LOCAL_RANK", "1")  # a stale variable: one process is node-local rank 0
+    with pytest.raises(ConfigError, match="node-local rank 1 but the self backend finds "
+                                          "node-local rank 0"):
+        hc.get_communicator("auto")
+    env.delenv("LOCAL_RANK")
+    c = hc.get_communicator("auto", device="cpu")
+    assert c.device == torch.device("cpu") and c.local_rank == 0 and hc._world is c
+    assert hc.get_communicator("auto") is c

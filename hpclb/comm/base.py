@@ -10,6 +10,7 @@ import os
 from abc import ABC, abstractmethod
 from typing import Any
 
+import torch
 from torch import Tensor
 
 REDUCE_OPS = ("sum", "max", "min")
@@ -69,7 +70,14 @@ class Communicator(ABC):
     non-blocking collectives on its own threads, as gloo, NCCL and Horovod do; False for MPI,
     whose non-blocking collectives advance only inside MPI calls such as ``Handle.test()``),
     ``thread_safe`` (True when collectives may be called from a thread other than the one that
-    created the communicator).
+    created the communicator), ``device`` (the ``torch.device`` this rank trains on, set by
+    ``get_communicator``; cpu unless a GPU was selected: docs/gpus.md).
+
+    CUDA tensors: ``allreduce_``/``iallreduce_``/``broadcast_`` of the ``mpi``, ``torch`` and
+    ``horovod`` backends take a keyword ``stream``, the CUDA stream that produced the tensor and
+    will read the result (the optimizer's); None means the calling thread's current stream,
+    which is right only when the caller is the thread that produced the tensor. Pass it from a
+    communication thread, and only for CUDA tensors.
     """
 
     backend: str
@@ -77,6 +85,7 @@ class Communicator(ABC):
     world_size: int
     local_rank: int
     local_size: int
+    device: torch.device = torch.device("cpu")
     async_progress: bool = False
     thread_safe: bool = True
 
@@ -93,20 +102,28 @@ class Communicator(ABC):
         unknown op or a non-contiguous tensor.
         """
 
-    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None) -> Handle:
+    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None, *,
+                    stream: Any = None) -> Handle:
         """Start reducing ``tensor`` in place across ranks; returns a :class:`Handle`.
 
         ``tensor`` must not be read or written until ``handle.wait()`` returns. ``name``
         identifies the collective where the library matches by name (Horovod; stable names let
-        it cache the negotiation) and is ignored elsewhere. The base implementation runs the
-        blocking :meth:`allreduce_` and returns a completed handle.
+        it cache the negotiation) and is ignored elsewhere. ``stream``: see the class
+        docstring (CUDA tensors only). The base implementation runs the blocking
+        :meth:`allreduce_` and returns a completed handle.
         """
-        self.allreduce_(tensor, op)
+        if stream is None:
+            self.allreduce_(tensor, op)
+        else:
+            self.allreduce_(tensor, op, stream=stream)  # type: ignore[call-arg]
         return CompletedHandle(tensor)
 
-    def iallreduce(self, tensor: Tensor, op: str = "sum", name: str | None = None) -> Handle:
+    def iallreduce(self, tensor: Tensor, op: str = "sum", name: str | None = None, *,
+                   stream: Any = None) -> Handle:
         """Alias of :meth:`iallreduce_` (the reduction is in place either way)."""
-        return self.iallreduce_(tensor, op, name)
+        if stream is None:
+            return self.iallreduce_(tensor, op, name)
+        return self.iallreduce_(tensor, op, name, stream=stream)
 
     @abstractmethod
     def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:

@@ -7,6 +7,7 @@ bfloat16 tensors; ``allreduce_`` raises TypeError for them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -33,16 +34,25 @@ class _HorovodHandle(Handle):
         return self._done
 
 
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 class HorovodCommunicator(Communicator):
     """Horovod's world (``hvd.init()`` once per process).
 
-    Raises ImportError (with the build recipe) when ``horovod.torch`` is not installed.
+    device: ``"auto"``/None (cuda when a GPU is visible), ``"cpu"``, ``"cuda"`` or
+    ``"cuda:N"``. On CUDA the rank binds GPU ``hvd.local_rank() % visible GPUs`` (or ``N``)
+    with ``torch.cuda.set_device`` right after ``hvd.init()``, as Horovod requires; Horovod
+    then reduces CUDA tensors with NCCL when it was built with it (``make install-horovod`` on
+    a CUDA machine), else through host memory. Raises ImportError (with the build recipe) when
+    ``horovod.torch`` is not installed.
     """
 
     backend = "horovod"
     async_progress = True
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | torch.device | None = None) -> None:
         try:
             import horovod.torch as hvd
         except ImportError as e:
@@ -53,9 +63,22 @@ class HorovodCommunicator(Communicator):
         hvd.init()
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        self.device = self._bind(device)
         self._ops = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
         self._side: SideChannel | None = None
         self._n = 0
+
+    def _bind(self, device) -> torch.device:
+        """The rank's device; CUDA: ``hvd.local_rank()``'s GPU, made current."""
+        if device is None or device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda",
+                                      self.local_rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(device)
+        return device
 
     def _check(self, tensor: Tensor, op: str) -> None:
         check_op(op)
@@ -65,21 +88,25 @@ class HorovodCommunicator(Communicator):
             raise TypeError("Horovod 0.28.1 cannot reduce bfloat16 tensors; use fp16 "
                             "compression or the mpi/torch backend")
 
-    def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
+    def allreduce_(self, tensor: Tensor, op: str = "sum", *, stream: Any = None) -> Tensor:
         self._check(tensor, op)
-        self._hvd.allreduce_(tensor, op=self._ops[op])
+        with _on_stream(stream):  # Horovod orders CUDA work after the current stream's
+            self._hvd.allreduce_(tensor, op=self._ops[op])
         return tensor
 
-    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None) -> Handle:
+    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None, *,
+                    stream: Any = None) -> Handle:
         self._check(tensor, op)
         if name is None:  # Horovod matches collectives across ranks by name
             self._n += 1
             name = f"hpclb.iallreduce.{self._n}"
-        return _HorovodHandle(self._hvd, self._hvd.allreduce_async_(tensor, op=self._ops[op],
-                                                                     name=name), tensor)
+        with _on_stream(stream):
+            handle = self._hvd.allreduce_async_(tensor, op=self._ops[op], name=name)
+        return _HorovodHandle(self._hvd, handle, tensor)
 
-    def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:
-        self._hvd.broadcast_(tensor, root_rank=root)
+    def broadcast_(self, tensor: Tensor, root: int = 0, *, stream: Any = None) -> Tensor:
+        with _on_stream(stream):
+            self._hvd.broadcast_(tensor, root_rank=root)
         return tensor
 
     def allgather_object(self, obj: Any) -> list[Any]:

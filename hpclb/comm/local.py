@@ -17,13 +17,13 @@ class SelfCommunicator(Communicator):
     def __init__(self) -> None:
         self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
 
-    def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
+    def allreduce_(self, tensor: Tensor, op: str = "sum", *, stream: Any = None) -> Tensor:
         check_op(op)
         if not tensor.is_contiguous():  # as the other backends, so code that runs here runs there
             raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
         return tensor
 
-    def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:
+    def broadcast_(self, tensor: Tensor, root: int = 0, *, stream: Any = None) -> Tensor:
         return tensor
 
     def allgather_object(self, obj: Any) -> list[Any]:

@@ -8,6 +8,12 @@ buffer is a binomial tree at any size, so this backend sets ``coll_libnbc_iallre
 (ring) unless the environment chose. The job templates force the blocking ring with
 ``OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=ring`` (see
 README, "Gradient synchronisation and scaling").
+
+CUDA tensors (docs/gpus.md): with a CUDA-aware MPI (:func:`cuda_aware_mpi`) the device buffer
+goes to MPI directly, once the stream that produced it has finished writing it; otherwise each
+bucket is staged through a pinned host buffer on a dedicated copy stream (:class:`HostStaging`),
+ordered after the producer stream by a CUDA event, and the copy back is ordered before the
+consumer stream (the optimizer's) by another event.
 """
 from __future__ import annotations
 
@@ -25,16 +31,17 @@ SIDE_TAG = 0x4C42  # "LB": the watchdog's messages, on a duplicate of COMM_WORLD
 
 
 class _MPIHandle(Handle):
-    """An ``MPI_Iallreduce`` in flight; ``staged`` holds the host copy of a CUDA tensor."""
+    """An ``MPI_Iallreduce`` in flight; ``finish`` (if any) runs once it completes (the copy
+    back of a staged CUDA tensor, or ordering the consumer stream)."""
 
-    def __init__(self, request, tensor: Tensor, staged: Tensor | None):
-        self._req, self._tensor, self._staged, self._done = request, tensor, staged, False
+    def __init__(self, request, tensor: Tensor, finish=None):
+        self._req, self._tensor, self._finish_cb, self._done = request, tensor, finish, False
 
     def _finish(self) -> None:
         if not self._done:
             self._done = True
-            if self._staged is not None:
-                self._tensor.copy_(self._staged)
+            if self._finish_cb is not None:
+                self._finish_cb()
 
     def wait(self) -> Tensor:
         if not self._done:
@@ -73,6 +80,132 @@ class _MPISideChannel(SideChannel):
             out.append((status.Get_source(), msg.recv()))
 
 
+CUDA_AWARE_ENV = "HPCLB_CUDA_AWARE_MPI"
+
+
+def _ctypes_cuda_support() -> bool | None:
+    """``MPIX_Query_cuda_support()`` of the loaded MPI library (Open MPI, MPICH), or None where
+    no loaded library has it."""
+    import ctypes
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            libs = sorted({line.split()[-1] for line in f if "libmpi" in line.split()[-1]})
+    except OSError:
+        libs = []
+    for path in libs:
+        try:
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        except OSError:
+            continue
+        if query is not None:
+            query.restype = ctypes.c_int
+            return bool(query())
+    return None
+
+
+def cuda_aware_mpi(MPI=None) -> bool:
+    """Whether MPI can read and write CUDA device memory.
+
+    ``$HPCLB_CUDA_AWARE_MPI`` (0 or 1) decides when set; else mpi4py 4's
+    ``MPI.Query_cuda_support()`` where the MPI provides it; else ``MPIX_Query_cuda_support``
+    of the loaded MPI library through ctypes (Open MPI, MPICH); else False (stage through host
+    memory, always correct). Raises ValueError for another value of the variable.
+    """
+    raw = os.environ.get(CUDA_AWARE_ENV)
+    if raw is not None and raw.strip() != "":
+        if raw.strip() not in ("0", "1"):
+            raise ValueError(f"{CUDA_AWARE_ENV}={raw!r}: use 1 (MPI reads device memory), 0 "
+                             f"(stage through pinned host buffers) or leave it unset (detect)")
+        return raw.strip() == "1"
+    if MPI is None:
+        from mpi4py import MPI
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is not None:
+        try:
+            return bool(query())
+        except Exception:  # noqa: BLE001 - NotImplementedError / MPI.Exception by build
+            pass
+    return bool(_ctypes_cuda_support())
+
+
+class TorchCudaAPI:
+    """The CUDA stream/event/copy operations :class:`HostStaging` needs, for one device (tests
+    pass a stand-in with the same methods)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def pinned(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def copy(self, dst: Tensor, src: Tensor, stream) -> None:
+        """``dst.copy_(src)`` enqueued on ``stream`` (asynchronous for pinned host memory)."""
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, tensor: Tensor, stream) -> None:
+        """Tell the caching allocator ``stream`` uses ``tensor`` (no early reuse of its
+        memory)."""
+        tensor.record_stream(stream)
+
+
+class HostStaging:
+    """Pinned host buffers for CUDA buckets, and the stream ordering around them, for an MPI
+    that cannot read device memory.
+
+    ``to_host(tensor, producer)``: an event recorded on ``producer`` (the stream that wrote the
+    gradients, passed explicitly) is waited on by the copy stream, which then copies the bucket
+    into its pinned buffer; the host waits for that copy only (not for the whole device).
+    ``to_device(host, tensor, consumer)``: the copy back runs on the copy stream and
+    ``consumer`` (the optimizer's stream) waits on an event recorded after it. Buffers are
+    keyed by the device tensor's address, dtype and size, so each bucket reuses one buffer;
+    the copy stream orders a bucket's next device->host copy after its last host->device copy.
+    ``api``: a :class:`TorchCudaAPI` (tests: a stand-in recording calls).
+    """
+
+    def __init__(self, api):
+        self.api = api
+        self.copy_stream = api.new_stream()
+        self._buffers: dict[tuple, Tensor] = {}
+
+    def buffer(self, tensor: Tensor) -> Tensor:
+        """The pinned host buffer of ``tensor``'s bucket (1-D, same dtype and numel)."""
+        key = (tensor.data_ptr(), tensor.dtype, tensor.numel())
+        if key not in self._buffers:
+            self._buffers[key] = self.api.pinned(tensor.numel(), tensor.dtype)
+        return self._buffers[key]
+
+    def to_host(self, tensor: Tensor, producer) -> Tensor:
+        """The bucket's host buffer holding ``tensor`` once ``producer`` has written it."""
+        ready = self.api.new_event()
+        ready.record(producer)
+        self.copy_stream.wait_event(ready)
+        host = self.buffer(tensor)
+        self.api.copy(host, tensor.reshape(-1), self.copy_stream)
+        self.api.record_stream(tensor, self.copy_stream)
+        copied = self.api.new_event()
+        copied.record(self.copy_stream)
+        copied.synchronize()  # MPI reads host memory from the CPU
+        return host
+
+    def to_device(self, host: Tensor, tensor: Tensor, consumer) -> None:
+        """Copy the reduced ``host`` back into ``tensor``, ordered before ``consumer``'s next
+        work."""
+        self.api.copy(tensor.reshape(-1), host, self.copy_stream)
+        back = self.api.new_event()
+        back.record(self.copy_stream)
+        consumer.wait_event(back)
+
+
 _BF16_OPS: dict[str, Any] = {}
 
 
@@ -94,9 +227,28 @@ def _bf16_op(MPI, op: str):
     return _BF16_OPS[op]
 
 
+class _DeviceBuffer:
+    """A CUDA tensor as a buffer for a CUDA-aware MPI (``__cuda_array_interface__`` v3, no
+    stream: the caller has synchronised the producer). Raises TypeError for dtypes MPI has no
+    type for (bfloat16 is staged instead)."""
+
+    TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2",
+               torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1",
+               torch.uint8: "|u1", torch.bool: "|b1"}
+
+    def __init__(self, tensor: Tensor):
+        if tensor.dtype not in self.TYPESTR:
+            raise TypeError(f"cannot hand a {tensor.dtype} tensor to MPI")
+        self.tensor = tensor
+        self.__cuda_array_interface__ = {
+            "shape": (tensor.numel(),), "typestr": self.TYPESTR[tensor.dtype],
+            "data": (tensor.data_ptr(), False), "strides": None, "version": 3,
+            "stream": None}
+
+
 class MPICommunicator(Communicator):
-    """COMM_WORLD through mpi4py. CUDA tensors are staged through host memory (after
-    synchronising the current stream).
+    """COMM_WORLD through mpi4py. CUDA tensors go to a CUDA-aware MPI as device buffers, else
+    through pinned host buffers (:class:`HostStaging`).
 
     Raises RuntimeError when the launcher started more ranks than MPI sees (an ``mpirun`` from a
     different MPI than the one mpi4py links: every rank would silently train alone).
@@ -133,14 +285,20 @@ class MPICommunicator(Communicator):
         self.thread_safe = self.thread_level >= MPI.THREAD_SERIALIZED
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         self._side: _MPISideChannel | None = None
+        self._stagings: dict[torch.device, HostStaging] = {}
+        self._cuda_aware: bool | None = None  # decided at the first CUDA tensor
 
-    def _host(self, tensor: Tensor) -> tuple[Tensor, bool]:
-        if not tensor.is_contiguous():
-            raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
-        if tensor.device.type == "cpu":
-            return tensor, False
-        torch.cuda.current_stream(tensor.device).synchronize()
-        return tensor.cpu(), True
+    def _stager(self, device: torch.device) -> HostStaging:
+        """The device's :class:`HostStaging` (one copy stream and buffer set per device)."""
+        if device not in self._stagings:
+            self._stagings[device] = HostStaging(self._cuda_api(device))
+        return self._stagings[device]
+
+    def _cuda_api(self, device: torch.device):
+        return TorchCudaAPI(device)
+
+    def _is_device_tensor(self, tensor: Tensor) -> bool:
+        return tensor.device.type != "cpu"
 
     def _buf_op(self, host: Tensor, op: str):
         check_op(op)
@@ -148,28 +306,49 @@ class MPICommunicator(Communicator):
             return host.view(torch.int16).numpy(), _bf16_op(self._MPI, op)
         return host.numpy(), self._ops[op]
 
-    def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
+    def _prepare(self, tensor: Tensor, op: str, stream):
+        """``(buffer for MPI, MPI op, finish)``: ``finish()`` (or None) must run once MPI has
+        completed, before anything reads ``tensor``."""
         check_op(op)
-        host, staged = self._host(tensor)
+        if not tensor.is_contiguous():
+            raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
+        if not self._is_device_tensor(tensor):
+            return (*self._buf_op(tensor, op), None)
+        stager = self._stager(tensor.device)
+        if stream is None:
+            stream = stager.api.current_stream()
+        if self._cuda_aware is None:
+            self._cuda_aware = cuda_aware_mpi(self._MPI)
+        if self._cuda_aware and tensor.dtype != torch.bfloat16:  # bf16's op runs on the host
+            done = stager.api.new_event()
+            done.record(stream)
+            done.synchronize()  # MPI reads the buffer once the producer has written it
+            return _DeviceBuffer(tensor), self._ops[op], None
+        host = stager.to_host(tensor, stream)
         buf, mpi_op = self._buf_op(host, op)
+        return buf, mpi_op, lambda: stager.to_device(host, tensor, stream)
+
+    def allreduce_(self, tensor: Tensor, op: str = "sum", *, stream: Any = None) -> Tensor:
+        """See :meth:`Communicator.allreduce_`; ``stream``: the CUDA stream that produced
+        ``tensor`` and reads the result (CUDA tensors only; default the calling thread's
+        current stream)."""
+        buf, mpi_op, finish = self._prepare(tensor, op, stream)
         self._comm.Allreduce(self._MPI.IN_PLACE, buf, op=mpi_op)
-        if staged:
-            tensor.copy_(host)
+        if finish is not None:
+            finish()
         return tensor
 
-    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None) -> Handle:
-        check_op(op)
-        host, staged = self._host(tensor)
-        buf, mpi_op = self._buf_op(host, op)
+    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None, *,
+                    stream: Any = None) -> Handle:
+        buf, mpi_op, finish = self._prepare(tensor, op, stream)
         req = self._comm.Iallreduce(self._MPI.IN_PLACE, buf, op=mpi_op)
-        return _MPIHandle(req, tensor, host if staged else None)
+        return _MPIHandle(req, tensor, finish)
 
-    def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:
-        host, staged = self._host(tensor)
-        buf = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
-        self._comm.Bcast(buf.numpy(), root=root)
-        if staged:
-            tensor.copy_(host)
+    def broadcast_(self, tensor: Tensor, root: int = 0, *, stream: Any = None) -> Tensor:
+        buf, _, finish = self._prepare(tensor, "sum", stream)
+        self._comm.Bcast(buf, root=root)
+        if finish is not None:
+            finish()
         return tensor
 
     def allgather_object(self, obj: Any) -> list[Any]:

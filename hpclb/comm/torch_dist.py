@@ -1,5 +1,11 @@
 """The ``torch`` backend: ``torch.distributed`` with Gloo on CPU, NCCL on GPU.
 
+On a GPU the default group is NCCL and carries the CUDA tensors (gradient buckets, parameter
+broadcast); a second, Gloo group carries the CPU tensors and the pickled objects (agreement
+checks, the preemption flag, metrics), so each call is routed by its tensor's device. When ranks
+share a GPU (``--share-gpu``; NCCL refuses two ranks on one device) Gloo carries everything,
+CUDA tensors included.
+
 Rendezvous: under ``torchrun`` the usual ``env://`` variables; under ``mpirun``/``srun`` rank 0
 opens a ``TCPStore`` on a free port and tells the others its address through mpi4py (one
 broadcast at start-up), so no ``MASTER_ADDR``/``MASTER_PORT`` is needed. NCCL picks its ring/tree
@@ -8,6 +14,7 @@ scaling").
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -23,12 +30,21 @@ from .base import Communicator, Handle, SideChannel, check_op, launcher_world_si
 STORE_TIMEOUT_S = 300.0
 
 
+def _on_stream(stream):
+    """``torch.cuda.stream(stream)``, or no-op context for ``None``."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 class _TorchHandle(Handle):
-    def __init__(self, work, tensor: Tensor):
-        self._work, self._tensor = work, tensor
+    """A ``torch.distributed`` work; ``wait()`` orders ``stream`` (the consumer, for CUDA
+    tensors) after the collective, whichever thread calls it."""
+
+    def __init__(self, work, tensor: Tensor, stream=None):
+        self._work, self._tensor, self._stream = work, tensor, stream
 
     def wait(self) -> Tensor:
-        self._work.wait()
+        with _on_stream(self._stream):
+            self._work.wait()
         return self._tensor
 
     def test(self) -> bool:
@@ -66,7 +82,7 @@ class _StoreSideChannel(SideChannel):
 
 def _mpi_rendezvous(world_size: int):
     """Rank 0 serves a TCPStore on a free port; mpi4py tells the others where. Returns
-    ``(store, rank)``."""
+    ``(store, rank, local_rank, local_size)`` (node-local: MPI's shared-memory split)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -75,7 +91,8 @@ def _mpi_rendezvous(world_size: int):
         raise RuntimeError(f"the launcher started {world_size} ranks but MPI reports "
                            f"{comm.Get_size()}: use the mpirun of the MPI mpi4py was built with")
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    single_node = node.Get_size() == world_size
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    single_node = local_size == world_size
     node.Free()
     store = None
     if rank == 0:
@@ -91,7 +108,14 @@ def _mpi_rendezvous(world_size: int):
     if rank != 0:
         store = torch.distributed.TCPStore(host, port, world_size, is_master=False,
                                            timeout=timedelta(seconds=STORE_TIMEOUT_S))
-    return store, rank
+    return store, rank, local_rank, local_size
+
+
+def _env_local() -> tuple[int, int]:
+    """``(local_rank, local_size)`` from torchrun's or Open MPI's variables (0, 1 without)."""
+    rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+    size = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
+    return int(rank), int(size)
 
 
 def _default_store(dist):
@@ -106,85 +130,120 @@ def _default_store(dist):
 class TorchCommunicator(Communicator):
     """The default ``torch.distributed`` process group (created here unless one exists).
 
-    ``device``: ``"cpu"`` (Gloo) or ``"cuda"`` (NCCL; tensors must live on this rank's GPU);
-    default ``cuda`` when a GPU is visible. Raises RuntimeError when neither torchrun's variables
+    device: ``"cpu"`` (Gloo), ``"cuda"``/``"cuda:N"`` (NCCL for CUDA tensors and a Gloo group
+    for CPU tensors and objects; ``cuda`` alone takes GPU ``local_rank % visible GPUs``) or
+    ``"auto"``/None (cuda when a GPU is visible). share_gpu: ranks of a node share GPUs, so
+    CUDA tensors go through Gloo too. Raises RuntimeError when neither torchrun's variables
     nor an MPI launcher tell the ranks how to meet.
     """
 
     backend = "torch"
     async_progress = True
 
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, device: str | torch.device | None = None, *,
+                 share_gpu: bool = False) -> None:
         import torch.distributed as dist
 
         self._dist = dist
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        pg_backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self._store = None
-        if not dist.is_initialized():
-            launched = launcher_world_size()
-            if all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                               "MASTER_PORT")):
-                dist.init_process_group(pg_backend, init_method="env://",
-                                        timeout=timedelta(seconds=STORE_TIMEOUT_S))
-                self._store = _default_store(dist)
-            elif launched is not None:
-                self._store, rank = _mpi_rendezvous(launched)
-                dist.init_process_group(pg_backend, store=dist.PrefixStore("pg", self._store),
-                                        rank=rank, world_size=launched)
-            else:
-                self._store = dist.HashStore()
-                dist.init_process_group(pg_backend, store=dist.PrefixStore("pg", self._store),
-                                        rank=0, world_size=1)
-        else:
+        self._store, self._cpu_group = None, None
+        if dist.is_initialized():
             self._store = _default_store(dist)
+            self.local_rank, self.local_size = _env_local()
+            self.device = self._pick_device(device)
+            if self.device.type == "cuda" and "nccl" in str(dist.get_backend()):
+                self._cpu_group = dist.new_group(backend="gloo")
+        else:
+            self._init_group(device, share_gpu)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK",
-                                             os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
-        self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE",
-                                             os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", self.local_rank % max(torch.cuda.device_count(), 1))
-            torch.cuda.set_device(self.device)
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                      "min": dist.ReduceOp.MIN}
         self._side: _StoreSideChannel | None = None
+
+    def _init_group(self, device, share_gpu: bool) -> None:
+        dist = self._dist
+        launched = launcher_world_size()
+        torchrun = all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                   "MASTER_PORT"))
+        if torchrun:
+            self.local_rank, self.local_size = _env_local()
+        elif launched is not None:
+            store, rank, self.local_rank, self.local_size = _mpi_rendezvous(launched)
+        else:
+            self.local_rank, self.local_size = 0, 1
+        self.device = self._pick_device(device)  # before NCCL initialises
+        gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        nccl = self.device.type == "cuda" and not (share_gpu and self.local_size > gpus)
+        pg_backend = "nccl" if nccl else "gloo"
+        if torchrun:
+            dist.init_process_group(pg_backend, init_method="env://",
+                                    timeout=timedelta(seconds=STORE_TIMEOUT_S))
+            self._store = _default_store(dist)
+        elif launched is not None:
+            self._store = store
+            dist.init_process_group(pg_backend, store=dist.PrefixStore("pg", store),
+                                    rank=rank, world_size=launched)
+        else:
+            self._store = dist.HashStore()
+            dist.init_process_group(pg_backend, store=dist.PrefixStore("pg", self._store),
+                                    rank=0, world_size=1)
+        if nccl:  # every rank creates it at the same point (new_group is collective)
+            self._cpu_group = dist.new_group(backend="gloo")
+
+    def _pick_device(self, device) -> torch.device:
+        if device is None or device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda",
+                                      self.local_rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(device)
+        return device
+
+    def _group(self, tensor: Tensor):
+        """The group for ``tensor``: Gloo for CPU tensors beside an NCCL default group."""
+        return self._cpu_group if tensor.device.type == "cpu" else None
 
     def _check(self, tensor: Tensor, op: str = "sum") -> None:
         check_op(op)
         if not tensor.is_contiguous():
             raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
 
-    def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
+    def allreduce_(self, tensor: Tensor, op: str = "sum", *, stream: Any = None) -> Tensor:
         self._check(tensor, op)
-        self._dist.all_reduce(tensor, op=self._ops[op])
+        with _on_stream(stream):
+            self._dist.all_reduce(tensor, op=self._ops[op], group=self._group(tensor))
         return tensor
 
-    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None) -> Handle:
+    def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None, *,
+                    stream: Any = None) -> Handle:
         self._check(tensor, op)
-        return _TorchHandle(self._dist.all_reduce(tensor, op=self._ops[op], async_op=True),
-                            tensor)
+        with _on_stream(stream):
+            work = self._dist.all_reduce(tensor, op=self._ops[op], group=self._group(tensor),
+                                         async_op=True)
+        return _TorchHandle(work, tensor, stream)
 
-    def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:
+    def broadcast_(self, tensor: Tensor, root: int = 0, *, stream: Any = None) -> Tensor:
         self._check(tensor)
-        self._dist.broadcast(tensor, src=root)
+        with _on_stream(stream):
+            self._dist.broadcast(tensor, src=root, group=self._group(tensor))
         return tensor
 
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj)
+        self._dist.all_gather_object(out, obj, group=self._cpu_group)
         return out
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         box = [obj]
-        self._dist.broadcast_object_list(box, src=root)
+        self._dist.broadcast_object_list(box, src=root, group=self._cpu_group)
         return box[0]
 
     def barrier(self) -> None:
-        # A zero-byte allreduce, not dist.barrier(): NCCL's barrier guesses a device.
-        self._dist.all_reduce(torch.zeros(1, device=self.device))
+        # A one-element CPU allreduce through Gloo, not dist.barrier() (NCCL's guesses a device)
+        # nor an NCCL allreduce (it returns before the peers arrive).
+        t = torch.zeros(1)
+        self._dist.all_reduce(t, group=self._cpu_group)
 
     def abort(self, code: int = 1) -> None:
         sys.stdout.flush()

@@ -265,3 +265,40 @@ def test_torch_backend_routes_cpu_tensors_and_objects_to_its_gloo_group(comm):
           and h.wait().tolist() == [float(W - 1)] * 3 and got == list(range(W))
           and tc.broadcast_object(f"r{r}", root=0) == "r0")
     all_ranks_ok(comm, ok, f"{t[:2].tolist()} {got}")
+
+
+def _fake_gpus(monkeypatch, n):
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(torch.device(d)))
+    return bound
+
+
+def test_horovod_binds_its_local_ranks_gpu(monkeypatch):
+    import sys
+    import types
+    hvd = types.ModuleType("horovod.torch")
+    hvd.init = lambda: None
+    hvd.rank, hvd.size, hvd.local_rank, hvd.local_size = (lambda: 5), (lambda: 8), \
+        (lambda: 3), (lambda: 4)
+    hvd.Sum, hvd.Max, hvd.Min = "sum", "max", "min"
+    monkeypatch.setitem(sys.modules, "horovod", types.ModuleType("horovod"))
+    monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
+    from hpclb.comm.horovod import HorovodCommunicator
+    assert HorovodCommunicator(device="cpu").device == torch.device("cpu")
+    bound = _fake_gpus(monkeypatch, 2)
+    c = HorovodCommunicator(device="auto")
+    assert c.device == torch.device("cuda", 1) and bound == [torch.device("cuda", 1)]
+    assert HorovodCommunicator(device="cuda:0").device == torch.device("cuda", 0)
+
+
+def test_torch_backend_picks_the_local_ranks_gpu(monkeypatch):
+    from hpclb.comm.torch_dist import TorchCommunicator
+    tc = TorchCommunicator.__new__(TorchCommunicator)
+    tc.local_rank = 5
+    bound = _fake_gpus(monkeypatch, 4)
+    assert tc._pick_device("cuda") == torch.device("cuda", 1) == bound[-1]
+    assert tc._pick_device(torch.device("cuda", 3)) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tc._pick_device("auto") == torch.device("cpu") and len(bound) == 2

@@ -3,7 +3,6 @@
 Each rank checks locally, then verdicts are shared (``all_ranks_ok``) so a failure on one rank
 fails every rank instead of leaving the others waiting in a collective.
 """
-import json
 import os
 
 import pytest
@@ -14,6 +13,7 @@ from helpers import quick_recipe, train_multi_and_single
 from hpclb import train as train_mod
 from hpclb.checkpoint import load_checkpoint
 from hpclb.config import resolve
+from hpclb.observe import read_metrics
 from hpclb.models import MnistLSTM
 from hpclb.parallel import (GradientSync, ModelMismatchError, broadcast_parameters,
                             check_model_consistency)
@@ -155,8 +155,7 @@ def test_preemption_on_one_rank_stops_all_at_the_same_step(comm, tmp_path_factor
     resumed = train_mod.train(resolve(recipe, out=f"{tmp}/cut", resume=True, **kw), comm,
                               quiet=True)
     whole = train_mod.train(resolve(recipe, out=f"{tmp}/whole", **kw), comm, quiet=True)
-    rows = [[json.loads(line) for line in open(f"{tmp}/{name}/metrics.jsonl")]
-            for name in ("cut", "whole")]
+    rows = [read_metrics(f"{tmp}/{name}")[0] for name in ("cut", "whole")]  # epoch lines
     same_metrics = [r["train_loss"] for r in rows[0]] == [r["train_loss"] for r in rows[1]]
     all_ranks_ok(comm, stopped and ck["global_step"] == 5 and resumed["steps"] == 20
                  and same_metrics and resumed["final_test_accuracy"] == whole["final_test_accuracy"],

@@ -9,6 +9,7 @@ from hpclb.checkpoint import load_checkpoint
 from hpclb.comm import SelfCommunicator
 from hpclb.config import ConfigError, resolve
 from hpclb.data import DataError
+from hpclb.observe import read_metrics
 from helpers import preempt_at, quick_recipe
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ def test_outputs_and_same_seed_same_result(tmp_path, mnist_dir):
     assert s1["final_test_accuracy"] > 0.25  # 20 steps of real learning, far above 10% chance
     a, b = params_of(c1), params_of(c2)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    rows = [json.loads(l) for l in open(f"{c1.out}/metrics.jsonl")]
+    rows = read_metrics(c1.out)[0]  # the epoch lines
     assert [r["epoch"] for r in rows] == [1, 2, 3] and rows[-1]["step"] == 20
     assert json.load(open(f"{c1.out}/summary.json"))["final_test_accuracy"] == \
         s1["final_test_accuracy"]

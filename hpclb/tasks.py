@@ -279,15 +279,112 @@ class LanguageModelTask(Task):
         self.hidden = tuple(h[:, s.start:s.stop].clone() for h in hidden)
 
 
+# data-section keys hpclb reads itself; the others are a plug-in data function's arguments
+PLUGIN_DATA_RESERVED = ("name", "train_samples", "test_samples")
+
+
+class DatasetSplit:
+    """A torch ``Dataset`` of ``(x, y)`` pairs (a plug-in data set) as a classification split.
+
+    ``len()``, ``subset(n)`` (the first ``n`` samples) and ``batch(indices) -> (x, y)``: the
+    samples at ``indices`` (int64 ``[b]`` tensor or list) through
+    ``torch.utils.data.default_collate`` (so ``x`` is the stacked inputs, ``[b, ...]``), ``y``
+    int64 ``[b]``. Uses the dataset's ``__getitems__`` where it has one (one call per batch).
+    """
+
+    def __init__(self, dataset, *, where: str = "data.name"):
+        self.dataset, self.where = dataset, where
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def subset(self, n: int) -> "DatasetSplit":
+        from torch.utils.data import Subset
+
+        return DatasetSplit(Subset(self.dataset, range(min(n, len(self)))), where=self.where)
+
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.utils.data import default_collate
+
+        idx = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        if not idx:  # an empty share: the shapes of sample 0, zero rows
+            x, y = self.batch([0])
+            return x[:0], y[:0]
+        get = getattr(self.dataset, "__getitems__", None)
+        samples = get(idx) if get is not None else [self.dataset[i] for i in idx]
+        try:
+            x, y = default_collate(samples)
+        except (TypeError, RuntimeError, ValueError) as e:  # not ConfigError: may be one rank
+            raise RuntimeError(f"{self.where}: the samples at {idx[:4]}... do not collate into "
+                               f"a batch ({e}); every x must have one shape and dtype and every "
+                               f"y be an integer class label") from e
+        return x, torch.as_tensor(y).to(torch.int64).reshape(-1)
+
+
+def _check_split(split, which: str, spec: str) -> DatasetSplit:
+    """``split`` must be a non-empty sized dataset whose sample 0 is ``(x, y)``, y an integer."""
+    from .config import ConfigError
+
+    field = f"data.name {spec!r}"
+    if not (hasattr(split, "__len__") and hasattr(split, "__getitem__")):
+        raise ConfigError(f"{field}: its {which} split is a {type(split).__name__}, not a torch "
+                          f"Dataset with __len__ and __getitem__ (e.g. a TensorDataset)")
+    if len(split) == 0:
+        raise ConfigError(f"{field}: its {which} split is empty")
+    sample = split[0]
+    ok = isinstance(sample, (tuple, list)) and len(sample) == 2
+    y = sample[1] if ok else None
+    if ok and isinstance(y, torch.Tensor):
+        ok = y.numel() == 1 and not y.is_floating_point() and not y.is_complex()
+    elif ok:
+        ok = hasattr(y, "__index__") and not isinstance(y, bool)
+    if not ok:
+        raise ConfigError(f"{field}: sample 0 of its {which} split is {type(sample).__name__} "
+                          f"{str(sample)[:80]!r}, not an (x, y) pair with y an integer class "
+                          f"label (int or integer tensor)")
+    return DatasetSplit(split, where=field)
+
+
+def load_plugin_data(data: dict, data_root) -> tuple[DatasetSplit, DatasetSplit]:
+    """(train, test) of a plug-in data set: ``data["name"]`` is ``package.module:function``,
+    called as ``function(str(data_dir(data_root)), **kwargs)`` with the data section's keys
+    other than :data:`PLUGIN_DATA_RESERVED`; it must return two torch Datasets of ``(x, y)``.
+
+    Raises ConfigError (naming data.name) when it does not import or returns the wrong thing."""
+    from .config import ConfigError
+    from .data import data_dir
+    from .plugins import load_object
+
+    spec = data["name"]
+    fn = load_object(spec, "data.name")
+    kwargs = {k: v for k, v in data.items() if k not in PLUGIN_DATA_RESERVED}
+    out = fn(str(data_dir(data_root)), **kwargs)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ConfigError(f"data.name {spec!r} returned {type(out).__name__} {str(out)[:80]!r}; "
+                          f"a data function returns a pair (train_dataset, test_dataset)")
+    return _check_split(out[0], "train", spec), _check_split(out[1], "test", spec)
+
+
 def build_task(recipe: dict, data_root, *, train_samples=None, test_samples=None) -> Task:
     """The task of ``recipe`` (``task`` key; default ``classification``) with its data loaded
-    from ``data_root``. Raises DataError for missing/corrupt data, ValueError for an unknown kind.
+    from ``data_root``; a plug-in ``data.name`` (``package.module:function``) is read through
+    :func:`load_plugin_data`. Raises DataError for missing/corrupt data, ValueError for an
+    unknown kind, ConfigError for a plug-in that does not load or returns the wrong thing.
     """
     data = recipe["data"]
+    if recipe.get("plugin_path"):
+        from .plugins import add_search_path
+
+        add_search_path(recipe["plugin_path"])
     kind = recipe.get("task", "classification")
     if kind == "classification":
         from .data import load_dataset
+        from .plugins import is_plugin
 
+        if is_plugin(data["name"]):
+            train, test = load_plugin_data(data, data_root)
+            return ClassificationTask(train.subset(train_samples) if train_samples else train,
+                                      test.subset(test_samples) if test_samples else test)
         train, test = load_dataset(data["name"], data_root, train_samples=train_samples,
                                    test_samples=test_samples, augment=data.get("augment", True))
         return ClassificationTask(train, test)

@@ -1,0 +1,134 @@
+"""Plug-in models and data sets, named in a recipe as ``package.module:attribute``.
+
+A recipe's ``model.name`` or ``data.name`` may name a Python object instead of a built-in
+model or data set (docs/plugins.md):
+
+- ``model.name: my_models:MLP``: an ``nn.Module`` class, or a factory returning one; the
+  ``model`` section's other keys are its keyword arguments;
+- ``data.name: my_data:digits``: a function ``f(data_dir: str, **data_kwargs) -> (train, test)``
+  returning two torch ``Dataset``s of ``(x, y)`` pairs (``y`` an integer class label); the
+  ``data`` section's other keys (except ``train_samples``/``test_samples``) are its keyword
+  arguments.
+
+The module is imported from the current directory, the recipe file's directory (and the
+recipe's ``plugin_path`` directories), then the installed packages. Every failure is a
+:class:`hpclb.config.ConfigError` naming the recipe field and why: the module is not found,
+importing it raised, the attribute is missing, it is not callable, or a keyword argument is not
+one it takes.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .config import ConfigError
+
+
+def is_plugin(name: Any) -> bool:
+    """Whether a recipe's ``model.name``/``data.name`` is a ``package.module:attribute``."""
+    return isinstance(name, str) and ":" in name
+
+
+def add_search_path(dirs: Iterable[str | os.PathLike]) -> None:
+    """Make modules in ``dirs`` (and the current directory) importable by plug-in names: each is
+    put first on ``sys.path`` once, as ``python script.py`` puts the script's directory."""
+    for d in [os.getcwd(), *dirs][::-1]:
+        d = str(Path(d).resolve())
+        if d not in sys.path:
+            sys.path.insert(0, d)
+
+
+def _split(spec: str, field: str) -> tuple[str, str]:
+    module, _, attr = spec.partition(":")
+    if module.endswith(".py") or "/" in module or "\\" in module:
+        raise ConfigError(f"{field}: {spec!r} is not a plug-in name; write it as "
+                          f"package.module:attribute with the module as Python imports it "
+                          f"(my_models, not my_models.py or a path), e.g. my_models:MLP")
+    ok = all(p.isidentifier() for p in module.split(".")) and \
+        all(p.isidentifier() for p in attr.split("."))
+    if not ok:
+        raise ConfigError(f"{field}: {spec!r} is not a plug-in name; write it as "
+                          f"package.module:attribute, e.g. my_models:MLP (a module my_models.py "
+                          f"beside the recipe or on the Python path, and an attribute in it)")
+    return module, attr
+
+
+def _import(module: str, spec: str, field: str):
+    importlib.invalidate_caches()  # a module written since the directory was last listed
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+            raise ConfigError(
+                f"{field}: {spec!r}: module {module!r} not found (looked in the current "
+                f"directory {os.getcwd()}, the recipe's directory and plugin_path, and the "
+                f"installed packages); put {module.replace('.', '/')}.py beside the recipe, "
+                f"or install its package, or add its directory to the recipe's plugin_path"
+            ) from e
+        raise ConfigError(f"{field}: {spec!r}: importing module {module!r} failed: {e} (a "
+                          f"module it imports is missing; install it)") from e
+    except Exception as e:  # noqa: BLE001 -- any error in the user's module, reported as such
+        raise ConfigError(f"{field}: {spec!r}: importing module {module!r} raised "
+                          f"{type(e).__name__}: {e}") from e
+
+
+def load_object(spec: str, field: str) -> Callable:
+    """The callable named by ``spec`` (``package.module:attribute``, attribute may be dotted).
+
+    ``field`` (e.g. ``"model.name"``) prefixes every error. Raises ConfigError: malformed name,
+    module not found, import failed, attribute missing, not callable."""
+    module_name, attr = _split(spec, field)
+    obj = _import(module_name, spec, field)
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part):
+            where = getattr(obj, "__file__", None) or getattr(obj, "__name__", repr(obj))
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            match = difflib.get_close_matches(part, names, n=1)
+            hint = f" (did you mean {match[0]!r}?)" if match else ""
+            raise ConfigError(f"{field}: {spec!r}: {'.'.join([module_name] + attr.split('.')[:i])}"
+                              f" ({where}) has no attribute {part!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{field}: {spec!r} is a {type(obj).__name__}, not callable; name a "
+                          f"class or a function")
+    return obj
+
+
+def signature_of(fn: Callable) -> tuple[list[inspect.Parameter], bool]:
+    """``fn``'s keyword-capable parameters (``self`` excluded for a class) and whether it takes
+    ``**kwargs`` (then any keyword is accepted). A callable without a signature takes anything."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return [], True
+    named = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                             inspect.Parameter.KEYWORD_ONLY)]
+    return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def check_kwargs(fn: Callable, given: Iterable[str], *, what: str, section: str,
+                 provided: Iterable[str] = ()) -> None:
+    """Each key of ``given`` must be a keyword argument of ``fn`` and each argument of ``fn``
+    without a default must be given or ``provided`` (set by hpclb itself). ``what`` names ``fn``
+    in messages, ``section`` the recipe section (``model``/``data``). Raises ConfigError."""
+    params, var_kw = signature_of(fn)
+    names = [p.name for p in params]
+    provided = set(provided)
+    given = list(given)
+    if not var_kw:
+        for key in given:
+            if key not in names:
+                match = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean {match[0]!r}?)" if match else ""
+                raise ConfigError(f"{section}.{key}: not an argument of {what}{hint}; it takes "
+                                  f"{', '.join(n for n in names if n not in provided) or 'none'}")
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty
+               and p.name not in given and p.name not in provided]
+    if missing:
+        raise ConfigError(f"{section}.{missing[0]}: required by {what} (no default); add "
+                          f"`{missing[0]}: <value>` to the recipe's {section} section")

@@ -331,10 +331,11 @@ def _render_args(spec: JobSpec) -> str:
 
 def render(spec: JobSpec) -> tuple[str, Plan]:
     """(script text, plan) for ``spec``; JobError with the fix for anything invalid."""
-    import jinja2
-
     from .config import ConfigError, load_recipe
+    from .extras import require
     from .train import PREEMPTED_EXIT_CODE
+
+    jinja2 = require("jinja2", "rendering job templates")
 
     _validate(spec)
     try:

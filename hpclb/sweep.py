@@ -313,9 +313,12 @@ def lr_curve(row: dict, points: int = 400) -> tuple[list[float], list[float]]:
     return [s / row["steps_per_epoch"] for s in steps], [sched.lr(s) for s in steps]
 
 
-def plot(rows: list[dict], path: Path, name: str, metric: str) -> None:
-    """PNG: the metric vs batch size (log2) per scheme, then one LR-vs-epoch panel per scheme."""
-    import matplotlib
+def plot(rows: list[dict], path: Path, name: str, metric: str):
+    """PNG: the metric vs batch size (log2) per scheme with B0 marked, then one LR-vs-epoch
+    panel per scheme. Returns the (closed) figure."""
+    from .extras import require
+
+    matplotlib = require("matplotlib", "the sweep plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -329,6 +332,9 @@ def plot(rows: list[dict], path: Path, name: str, metric: str) -> None:
                      if r["scheme"] == s and r.get("metric") is not None)
         if pts:
             ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], marker="o", label=s)
+    for b0 in sorted({round(r["batch_size"] / r["batch_ratio_k"]) for r in rows
+                      if r.get("batch_ratio_k")}):  # the batch the recipe was tuned at
+        ax.axvline(b0, color="gray", ls=":", lw=1.2, label=f"B0 = {b0}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global batch size")
     ax.set_ylabel(metric + (" (%)" if scale == 100.0 else ""))
@@ -353,6 +359,7 @@ def plot(rows: list[dict], path: Path, name: str, metric: str) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(path)
+    return fig
 
 
 def write_results(rows: list[dict], out_dir: Path, name: str, metric: str, mode: str) -> None:

@@ -215,8 +215,9 @@ class ImageFolder:
 
     def _load(self, path: Path, index: int) -> torch.Tensor:
         """Sample ``index`` (file ``path``): float32 ``[3, image_size, image_size]``."""
-        from PIL import Image
+        from ..extras import require
 
+        Image = require("PIL.Image", "reading ImageFolder images")
         size = self.image_size
         try:
             with Image.open(path) as im:

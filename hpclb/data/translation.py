@@ -40,7 +40,9 @@ def read_sword_pairs(sword_root: str | Path) -> list[Pair]:
     """All verse pairs of the two modules under ``sword_root`` (holding ``mods.d`` and
     ``modules``), in canonical order, read with pysword. Raises DataError when a module is
     missing or the two disagree on a book's number of verses."""
-    from pysword.modules import SwordModules
+    from ..extras import require
+
+    SwordModules = require("pysword.modules", "reading the Bible SWORD modules").SwordModules
 
     modules = SwordModules(str(sword_root))
     found = modules.parse_modules()
@@ -94,8 +96,9 @@ def load_bible_pairs(root: str | Path | None = None) -> dict[str, list[Pair]]:
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:
     """Corpus BLEU (sacrebleu, default 13a tokenisation), 0-100, one reference per sentence."""
-    import sacrebleu
+    from ..extras import require
 
+    sacrebleu = require("sacrebleu", "BLEU")
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
 
@@ -107,7 +110,9 @@ def train_sentencepiece(lines: list[str], vocab_size: int):
     with ids pad 0, unk 1, bos 2, eos 3. Every rank trains the same model; nothing is written."""
     import io
 
-    import sentencepiece as spm
+    from ..extras import require
+
+    spm = require("sentencepiece", "the translation vocabulary (SentencePiece)")
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(

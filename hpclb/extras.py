@@ -1,0 +1,46 @@
+"""Optional dependencies: import one, or say which ``pip install 'hpclb[<extra>]'`` brings it.
+
+The library itself needs only torch, numpy, mpi4py, PyYAML and tqdm. The recipes' data sets,
+BLEU, plots and job templates use packages of the ``experiments`` extra (setup.cfg); they are
+imported lazily, through :func:`require`, where they are used.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+#: top-level module -> (distribution name, extra that installs it)
+OPTIONAL: dict[str, tuple[str, str]] = {
+    "jinja2": ("jinja2", "experiments"),
+    "matplotlib": ("matplotlib", "experiments"),
+    "PIL": ("pillow", "experiments"),
+    "pysword": ("pysword", "experiments"),
+    "sacrebleu": ("sacrebleu", "experiments"),
+    "sentencepiece": ("sentencepiece", "experiments"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "cupy": ("cupy-cuda13x", "gpu"),
+    "horovod": ("horovod", "horovod"),
+}
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """``importlib.import_module(module)``; a missing top-level package raises
+    :class:`MissingExtraError` naming ``purpose`` (what needed it, e.g. ``"BLEU scores"``) and
+    the fix, ``pip install 'hpclb[<extra>]'``. ``module`` may be dotted
+    (``"pysword.modules"``); its top-level name must be a key of :data:`OPTIONAL`."""
+    top = module.partition(".")[0]
+    if top not in OPTIONAL:
+        raise KeyError(f"{top!r} is not an optional dependency of hpclb; add it to "
+                       "hpclb.extras.OPTIONAL and to an extra in setup.cfg")
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.partition(".")[0] != top:
+            raise  # the package is there but one of its own dependencies is not
+        dist, extra = OPTIONAL[top]
+        raise MissingExtraError(f"{purpose} needs {dist}, which is not installed: "
+                                f"pip install 'hpclb[{extra}]'", name=top) from e

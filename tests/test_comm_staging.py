@@ -244,6 +244,12 @@ def test_cuda_aware_path_hands_the_device_buffer_after_the_producer(comm, monkey
           and [e[:2] for e in log] == [("record", "compute"), ("sync", "compute")])
     _, _, finish16 = c._prepare(t.to(torch.bfloat16), "sum", compute)  # bf16: staged
     ok = ok and finish16 is not None
+    # mpi4py takes the __cuda_array_interface__ (host memory stands in for device memory)
+    W = c.world_size
+    for dtype in (torch.float32, torch.float16, torch.int64):
+        x = torch.full((7,), c.rank + 1, dtype=dtype)
+        c.allreduce_(x, "sum", stream=compute)
+        ok = ok and torch.equal(x, torch.full((7,), W * (W + 1) // 2, dtype=dtype))
     all_ranks_ok(c, ok, f"{type(buf).__name__} {log}")
 
 

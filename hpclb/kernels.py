@@ -11,9 +11,15 @@ Scheme (NVIDIA apex's multi_tensor_apply / multi_tensor_l2norm design, written a
 tensor is cut into chunks of ``chunk_size`` elements; a table in device memory holds, per tensor,
 its pointers (w, g, m, v), numel, first chunk, dtype, exclusion flag and hyper-parameter row, and
 a second table maps every chunk to its tensor; the table is built once per parameter list (keyed
-by pointers, sizes, dtypes, flags and rows) and cached. Pass 1 (one launch) writes per-chunk
-partial sums of squares and finalises each tensor in the block that completes it; pass 2 (one
-launch) applies the LARS momentum update or the LAMB update. See the .cu file for formulas.
+by pointers, sizes, dtypes, flags, rows and the current stream, so that two streams never
+share one table's scratch space) and cached. Pass 1 (one launch) writes per-chunk partial sums of
+squares and finalises each tensor in the block that completes it; pass 2 (one launch) applies
+the LARS momentum update or the LAMB update, leaving a layer whose norms are not finite (and its
+optimizer state) untouched. See the .cu file for formulas.
+
+Every launch is counted in :attr:`FusedTrust.counters`, with how many of its chunks take the
+kernel's 16-byte vector path (the kernel's own alignment rule, evaluated on the host from the
+table's pointers), so that a test can assert that padded gradient buckets are vectorised.
 
 Sources: LARS, You, Gitman, Ginsburg 2017 (arXiv 1708.03888); LAMB, You et al., ICLR 2020
 (arXiv 1904.00962); chunked multi-tensor launches, NVIDIA apex ``multi_tensor_apply``.
@@ -63,6 +69,7 @@ DESC_WORDS = 8
 HP_WORDS = 16
 D_W, D_G, D_M, D_V, D_NUMEL, D_FIRST, D_META, D_ROW = range(8)
 HP_LR, HP_ETA, HP_WD, HP_EPS, HP_BETA1, HP_BETA2, HP_BC1, HP_BC2, HP_OMB1, HP_OMB2 = range(10)
+HP_TMIN, HP_TMAX = 10, 11   # trust-ratio clamp [min, max]; HP_TMAX = 0 means no clamp
 F32, F16, BF16 = 0, 1, 2
 MODE_LARS, MODE_LAMB_NORMS, MODE_LAMB_FUSED = 0, 1, 2
 
@@ -254,6 +261,12 @@ class CupyLauncher:
     def grid_for(self, n_chunks: int, block: int) -> int:
         return max(1, min(n_chunks, self.sm_count * max(1, 2048 // block)))
 
+    def stream_key(self) -> int:
+        """The handle of torch's current stream on this device (keys the table cache)."""
+        import torch
+
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
     def _stream(self) -> Any:
         import torch
 
@@ -320,14 +333,43 @@ class TrustResult(NamedTuple):
     nonfinite: "Tensor"
 
 
-class _Table:
-    """Device-side tables for one parameter list (see the module docstring)."""
+#: which arrays (desc slots) each kernel reads or writes, for the vector-path rule
+_KERNEL_SLOTS: dict[str, tuple[int, ...]] = {
+    "hl_norms_pass1": (D_W, D_G), "hl_lamb_pass1": (D_W, D_G, D_M, D_V),
+    "hl_lars_apply": (D_W, D_G, D_M), "hl_lamb_apply": (D_W, D_G, D_M, D_V)}
+_ELEMENT_BYTES = np.array([4, 2, 2], dtype=np.int64)   # indexed by F32, F16, BF16
 
-    def __init__(self, desc: np.ndarray, chunk_tensor: np.ndarray, device: "torch.device"):
+
+def vector_chunks(desc: np.ndarray, chunk_tensor: np.ndarray, chunk_size: int,
+                  slots: Sequence[int]) -> int:
+    """How many chunks take the kernel's 16-byte vector path: those where every array of
+    ``slots`` that is present (pointer != 0) is 16-byte aligned at the chunk's first element
+    (``hl_chunk`` in the .cu file). ``desc``: int64 ``[n, DESC_WORDS]``; ``chunk_tensor``:
+    int32 ``[n_chunks]``. Returns a count in ``[0, n_chunks]``."""
+    owner = chunk_tensor.astype(np.int64)
+    k = np.arange(len(owner), dtype=np.int64) - desc[owner, D_FIRST]
+    size = _ELEMENT_BYTES[desc[:, D_META] & 0xFF]
+    offset = (k * chunk_size * size[owner]).astype(np.uint64)
+    ok = np.ones(len(owner), dtype=bool)
+    for slot in slots:
+        ptr = desc[owner, slot].view(np.uint64)
+        ok &= (ptr == 0) | ((ptr + offset) % np.uint64(16) == 0)
+    return int(ok.sum())
+
+
+class _Table:
+    """Device-side tables for one parameter list (see the module docstring), and the number of
+    vectorised chunks per kernel (``vector[kernel]``)."""
+
+    def __init__(self, desc: np.ndarray, chunk_tensor: np.ndarray, device: "torch.device",
+                 chunk_size: int, stream: int = 0):
         import torch
 
         self.n = desc.shape[0]
         self.n_chunks = int(chunk_tensor.shape[0])
+        self.stream = stream
+        self.vector = {k: vector_chunks(desc, chunk_tensor, chunk_size, slots)
+                       for k, slots in _KERNEL_SLOTS.items()}
         self.desc = torch.from_numpy(desc.reshape(-1)).to(device, non_blocking=True)
         self.chunk_tensor = torch.from_numpy(chunk_tensor).to(device, non_blocking=True)
         self.partials = torch.empty(2 * self.n_chunks, dtype=torch.float32, device=device)
@@ -359,8 +401,14 @@ class FusedTrust:
         chunk_size: elements per chunk (>= 1). block: threads per block, a multiple of 32, at
             most 1024 (512 for the LAMB kernels, which then use 512).
     Tensors passed to any method must be on ``launcher.device``, contiguous, fp32/fp16/bf16
-    (:meth:`supports` checks); per layer, w/g/m/v share shape and dtype. Raises ValueError
-    otherwise. Methods never synchronise with the host.
+    (:meth:`why_not` says what is wrong; float64 is refused: the kernel accumulates in fp32);
+    per layer, w/g/m/v share shape and dtype. Raises ValueError otherwise, before any launch.
+    Methods never synchronise with the host.
+
+    ``counters``: ``launches``, ``chunks`` and ``vector_chunks`` (chunks on the 16-byte vector
+    path) summed over launches, and ``vector_launches`` (launches whose every chunk was
+    vectorised). Tables and their scratch space are cached per stream
+    (``launcher.stream_key()``, 0 for a launcher without streams).
     """
 
     def __init__(self, launcher: Any, *, chunk_size: int = DEFAULT_CHUNK,
@@ -375,25 +423,38 @@ class FusedTrust:
         self.block = int(block)
         self._layouts: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._tables: OrderedDict[bytes, _Table] = OrderedDict()
+        self.counters = {"launches": 0, "vector_launches": 0, "chunks": 0, "vector_chunks": 0}
 
     # -- checks and tables ----------------------------------------------------------------------
-    def supports(self, *lists: Sequence["Tensor | None"]) -> bool:
-        """True when every tensor is on this device, contiguous, dense and fp32/fp16/bf16, and,
-        lists being layer-aligned (weights first), each layer's tensors share numel and dtype."""
+    def why_not(self, *lists: Sequence["Tensor | None"],
+                names: Sequence[str] | None = None) -> str | None:
+        """None when the kernel takes these layer-aligned lists (weights first): every tensor on
+        this device, dense, contiguous, fp32/fp16/bf16, each layer's tensors of one numel and
+        dtype. Otherwise the first reason, naming the layer (``names[i]`` or its index)."""
         import torch
 
         first = lists[0] if lists else ()
         for ts in lists:
             if len(ts) != len(first):
-                return False
-            for w, t in zip(first, ts):
+                return f"lists of {len(first)} and {len(ts)} tensors"
+            for i, (w, t) in enumerate(zip(first, ts)):
                 if t is None:
                     continue
-                if (t.device != self.device or t.layout != torch.strided
-                        or not t.is_contiguous() or dtype_code(t.dtype) is None
-                        or t.dtype != w.dtype or t.numel() != w.numel()):
-                    return False
-        return True
+                layer = f"layer {names[i]!r}" if names else f"layer {i}"
+                if dtype_code(t.dtype) is None:
+                    return (f"{layer} is {t.dtype}; the fused kernel takes float32, float16 and "
+                            "bfloat16 (it accumulates in fp32)")
+                if t.device != self.device:
+                    return f"{layer} is on {t.device}, the kernel's device is {self.device}"
+                if t.layout != torch.strided or not t.is_contiguous():
+                    return f"{layer} is not a dense contiguous tensor"
+                if t.dtype != w.dtype or t.numel() != w.numel():
+                    return f"{layer}: its tensors differ in dtype or size"
+        return None
+
+    def supports(self, *lists: Sequence["Tensor | None"]) -> bool:
+        """True when :meth:`why_not` finds nothing against these lists."""
+        return self.why_not(*lists) is None
 
     def _layout(self, numels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         key = (numels.tobytes(), self.chunk_size)
@@ -415,9 +476,10 @@ class FusedTrust:
         for name, other in (("g", g), ("m", m), ("v", v)):
             if other is not None and len(other) != n:
                 raise ValueError(f"{n} weights but {len(other)} {name} tensors")
-        if not self.supports(w, *(x for x in (g, m, v) if x is not None)):
-            raise ValueError("fused path needs contiguous fp32/fp16/bf16 tensors on "
-                             f"{self.device}")
+        reason = self.why_not(w, *(x for x in (g, m, v) if x is not None))
+        if reason is not None:
+            raise ValueError(f"fused trust-ratio kernel: {reason}; use the torch path "
+                             "(hpclb.optim.trust, or HPCLB_TRUST_BACKEND=torch)")
         numels = np.fromiter((t.numel() for t in w), dtype=np.int64, count=n)
         desc = np.zeros((n, DESC_WORDS), dtype=np.int64)
         desc[:, D_NUMEL] = numels
@@ -441,10 +503,11 @@ class FusedTrust:
                                      f"{t.dtype})")
             desc[:, slot] = np.fromiter((_ptr(t) for t in ts), dtype=np.uint64,
                                         count=n).view(np.int64)
-        key = desc.tobytes() + np.int64(self.chunk_size).tobytes()
+        stream = int(getattr(self.launcher, "stream_key", lambda: 0)())
+        key = desc.tobytes() + np.int64(self.chunk_size).tobytes() + np.int64(stream).tobytes()
         tab = self._tables.get(key)
         if tab is None:
-            tab = _Table(desc, chunk_tensor, self.device)
+            tab = _Table(desc, chunk_tensor, self.device, self.chunk_size, stream)
             self._tables[key] = tab
             while len(self._tables) > _TABLE_CACHE_SIZE:
                 self._tables.popitem(last=False)
@@ -477,8 +540,17 @@ class FusedTrust:
     def _block(self, kernel: str) -> int:
         return min(self.block, KERNELS[kernel])
 
+    def _count(self, kernel: str, tab: _Table) -> None:
+        vec = tab.vector[kernel]
+        c = self.counters
+        c["launches"] += 1
+        c["chunks"] += tab.n_chunks
+        c["vector_chunks"] += vec
+        c["vector_launches"] += vec == tab.n_chunks
+
     def _pass1(self, kernel: str, tab: _Table, hp: "Tensor", mode: int,
                res: TrustResult) -> None:
+        self._count(kernel, tab)
         block = self._block(kernel)
         self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block), block, (
             _u64(tab.desc.data_ptr()), _u64(tab.chunk_tensor.data_ptr()),
@@ -487,12 +559,14 @@ class FusedTrust:
             _u64(res.ratio.data_ptr()), _u64(res.w_norm.data_ptr()),
             _u64(res.o_norm.data_ptr()), _u64(res.nonfinite.data_ptr())))
 
-    def _pass2(self, kernel: str, tab: _Table, hp: "Tensor", ratio: "Tensor") -> None:
+    def _pass2(self, kernel: str, tab: _Table, hp: "Tensor", res: TrustResult) -> None:
+        self._count(kernel, tab)
         block = self._block(kernel)
         self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block), block, (
             _u64(tab.desc.data_ptr()), _u64(tab.chunk_tensor.data_ptr()),
             np.int32(tab.n_chunks), np.int32(self.chunk_size), _u64(hp.data_ptr()),
-            _u64(ratio.data_ptr())))
+            _u64(res.ratio.data_ptr()), _u64(res.w_norm.data_ptr()),
+            _u64(res.o_norm.data_ptr())))
 
     def _empty(self) -> TrustResult:
         import torch
@@ -509,8 +583,10 @@ class FusedTrust:
 
     def lars_ratios(self, weights: Sequence["Tensor"], grads: Sequence["Tensor | None"] | None,
                     *, trust_coefficient: Any, weight_decay: Any, eps: Any,
-                    adapt: Sequence[bool], out: TrustResult | None = None) -> TrustResult:
-        """LARS ``eta*|w|/(|g| + wd*|w| + eps)`` per layer (1 when excluded or a norm is 0).
+                    adapt: Sequence[bool], clamp_min: Any = 0.0, clamp_max: Any = 0.0,
+                    out: TrustResult | None = None) -> TrustResult:
+        """LARS ``eta*|w|/(|g| + wd*|w| + eps)`` per layer (1 when excluded or a norm is 0),
+        clamped to ``[clamp_min, clamp_max]`` where ``clamp_max > 0`` (0: no clamp).
 
         Hyper-parameters: floats or length-n sequences (or fp32 tensors [n]). A missing
         gradient (None, or ``grads`` None) counts as zeros. ``out``: preallocated outputs.
@@ -519,19 +595,22 @@ class FusedTrust:
         if n == 0:
             return self._empty()
         tab = self.table(weights, grads, adapt=adapt)
-        hp = self._layer_hp(n, {HP_ETA: trust_coefficient, HP_WD: weight_decay, HP_EPS: eps})
+        hp = self._layer_hp(n, {HP_ETA: trust_coefficient, HP_WD: weight_decay, HP_EPS: eps,
+                                HP_TMIN: clamp_min, HP_TMAX: clamp_max})
         res = self._outputs(n, out)
         self._pass1("hl_norms_pass1", tab, hp, MODE_LARS, res)
         return res
 
     def lamb_ratios(self, weights: Sequence["Tensor"], updates: Sequence["Tensor"], *,
-                    adapt: Sequence[bool], out: TrustResult | None = None) -> TrustResult:
-        """LAMB ``|w|/|u|`` per layer for given updates ``u`` (1 when excluded or a norm is 0)."""
+                    adapt: Sequence[bool], clamp_min: Any = 0.0, clamp_max: Any = 0.0,
+                    out: TrustResult | None = None) -> TrustResult:
+        """LAMB ``|w|/|u|`` per layer for given updates ``u`` (1 when excluded or a norm is 0),
+        clamped as in :meth:`lars_ratios`."""
         n = len(weights)
         if n == 0:
             return self._empty()
         tab = self.table(weights, updates, adapt=adapt)
-        hp = self._layer_hp(n, {})
+        hp = self._layer_hp(n, {HP_TMIN: clamp_min, HP_TMAX: clamp_max})
         res = self._outputs(n, out)
         self._pass1("hl_norms_pass1", tab, hp, MODE_LAMB_NORMS, res)
         return res
@@ -554,10 +633,12 @@ class FusedTrust:
                   rows: Sequence[int], adapt: Sequence[bool], *,
                   out: TrustResult | None = None) -> TrustResult:
         """One LARS step for every layer, in place (pass 1 + pass 2; hpclb/optim/lars.py math):
-        ``v <- m*v + lr*ratio*(g + wd*w); w <- w - v``; excluded layers: ratio 1, wd 0.
+        ``v <- m*v + lr*ratio*(g + wd*w); w <- w - v``; excluded layers: ratio 1, wd 0; a layer
+        whose ``|w|`` or ``|g|`` is not finite keeps its ``w`` and ``v``.
 
         ``hp_rows``: float32 ``[R, HP_WORDS]`` (HP_LR, HP_ETA, HP_WD, HP_EPS, HP_BETA1 =
-        momentum); ``rows[i]``: layer i's row. Returns the pass-1 results.
+        momentum, HP_TMIN/HP_TMAX = trust-ratio clamp or 0); ``rows[i]``: layer i's row.
+        Returns the pass-1 results (``nonfinite``: how many layers were left untouched).
         """
         n = len(params)
         if n == 0:
@@ -566,18 +647,21 @@ class FusedTrust:
         hp = self._upload_hp(hp_rows)
         res = self._outputs(n, out)
         self._pass1("hl_norms_pass1", tab, hp, MODE_LARS, res)
-        self._pass2("hl_lars_apply", tab, hp, res.ratio)
+        self._pass2("hl_lars_apply", tab, hp, res)
         return res
 
     def lamb_step(self, params: Sequence["Tensor"], grads: Sequence["Tensor"],
                   exp_avgs: Sequence["Tensor"], exp_avg_sqs: Sequence["Tensor"],
                   hp_rows: np.ndarray, rows: Sequence[int], adapt: Sequence[bool], *,
                   out: TrustResult | None = None) -> TrustResult:
-        """One LAMB step for every layer, in place (hpclb/optim/lamb.py math): pass 1 updates
-        the moments, forms ``u`` and its norm; pass 2 applies ``w <- w - lr*ratio*u``.
+        """One LAMB step for every layer, in place (hpclb/optim/lamb.py math): pass 1 forms the
+        new moments and ``u`` (storing neither) and the norms; pass 2 stores the moments and
+        applies ``w <- w - lr*ratio*u``, except for a layer whose ``|w|`` or ``|u|`` is not
+        finite, whose ``w``, ``m`` and ``v`` stay as they were.
 
         ``hp_rows``: float32 ``[R, HP_WORDS]`` with HP_LR, HP_WD, HP_EPS, HP_BETA1, HP_BETA2,
-        HP_BC1 = 1-beta1^t, HP_BC2 = 1-beta2^t, HP_OMB1 = 1-beta1, HP_OMB2 = 1-beta2.
+        HP_BC1 = 1-beta1^t, HP_BC2 = 1-beta2^t, HP_OMB1 = 1-beta1, HP_OMB2 = 1-beta2,
+        HP_TMIN/HP_TMAX (trust-ratio clamp, or 0).
         """
         n = len(params)
         if n == 0:
@@ -586,7 +670,7 @@ class FusedTrust:
         hp = self._upload_hp(hp_rows)
         res = self._outputs(n, out)
         self._pass1("hl_lamb_pass1", tab, hp, MODE_LAMB_FUSED, res)
-        self._pass2("hl_lamb_apply", tab, hp, res.ratio)
+        self._pass2("hl_lamb_apply", tab, hp, res)
         return res
 
 

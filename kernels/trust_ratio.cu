@@ -21,11 +21,16 @@
 // trust ratio and the non-finite count. Results are bitwise deterministic for a given block size
 // and chunk size, whatever the order in which blocks run.
 //
-// Formulas (DESIGN.md; LARS: You, Gitman, Ginsburg 2017, arXiv 1708.03888; LAMB: You et al.,
-// ICLR 2020, arXiv 1904.00962):
+// Formulas (LARS: You, Gitman, Ginsburg 2017, arXiv 1708.03888; LAMB: You et al., ICLR 2020,
+// arXiv 1904.00962):
 //   LARS  ratio = eta*|w| / (|g| + wd*|w| + eps)
 //   LAMB  u = m_hat / (sqrt(v_hat) + eps) + wd*w,   ratio = |w| / |u|
-//   ratio = 1 when the layer is excluded (adapt = 0) or |w| or |g| (|u|) is 0 (or NaN).
+//   ratio = 1 when the layer is excluded (adapt = 0) or |w| or |g| (|u|) is 0 (or NaN);
+//   otherwise, when the row's HL_HP_TMAX > 0 (a trust-ratio clamp is set; a valid clamp has
+//   max > min >= 0), ratio = min(max(ratio, HL_HP_TMIN), HL_HP_TMAX), NaN kept.
+// Non-finite layers: pass 1 counts the layers whose |w| or |g| (|u|) is inf/NaN; pass 2 leaves
+// such a layer's w, m and v untouched (it reads the norms of pass 1). LAMB's pass 1 therefore
+// only reads the moments; pass 2 recomputes them (same arithmetic, same bits) and stores them.
 // The element-wise arithmetic uses the _rn intrinsics (no FMA contraction) in the same order as
 // hpclb/optim/lars.py and lamb.py, so the fused step follows the torch path rounding for rounding.
 //
@@ -33,7 +38,8 @@
 // hl_lars_apply and hl_lamb_apply (pass 2). Launch contract (hpclb/kernels.py keeps it):
 // blockDim.x a multiple of 32, at most HL_MAX_THREADS (HL_MAX_THREADS_LAMB for the LAMB
 // kernels); a 1-D grid of any size >= 1; tickets zeroed once when the table is built; one
-// stream at a time per table (the partials and tickets are the table's scratch space).
+// stream at a time per table (the partials and tickets are the table's scratch space; the host
+// keys its table cache by stream).
 
 #define HL_MAX_THREADS 1024
 #define HL_MAX_THREADS_LAMB 512   // hl_lamb_pass1 and hl_lamb_apply
@@ -62,6 +68,8 @@
 #define HL_HP_BC2 7     // 1 - beta2^t
 #define HL_HP_OMB1 8    // 1 - beta1
 #define HL_HP_OMB2 9    // 1 - beta2
+#define HL_HP_TMIN 10   // trust-ratio clamp: lower bound (used when HL_HP_TMAX > 0)
+#define HL_HP_TMAX 11   // trust-ratio clamp: upper bound; 0 = no clamp
 
 // dtype codes
 #define HL_F32 0
@@ -241,17 +249,23 @@ __device__ __forceinline__ float hl_lamb_u(float w, float m, float v, const HlLa
     return __fadd_rn(__fdiv_rn(m_hat, denom), __fmul_rn(w, p.wd));
 }
 
-template <int DT> struct HlLambMoments {   // pass 1, LAMB_FUSED: moments, u, sums of w^2, u^2
-    enum { RG = 1, RM = 1, RV = 1, WW = 0, WM = 1, WV = 1 };
+// The new moments, rounded to the storage type (u must come from the stored values):
+// torch.lerp(m, g, 1 - beta1) and v * beta2 + (1 - beta2) * g * g.
+template <int DT>
+__device__ __forceinline__ void hl_lamb_moments(float g, float& m, float& v, const HlLambHp& p) {
+    if (p.omb1 < 0.5f) m = __fadd_rn(m, __fmul_rn(p.omb1, __fsub_rn(g, m)));
+    else m = __fsub_rn(g, __fmul_rn(__fsub_rn(g, m), p.beta1));
+    v = __fadd_rn(__fmul_rn(v, p.beta2), __fmul_rn(__fmul_rn(g, g), p.omb2));
+    m = hl_round<DT>(m);
+    v = hl_round<DT>(v);
+}
+
+template <int DT> struct HlLambMoments {   // pass 1, LAMB_FUSED: u from the new moments (not
+    enum { RG = 1, RM = 1, RV = 1, WW = 0, WM = 0, WV = 0 };   // stored), sums of w^2, u^2
     HlLambHp p;
     __device__ __forceinline__ void operator()(float& w, float g, float& m, float& v,
                                                float& sw, float& so) const {
-        // torch.lerp(m, g, 1 - beta1) and v * beta2 + (1 - beta2) * g * g
-        if (p.omb1 < 0.5f) m = __fadd_rn(m, __fmul_rn(p.omb1, __fsub_rn(g, m)));
-        else m = __fsub_rn(g, __fmul_rn(__fsub_rn(g, m), p.beta1));
-        v = __fadd_rn(__fmul_rn(v, p.beta2), __fmul_rn(__fmul_rn(g, g), p.omb2));
-        m = hl_round<DT>(m);   // u must come from the stored moments, as pass 2 recomputes it
-        v = hl_round<DT>(v);
+        hl_lamb_moments<DT>(g, m, v, p);
         const float u = hl_lamb_u(w, m, v, p);
         sw += w * w;
         so += u * u;
@@ -269,12 +283,13 @@ struct HlLarsApply {      // pass 2, LARS: v <- m*v + step*(g + wd*w); w <- w - 
     }
 };
 
-struct HlLambApply {      // pass 2, LAMB: w <- w - (lr*ratio) * u, u recomputed from m, v, w
-    enum { RG = 0, RM = 1, RV = 1, WW = 1, WM = 0, WV = 0 };
+template <int DT> struct HlLambApply {   // pass 2, LAMB: new moments stored, w <- w - step*u
+    enum { RG = 1, RM = 1, RV = 1, WW = 1, WM = 1, WV = 1 };
     HlLambHp p;
     float step;
-    __device__ __forceinline__ void operator()(float& w, float, float& m, float& v,
+    __device__ __forceinline__ void operator()(float& w, float g, float& m, float& v,
                                                float&, float&) const {
+        hl_lamb_moments<DT>(g, m, v, p);
         w = __fsub_rn(w, __fmul_rn(hl_lamb_u(w, m, v, p), step));
     }
 };
@@ -429,6 +444,11 @@ __device__ void hl_finalize(int t, const long long* d, const float* h, int mode,
         } else {
             r = __fdiv_rn(wn, on);
         }
+        const float tmax = h[HL_HP_TMAX];
+        if (tmax > 0.0f) {   // comparisons keep a NaN ratio NaN, as torch.clamp does
+            const float tmin = h[HL_HP_TMIN];
+            r = r < tmin ? tmin : (r > tmax ? tmax : r);
+        }
     }
     ratio[t] = r;
     w_norm[t] = wn;
@@ -533,12 +553,19 @@ hl_lamb_pass1(const long long* __restrict__ desc, const int* __restrict__ chunk_
 // Pass 2: multi-tensor updates with the ratios of pass 1
 // ---------------------------------------------------------------------------------------------
 
+// Both norms of tensor t (from pass 1) finite: the layer is updated; else it is left as it was.
+__device__ __forceinline__ bool hl_layer_finite(int t, const float* w_norm, const float* o_norm) {
+    return hl_isfinite(w_norm[t]) && hl_isfinite(o_norm[t]);
+}
+
 extern "C" __global__ void __launch_bounds__(HL_MAX_THREADS)
 hl_lars_apply(const long long* __restrict__ desc, const int* __restrict__ chunk_tensor,
               int n_chunks, int chunk_size, const float* __restrict__ hp,
-              const float* __restrict__ ratio) {
+              const float* __restrict__ ratio, const float* __restrict__ w_norm,
+              const float* __restrict__ o_norm) {
     for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const int t = chunk_tensor[c];
+        if (!hl_layer_finite(t, w_norm, o_norm)) continue;   // leave w and m untouched
         const long long* d = desc + (long long)t * HL_DESC_WORDS;
         const long long numel = d[HL_D_NUMEL];
         const long long begin = (long long)(c - d[HL_D_FIRST]) * chunk_size;
@@ -559,20 +586,21 @@ hl_lars_apply(const long long* __restrict__ desc, const int* __restrict__ chunk_
 extern "C" __global__ void __launch_bounds__(HL_MAX_THREADS_LAMB)
 hl_lamb_apply(const long long* __restrict__ desc, const int* __restrict__ chunk_tensor,
               int n_chunks, int chunk_size, const float* __restrict__ hp,
-              const float* __restrict__ ratio) {
+              const float* __restrict__ ratio, const float* __restrict__ w_norm,
+              const float* __restrict__ o_norm) {
     for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const int t = chunk_tensor[c];
+        if (!hl_layer_finite(t, w_norm, o_norm)) continue;   // leave w, m and v untouched
         const long long* d = desc + (long long)t * HL_DESC_WORDS;
         const long long numel = d[HL_D_NUMEL];
         const long long begin = (long long)(c - d[HL_D_FIRST]) * chunk_size;
         const long long end = hl_min_ll(begin + chunk_size, numel);
         const float* h = hp + d[HL_D_ROW] * HL_HP_WORDS;
-        HlLambApply op;
-        op.p = hl_lamb_hp(h, ((d[HL_D_META] >> 8) & 1) != 0);
-        op.step = __fmul_rn(h[HL_HP_LR], ratio[t]);
+        const HlLambHp p = hl_lamb_hp(h, ((d[HL_D_META] >> 8) & 1) != 0);
+        const float step = __fmul_rn(h[HL_HP_LR], ratio[t]);
         const int dtype = (int)(d[HL_D_META] & 0xff);
-        if (dtype == HL_F16) hl_chunk<HL_F16>(d, begin, end, op);
-        else if (dtype == HL_BF16) hl_chunk<HL_BF16>(d, begin, end, op);
-        else hl_chunk<HL_F32>(d, begin, end, op);
+        if (dtype == HL_F16) hl_chunk<HL_F16>(d, begin, end, HlLambApply<HL_F16>{p, step});
+        else if (dtype == HL_BF16) hl_chunk<HL_BF16>(d, begin, end, HlLambApply<HL_BF16>{p, step});
+        else hl_chunk<HL_F32>(d, begin, end, HlLambApply<HL_F32>{p, step});
     }
 }

@@ -1,37 +1,81 @@
-"""What LARS and LAMB share: hyper-parameter checks and which layers are adapted.
+"""What LARS and LAMB share: hyper-parameter checks, which layers are adapted, the path choice
+(fused kernel or torch) and what every step leaves behind for the training loop.
 
 A parameter is *excluded* from the trust ratio and from weight decay when its group says
 ``exclude=True``, or, by default (``exclude=None``), when it has ``ndim < 2`` (biases, norm
 scales): You et al.'s LARS and LAMB recipes exclude BN/LayerNorm and biases. Override per
 parameter group, e.g. ``[{"params": biases, "exclude": False}, ...]``.
+
+After every :meth:`step` (either path; nothing synchronises with the host):
+
+- ``nonfinite_layers``: 0-d int32 tensor on the parameters' device, the number of layers whose
+  ``||w||`` or ``||g||`` (LARS) / ``||u||`` (LAMB) was inf or NaN. Those layers' parameters and
+  optimizer state were left untouched by the step (their host-side step count, LAMB's ``step``,
+  still advanced).
+- ``trust_ratios``: 1-D float32 tensor on that device, the trust ratios of the adapted layers
+  (those with a gradient, in parameter-group order) from the last step.
+- ``path``: ``"cupy"`` (the fused kernel; ``"emulator"`` in the tests) or ``"torch"``; logged
+  once per optimizer, and again only if it changes (with the reason for a fall-back).
 """
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+import math
+from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from .. import kernels
+from .trust import check_trust_clamp
 
 log = logging.getLogger(__name__)
 
 
 def check_range(name: str, value: float, lo: float, hi: float = float("inf"), *,
-                lo_open: bool = False, hi_open: bool = False) -> None:
-    """Raise ValueError naming ``name`` unless ``lo <= value <= hi`` (open ends as flagged)."""
+                lo_open: bool = False, hi_open: bool = False, hint: str = "") -> None:
+    """Raise ValueError naming ``name`` unless ``lo <= value <= hi`` (open ends as flagged);
+    ``hint`` (e.g. "typical: 1e-6") is appended to the message."""
     ok_lo = value > lo if lo_open else value >= lo
     ok_hi = value < hi if hi_open else value <= hi
     if not (ok_lo and ok_hi):
         left, right = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise ValueError(f"Invalid {name}: {value} (must be in {left}{lo}, {hi}{right})")
+        raise ValueError(f"Invalid {name}: {value} (must be in {left}{lo}, {hi}{right})"
+                         + (f"; {hint}" if hint else ""))
+
+
+def check_eps(eps: float, typical: str) -> None:
+    """Raise ValueError unless ``eps`` is finite, > 0 and still > 0 in float32 (it keeps the
+    trust-ratio and LAMB denominators away from 0/0). ``typical``: the value to suggest."""
+    check_range("eps", eps, 0.0, lo_open=True, hi_open=True,
+                hint=f"eps keeps a denominator away from 0 (0/0 gives NaN); typical: {typical}")
+    if np.float32(eps) == 0:
+        raise ValueError(f"Invalid eps: {eps} (rounds to 0 in float32; use at least 1e-38, "
+                         f"typical: {typical})")
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
-    """Base of LARS and LAMB: exclusion policy, its one-time report, and per-layer gathering."""
+    """Base of LARS and LAMB: exclusion policy, its one-time report, per-layer gathering with
+    the sparse-gradient check, path choice, and the per-step outputs of the module docstring.
+    Every group's ``eps`` and ``trust_clamp`` are validated as the group is added."""
+
+    _EPS_TYPICAL = "1e-6"
 
     def __init__(self, params: Iterable, defaults: dict):
+        self.nonfinite_layers: Tensor | None = None
+        self.trust_ratios: Tensor | None = None
+        self.path: str | None = None
+        self._paths_logged: set[tuple[str, str]] = set()
+        self._adapted_index: tuple[tuple, Tensor] | None = None
         super().__init__(params, defaults)
         self._report_exclusions()
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_eps(group["eps"], self._EPS_TYPICAL)
+        group["trust_clamp"] = check_trust_clamp(group.get("trust_clamp"))
 
     @staticmethod
     def is_adapted(p: Tensor, group: dict) -> bool:
@@ -53,5 +97,86 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                  ", ".join(excluded) or "none")
 
     def _gather(self) -> list[tuple[dict, Tensor]]:
-        """``(group, param)`` for every parameter with a gradient, in group order."""
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        """``(group, param)`` for every parameter with a gradient, in group order.
+        Raises RuntimeError naming the parameter when a gradient is sparse."""
+        pairs = []
+        for k, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.layout != torch.strided:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients (parameter "
+                        f"{self._name(k, j)}); use dense embeddings (nn.Embedding(sparse=False))")
+                pairs.append((group, p))
+        return pairs
+
+    def _name(self, k: int, j: int) -> str:
+        names = self.param_groups[k].get("param_names")
+        return names[j] if names else f"param_groups[{k}]['params'][{j}]"
+
+    def _layer_names(self, pairs: list[tuple[dict, Tensor]]) -> list[str]:
+        where = {id(p): self._name(k, j) for k, g in enumerate(self.param_groups)
+                 for j, p in enumerate(g["params"])}
+        return [where[id(p)] for _, p in pairs]
+
+    def _fused_for(self, pairs: list[tuple[dict, Tensor]],
+                   *lists: list[Tensor]) -> kernels.FusedTrust | None:
+        """The fused kernel when it serves these layer-aligned lists (weights first), else None
+        (the torch path); announces the path once (see the module docstring)."""
+        device = lists[0][0].device
+        fused = kernels.fused_for(device)
+        reason = ""
+        if fused is not None:
+            reason = fused.why_not(*lists, names=self._layer_names(pairs)) or ""
+            if reason:
+                fused = None
+        self._announce("torch" if fused is None else fused.launcher.name, device, reason)
+        return fused
+
+    def _announce(self, path: str, device: torch.device, reason: str) -> None:
+        self.path = path
+        if (path, reason.split(" ", 2)[-1]) in self._paths_logged:
+            return
+        self._paths_logged.add((path, reason.split(" ", 2)[-1]))
+        name = type(self).__name__
+        if reason:
+            log.warning("%s: torch path on %s, not the fused kernel: %s", name, device, reason)
+        elif path == "torch":
+            log.info("%s: torch path on %s (torch._foreach ops)", name, device)
+        else:
+            log.info("%s: fused trust-ratio kernel (%s, 2 launches per step) on %s", name, path,
+                     device)
+
+    def _record(self, ratios: Tensor, nonfinite: Tensor, adapt: list[bool]) -> None:
+        """Keep the step's non-finite count and the adapted layers' ratios (device-side)."""
+        self.nonfinite_layers = nonfinite.reshape(()).to(torch.int32)
+        key = (tuple(adapt), ratios.device)
+        if self._adapted_index is None or self._adapted_index[0] != key:
+            idx = torch.tensor([i for i, a in enumerate(adapt) if a], dtype=torch.long)
+            self._adapted_index = (key, idx.to(ratios.device))
+        self.trust_ratios = ratios.index_select(0, self._adapted_index[1]).to(torch.float32)
+
+    @staticmethod
+    def _finite(*norms: Tensor) -> Tensor:
+        """bool ``[n]``: the layer's norms are all finite (it will be updated)."""
+        ok = torch.isfinite(norms[0])
+        for n in norms[1:]:
+            ok &= torch.isfinite(n)
+        return ok
+
+
+def clamp_row(group: dict[str, Any]) -> tuple[float, float]:
+    """``(HP_TMIN, HP_TMAX)`` for the fused kernel's hyper-parameter row (0, 0 = no clamp)."""
+    clamp = group.get("trust_clamp")
+    if clamp is None:
+        return 0.0, 0.0
+    lo, hi = (float(x) for x in clamp)
+    return lo, (0.0 if math.isinf(hi) and lo == 0 else hi)
+
+
+def select_(update: Tensor, olds: Sequence[Tensor], news: Sequence[Tensor]) -> None:
+    """In place ``old <- new`` for the layers where ``update`` (bool ``[n]``) is True; the others
+    keep their values bit for bit. A device-side select per layer, no host sync."""
+    for k, old, new in zip(update.unbind(), olds, news):
+        torch.where(k, new, old, out=old)

@@ -4,13 +4,18 @@ Per layer at step t (1-based), with ``b1, b2, eps, wd`` and LR ``lr``::
 
     m <- b1 * m + (1 - b1) * g             v <- b2 * v + (1 - b2) * g**2
     m_hat = m / (1 - b1**t)                v_hat = v / (1 - b2**t)
-    u = m_hat / (sqrt(v_hat) + eps) + wd * w
+    u = m_hat / (sqrt(v_hat) + eps) + wd * w          (eps > 0: never 0/0, even where g = 0)
     ratio = ||w|| / ||u||                  (1 if either is 0, or the layer is excluded)
+    ratio <- min(max(ratio, lo), hi)       (only with trust_clamp=(lo, hi))
     w <- w - lr * ratio * u
 
+A layer whose ``||w||`` or ``||u||`` is inf/NaN keeps ``w``, ``m`` and ``v`` as they were and is
+counted in ``nonfinite_layers`` (see :mod:`hpclb.optim.base`).
+
 On CUDA with CuPy (:mod:`hpclb.kernels`) the step is two fused launches for all layers: pass 1
-updates the moments, forms ``u`` on the fly and reduces ||w|| and ||u||; pass 2 recomputes ``u``
-and applies it (``u`` is never stored), in the arithmetic order of :func:`lamb_direction`.
+forms the new moments and ``u`` on the fly (storing neither) and reduces ||w|| and ||u||; pass 2
+recomputes them, stores the moments and applies ``u``, in the arithmetic order of
+:func:`lamb_direction`.
 
 Weight decay sits in ``u`` (inside the ratio), not in ``g``. Excluded layers (``ndim < 2`` by
 default) take the Adam direction without weight decay and ratio 1.
@@ -24,23 +29,28 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from .base import LayerwiseOptimizer, check_range
-from .trust import fused_backend, lamb_trust_ratios
+from .base import LayerwiseOptimizer, check_range, clamp_row, select_
+from .trust import lamb_trust_ratios
 
 
 def lamb_direction(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                    exp_avg_sqs: Sequence[Tensor], *, step: int, beta1: float, beta2: float,
-                   eps: float, weight_decay: Sequence[float]) -> list[Tensor]:
-    """Update the moments in place and return ``u`` for every layer (new tensors)."""
-    torch._foreach_lerp_(list(exp_avgs), list(grads), 1 - beta1)
-    torch._foreach_mul_(list(exp_avg_sqs), beta2)
-    torch._foreach_addcmul_(list(exp_avg_sqs), list(grads), list(grads), 1 - beta2)
-    m_hat = torch._foreach_div(list(exp_avgs), 1 - beta1 ** step)
-    denom = torch._foreach_sqrt(torch._foreach_div(list(exp_avg_sqs), 1 - beta2 ** step))
+                   eps: float, weight_decay: Sequence[float]
+                   ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """``(u, m_new, v_new)`` for every layer, all new tensors (the moments are not touched);
+    ``step`` is the 1-based step count t of the bias corrections."""
+    m = [t.clone() for t in exp_avgs]   # in-place ops on copies: the rounding of in-place
+    v = [t.clone() for t in exp_avg_sqs]   # updates, bit for bit (out-of-place differ in bf16)
+    torch._foreach_lerp_(m, list(grads), 1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, list(grads), list(grads), 1 - beta2)
+    m_hat = torch._foreach_div(m, 1 - beta1 ** step)
+    denom = torch._foreach_sqrt(torch._foreach_div(v, 1 - beta2 ** step))
     torch._foreach_add_(denom, eps)
     u = torch._foreach_div(m_hat, denom)
     torch._foreach_add_(u, torch._foreach_mul(list(params), list(weight_decay)))
-    return u
+    return u, m, v
+
 
 
 class LAMB(LayerwiseOptimizer):
@@ -48,19 +58,27 @@ class LAMB(LayerwiseOptimizer):
 
     Args:
         params: parameters or groups; a group may set ``exclude`` (default None: ``ndim < 2``).
-        lr: >= 0. betas: each in [0, 1). eps: >= 0. weight_decay: >= 0.
-    Raises ValueError naming any out-of-range hyper-parameter.
+        lr: >= 0. betas: each in [0, 1). weight_decay: >= 0.
+        eps: > 0 (and > 0 in float32; default 1e-6): with 0, a zero gradient entry gives 0/0.
+        trust_clamp: None (default, no clamp) or ``(min, max)`` with ``0 <= min < max``.
+    Parameters may be fp32, fp16, bf16 or fp64 (the moments take the parameter's dtype; norms
+    accumulate in fp32, fp64 for fp64; the fused kernel refuses fp64 and the step falls back to
+    the torch path with one warning). On the torch path eps must also be > 0 in the parameter's
+    dtype (fp16 parameters: eps >= 6e-8).
+    Raises ValueError naming any out-of-range hyper-parameter; ``step`` raises RuntimeError
+    naming a parameter whose gradient is sparse.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.01):
+                 eps: float = 1e-6, weight_decay: float = 0.01,
+                 trust_clamp: tuple[float, float] | None = None):
         check_range("learning rate", lr, 0.0)
         check_range("beta1", betas[0], 0.0, 1.0, hi_open=True)
         check_range("beta2", betas[1], 0.0, 1.0, hi_open=True)
-        check_range("eps", eps, 0.0)
         check_range("weight_decay", weight_decay, 0.0)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay, exclude=None))
+                                      weight_decay=weight_decay, exclude=None,
+                                      trust_clamp=trust_clamp))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -68,57 +86,79 @@ class LAMB(LayerwiseOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-        if self._fused_step():
+        pairs = self._gather()
+        if not pairs:
             return loss
-        params, us, adapt, lrs = [], [], [], []
+        for _, p in pairs:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+        params = [p for _, p in pairs]
+        m = [self.state[p]["exp_avg"] for p in params]
+        v = [self.state[p]["exp_avg_sq"] for p in params]
+        fused = self._fused_for(pairs, params, [p.grad for p in params], m, v)
+        if fused is not None:
+            self._fused_step(fused, pairs, m, v)
+        else:
+            self._torch_step(pairs)
+        return loss
+
+    def _torch_step(self, pairs: list[tuple[dict, Tensor]]) -> None:
+        """The step with torch._foreach ops; layers grouped by (group, step count)."""
+        params, us, ms, vs, m_new, v_new, adapt, lrs, clamps = ([] for _ in range(9))
         for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
+            ps = [p for g, p in pairs if g is group]
+            if ps:
+                self._check_eps_dtype(group, ps)
             beta1, beta2 = group["betas"]
             # One foreach call per distinct step count (all of a group's, unless added late).
             for step in sorted({self.state[p]["step"] for p in ps}):
                 same = [p for p in ps if self.state[p]["step"] == step]
                 flags = [self.is_adapted(p, group) for p in same]
-                us += lamb_direction(
-                    same, [p.grad for p in same], [self.state[p]["exp_avg"] for p in same],
-                    [self.state[p]["exp_avg_sq"] for p in same], step=step, beta1=beta1,
-                    beta2=beta2, eps=group["eps"],
+                m, v = [self.state[p]["exp_avg"] for p in same], \
+                    [self.state[p]["exp_avg_sq"] for p in same]
+                u, mn, vn = lamb_direction(
+                    same, [p.grad for p in same], m, v, step=step, beta1=beta1, beta2=beta2,
+                    eps=group["eps"],
                     weight_decay=[group["weight_decay"] if a else 0.0 for a in flags])
-                params += same
-                adapt += flags
+                for acc, part in ((params, same), (us, u), (ms, m), (vs, v), (m_new, mn),
+                                  (v_new, vn), (adapt, flags)):
+                    acc += part
                 lrs += [group["lr"]] * len(same)
-        if not params:
-            return loss
-        ratios, _, _ = lamb_trust_ratios(params, us, adapt=adapt)
-        step_sizes = torch.tensor(lrs, dtype=torch.float32, device=ratios.device) * ratios
-        torch._foreach_mul_(us, step_sizes.unbind())
+                clamps += [group.get("trust_clamp")] * len(same)
+        ratios, w_norm, u_norm = lamb_trust_ratios(params, us, adapt=adapt, trust_clamp=clamps)
+        ok = self._finite(w_norm, u_norm)
+        select_(ok, ms, m_new)
+        select_(ok, vs, v_new)
+        step_sizes = torch.tensor(lrs, dtype=ratios.dtype).to(ratios.device) * ratios
+        us = [torch.where(k, u, 0) for k, u in zip(ok.unbind(), us)]   # inf/NaN -> 0
+        torch._foreach_mul_(us, torch.where(ok, step_sizes, 0).unbind())
         torch._foreach_sub_(params, us)
-        return loss
+        self._record(ratios, (~ok).sum(dtype=torch.int32), adapt)
 
-    def _fused_step(self) -> bool:
-        """Both passes of the fused kernel (one hyper-parameter row per group and step count);
-        False, having done nothing, when the fused path does not serve these tensors."""
-        pairs = self._gather()
-        if not pairs:
-            return False
+    _eps_checked: set = set()
+
+    def _check_eps_dtype(self, group: dict, params: list[Tensor]) -> None:
+        """Raise ValueError when eps rounds to 0 in a parameter's dtype (the torch path adds it
+        in that dtype; 0 would allow 0/0)."""
+        for dtype in {p.dtype for p in params}:
+            key = (group["eps"], dtype)
+            if key in self._eps_checked:
+                continue
+            if float(torch.tensor(group["eps"], dtype=dtype)) == 0.0:
+                raise ValueError(f"Invalid eps: {group['eps']} rounds to 0 in {dtype} (the "
+                                 f"parameters' dtype); use eps >= "
+                                 f"{torch.finfo(dtype).smallest_normal:.1e} or fp32 parameters")
+            self._eps_checked.add(key)
+
+    def _fused_step(self, fused: kernels.FusedTrust, pairs: list[tuple[dict, Tensor]],
+                    m: list[Tensor], v: list[Tensor]) -> None:
+        """Both passes of the fused kernel (one hyper-parameter row per group and step count)."""
         params = [p for _, p in pairs]
         grads = [p.grad for p in params]
-        m = [self.state[p]["exp_avg"] for p in params]
-        v = [self.state[p]["exp_avg_sq"] for p in params]
-        fused = fused_backend(params, grads, m, v)
-        if fused is None:
-            return False
         rows, index, adapt = [], {}, []
         for group, p in pairs:
             key = (id(group), self.state[p]["step"])
@@ -131,8 +171,9 @@ class LAMB(LayerwiseOptimizer):
             b1, b2 = g["betas"]
             hp[k, [kernels.HP_LR, kernels.HP_WD, kernels.HP_EPS, kernels.HP_BETA1,
                    kernels.HP_BETA2, kernels.HP_BC1, kernels.HP_BC2, kernels.HP_OMB1,
-                   kernels.HP_OMB2]] = (g["lr"], g["weight_decay"], g["eps"], b1, b2,
-                                        1 - b1 ** step, 1 - b2 ** step, 1 - b1, 1 - b2)
-        fused.lamb_step(params, grads, m, v, hp,
-                        [index[(id(g), self.state[p]["step"])] for g, p in pairs], adapt)
-        return True
+                   kernels.HP_OMB2, kernels.HP_TMIN, kernels.HP_TMAX]] = (
+                g["lr"], g["weight_decay"], g["eps"], b1, b2, 1 - b1 ** step, 1 - b2 ** step,
+                1 - b1, 1 - b2, *clamp_row(g))
+        res = fused.lamb_step(params, grads, m, v, hp,
+                              [index[(id(g), self.state[p]["step"])] for g, p in pairs], adapt)
+        self._record(res.ratio, res.nonfinite, adapt)

@@ -3,8 +3,12 @@
 Per layer, with trust coefficient ``eta``, momentum ``m``, weight decay ``wd``, LR ``lr``::
 
     ratio = eta * ||w|| / (||g|| + wd * ||w|| + eps)      (1 if ||w|| or ||g|| is 0, or excluded)
+    ratio <- min(max(ratio, lo), hi)                       (only with trust_clamp=(lo, hi))
     v    <- m * v + lr * ratio * (g + wd * w)
     w    <- w - v
+
+A layer whose ``||w||`` or ``||g||`` is inf/NaN is left as it was (``w`` and ``v``) and counted in
+``nonfinite_layers``; see :mod:`hpclb.optim.base` for that and ``trust_ratios``.
 
 On CUDA with CuPy (:mod:`hpclb.kernels`) the whole step is two fused launches for all layers
 (norms and ratios, then the update), in the same arithmetic order as :func:`lars_update_`.
@@ -23,22 +27,34 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from .base import LayerwiseOptimizer, check_range
-from .trust import fused_backend, lars_trust_ratios
+from .base import LayerwiseOptimizer, check_range, clamp_row, select_
+from .trust import lars_trust_ratios
 
 
 def lars_update_(params: Sequence[Tensor], grads: Sequence[Tensor],
                  momentum_buffers: Sequence[Tensor], step_sizes: Tensor,
-                 momentum: Sequence[float], weight_decay: Sequence[float]) -> None:
+                 momentum: Sequence[float], weight_decay: Sequence[float],
+                 update: Tensor | None = None) -> None:
     """In place: ``v <- m*v + step_size*(g + wd*w); w <- w - v`` for every layer.
 
-    ``step_sizes`` is an fp32 tensor ``[n]`` holding ``lr * ratio`` per layer (no host sync).
+    ``step_sizes``: tensor ``[n]`` (fp32, or fp64 for fp64 models) holding ``lr * ratio`` per
+    layer. ``update``: bool ``[n]``; where False the layer's ``w`` and ``v`` stay exactly as they
+    were (device-side selects, no host sync). None updates every layer.
     """
     direction = torch._foreach_add(list(grads), torch._foreach_mul(list(params), list(weight_decay)))
-    torch._foreach_mul_(direction, step_sizes.unbind())
-    torch._foreach_mul_(list(momentum_buffers), list(momentum))
-    torch._foreach_add_(list(momentum_buffers), direction)
-    torch._foreach_sub_(list(params), list(momentum_buffers))
+    bufs = list(momentum_buffers)
+    if update is None:
+        torch._foreach_mul_(direction, step_sizes.unbind())
+        torch._foreach_mul_(bufs, list(momentum))
+        torch._foreach_add_(bufs, direction)
+        torch._foreach_sub_(list(params), bufs)
+        return
+    torch._foreach_mul_(direction, torch.where(update, step_sizes, 0).unbind())
+    new_bufs = [b.clone() for b in bufs]    # the in-place ops of the path above, bit for bit
+    torch._foreach_mul_(new_bufs, list(momentum))
+    torch._foreach_add_(new_bufs, direction)
+    select_(update, bufs, new_bufs)                                  # skipped layers: v kept
+    torch._foreach_sub_(list(params), torch._foreach_mul(bufs, update.to(step_sizes.dtype).unbind()))
 
 
 class LARS(LayerwiseOptimizer):
@@ -48,19 +64,28 @@ class LARS(LayerwiseOptimizer):
         params: parameters or parameter groups (named parameters give names in the exclusion log).
             A group may set ``exclude`` (True/False; default None means ``ndim < 2``).
         lr: global LR (>= 0); hpclb's schedules set it each step.
-        momentum: in [0, 1). weight_decay: >= 0. trust_coefficient: eta > 0. eps: >= 0.
-    Raises ValueError naming any out-of-range hyper-parameter.
+        momentum: in [0, 1). weight_decay: >= 0. trust_coefficient: eta > 0.
+        eps: > 0 (and > 0 in float32), added to the ratio's denominator; default 1e-9.
+        trust_clamp: None (default, no clamp) or ``(min, max)`` with ``0 <= min < max``: the
+            adapted layers' ratios are clamped to it (both paths).
+    Parameters may be fp32, fp16, bf16 (norms in fp32) or fp64 (norms in fp64, torch path: the
+    fused kernel refuses fp64 and the step falls back, with one warning).
+    Raises ValueError naming any out-of-range hyper-parameter; ``step`` raises RuntimeError
+    naming a parameter whose gradient is sparse.
     """
 
+    _EPS_TYPICAL = "1e-9"
+
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.9,
-                 weight_decay: float = 1e-4, trust_coefficient: float = 0.001, eps: float = 1e-9):
+                 weight_decay: float = 1e-4, trust_coefficient: float = 0.001, eps: float = 1e-9,
+                 trust_clamp: tuple[float, float] | None = None):
         check_range("learning rate", lr, 0.0)
         check_range("momentum", momentum, 0.0, 1.0, hi_open=True)
         check_range("weight_decay", weight_decay, 0.0)
         check_range("trust_coefficient", trust_coefficient, 0.0, lo_open=True)
-        check_range("eps", eps, 0.0)
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient, eps=eps, exclude=None))
+                                      trust_coefficient=trust_coefficient, eps=eps, exclude=None,
+                                      trust_clamp=trust_clamp))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -75,18 +100,21 @@ class LARS(LayerwiseOptimizer):
         grads = [p.grad for p in params]
         adapt = [self.is_adapted(p, g) for g, p in pairs]
         wd = [g["weight_decay"] if a else 0.0 for (g, _), a in zip(pairs, adapt)]
-        fused = fused_backend(params, grads)
-        if fused is not None:
-            bufs = self._momentum_buffers(params)
-            if fused.supports(bufs):
-                self._fused_step(fused, pairs, grads, bufs, adapt)
-                return loss
-        ratios, _, _ = lars_trust_ratios(
-            params, grads, trust_coefficient=[g["trust_coefficient"] for g, _ in pairs],
-            weight_decay=wd, eps=[g["eps"] for g, _ in pairs], adapt=adapt)
-        lrs = torch.tensor([g["lr"] for g, _ in pairs], dtype=torch.float32, device=ratios.device)
         bufs = self._momentum_buffers(params)
-        lars_update_(params, grads, bufs, lrs * ratios, [g["momentum"] for g, _ in pairs], wd)
+        fused = self._fused_for(pairs, params, grads, bufs)
+        if fused is not None:
+            res = self._fused_step(fused, pairs, grads, bufs, adapt)
+            self._record(res.ratio, res.nonfinite, adapt)
+            return loss
+        ratios, w_norm, g_norm = lars_trust_ratios(
+            params, grads, trust_coefficient=[g["trust_coefficient"] for g, _ in pairs],
+            weight_decay=wd, eps=[g["eps"] for g, _ in pairs], adapt=adapt,
+            trust_clamp=[g.get("trust_clamp") for g, _ in pairs])
+        lrs = torch.tensor([g["lr"] for g, _ in pairs], dtype=ratios.dtype).to(ratios.device)
+        ok = self._finite(w_norm, g_norm)
+        lars_update_(params, grads, bufs, lrs * ratios, [g["momentum"] for g, _ in pairs], wd,
+                     update=ok)
+        self._record(ratios, (~ok).sum(dtype=torch.int32), adapt)
         return loss
 
     def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
@@ -99,13 +127,15 @@ class LARS(LayerwiseOptimizer):
         return bufs
 
     def _fused_step(self, fused: kernels.FusedTrust, pairs: list[tuple[dict, Tensor]],
-                    grads: list[Tensor], bufs: list[Tensor], adapt: list[bool]) -> None:
+                    grads: list[Tensor], bufs: list[Tensor],
+                    adapt: list[bool]) -> kernels.TrustResult:
         """Both passes of the fused kernel; one hyper-parameter row per parameter group."""
         index = {id(g): k for k, g in enumerate(self.param_groups)}
         hp = np.zeros((len(self.param_groups), kernels.HP_WORDS), dtype=np.float32)
         for k, g in enumerate(self.param_groups):
             hp[k, [kernels.HP_LR, kernels.HP_ETA, kernels.HP_WD, kernels.HP_EPS,
-                   kernels.HP_BETA1]] = (g["lr"], g["trust_coefficient"], g["weight_decay"],
-                                         g["eps"], g["momentum"])
-        fused.lars_step([p for _, p in pairs], grads, bufs, hp,
-                        [index[id(g)] for g, _ in pairs], adapt)
+                   kernels.HP_BETA1, kernels.HP_TMIN, kernels.HP_TMAX]] = (
+                g["lr"], g["trust_coefficient"], g["weight_decay"], g["eps"], g["momentum"],
+                *clamp_row(g))
+        return fused.lars_step([p for _, p in pairs], grads, bufs, hp,
+                               [index[id(g)] for g, _ in pairs], adapt)

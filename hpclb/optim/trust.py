@@ -2,28 +2,33 @@
 
 One spec, several implementations that must agree (a float64 NumPy reference in the tests, this
 torch path on CPU/GPU, and the fused CUDA kernel of ``kernels/`` behind the same functions).
-Formulas (DESIGN.md; You, Gitman, Ginsburg 2017 for LARS; You et al. ICLR 2020 for LAMB):
+Formulas (You, Gitman, Ginsburg 2017, arXiv 1708.03888, for LARS; You et al., ICLR 2020,
+arXiv 1904.00962, for LAMB):
 
 - LARS: ``ratio = eta * ||w|| / (||g|| + wd * ||w|| + eps)``
 - LAMB: ``ratio = ||w|| / ||u||`` with ``u = m_hat / (sqrt(v_hat) + eps) + wd * w``
+- optional clamp ``trust_clamp=(min, max)``: ``ratio = min(max(ratio, min), max)``
 
-A layer whose ``||w||`` or ``||g||`` (``||u||``) is 0 gets ratio 1, and so does a layer that is
-excluded from adaptation (``adapt`` False). Norms accumulate in fp32 whatever the input dtype
-(fp32, fp16, bf16); results are fp32 tensors of shape ``[n_layers]`` on the tensors' device, so
-nothing synchronises with the host per layer.
+A layer whose ``||w||`` or ``||g||`` (``||u||``) is 0 gets ratio 1 (never 0/0), and so does a
+layer that is excluded from adaptation (``adapt`` False); the clamp applies to the other layers
+only. Norms accumulate in the wider of the tensor's dtype and fp32: fp32 for fp32/fp16/bf16,
+fp64 for fp64. Results are tensors of shape ``[n_layers]`` on the tensors' device, fp32, or fp64
+when any input is fp64, so nothing synchronises with the host per layer.
 
 Backends (:func:`backend_for`): ``"cupy"``, the fused kernel of ``kernels/trust_ratio.cu``
 (:mod:`hpclb.kernels`: one launch for all layers), is chosen automatically for CUDA tensors when
-CuPy imports; ``"torch"`` (two ``torch._foreach_norm`` calls) everywhere else, and for inputs the
-kernel does not take (non-contiguous tensors keep the torch path; dtypes other than
-fp32/fp16/bf16). ``HPCLB_TRUST_BACKEND=torch`` forces the torch path. The choice is logged once
-per process and backend.
+CuPy imports; ``"torch"`` (``torch._foreach_norm`` calls) everywhere else, and for inputs the
+kernel does not take (non-contiguous tensors; dtypes other than fp32/fp16/bf16, e.g. float64),
+which is logged once per reason. ``HPCLB_TRUST_BACKEND=torch`` forces the torch path. The choice
+is logged once per process and backend.
 """
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+import math
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,6 +36,10 @@ from .. import kernels
 
 log = logging.getLogger(__name__)
 _announced: set[str] = set()
+
+#: ``trust_clamp`` as accepted here: None (no clamp), one ``(min, max)`` for every layer, or one
+#: ``(min, max)`` or None per layer.
+TrustClamp = Any
 
 
 def backend_for(tensors: Sequence[Tensor]) -> str:
@@ -53,15 +62,25 @@ def fused_backend(*lists: Sequence[Tensor | None]) -> kernels.FusedTrust | None:
     if not first or backend_for(first) == "torch":
         return None
     fused = kernels.fused_for(first[0].device)
-    return fused if fused is not None and fused.supports(*lists) else None
+    if fused is None:
+        return None
+    reason = fused.why_not(*lists)
+    if reason is not None:
+        kind = reason.split(" ", 2)[-1]   # without "layer N": once per kind of reason
+        if kind not in _announced:
+            _announced.add(kind)
+            log.info("trust ratios: torch path instead of %s: %s", fused.launcher.name, reason)
+        return None
+    return fused
 
 
 @torch.no_grad()
 def layer_norms(tensors: Sequence[Tensor]) -> Tensor:
-    """L2 norm of each tensor, accumulated in fp32.
+    """L2 norm of each tensor, accumulated in the wider of its dtype and fp32.
 
-    Args: ``tensors``, n tensors of any shape/size (an empty tensor has norm 0), fp32/fp16/bf16,
-    all on one device. Returns an fp32 tensor of shape ``[n]`` on that device (``[0]`` if n = 0).
+    Args: ``tensors``, n floating tensors of any shape/size (an empty tensor has norm 0), all on
+    one device. Returns a tensor of shape ``[n]`` on that device (``[0]`` if n = 0), fp32, or
+    fp64 when any input is fp64.
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
@@ -72,13 +91,74 @@ def layer_norms(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def _torch_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """``[n]`` norms: fp32 accumulation, fp64 for fp64 tensors (then the result is fp64)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
+    if not wide:
+        return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+    if len(wide) == len(tensors):
+        return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64))
+    narrow = [i for i, t in enumerate(tensors) if t.dtype != torch.float64]
+    out = torch.empty(len(tensors), dtype=torch.float64, device=tensors[0].device)
+    for idx, dtype in ((wide, torch.float64), (narrow, torch.float32)):
+        norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=dtype)
+        out[torch.tensor(idx, device=out.device)] = torch.stack(norms).to(torch.float64)
+    return out
 
 
 def _as_layer_vector(x: float | Sequence[float] | Tensor, n: int, like: Tensor) -> Tensor:
-    return torch.as_tensor(x, dtype=torch.float32, device=like.device).expand(n)
+    return torch.as_tensor(x, dtype=like.dtype, device=like.device).expand(n)
+
+
+def clamp_bounds(trust_clamp: TrustClamp, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per-layer ``(lo, hi)`` float64 arrays ``[n]`` of a ``trust_clamp`` (see
+    :data:`TrustClamp`; a layer without a clamp gets ``(0, inf)``), or None when no layer has
+    one. Raises ValueError for a malformed clamp (each must be ``0 <= min < max``)."""
+    if trust_clamp is None:
+        return None
+    items = list(trust_clamp)
+    if len(items) == 2 and all(isinstance(x, (int, float, np.floating)) for x in items):
+        items = [tuple(items)] * n
+    if len(items) != n:
+        raise ValueError(f"trust_clamp: {len(items)} entries for {n} layers; give one "
+                         "(min, max), or one (min, max) or None per layer")
+    lo, hi = np.zeros(n), np.full(n, math.inf)
+    for i, c in enumerate(items):
+        if c is not None:
+            lo[i], hi[i] = check_trust_clamp(c)
+    return (lo, hi) if any(c is not None for c in items) else None
+
+
+def check_trust_clamp(trust_clamp: Any) -> tuple[float, float] | None:
+    """``trust_clamp`` as ``(min, max)`` floats, or None. Raises ValueError unless it is None or
+    two numbers with ``0 <= min < max`` (max may be inf), e.g. ``(0.0, 10.0)``."""
+    if trust_clamp is None:
+        return None
+    try:
+        lo, hi = (float(x) for x in trust_clamp)
+    except (TypeError, ValueError):
+        lo = hi = math.nan
+    if not (0.0 <= lo < hi):   # also false for NaN
+        raise ValueError(f"Invalid trust_clamp: {trust_clamp!r} (must be None or (min, max) "
+                         "with 0 <= min < max, e.g. (0.0, 10.0))")
+    return lo, hi
+
+
+def _clamp(ratio: Tensor, bounds: tuple[np.ndarray, np.ndarray] | None) -> Tensor:
+    if bounds is None:
+        return ratio
+    lo, hi = (torch.as_tensor(b, dtype=ratio.dtype).to(ratio.device) for b in bounds)
+    return torch.minimum(torch.maximum(ratio, lo), hi)   # NaN stays NaN, as in the kernel
+
+
+def _fused_clamp(bounds: tuple[np.ndarray, np.ndarray] | None, n: int) -> dict[str, Any]:
+    """The kernel's clamp arguments: ``clamp_max`` 0 means no clamp for that layer."""
+    if bounds is None:
+        return {}
+    lo, hi = bounds
+    return dict(clamp_min=lo.astype(np.float32),
+                clamp_max=np.where(np.isinf(hi) & (lo == 0), 0.0, hi).astype(np.float32))
 
 
 def _ratio(numerator: Tensor, w_norm: Tensor, other_norm: Tensor, adapt: Tensor) -> Tensor:
@@ -92,48 +172,57 @@ def lars_trust_ratios(weights: Sequence[Tensor], grads: Sequence[Tensor], *,
                       trust_coefficient: float | Sequence[float] | Tensor,
                       weight_decay: float | Sequence[float] | Tensor,
                       eps: float | Sequence[float] | Tensor,
-                      adapt: Sequence[bool] | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                      adapt: Sequence[bool] | Tensor,
+                      trust_clamp: TrustClamp = None) -> tuple[Tensor, Tensor, Tensor]:
     """LARS trust ratios of n layers in one call.
 
     Args: ``weights``/``grads``, n tensors each (pairwise same shape); per-layer hyper-parameters
-    as a float or a length-n sequence; ``adapt``, n bools (False = excluded, ratio 1).
-    Returns ``(ratios, w_norms, g_norms)``, fp32 tensors of shape ``[n]``.
-    Raises ValueError when the lists differ in length.
+    as a float or a length-n sequence; ``adapt``, n bools (False = excluded, ratio 1);
+    ``trust_clamp``, see :data:`TrustClamp`.
+    Returns ``(ratios, w_norms, g_norms)``, tensors of shape ``[n]`` (fp32; fp64 when any input
+    is fp64). Raises ValueError when the lists differ in length or a clamp is malformed.
     """
     if len(weights) != len(grads) or len(weights) != len(adapt):
         raise ValueError(f"got {len(weights)} weights, {len(grads)} grads, {len(adapt)} adapt flags")
+    n = len(weights)
+    bounds = clamp_bounds(trust_clamp, n)
     fused = fused_backend(weights, grads)
     if fused is not None and not isinstance(adapt, Tensor):
         r = fused.lars_ratios(weights, grads, trust_coefficient=trust_coefficient,
-                              weight_decay=weight_decay, eps=eps, adapt=adapt)
+                              weight_decay=weight_decay, eps=eps, adapt=adapt,
+                              **_fused_clamp(bounds, n))
         return r.ratio, r.w_norm, r.o_norm
     w_norm = _torch_norms(weights)
     g_norm = _torch_norms(grads)
-    n = len(weights)
     eta = _as_layer_vector(trust_coefficient, n, w_norm)
     wd = _as_layer_vector(weight_decay, n, w_norm)
     e = _as_layer_vector(eps, n, w_norm)
-    ratio = eta * w_norm / (g_norm + wd * w_norm + e)
+    den = g_norm + wd * w_norm + e
+    ratio = _clamp(eta * w_norm / torch.where(den > 0, den, torch.ones_like(den)), bounds)
     return _ratio(ratio, w_norm, g_norm, torch.as_tensor(adapt, dtype=torch.bool)), w_norm, g_norm
 
 
 @torch.no_grad()
 def lamb_trust_ratios(weights: Sequence[Tensor], updates: Sequence[Tensor], *,
-                      adapt: Sequence[bool] | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                      adapt: Sequence[bool] | Tensor,
+                      trust_clamp: TrustClamp = None) -> tuple[Tensor, Tensor, Tensor]:
     """LAMB trust ratios ``||w|| / ||u||`` of n layers in one call.
 
     Args: ``weights``/``updates`` (u, weight decay already inside), n tensors each; ``adapt``, n
-    bools. Returns ``(ratios, w_norms, u_norms)``, fp32 tensors of shape ``[n]``.
-    Raises ValueError when the lists differ in length.
+    bools; ``trust_clamp``, see :data:`TrustClamp`. Returns ``(ratios, w_norms, u_norms)``,
+    tensors of shape ``[n]`` (fp32; fp64 when any input is fp64).
+    Raises ValueError when the lists differ in length or a clamp is malformed.
     """
     if len(weights) != len(updates) or len(weights) != len(adapt):
         raise ValueError(f"got {len(weights)} weights, {len(updates)} updates, "
                          f"{len(adapt)} adapt flags")
+    n = len(weights)
+    bounds = clamp_bounds(trust_clamp, n)
     fused = fused_backend(weights, updates)
     if fused is not None and not isinstance(adapt, Tensor):
-        r = fused.lamb_ratios(weights, updates, adapt=adapt)
+        r = fused.lamb_ratios(weights, updates, adapt=adapt, **_fused_clamp(bounds, n))
         return r.ratio, r.w_norm, r.o_norm
     w_norm = _torch_norms(weights)
     u_norm = _torch_norms(updates)
-    ratio = w_norm / torch.where(u_norm > 0, u_norm, torch.ones_like(u_norm))
+    ratio = _clamp(w_norm / torch.where(u_norm > 0, u_norm, torch.ones_like(u_norm)), bounds)
     return _ratio(ratio, w_norm, u_norm, torch.as_tensor(adapt, dtype=torch.bool)), w_norm, u_norm

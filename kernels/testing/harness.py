@@ -124,7 +124,9 @@ class EmulatorLauncher:
     """The launcher interface of hpclb.kernels (what CupyLauncher is on a GPU), on the CPU.
 
     ``max_grid`` caps the grid (None: one block per chunk); ``policy``/``seed`` choose the
-    fiber and block order. Counts launches in ``launches``.
+    fiber and block order. Records launches in ``launches`` (name, grid, block).
+    ``stream`` stands in for torch's current CUDA stream (set it to emulate another stream;
+    :meth:`stream_key` is what the host code keys its caches by).
     """
 
     name = "emulator"
@@ -139,6 +141,10 @@ class EmulatorLauncher:
         self.policy = policy
         self.seed = seed
         self.launches: list[tuple[str, int, int]] = []
+        self.stream = 0
+
+    def stream_key(self) -> int:
+        return self.stream
 
     def grid_for(self, n_chunks: int, block: int) -> int:
         return max(1, n_chunks if self.max_grid is None else min(n_chunks, self.max_grid))

@@ -2,39 +2,25 @@
 
 :class:`GradientSync` packs gradients into buckets of at most ``fusion_threshold_bytes`` bytes
 (the first, reduced first, small), makes every ``p.grad`` a view into its bucket so nothing is
-copied, and starts a bucket's allreduce from the post-accumulate-grad hook of its last gradient,
-so communication overlaps the rest of backward. ``synchronize()`` waits for every bucket and
-divides by ``world_size`` (times the accumulation count) exactly once. Every rank starts the
-buckets in the same order (bucket ``i`` only after bucket ``i-1``), which keeps the MPI rule that
-all ranks enter collectives in the same order.
+copied (each view starts at a 16-byte aligned offset, so vectorised kernels such as the fused
+trust-ratio kernel take their fast path), and starts a bucket's allreduce from the
+post-accumulate-grad hook of its last gradient, so communication overlaps the rest of backward.
+``synchronize()`` waits for every bucket and divides by ``world_size`` (times the accumulation
+count) exactly once. Every rank starts the buckets in the same order (bucket ``i`` only after
+bucket ``i-1``), which keeps the MPI rule that all ranks enter collectives in the same order; for
+the same reason one communicator carries one GradientSync at a time.
 
-Two ways to overlap (``overlap=``), both measured by ``make bench-allreduce``:
-
-``thread``
-    a communication thread owns the collectives; the hook only enqueues the bucket. The thread
-    starts its non-blocking allreduce and drives it with ``test()`` every ``HPCLB_COMM_POLL_S``
-    (0.2 ms), sleeping in between, while backward runs, and blocks in ``wait()`` once
-    ``synchronize()`` waits. The default for the ``mpi`` backend: Open MPI advances a
-    non-blocking collective only inside MPI calls, so an ``MPI_Iallreduce`` started from a hook
-    mostly runs in ``synchronize()``, and a thread sitting in a blocking ``MPI_Allreduce``
-    busy-polls, taking the core from backward (measured: README, "Gradient synchronisation and
-    scaling").
-``nonblocking``
-    the hook starts ``comm.iallreduce_`` and later hooks call ``Handle.test()`` to drive
-    progress. The default where the library progresses on its own threads (Gloo, NCCL,
-    Horovod).
-``none``
-    everything in ``synchronize()``, one blocking allreduce per bucket (the reference).
+Settings: :mod:`hpclb.parallel_options` (arguments and ``HPCLB_*`` variables, one place).
+How buckets travel (``overlap=thread|nonblocking|none``): :mod:`hpclb.parallel_drivers`; the
+measurements behind the defaults are in ``docs/gradient-sync.md``.
 """
 from __future__ import annotations
 
-import math
-import os
-import queue
+import gc
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -43,13 +29,12 @@ from .comm import Communicator
 from .comm.base import Handle
 from .comm.watchdog import StallReport, watchdog_for
 
-MiB = 2 ** 20
-DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
-DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
-DEFAULT_STALL_TIMEOUT_S = 60.0
-DEFAULT_COMM_POLL_S = 2e-4
-OVERLAP_MODES = ("auto", "thread", "nonblocking", "none")
-COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+from .parallel_drivers import DRIVERS
+from .parallel_options import (COMPRESSIONS, DEFAULT_COMM_POLL_S,  # noqa: F401 (re-exported)
+                               DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_FUSION_THRESHOLD_BYTES,
+                               DEFAULT_STALL_TIMEOUT_S, OVERLAP_MODES, MiB, SyncOptions)
+
+ALIGN_BYTES = 16  # every gradient view starts at a multiple of this many bytes in its bucket
 
 
 class ModelMismatchError(RuntimeError):
@@ -113,25 +98,6 @@ def agree_num_steps(local_steps: int, comm: Communicator, how: str = "min") -> i
     return int(comm.allreduce_(t, op=how).item())
 
 
-def _env(name: str, default, conv):
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return conv(raw)
-    except ValueError as e:
-        raise ValueError(f"${name}={raw!r}: {e}") from e
-
-
-def _bytes(raw: str) -> int:
-    """``"26214400"``, ``"25MiB"``, ``"64 MiB"``, ``"1GiB"`` -> bytes."""
-    s = raw.strip().replace(" ", "")
-    for suffix, mult in (("GiB", 2 ** 30), ("MiB", MiB), ("KiB", 2 ** 10), ("B", 1)):
-        if s.endswith(suffix):
-            return int(float(s[:-len(suffix)]) * mult)
-    return int(s)
-
-
 def plan_buckets(nbytes: list[int], fusion_threshold_bytes: int,
                  first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
                  keys: list | None = None) -> list[list[int]]:
@@ -176,6 +142,8 @@ class _Bucket:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     launched: bool = False
+    local_sq: Tensor | None = None
+    stream: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -194,91 +162,77 @@ class GradientSync:
         params: the model's parameters in the same order on every rank: an ``nn.Module``, an
             iterable of parameters, or of ``(name, parameter)`` pairs (names make the start-up
             check's messages readable). Parameters with ``requires_grad=False`` are skipped.
-        comm: the communicator.
+        comm: the communicator. One communicator carries one live GradientSync (world size > 1):
+            two would start collectives in an order that depends on which backward runs
+            (a GAN's generator backward also fires the discriminator's hooks), so a second one
+            raises ValueError until the first is ``close()``-d; synchronise all the models'
+            parameters with one GradientSync (one DistributedOptimizer) instead.
         fusion_threshold_bytes: most bytes per bucket (default $HPCLB_FUSION_THRESHOLD_BYTES or
-            25 MiB; accepts "64MiB" there). A tensor larger than this gets a bucket of its own.
+            25 MiB; "64MiB", "64MB" accepted there). A tensor larger than this gets a bucket of
+            its own. Under 1 KiB warns (a unit mistake makes one bucket per tensor).
         first_bucket_bytes: most bytes in the first bucket (the last layers' gradients, ready
             first; small so communication starts early). Default 1 MiB.
         overlap: ``"thread"``, ``"nonblocking"``, ``"none"`` or ``"auto"`` (default
             $HPCLB_OVERLAP or auto: ``thread`` for MPI, ``nonblocking`` for backends that
-            progress on their own threads).
+            progress on their own threads); see :mod:`hpclb.parallel_drivers`.
         accumulation_steps: k micro-batches per optimizer step; ``synchronize()`` after each
             backward returns False for the first k-1 (gradients accumulate locally, no
             communication) and reduces on the k-th. The result is the mean over ranks and
-            micro-batches (one division by ``world_size * k``), i.e. the gradient of one k-times
-            larger batch when the loss is a per-micro-batch mean.
+            micro-batches (one division by ``world_size * k``).
         compression: None, ``"fp16"`` or ``"bf16"`` (default $HPCLB_COMPRESSION): buckets travel
             in that dtype, each rank's share divided by ``world_size * k`` *before* the cast
-            (pre-division: the sum of ranks' shares cannot overflow where each gradient does
-            not), and are cast back into the fp32 gradients.
-        stall_timeout_s: report a wait longer than this, naming the ranks that have not joined
-            (default $HPCLB_STALL_TIMEOUT_S or 60 s).
-        stall_abort_s: end the job after a wait this long (default $HPCLB_STALL_ABORT_S or
-            never).
+            (the sum of ranks' shares cannot overflow where each gradient does not).
+        stall_timeout_s: report a wait longer than this many seconds, naming the ranks that have
+            not joined (default $HPCLB_STALL_TIMEOUT_S or 60).
+        stall_abort_s: end the job after a wait this long (default $HPCLB_STALL_ABORT_S or never).
         on_stall: called with a :class:`~hpclb.comm.watchdog.StallReport` (default: print it).
+        track_local_norm: also keep, per step, the squared L2 norm of this rank's own gradient
+            (the mean over its samples, before the allreduce) for the gradient noise scale
+            (:attr:`local_sq_norm`); one norm per bucket on the device, no host sync.
 
-    $HPCLB_COMM_POLL_S (seconds, default 0.0002) sets how often the communication thread drives
-    a bucket while backward runs; 0 makes it call the blocking allreduce instead.
-
-    Every ``p.grad`` becomes a view into a bucket buffer (zeros at construction, or a copy of the
-    existing gradient); keep zeroing gradients in place (``zero_grad(set_to_none=False)``) to
-    avoid a copy in the hook. A parameter whose hook did not run in a step is reduced as zeros.
-    A parameter whose gradient arrives after its bucket has started raises RuntimeError from
-    backward (e.g. a second backward through the same graph in one step without accumulation).
+    Every ``p.grad`` becomes a view into a bucket buffer; keep zeroing gradients in place
+    (``zero_grad(set_to_none=False)``) to avoid a copy in the hook. A parameter whose hook did
+    not run in a step is reduced as zeros. A gradient that arrives after its bucket has started
+    raises RuntimeError from backward.
 
     Raises ValueError for a bad setting, :class:`ModelMismatchError` (on every rank) when ranks
     disagree on the buckets (names, shapes, dtypes) or on settings that change what travels.
     """
 
-    def __init__(self, params, comm: Communicator, *, fusion_threshold_bytes: int | None = None,
-                 first_bucket_bytes: int | None = None, overlap: str | None = None,
+    _live: "weakref.WeakValueDictionary[int, GradientSync]" = weakref.WeakValueDictionary()
+
+    def __init__(self, params, comm: Communicator, *, fusion_threshold_bytes=None,
+                 first_bucket_bytes=None, overlap: str | None = None,
                  accumulation_steps: int = 1, compression: str | None = None,
                  stall_timeout_s: float | None = None, stall_abort_s: float | None = None,
-                 on_stall: Callable[[StallReport], None] | None = None):
+                 on_stall: Callable[[StallReport], None] | None = None,
+                 track_local_norm: bool = False):
         self.comm = comm
         named = self._named(params)
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
-        self.fusion_threshold_bytes = int(fusion_threshold_bytes if fusion_threshold_bytes
-                                          is not None else _env("HPCLB_FUSION_THRESHOLD_BYTES",
-                                                                DEFAULT_FUSION_THRESHOLD_BYTES,
-                                                                _bytes))
-        self.first_bucket_bytes = int(first_bucket_bytes if first_bucket_bytes is not None
-                                      else DEFAULT_FIRST_BUCKET_BYTES)
-        if self.fusion_threshold_bytes <= 0 or self.first_bucket_bytes <= 0:
-            raise ValueError("fusion_threshold_bytes and first_bucket_bytes must be > 0 bytes")
-        overlap = overlap or _env("HPCLB_OVERLAP", "auto", str)
-        if overlap not in OVERLAP_MODES:
-            raise ValueError(f"overlap={overlap!r}: choose one of {OVERLAP_MODES}")
-        if overlap == "auto":
-            overlap = "nonblocking" if comm.async_progress else "thread"
-        if overlap == "thread" and not comm.thread_safe:
-            overlap = "nonblocking"
-        self.overlap = overlap
-        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) \
+                or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
+        self.options = SyncOptions.resolve(
+            fusion_threshold_bytes=fusion_threshold_bytes, first_bucket_bytes=first_bucket_bytes,
+            overlap=overlap, compression=compression, stall_timeout_s=stall_timeout_s,
+            stall_abort_s=stall_abort_s)
+        o = self.options
+        self.fusion_threshold_bytes, self.first_bucket_bytes = \
+            o.fusion_threshold_bytes, o.first_bucket_bytes
+        self.overlap = o.overlap_for(comm)
         self.accumulation_steps = accumulation_steps
-        compression = compression if compression is not None else \
-            _env("HPCLB_COMPRESSION", None, str)
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression={compression!r}: choose None, 'fp16' or 'bf16'")
-        self.compression = COMPRESSIONS[compression]
+        self.compression = o.compression_dtype
         if self.compression is torch.bfloat16 and comm.backend == "horovod":
             raise ValueError("compression='bf16': Horovod 0.28.1 cannot reduce bfloat16; use "
                              "'fp16' or another backend")
-        self.stall_timeout_s = float(stall_timeout_s if stall_timeout_s is not None else
-                                     _env("HPCLB_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S, float))
-        self.stall_abort_s = stall_abort_s if stall_abort_s is not None else \
-            _env("HPCLB_STALL_ABORT_S", None, float)
+        self.stall_timeout_s, self.stall_abort_s = o.stall_timeout_s, o.stall_abort_s
+        self.comm_poll_s = o.comm_poll_s
         self.on_stall = on_stall
-        self.comm_poll_s = float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, float))
+        self.track_local_norm = bool(track_local_norm)
         self.divisor = comm.world_size * accumulation_steps
-
-        for n, p in named:
-            other = getattr(p, "_hpclb_sync", None)
-            if other is not None and other() is not None and other()._hooks:
-                raise ValueError(f"parameter {n} is already synchronised by {other()!r}; "
-                                 f"close() that GradientSync first")
+        self._check_not_shared(named)
         self.buckets = self._build_buckets()
         for p in self.params:
             p._hpclb_sync = weakref.ref(self)
@@ -286,25 +240,19 @@ class GradientSync:
         self._next = 0   # next bucket to launch
         self.steps = 0   # synchronised (optimizer) steps so far
         self._hooks = []
-        self._queue: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
+        self._driver = None
         if comm.world_size > 1:
             self._agree()
+            GradientSync._live[id(comm)] = self
             self._watchdog = watchdog_for(comm)
             self._watchdog.register_timeout(self.stall_timeout_s)
             for b in self.buckets:
                 for j, p in enumerate(b.params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(
                         self._make_hook(b, j)))
-            if self.overlap == "thread":
-                self._queue = queue.SimpleQueue()
-                self._main_waiting = threading.Event()
-                self._thread = threading.Thread(
-                    target=_comm_loop, args=(self._queue, comm, self._main_waiting,
-                                             self.comm_poll_s),
-                    name="hpclb-comm", daemon=True)
-                self._thread.start()
-                self._finalizer = weakref.finalize(self, self._queue.put, None)
+            driver = DRIVERS[self.overlap]
+            self._driver = driver(comm, self.comm_poll_s, owner=self) \
+                if self.overlap == "thread" else driver(comm, self.comm_poll_s)
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
@@ -325,38 +273,60 @@ class GradientSync:
                 out.append((n, p))
         return out
 
+    def _check_not_shared(self, named) -> None:
+        """A parameter belongs to one GradientSync; a communicator (world size > 1) to one."""
+        for n, p in named:
+            other = getattr(p, "_hpclb_sync", None)
+            if other is not None and other() is not None and other()._hooks:
+                raise ValueError(f"parameter {n} is already synchronised by {other()!r}; "
+                                 f"close() that GradientSync first")
+        if self.comm.world_size == 1:
+            return
+        other = GradientSync._live.get(id(self.comm))
+        if other is not None and other._hooks:
+            gc.collect()  # an unreachable one (a finished run's) is not in the way
+            other = GradientSync._live.get(id(self.comm))
+        if other is not None and other._hooks:
+            raise ValueError(
+                f"this communicator already carries {other!r}; two GradientSyncs on one "
+                f"communicator start collectives in an order that depends on which backward "
+                f"runs and hang or mix gradients. Synchronise all parameters (e.g. generator "
+                f"and discriminator) with one GradientSync / hpclb.DistributedOptimizer, or "
+                f"close() the first")
+
     @torch.no_grad()
     def _build_buckets(self) -> list[_Bucket]:
         """Reverse registration order (roughly the order backward produces gradients), split
-        by device and dtype, each bucket up to its byte cap."""
+        by device and dtype, each bucket up to its byte cap; views at 16-byte aligned offsets."""
         groups = plan_buckets([p.numel() * p.element_size() for p in self.params],
                               self.fusion_threshold_bytes, self.first_bucket_bytes,
                               keys=[(p.dtype, p.device) for p in self.params])
-        buckets = []
-        for bi, idx in enumerate(groups):
-            ps = [self.params[i] for i in idx]
-            offsets, total = [], 0
-            for p in ps:
-                offsets.append(total)
-                total += p.numel()
-            buf = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
-            comm_dtype = self.compression if (self.compression is not None and
-                                              ps[0].dtype.is_floating_point) else None
-            cbuf = buf if comm_dtype is None or comm_dtype == buf.dtype else \
-                torch.zeros(total, dtype=comm_dtype, device=buf.device)
-            b = _Bucket(bi, ps, [self.names[i] for i in idx], offsets, buf, cbuf,
-                        predivide=comm_dtype is not None)
-            for p, off in zip(ps, offsets):
-                view = buf[off:off + p.numel()].view_as(p)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-                b.views.append(view)
-            b.ready = [False] * len(ps)
-            b.used = [False] * len(ps)
-            b.pending = len(ps)
-            buckets.append(b)
-        return buckets
+        return [self._make_bucket(bi, idx) for bi, idx in enumerate(groups)]
+
+    def _make_bucket(self, bi: int, idx: list[int]) -> _Bucket:
+        ps = [self.params[i] for i in idx]
+        align = max(1, ALIGN_BYTES // ps[0].element_size())
+        offsets, total = [], 0
+        for p in ps:
+            offsets.append(total)
+            total += -(-p.numel() // align) * align
+        buf = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
+        comm_dtype = self.compression if (self.compression is not None and
+                                          ps[0].dtype.is_floating_point) else None
+        cbuf = buf if comm_dtype is None or comm_dtype == buf.dtype else \
+            torch.zeros(total, dtype=comm_dtype, device=buf.device)
+        b = _Bucket(bi, ps, [self.names[i] for i in idx], offsets, buf, cbuf,
+                    predivide=comm_dtype is not None)
+        for p, off in zip(ps, offsets):
+            view = buf[off:off + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            b.views.append(view)
+        b.ready = [False] * len(ps)
+        b.used = [False] * len(ps)
+        b.pending = len(ps)
+        return b
 
     def _agree(self) -> None:
         """Every rank compares its bucket layout and settings with rank 0's (one allgather)."""
@@ -367,7 +337,8 @@ class GradientSync:
                              "accumulation_steps": self.accumulation_steps,
                              "fusion_threshold_bytes": self.fusion_threshold_bytes,
                              "first_bucket_bytes": self.first_bucket_bytes,
-                             "overlap": self.overlap, "comm_poll_s": self.comm_poll_s}}
+                             "overlap": self.overlap, "comm_poll_s": self.comm_poll_s,
+                             "track_local_norm": self.track_local_norm}}
         everyone = self.comm.allgather_object(mine)
         _compare_entries([e["params"] for e in everyone], "different gradients than rank 0",
                          "every rank must build the same model and pass the same parameters")
@@ -385,8 +356,12 @@ class GradientSync:
 
     # -- backward ------------------------------------------------------------------------------
     def _make_hook(self, b: _Bucket, j: int):
+        owner = weakref.ref(self)  # a strong reference here would keep a dropped sync alive
+
         def hook(p: Tensor) -> None:
-            self._on_grad(b, j, p)
+            sync = owner()
+            if sync is not None:
+                sync._on_grad(b, j, p)
         return hook
 
     @torch.no_grad()
@@ -406,8 +381,8 @@ class GradientSync:
         b.pending -= 1
         if b.pending == 0:
             self._launch_ready()
-        elif self.overlap == "nonblocking" and not self.comm.async_progress:
-            self._progress()
+        else:
+            self._driver.progress(self.buckets[:self._next])
 
     def _adopt(self, b: _Bucket, j: int) -> None:
         """Make ``p.grad`` the bucket view again if someone replaced it (``set_to_none``)."""
@@ -426,6 +401,9 @@ class GradientSync:
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
+        if self.track_local_norm:  # this rank's mean gradient, before anything is divided
+            b.local_sq = torch.linalg.vector_norm(b.buffer, dtype=torch.float32).square() \
+                / self.accumulation_steps ** 2
         if b.predivide:  # divide each rank's share first, then cast: the sum cannot overflow
             b.buffer.div_(self.divisor)
             if b.comm_buffer is not b.buffer:
@@ -433,17 +411,7 @@ class GradientSync:
         b.launched = True
         b.error = None
         b.seq = self._watchdog.entered(b.label(len(self.buckets), self.steps + 1))
-        if self.overlap == "thread":
-            b.done.clear()
-            self._queue.put(b)
-        elif self.overlap == "nonblocking":
-            b.handle = self.comm.iallreduce_(b.comm_buffer, "sum", name=f"hpclb.grad.{b.index}")
-        # overlap == "none": reduced in synchronize()
-
-    def _progress(self) -> None:
-        for b in self.buckets[:self._next]:
-            if b.handle is not None and b.handle.test():
-                pass
+        self._driver.launch(b)
 
     def mark_all_ready(self) -> None:
         """Declare every gradient of this step final, as the hooks do during backward, which
@@ -472,13 +440,38 @@ class GradientSync:
         self._micro = 0
         self.steps += 1
         if self.comm.world_size == 1:
-            for b in self.buckets:
-                for j in range(len(b.params)):
-                    self._adopt(b, j)
-                if self.divisor != 1:
-                    b.buffer.div_(self.divisor)
+            self._finish_alone()
             return True
-        for b in self.buckets:  # parameters without a gradient in this window: zeros
+        self._fill_missing()
+        self._launch_ready()
+        error = None
+        for b in self.buckets:
+            label = b.label(len(self.buckets), self.steps)
+            with self._watchdog.waiting(b.seq, label, self.stall_timeout_s, self.on_stall,
+                                        self.stall_abort_s):
+                self._driver.wait(b)
+            if b.error is not None and error is None:
+                error = RuntimeError(f"allreduce of {label} failed: {b.error!r}")
+            self._finish_bucket(b)
+        self._next = 0
+        self._driver.end_step()
+        if error is not None:
+            raise error
+        return True
+
+    def _finish_alone(self) -> None:
+        for b in self.buckets:
+            for j in range(len(b.params)):
+                self._adopt(b, j)
+            if self.track_local_norm:
+                b.local_sq = torch.linalg.vector_norm(b.buffer, dtype=torch.float32).square() \
+                    / self.accumulation_steps ** 2
+            if self.divisor != 1:
+                b.buffer.div_(self.divisor)
+
+    def _fill_missing(self) -> None:
+        """Parameters without a gradient in this window travel as zeros."""
+        for b in self.buckets:
             if b.pending:
                 for j, ready in enumerate(b.ready):
                     if not ready:
@@ -487,36 +480,32 @@ class GradientSync:
                         b.params[j].grad = b.views[j]
                         b.ready[j] = True
                 b.pending = 0
-        self._launch_ready()
-        error = None
-        for b in self.buckets:
-            label = b.label(len(self.buckets), self.steps)
-            with self._watchdog.waiting(b.seq, label, self.stall_timeout_s, self.on_stall,
-                                        self.stall_abort_s):
-                if self.overlap == "thread":
-                    self._main_waiting.set()
-                    b.done.wait()
-                elif self.overlap == "nonblocking":
-                    b.handle.wait()
-                    b.handle = None
-                else:
-                    self.comm.allreduce_(b.comm_buffer)
-            if b.error is not None and error is None:
-                error = RuntimeError(f"allreduce of {label} failed: {b.error!r}")
-            if b.comm_buffer is not b.buffer:
-                b.buffer.copy_(b.comm_buffer)
-            if not b.predivide:
-                b.buffer.div_(self.divisor)
-            b.ready = [False] * len(b.params)
-            b.used = [False] * len(b.params)
-            b.pending = len(b.params)
-            b.launched = False
-        self._next = 0
-        if self.overlap == "thread":
-            self._main_waiting.clear()
-        if error is not None:
-            raise error
-        return True
+
+    def _finish_bucket(self, b: _Bucket) -> None:
+        if b.comm_buffer is not b.buffer:
+            b.buffer.copy_(b.comm_buffer)
+        if not b.predivide:
+            b.buffer.div_(self.divisor)
+        b.ready = [False] * len(b.params)
+        b.used = [False] * len(b.params)
+        b.pending = len(b.params)
+        b.launched = False
+
+    @property
+    def local_sq_norm(self) -> Tensor | None:
+        """0-d float32 tensor on the gradients' device: ``|g_local|^2`` of the last synchronised
+        step, this rank's mean gradient over its own samples before the allreduce (needs
+        ``track_local_norm=True``; else None)."""
+        if not self.track_local_norm or any(b.local_sq is None for b in self.buckets):
+            return None
+        return torch.stack([b.local_sq.to(self.buckets[0].buffer.device)
+                            for b in self.buckets]).sum()
+
+    @property
+    def grad_buffers(self) -> list[Tensor]:
+        """The bucket buffers (every gradient lives in one; alignment gaps hold zeros): one
+        norm over these is the global gradient norm without a per-layer loop."""
+        return [b.buffer for b in self.buckets]
 
     def reset_epoch(self) -> int:
         """Start a new accumulation window at an epoch boundary; returns how many micro-batches
@@ -526,7 +515,7 @@ class GradientSync:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of gradient buffers (all buckets)."""
+        """Bytes of gradient buffers (all buckets, alignment padding included)."""
         return sum(b.nbytes for b in self.buckets)
 
     @property
@@ -541,10 +530,10 @@ class GradientSync:
         for p in self.params:
             if getattr(p, "_hpclb_sync", None) is not None and p._hpclb_sync() is self:
                 p._hpclb_sync = None
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=10)
-            self._thread = None
+        if GradientSync._live.get(id(self.comm)) is self:
+            del GradientSync._live[id(self.comm)]
+        if self._driver is not None:
+            self._driver.close()
 
     def __repr__(self) -> str:
         return (f"GradientSync({len(self.params)} tensors, {self.nbytes / MiB:.2f} MiB in "
@@ -552,31 +541,3 @@ class GradientSync:
                 f"accumulation_steps={self.accumulation_steps}, compression="
                 f"{str(self.compression).replace('torch.', '')}, world_size="
                 f"{self.comm.world_size})")
-
-
-def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading.Event,
-               poll_s: float) -> None:
-    """The communication thread: the only thread that runs gradient collectives while it lives,
-    in bucket order. While the main thread still computes (backward), it starts the bucket's
-    non-blocking allreduce and drives it with ``Handle.test()`` every ``poll_s`` seconds, sleeping
-    in between, so it does not take the core from backward (Open MPI spins inside a blocking
-    call); once the main thread waits in ``synchronize()``, it blocks in ``wait()`` (full speed).
-    Backends that progress on their own threads get the plain blocking call."""
-    while True:
-        b = q.get()
-        if b is None:
-            return
-        try:
-            # The same kind of call on every rank: a blocking collective never matches a
-            # non-blocking one (MPI standard), so the choice must not depend on timing.
-            if comm.async_progress or poll_s <= 0:
-                comm.allreduce_(b.comm_buffer)
-            else:
-                h = comm.iallreduce_(b.comm_buffer)
-                while not main_waiting.is_set() and not h.test():
-                    main_waiting.wait(poll_s)
-                h.wait()
-        except BaseException as e:  # reported by synchronize() on the main thread
-            b.error = e
-        finally:
-            b.done.set()

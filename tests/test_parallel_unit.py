@@ -238,3 +238,62 @@ def test_plan_buckets_and_the_scaling_model_fit():
     assert w.gradient_bytes == 25_557_032 * 4
     t = [comm_time(w, n, 200, cal, 25 * MiB, "hierarchical") for n in (1, 16, 256)]
     assert 0 < t[0] < t[1] < t[2]  # more nodes: more latency terms, more bytes over the links
+
+
+def test_one_live_gradient_sync_per_communicator():
+    """Two GradientSyncs on one communicator would order their collectives by whichever backward
+    runs (a GAN); the second is refused with the fix, and allowed once the first is closed."""
+    comm = ScaledComm(2)
+    d, g = net(), net()
+    first = GradientSync(d.named_parameters(), comm)
+    try:
+        with pytest.raises(ValueError, match="one GradientSync / hpclb.DistributedOptimizer"):
+            GradientSync(g.named_parameters(), comm)
+    finally:
+        first.close()
+    GradientSync(g.named_parameters(), comm).close()
+    dropped = GradientSync(d.named_parameters(), comm)  # a dropped one is not in the way
+    del dropped
+    GradientSync(g.named_parameters(), comm).close()
+    GradientSync(d.named_parameters(), SelfCommunicator()).close()  # one process: no collectives
+
+
+def test_byte_settings_name_their_unit_and_forms(monkeypatch):
+    from hpclb.parallel_options import parse_bytes
+
+    assert [parse_bytes(s) for s in ("26214400", "25MiB", "64 MB", "1GiB", "512k")] == \
+        [26214400, 25 * MiB, 64 * 10 ** 6, 2 ** 30, 512 * 1024]
+    with pytest.warns(UserWarning, match="unit is bytes"):
+        GradientSync(net().parameters(), SelfCommunicator(), fusion_threshold_bytes=64).close()
+    monkeypatch.setenv("HPCLB_FUSION_THRESHOLD_BYTES", "64 megs")
+    with pytest.raises(ValueError, match=r"HPCLB_FUSION_THRESHOLD_BYTES.*25MiB, 64MB"):
+        GradientSync(net().parameters(), SelfCommunicator())
+    monkeypatch.delenv("HPCLB_FUSION_THRESHOLD_BYTES")
+    for bad, word in ((dict(stall_timeout_s=0), "seconds"), (dict(fusion_threshold_bytes=-5), "bytes"),
+                      (dict(stall_timeout_s=5, stall_abort_s=1), "abort after the report")):
+        with pytest.raises(ValueError, match=word):
+            GradientSync(net().parameters(), SelfCommunicator(), **bad)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.float64))
+def test_gradient_views_start_16_byte_aligned(dtype):
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 7), nn.Linear(7, 1)).to(dtype)
+    sync = GradientSync(model.named_parameters(), ScaledComm(2), fusion_threshold_bytes=4096)
+    try:
+        for b in sync.buckets:
+            base = b.buffer.data_ptr()
+            for v in b.views:
+                assert (v.data_ptr() - base) % 16 == 0
+        model(torch.randn(4, 3, dtype=dtype)).sum().backward()
+        sync.synchronize()
+        ref = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 7), nn.Linear(7, 1)).to(dtype)
+        ref.load_state_dict(model.state_dict())
+        x = torch.randn(4, 3, dtype=dtype, generator=torch.Generator().manual_seed(0))
+        model.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+        sync.synchronize()
+        ref(x).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        sync.close()

@@ -1,0 +1,146 @@
+"""The settings of :class:`hpclb.parallel.GradientSync`, read from arguments and the environment in
+one place and validated with their units.
+
+Every setting may come from an argument or from an ``HPCLB_*`` environment variable (the argument
+wins); :meth:`SyncOptions.resolve` returns them checked. Units are in the names: bytes and seconds.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+MiB = 2 ** 20
+DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
+DEFAULT_STALL_TIMEOUT_S = 60.0
+DEFAULT_COMM_POLL_S = 2e-4
+OVERLAP_MODES = ("auto", "thread", "nonblocking", "none")
+COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Below this a fusion threshold is almost surely a unit mistake (Horovod's CLI takes MB, its env
+# var bytes): it makes about one bucket per tensor.
+SMALL_FUSION_BYTES = 1024
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+BYTES_FORMS = "an integer number of bytes (26214400) or a number with a unit: 25MiB, 64MB, 1GiB, 512KiB"
+
+
+def parse_bytes(raw: str) -> int:
+    """``"26214400"``, ``"25MiB"``, ``"64 MB"``, ``"1GiB"``, ``"512k"`` -> bytes (int).
+
+    KB/MB/GB are decimal (10**3...), KiB/MiB/GiB and K/M/G binary. Raises ValueError listing the
+    accepted forms."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(raw))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{raw!r} is not a size: use {BYTES_FORMS}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _env(name: str, default, conv):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return conv(raw)
+    except ValueError as e:
+        raise ValueError(f"${name}={raw!r}: {e}") from e
+
+
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number of seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """Resolved GradientSync settings (see :class:`hpclb.parallel.GradientSync` for meanings).
+
+    Units: ``*_bytes`` bytes, ``*_s`` seconds. ``overlap`` is still ``"auto"`` here; the
+    communicator decides it (:meth:`overlap_for`)."""
+
+    fusion_threshold_bytes: int
+    first_bucket_bytes: int
+    overlap: str
+    compression: str | None
+    stall_timeout_s: float
+    stall_abort_s: float | None
+    comm_poll_s: float
+
+    @classmethod
+    def resolve(cls, *, fusion_threshold_bytes=None, first_bucket_bytes=None, overlap=None,
+                compression=None, stall_timeout_s=None, stall_abort_s=None) -> "SyncOptions":
+        """Arguments, else ``$HPCLB_FUSION_THRESHOLD_BYTES``, ``$HPCLB_OVERLAP``,
+        ``$HPCLB_COMPRESSION``, ``$HPCLB_STALL_TIMEOUT_S``, ``$HPCLB_STALL_ABORT_S``,
+        ``$HPCLB_COMM_POLL_S``, else the defaults. Raises ValueError naming the setting and
+        its unit; warns (UserWarning) for a fusion threshold under 1 KiB."""
+        opts = cls(
+            fusion_threshold_bytes=_as_bytes("fusion_threshold_bytes", fusion_threshold_bytes
+                                             if fusion_threshold_bytes is not None else
+                                             _env("HPCLB_FUSION_THRESHOLD_BYTES",
+                                                  DEFAULT_FUSION_THRESHOLD_BYTES, parse_bytes)),
+            first_bucket_bytes=_as_bytes("first_bucket_bytes", first_bucket_bytes
+                                         if first_bucket_bytes is not None
+                                         else DEFAULT_FIRST_BUCKET_BYTES),
+            overlap=overlap or _env("HPCLB_OVERLAP", "auto", str),
+            compression=compression if compression is not None else
+            _env("HPCLB_COMPRESSION", None, str),
+            stall_timeout_s=float(stall_timeout_s if stall_timeout_s is not None else
+                                  _env("HPCLB_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S,
+                                       _seconds)),
+            stall_abort_s=stall_abort_s if stall_abort_s is not None else
+            _env("HPCLB_STALL_ABORT_S", None, _seconds),
+            comm_poll_s=float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, _seconds)))
+        opts._check()
+        return opts
+
+    def _check(self) -> None:
+        if self.fusion_threshold_bytes < SMALL_FUSION_BYTES:
+            warnings.warn(f"fusion_threshold_bytes={self.fusion_threshold_bytes} bytes makes about "
+                          f"one bucket per tensor; the unit is bytes (64 MiB is 67108864 or "
+                          f"'64MiB' in $HPCLB_FUSION_THRESHOLD_BYTES)", UserWarning, stacklevel=4)
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap={self.overlap!r}: choose one of {OVERLAP_MODES}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression={self.compression!r}: choose None, 'fp16' or 'bf16'")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be > 0 seconds")
+        if self.stall_abort_s is not None and not self.stall_abort_s >= self.stall_timeout_s:
+            raise ValueError(f"stall_abort_s={self.stall_abort_s} must be >= stall_timeout_s="
+                             f"{self.stall_timeout_s} seconds (abort after the report)")
+        if not self.comm_poll_s >= 0:
+            raise ValueError(f"$HPCLB_COMM_POLL_S={self.comm_poll_s} must be >= 0 seconds")
+
+    @property
+    def compression_dtype(self) -> torch.dtype | None:
+        return COMPRESSIONS[self.compression]
+
+    def overlap_for(self, comm) -> str:
+        """``auto``: ``thread`` for MPI (progress only inside MPI calls), ``nonblocking`` where
+        the library progresses on its own threads; ``thread`` falls back to ``nonblocking`` for
+        a communicator that is not thread safe."""
+        mode = self.overlap
+        if mode == "auto":
+            mode = "nonblocking" if comm.async_progress else "thread"
+        if mode == "thread" and not comm.thread_safe:
+            mode = "nonblocking"
+        return mode
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _as_bytes(field: str, value) -> int:
+    if isinstance(value, str):
+        value = parse_bytes(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+            or value <= 0:
+        raise ValueError(f"{field}={value!r} must be a positive number of bytes ({BYTES_FORMS})")
+    return int(value)

@@ -130,7 +130,7 @@ bench-kernel: install
 # cluster under a temp dir, and runs jobs/testing: sbatch --test-only of every example, a stub
 # layout check, a real 2-rank MNIST-LSTM job, USR2 -> checkpoint -> requeue -> resume; then the
 # rendered PBS script run as PBS would (walltime TERM -> checkpoint -> qrerun -> resume).
-# Not part of `make test` (root + apt-get, ~4-5 min); see README "Job templates".
+# Not part of `make test` (root + apt-get, ~4-5 min); see docs/clusters.md.
 .PHONY: test-slurm test-pbs jobs-examples
 test-slurm: install data
 	@test "$$(id -u)" = 0 || { echo "error: test-slurm runs SLURM's daemons and apt-get: run it as root"; exit 1; }

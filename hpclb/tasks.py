@@ -2,7 +2,7 @@
 
 The loop in :mod:`hpclb.train` is the same for every kind; a :class:`Task` supplies
 
-- ``num_train_samples``: ``N`` of the schedule (``steps_per_epoch = ceil(N / B)``, DESIGN.md);
+- ``num_train_samples``: ``N`` of the schedule (``steps_per_epoch = ceil(N / B)``, docs/design.md);
 - ``start_epoch(epoch)`` then ``batch(i)`` for step ``i`` of the epoch: this rank's share of the
   global batch (the union over ranks is the same global batch at every world size);
   ``batch(i, part, parts)`` is micro-batch ``part`` of ``parts`` of that share (gradient

@@ -1,4 +1,4 @@
-"""The training loop, as one rank sees it (DESIGN.md, "One training step").
+"""The training loop, as one rank sees it (docs/design.md, "One training step").
 
 1. Each rank reads its shard of the global batch from the :class:`~hpclb.tasks.Task` (images:
    ``DistributedSampler``, reshuffled per epoch from the seed; language models: this rank's

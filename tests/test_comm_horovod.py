@@ -2,7 +2,7 @@
 `make test-horovod`, which sets HPCLB_TEST_HOROVOD=1 and runs this file alone under mpirun).
 
 Skipped elsewhere: Horovod's background thread would keep cycling beside every later test of a
-shared pytest process, and CI does not build Horovod (README).
+shared pytest process, and CI does not build Horovod (docs/testing.md).
 """
 from __future__ import annotations
 

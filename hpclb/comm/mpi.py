@@ -7,7 +7,7 @@ non-blocking ``MPI_Iallreduce`` comes from ``coll/libnbc``, whose automatic choi
 buffer is a binomial tree at any size, so this backend sets ``coll_libnbc_iallreduce_algorithm=1``
 (ring) unless the environment chose. The job templates force the blocking ring with
 ``OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=ring`` (see
-README, "Gradient synchronisation and scaling").
+docs/gradient-sync.md).
 
 CUDA tensors (docs/gpus.md): with a CUDA-aware MPI (:func:`cuda_aware_mpi`) the device buffer
 goes to MPI directly, once the stream that produced it has finished writing it; otherwise each

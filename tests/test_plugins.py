@@ -89,7 +89,7 @@ def example_one_process(tmp_path_factory, mnist_dir):
     p = run_cli(["examples/plugin/recipe.yaml", "--out", out, "--data-dir", mnist_dir.parent],
                 ranks=1, cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads((out / "summary.json").read_text())
+    return {**json.loads((out / "summary.json").read_text()), "out": out}
 
 
 @pytest.mark.slow
@@ -113,6 +113,22 @@ def test_example_recipe_two_ranks_equals_one_process(example_one_process, tmp_pa
     assert two["world_size"] == 2 and two["steps"] == one["steps"]
     assert two["final_test_loss"] == pytest.approx(one["final_test_loss"], rel=1e-5, abs=1e-7)
     assert abs(two["final_test_accuracy"] - one["final_test_accuracy"]) <= 2e-4  # <= 2 images
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_run_evaluates_from_another_directory(example_one_process, tmp_path,
+                                                      monkeypatch, mnist_dir):
+    """`hpclb evaluate RUN_DIR` of a plug-in run finds the plug-ins through the saved recipe's
+    plugin_path and scores the checkpoint as training did."""
+    from hpclb.evaluate import evaluate_run
+
+    monkeypatch.chdir(tmp_path)
+    result = evaluate_run(example_one_process["out"], SelfCommunicator(),
+                          data_dir=str(mnist_dir.parent))
+    assert result["test_loss"] == pytest.approx(example_one_process["final_test_loss"],
+                                                rel=1e-6)
+    assert result["test_accuracy"] == example_one_process["final_test_accuracy"]
 
 
 # --- a small plug-in in process, on every rank ---------------------------------------------------
@@ -152,8 +168,21 @@ def test_adapter_collates_samples_into_batches(tmp_path):
     assert x0.shape == (0, 2, 3) and y0.shape == (0,)
     assert len(split.subset(4)) == 4 and split.subset(4).batch([3])[0][0, 0, 0] == 3.0
 
+    class Batched(Items):
+        calls = 0
 
-def test_adapter_uses_getitems_and_subsets_in_build_task(tmp_path):
+        def __getitems__(self, idx):  # one call per batch, not one per sample
+            Batched.calls += 1
+            return [(torch.full((2, 3), float(i)), i % 3) for i in idx]
+
+        def __getitem__(self, i):
+            raise AssertionError("per-sample access where __getitems__ exists")
+
+    x, y = DatasetSplit(Batched()).batch(torch.tensor([2, 5]))
+    assert Batched.calls == 1 and x[:, 0, 0].tolist() == [2.0, 5.0] and y.tolist() == [2, 2]
+
+
+def test_build_task_cuts_a_plugin_data_set_to_train_samples(tmp_path):
     module = plugin(tmp_path, BLOBS)
     r = load_recipe(recipe(tmp_path, {"name": "torch.nn:Linear", "in_features": 8,
                                       "out_features": 4},

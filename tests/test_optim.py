@@ -1,4 +1,4 @@
-"""LARS / LAMB / trust ratios against a float64 NumPy reference of the formulas (DESIGN.md)."""
+"""LARS / LAMB / trust ratios against a float64 NumPy reference of the formulas (You et al. 2017, 2020)."""
 import io
 
 import numpy as np
@@ -191,3 +191,181 @@ def test_state_dict_round_trip_continues_identically(cls, kw):
     run(3, opt_b, ps_b, g_b)
     for a, b in zip(ps_a, ps_b):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# settings, sparse gradients, float64, trust-ratio clamp, non-finite layers (issue #12)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls,kw", [(LARS, dict(lr=1.0)), (LAMB, dict(lr=0.01))])
+@pytest.mark.parametrize("eps", [0.0, -1e-8, 1e-50, float("nan")])
+def test_eps_must_be_positive_in_float32(cls, kw, eps):
+    with pytest.raises(ValueError, match=r"Invalid eps.*typical: 1e-"):
+        cls([torch.nn.Parameter(torch.ones(2, 2))], eps=eps, **kw)
+    with pytest.raises(ValueError, match="Invalid eps"):   # a group's own eps is checked too
+        cls([{"params": [torch.nn.Parameter(torch.ones(2, 2))], "eps": eps}], **kw)
+
+
+def test_lamb_zero_gradient_entries_stay_finite():
+    """Issue #12 item 2: unused parameters get zero gradients; no 0/0 anywhere."""
+    ps = make_params(11, [(4, 4), (4,), (3, 3)])
+    opt = LAMB(ps, lr=0.01, eps=1e-6, weight_decay=0.0)
+    for step in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape)
+        ps[0].grad[1] = 0.0          # zero entries
+        ps[2].grad.zero_()           # an unused parameter
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in ps)
+        assert int(opt.nonfinite_layers) == 0
+    assert opt.trust_ratios.tolist()[1] == 1.0   # u = 0 (no weight decay): ratio 1, not 0/0
+
+
+@pytest.mark.parametrize("cls,kw", [(LARS, dict(lr=1.0)), (LAMB, dict(lr=0.01))])
+def test_sparse_gradient_is_refused_naming_the_parameter(cls, kw):
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    opt = cls(model.named_parameters(), **kw)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    want = (f"{cls.__name__} does not support sparse gradients (parameter 0.weight); use dense "
+            "embeddings (nn.Embedding(sparse=False))")
+    with pytest.raises(RuntimeError) as e:
+        opt.step()
+    assert str(e.value) == want
+
+
+def test_layer_norms_float64_accumulate_in_float64():
+    t = torch.full((100_000,), 1.0, dtype=torch.float64) + torch.arange(100_000) * 1e-9
+    want = np.sqrt(np.sum(t.numpy() ** 2))
+    got = layer_norms([t, torch.ones(3, dtype=torch.float32)])
+    assert got.dtype == torch.float64
+    assert got[0].item() == pytest.approx(want, rel=1e-14)     # fp32 accumulation: ~1e-7
+    assert got[1].item() == pytest.approx(np.sqrt(3), rel=1e-7)
+    assert layer_norms([torch.ones(3, dtype=torch.float32)]).dtype == torch.float32
+
+
+def make_params64(seed, shapes=SHAPES):
+    ps = make_params(seed, shapes)
+    return [torch.nn.Parameter(p.detach().double()) for p in ps]
+
+
+@pytest.mark.parametrize("cls", ["lars", "lamb"])
+def test_float64_parameters_match_the_float64_reference_tightly(cls):
+    ps = make_params64(12)
+    if cls == "lars":
+        ref = RefLARS([p.detach().numpy() for p in ps], lr=2.0, momentum=0.9, wd=1e-4,
+                      eta=0.01, eps=1e-9)
+        opt = LARS(ps, lr=2.0, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.01)
+    else:
+        ref = RefLAMB([p.detach().numpy() for p in ps], lr=0.01, b1=0.9, b2=0.999, eps=1e-6,
+                      wd=0.01)
+        opt = LAMB(ps, lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in ps]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        opt.step()
+        ref.step([gr.numpy() for gr in grads])
+    for p, w in zip(ps, ref.ws):
+        assert p.dtype == torch.float64
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-12, atol=1e-14)
+    assert opt.trust_ratios.dtype == torch.float32 and opt.path == "torch"
+
+
+@pytest.mark.parametrize("clamp", [(-0.1, 1.0), (0.5, 0.5), (2.0, 1.0), (0.1,), "ab",
+                                   (float("nan"), 1.0)])
+@pytest.mark.parametrize("cls,kw", [(LARS, dict(lr=1.0)), (LAMB, dict(lr=0.01))])
+def test_trust_clamp_is_validated(cls, kw, clamp):
+    with pytest.raises(ValueError, match=r"Invalid trust_clamp.*0 <= min < max"):
+        cls([torch.nn.Parameter(torch.ones(2, 2))], trust_clamp=clamp, **kw)
+
+
+def test_trust_clamp_in_the_ratio_functions():
+    ps = make_params(13, zero=(2,))
+    adapt = [p.ndim >= 2 for p in ps]
+    ws, gs = [p.detach() for p in ps], [p.grad for p in ps]
+    kw = dict(trust_coefficient=0.001, weight_decay=1e-4, eps=1e-9, adapt=adapt)
+    free, _, _ = lars_trust_ratios(ws, gs, **kw)
+    lo, hi = np.quantile(free[free != 1].numpy(), [0.3, 0.7])
+    got, _, _ = lars_trust_ratios(ws, gs, trust_clamp=(float(lo), float(hi)), **kw)
+    want = np.where([a and p.abs().sum() > 0 for a, p in zip(adapt, ws)],
+                    np.clip(free.numpy(), np.float32(lo), np.float32(hi)), 1.0)
+    np.testing.assert_array_equal(got.numpy(), want.astype(np.float32))
+    assert (got != free).any() and got[2] == 1.0 and got[1] == 1.0   # zero w, excluded: 1
+    per_layer = [None] * len(ws)
+    per_layer[0] = (0.0, float(free[0]) / 2)
+    got, _, _ = lars_trust_ratios(ws, gs, trust_clamp=per_layer, **kw)
+    assert got[0] == np.float32(float(free[0]) / 2) and torch.equal(got[1:], free[1:])
+    u = [torch.full((3, 3), 2.0), torch.ones(2, 2)]
+    r, _, _ = lamb_trust_ratios([torch.ones(3, 3), torch.ones(2, 2)], u, adapt=[True, True],
+                                trust_clamp=(0.6, 0.9))
+    assert r.tolist() == pytest.approx([0.6, 0.9])
+
+
+def test_trust_clamp_in_the_optimizers_matches_the_reference():
+    class Clamped(RefLARS):
+        def step(self, gs):
+            global ref_lars_ratio
+            plain = ref_lars_ratio
+            ref_lars_ratio = (lambda *a: (lambda r: r if r == 1.0 and not a[-1] else
+                                          min(max(r, 0.02), 0.05))(plain(*a)))
+            try:
+                super().step(gs)
+            finally:
+                ref_lars_ratio = plain
+    ps = make_params(14, [(30, 20), (20,), (10, 40)])
+    ref = Clamped([p.detach().numpy() for p in ps], lr=1.0, momentum=0.9, wd=1e-4, eta=0.01,
+                  eps=1e-9)
+    opt = LARS(ps, lr=1.0, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.01,
+               trust_clamp=(0.02, 0.05))
+    assert_steps_match_reference(ps, opt, ref, seed=15)
+    assert ((opt.trust_ratios >= 0.02) & (opt.trust_ratios <= 0.05)).all()
+
+
+@pytest.mark.parametrize("cls,kw", [(LARS, dict(lr=1.0, trust_clamp=(0.0, 5.0))),
+                                    (LAMB, dict(lr=0.01))])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_nonfinite_layer_is_left_untouched_and_counted(cls, kw, bad):
+    shapes = [(6, 5), (5,), (8, 4), (9, 3)]
+    runs = {}
+    for case in ("bad", "absent"):
+        ps = make_params(16, shapes)
+        opt = cls(ps, **kw)
+        g = torch.Generator().manual_seed(17)
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=g) for p in ps]
+            if step == 2:
+                before = (ps[2].detach().clone(), {k: v.clone() for k, v in
+                                                   opt.state[ps[2]].items() if torch.is_tensor(v)})
+                grads[2][1, 1] = bad
+            for p, gr in zip(ps, grads):
+                p.grad = gr
+            if step == 2 and case == "absent":
+                ps[2].grad = None
+            opt.step()
+        runs[case] = (ps, opt, before)
+    ps, opt, (w_before, state_before) = runs["bad"]
+    assert torch.equal(ps[2].detach(), w_before)
+    for k, v in state_before.items():
+        assert torch.equal(opt.state[ps[2]][k], v), k
+    for i in (0, 1, 3):   # the other layers step as if the bad one had no gradient
+        assert torch.equal(ps[i].detach(), runs["absent"][0][i].detach())
+    assert opt.nonfinite_layers.dtype == torch.int32 and opt.nonfinite_layers.shape == ()
+    assert int(opt.nonfinite_layers) == 1 and int(runs["absent"][1].nonfinite_layers) == 0
+    assert opt.trust_ratios.shape == (3,) and opt.trust_ratios.dtype == torch.float32
+
+
+def test_step_outputs_and_path_logged_once(caplog):
+    ps = make_params(18, [(6, 5), (5,), (8, 4)])
+    opt = LARS(ps, lr=1.0)
+    with caplog.at_level("INFO", logger="hpclb.optim.base"):
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape)
+            ratios, _, _ = lars_trust_ratios([p.detach() for p in ps], [p.grad for p in ps],
+                                             trust_coefficient=0.001, weight_decay=1e-4,
+                                             eps=1e-9, adapt=[True, False, True])
+            opt.step()
+            assert torch.equal(opt.trust_ratios, ratios[[0, 2]])
+    msgs = [r.getMessage() for r in caplog.records if "path" in r.getMessage()]
+    assert msgs == ["LARS: torch path on cpu (torch._foreach ops)"] and opt.path == "torch"

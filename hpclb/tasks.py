@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data.distributed import DistributedSampler
-
 from .comm import Communicator
+from .data.sampler import GlobalBatchSampler
 
 EVAL_BATCH_SIZE = 2000
 
@@ -56,6 +55,19 @@ class Task:
         of step ``i`` (default: equal parts)."""
         return 1, parts
 
+    def global_size(self, i: int) -> int:
+        """Units (samples, sentences, streams) in global step ``i`` over all ranks, so that the
+        loop can weight a rank's mean loss by ``W * K * n_part / global_size(i)`` into the exact
+        global mean when shares are uneven. Default: the full global batch, ``global_batch``
+        (or ``per_rank_batch * world_size``) as stored by ``setup``."""
+        size = getattr(self, "global_batch", None)
+        if size is None and hasattr(self, "per_rank_batch") and hasattr(self, "world_size"):
+            size = self.per_rank_batch * self.world_size
+        if size is None:
+            raise NotImplementedError(f"{type(self).__name__}.global_size: store global_batch "
+                                      f"in setup() or override global_size(i)")
+        return int(size)
+
     def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -77,10 +89,12 @@ class ClassificationTask(Task):
     """Inputs -> one label each; loss cross-entropy; metrics loss and accuracy (fraction).
 
     ``train``/``test`` have ``len()`` and ``batch(indices) -> (x, y)`` (y int64 ``[b]``). Batches
-    come from a ``DistributedSampler`` reshuffled per epoch from the seed. A training split with
-    ``set_epoch(epoch, seed)`` (an augmenting ImageFolder) is told the epoch and the run's seed
-    at each ``start_epoch``, so its random draws per sample are the same at every world size and
-    after a resumption.
+    come from a :class:`~hpclb.data.sampler.GlobalBatchSampler` reshuffled per epoch from the
+    seed: no padding, every sample once per epoch, the same global batches at every world size
+    (a short last step's shares may be uneven or empty; see :meth:`global_size`). A training
+    split with ``set_epoch(epoch, seed)`` (an augmenting ImageFolder) is told the epoch and the
+    run's seed at each ``start_epoch``, so its random draws per sample are the same at every
+    world size and after a resumption.
     """
 
     kind = "classification"
@@ -91,28 +105,31 @@ class ClassificationTask(Task):
 
     def setup(self, *, per_rank_batch, global_batch, rank, world_size, seed, steps_per_epoch):
         self.per_rank_batch, self.seed = per_rank_batch, seed
-        self.sampler = DistributedSampler(self.train_set, num_replicas=world_size, rank=rank,
-                                          shuffle=True, seed=seed, drop_last=False)
-        if math.ceil(len(self.sampler) / per_rank_batch) != steps_per_epoch:
-            raise RuntimeError(f"rank {rank}: {len(self.sampler)} samples in {per_rank_batch}-"
-                               f"sample batches do not make {steps_per_epoch} steps per epoch")
+        self.sampler = GlobalBatchSampler(self.num_train_samples, global_batch, rank, world_size,
+                                          seed)
+        if self.sampler.steps_per_epoch != steps_per_epoch:
+            raise RuntimeError(f"rank {rank}: {self.num_train_samples} samples in {global_batch}-"
+                               f"sample global batches make {self.sampler.steps_per_epoch} steps "
+                               f"per epoch, the schedule has {steps_per_epoch}")
 
     def start_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
-        self.indices = torch.tensor(list(self.sampler))
         if hasattr(self.train_set, "set_epoch"):  # per-sample augmentation draws (ImageFolder)
             self.train_set.set_epoch(epoch, seed=self.seed)
 
     def _part_indices(self, i: int, part: int = 0, parts: int = 1) -> torch.Tensor:
         """Indices of micro-batch ``part`` of ``parts`` of this rank's step ``i``: near-equal
         contiguous pieces (the last step of an epoch may be short; a piece may then be empty)."""
-        b = self.per_rank_batch
-        mine = self.indices[i * b:(i + 1) * b]
+        mine = self.sampler.share(i)
         n = len(mine)
         return mine[part * n // parts:(part + 1) * n // parts]
 
     def part_size(self, i, part, parts):
         return len(self._part_indices(i, part, parts)), len(self._part_indices(i))
+
+    def global_size(self, i: int) -> int:
+        """Samples in global step ``i`` over all ranks (``B``, or fewer on the last step)."""
+        return self.sampler.global_size(i)
 
     def batch(self, i: int, part: int = 0, parts: int = 1):
         return self.train_set.batch(self._part_indices(i, part, parts))
@@ -423,12 +440,13 @@ class Seq2seqTask(Task):
     ``pairs`` maps ``train``/``test`` to lists of (source, target) strings. SentencePiece models
     (one per side, ``vocab_size`` pieces, trained in memory on the training pairs) encode them;
     sequences are cut to ``max_length`` pieces. The batch (in sentence pairs) is drawn by a
-    ``DistributedSampler`` like a classification batch. Loss: cross-entropy summed over a
-    sentence's target tokens, averaged over sentences (GNMT's), PAD ignored. Metrics:
-    ``train_loss``/``test_loss`` per target token (nats) and ``test_bleu`` (sacrebleu corpus BLEU
-    of the translations of the first ``eval_samples`` test pairs vs their references).
-    Translations: greedy for ``beam_size`` 1, else :meth:`hpclb.models.gnmt.GNMT.beam_search`
-    with ``beam_size`` and ``length_penalty`` (GNMT's alpha); ``decoding`` names the one used.
+    :class:`~hpclb.data.sampler.GlobalBatchSampler` like a classification batch. Loss:
+    cross-entropy summed over a sentence's target tokens, averaged over sentences (GNMT's), PAD
+    ignored. Metrics: ``train_loss``/``test_loss`` per target token (nats) and ``test_bleu``
+    (sacrebleu corpus BLEU of the translations of the first ``eval_samples`` test pairs vs their
+    references). Translations: greedy for ``beam_size`` 1, else
+    :meth:`hpclb.models.gnmt.GNMT.beam_search` with ``beam_size`` and ``length_penalty`` (GNMT's
+    alpha); ``decoding`` names the one used.
     """
 
     kind = "seq2seq"
@@ -455,7 +473,7 @@ class Seq2seqTask(Task):
         self.model_kwargs = {"src_vocab": self.src_sp.get_piece_size(),
                              "tgt_vocab": self.tgt_sp.get_piece_size()}
 
-    def __len__(self) -> int:  # for DistributedSampler
+    def __len__(self) -> int:  # training pairs
         return self.num_train_samples
 
     setup = ClassificationTask.setup
@@ -481,6 +499,7 @@ class Seq2seqTask(Task):
 
     _part_indices = ClassificationTask._part_indices
     part_size = ClassificationTask.part_size  # the loss is a mean over sentences
+    global_size = ClassificationTask.global_size  # sentence pairs in global step i
 
     def batch(self, i: int, part: int = 0, parts: int = 1):
         idx = self._part_indices(i, part, parts).tolist()

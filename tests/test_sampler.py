@@ -94,3 +94,57 @@ def test_step_outside_the_epoch_is_an_index_error():
         s.share(3)
     with pytest.raises(ValueError, match="epoch"):
         s.set_epoch(-1)
+
+
+class _Split:
+    """A classification split whose batch(indices) returns the indices themselves."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def batch(self, indices):
+        return indices, indices
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_classification_task_draws_each_sample_once_at_any_world_size(parts):
+    from hpclb.tasks import ClassificationTask
+
+    steps = {}
+    for w in (1, 3, 6):
+        tasks = [ClassificationTask(_Split(1000), _Split(10)) for _ in range(w)]
+        for r, t in enumerate(tasks):
+            t.setup(per_rank_batch=300 // w, global_batch=300, rank=r, world_size=w, seed=5,
+                    steps_per_epoch=4)
+            t.start_epoch(1)
+        steps[w] = [torch.cat([t.batch(i, p, parts)[0] for t in tasks for p in range(parts)])
+                    for i in range(4)]
+        assert [t.global_size(3) for t in tasks] == [100] * w
+        assert sum(t.part_size(3, 0, parts)[1] for t in tasks) == 100
+        assert torch.equal(torch.cat(steps[w]).sort().values, torch.arange(1000))
+    for i in range(4):
+        assert set(steps[3][i].tolist()) == set(steps[6][i].tolist()) == set(steps[1][i].tolist())
+
+
+def test_classification_task_rejects_a_schedule_with_other_steps_per_epoch():
+    from hpclb.tasks import ClassificationTask
+
+    with pytest.raises(RuntimeError, match="make 4 steps per epoch, the schedule has 3"):
+        ClassificationTask(_Split(1000), _Split(1)).setup(
+            per_rank_batch=100, global_batch=300, rank=0, world_size=3, seed=0,
+            steps_per_epoch=3)
+
+
+def test_task_global_size_default_is_the_global_batch():
+    from hpclb.tasks import Task
+
+    t = Task()
+    with pytest.raises(NotImplementedError, match="global_size"):
+        t.global_size(0)
+    t.per_rank_batch, t.world_size = 4, 3
+    assert t.global_size(0) == 12
+    t.global_batch = 20
+    assert t.global_size(7) == 20

@@ -1,4 +1,4 @@
-"""``hpclb train|evaluate|sweep|data|jobs|bench`` command line.
+"""``hpclb train|evaluate|sweep|data|jobs|bench|plot|scale|advise`` command line.
 
 Errors: a bad setting (ConfigError) is printed once, by rank 0, and every rank exits with 2; any
 other failure is printed by the rank that hit it, which then aborts the whole MPI job (exit 1) so
@@ -384,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_jobs_parser(sub)
     _add_bench_parser(sub)
+    from . import noise, plot, scale  # hpclb plot | scale | advise (observability, issue #13)
+    for module in (plot, scale, noise):
+        module.add_cli(sub)
     return p
 
 

@@ -1,0 +1,335 @@
+"""``hpclb plot schedule|runs|sweep``: PNGs of LR schedules, finished runs and batch sweeps.
+
+- :func:`plot_schedule`: the LEGW picture. For each scaling scheme of :mod:`hpclb.schedules`
+  (one column each) and each ``k = B / B0``, the LR of every step against epochs (top row) and
+  against steps (bottom row, log x): under LEGW the warmup stretches ``k``-fold in epochs and
+  stays the same number of steps, the peak grows ``sqrt(k)``-fold. Default output
+  ``results/schedules/<experiment>.png``.
+- :func:`plot_runs`: loss, metric, LR and LARS/LAMB trust ratios (min-median-max) of one or
+  several run directories against epochs, shared x axes, from their ``metrics.jsonl`` (per-step
+  lines where there are some, else the per-epoch rows). Written into the run directory (one
+  run) or beside the run directories (several).
+- :func:`plot_sweep`: a sweep's ``<experiment>.json`` (``hpclb sweep``) drawn by
+  :func:`hpclb.sweep.plot` (metric against batch size per scheme with B0 marked, and the LR of
+  every point), written beside the JSON.
+
+Every figure is drawn with matplotlib's Agg backend (no display needed) and written atomically.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .config import ConfigError, load_recipe, resolve
+from .observe import finite, read_metrics
+from .schedules import SCHEMES, Schedule
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend; MissingExtraError (pip install 'hpclb[experiments]')
+    without matplotlib."""
+    from .extras import require
+
+    matplotlib = require("matplotlib", "hpclb plot")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    """Write ``fig`` to ``path`` (PNG, through a temporary file) and close it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    _pyplot().close(fig)
+    tmp.replace(path)
+    return path
+
+
+@dataclass(frozen=True)
+class Curve:
+    """The LR of one ``(scheme, k)`` at the sampled ``steps`` (0-based global steps)."""
+
+    scheme: str
+    k: float
+    batch: int
+    schedule: Schedule
+    steps: list[int]
+
+    @property
+    def epochs(self) -> list[float]:
+        return [s / self.schedule.steps_per_epoch for s in self.steps]
+
+    @property
+    def lr(self) -> list[float]:
+        return [self.schedule.lr(s) for s in self.steps]
+
+    @property
+    def label(self) -> str:
+        return f"k={self.k:g} (B={self.batch})"
+
+
+def sample_steps(sched: Schedule, points: int = 300) -> list[int]:
+    """Steps to draw: evenly spaced, log-spaced (for the log-x panel) and both ends of warmup."""
+    t = sched.total_steps
+    even = {round(i * (t - 1) / (points - 1)) for i in range(points)}
+    geo = {round(math.exp(i * math.log(t) / (points - 1))) - 1 for i in range(points)}
+    ends = {sched.warmup_steps - 1, sched.warmup_steps} if sched.warmup_steps else set()
+    return sorted(s for s in even | geo | ends if 0 <= s < t)
+
+
+def num_train_samples(recipe: dict, num_samples: int | None = None) -> int:
+    """Training-set size of a recipe without reading the data: ``num_samples`` if given, else
+    :func:`hpclb.jobs.train_set_size` (published sizes, ``data.train_samples`` subsets).
+    ConfigError naming ``--num-samples`` for a data set that table does not know."""
+    if num_samples is not None:
+        if not (isinstance(num_samples, int) and num_samples > 0):
+            raise ConfigError(f"--num-samples must be a positive integer, got {num_samples!r}")
+        return num_samples
+    from .jobs import JobError, train_set_size
+
+    try:
+        return train_set_size(recipe)[0]
+    except JobError as e:
+        raise ConfigError(f"{e}; or pass --num-samples N (the training-set size)") from e
+
+
+def schedule_curves(experiment: str, ks: Sequence[float], schemes: Iterable[str] = SCHEMES, *,
+                    num_samples: int | None = None, epochs: float | None = None,
+                    optimizer: str | None = None) -> tuple[list[Curve], list[str]]:
+    """(curves, skipped): the schedule ``hpclb train EXPERIMENT --batch-size B0*k --scaling S``
+    would run for every scheme and ``k`` (``B0*k`` rounded to a whole batch); ``skipped`` says
+    why a pair could not run (e.g. LEGW's warmup longer than training). ConfigError for a bad
+    recipe, ``k <= 0`` or an unknown scheme."""
+    recipe = load_recipe(experiment)
+    n = num_train_samples(recipe, num_samples)
+    b0 = int(recipe["base_batch_size"])
+    curves, skipped = [], []
+    for scheme in schemes:
+        if scheme not in SCHEMES:
+            raise ConfigError(f"--schemes: {scheme!r} is not one of {tuple(SCHEMES)}")
+        for k in ks:
+            if not (isinstance(k, (int, float)) and math.isfinite(k) and k > 0):
+                raise ConfigError(f"--k: batch ratios must be positive numbers, got {k!r}")
+            batch = max(1, round(b0 * k))
+            try:
+                cfg = resolve(experiment, batch_size=batch, scaling=scheme, epochs=epochs,
+                              optimizer=optimizer)
+                sched = cfg.schedule(n)
+            except ConfigError as e:
+                skipped.append(f"{scheme} k={k:g} (B={batch}): {e}")
+                continue
+            curves.append(Curve(scheme, batch / b0, batch, sched, sample_steps(sched)))
+    return curves, skipped
+
+
+def plot_schedule(experiment: str, ks: Sequence[float], out: str | Path | None = None, *,
+                  schemes: Iterable[str] = SCHEMES, num_samples: int | None = None,
+                  epochs: float | None = None, optimizer: str | None = None):
+    """Draw :func:`schedule_curves` (columns: schemes; rows: LR vs epoch, LR vs step) to ``out``
+    (default ``results/schedules/<recipe name>.png``). Returns ``(path, figure, skipped)``; the
+    figure is closed but keeps its data (each line's label is :attr:`Curve.label`)."""
+    plt = _pyplot()
+    curves, skipped = schedule_curves(experiment, ks, schemes, num_samples=num_samples,
+                                      epochs=epochs, optimizer=optimizer)
+    if not curves:
+        raise ConfigError("no schedule to draw: " + "; ".join(skipped))
+    name = load_recipe(experiment)["name"]
+    cols = [s for s in SCHEMES if any(c.scheme == s for c in curves)]
+    fig, axes = plt.subplots(2, len(cols), figsize=(4.2 * len(cols), 6.4), squeeze=False)
+    for j, scheme in enumerate(cols):
+        top, bottom = axes[0][j], axes[1][j]
+        for c in (c for c in curves if c.scheme == scheme):
+            lr = c.lr
+            top.plot(c.epochs, lr, label=c.label)
+            bottom.plot([s + 1 for s in c.steps], lr, label=c.label)
+        top.set_title(f"{name}: {scheme}")
+        top.set_xlabel("epoch")
+        bottom.set_xlabel("step (update number, log scale)")
+        bottom.set_xscale("log")
+        for ax in (top, bottom):
+            ax.set_ylabel("learning rate")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(out) if out else Path("results/schedules") / f"{name}.png"
+    return _save(fig, path), fig, skipped
+
+
+def _run_info(run: Path) -> dict:
+    """config.json + summary.json of a run (either may be missing: {})."""
+    info = {}
+    for name in ("config.json", "summary.json"):
+        p = run / name
+        if p.is_file():
+            info[name] = json.loads(p.read_text())
+    return info
+
+
+def _steps_per_epoch(info: dict, epoch_rows: list[dict]) -> float | None:
+    spe = info.get("summary.json", {}).get("steps_per_epoch")
+    if spe:
+        return float(spe)
+    full = [r for r in epoch_rows if finite(r.get("step")) and finite(r.get("epoch"))]
+    return full[0]["step"] / full[0]["epoch"] if full else None
+
+
+def _metric_of(info: dict, epoch_rows: list[dict]) -> str | None:
+    target = ((info.get("config.json", {}).get("recipe") or {}).get("target") or {})
+    keys = [k for r in epoch_rows for k in r if k.startswith(("test_", "valid_"))]
+    if target.get("metric") in keys:
+        return target["metric"]
+    return keys[0] if keys else None
+
+
+def _label(run: Path, info: dict) -> str:
+    cfg = info.get("config.json", {})
+    if cfg.get("global_batch_size"):
+        return f"{run.name} (B={cfg['global_batch_size']}, {cfg.get('scaling', '?')})"
+    return run.name
+
+
+def _series(rows: list[dict], key: str, x_of) -> tuple[list[float], list[float]]:
+    pts = [(x_of(r), r[key]) for r in rows if finite(r.get(key))]
+    pts = [(x, y) for x, y in pts if x is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None):
+    """Four panels against epochs, one line (colour) per run: training loss (per-step ``loss``
+    if logged, else the epoch rows' ``train_loss``), the recipe's target metric (else the first
+    ``test_``/``valid_`` key), LR, and trust ratios (median line, min-max band). Default ``out``:
+    ``RUN/plot.png`` for one run, ``<parent>/plot-<run>+<run>....png`` beside several. Returns
+    ``(path, figure)``. FileNotFoundError for a directory without metrics.jsonl."""
+    plt = _pyplot()
+    runs = [Path(r) for r in run_dirs]
+    if not runs:
+        raise ConfigError("plot runs: give at least one run directory")
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
+    ax_loss, ax_metric, ax_lr, ax_trust = axes
+    metrics, trust_seen = set(), False
+    for i, run in enumerate(runs):
+        epochs, steps = read_metrics(run)
+        info = _run_info(run)
+        spe = _steps_per_epoch(info, epochs)
+        color, label = f"C{i % 10}", _label(run, info)
+        by_step = (lambda r: r["step"] / spe) if spe else (lambda r: None)
+        by_epoch = lambda r: r.get("epoch")  # noqa: E731: the end of epoch e is at x = e
+        x, y = _series(steps, "loss", by_step)
+        if x:
+            ax_loss.plot(x, y, color=color, lw=0.8, label=label)
+        else:
+            ax_loss.plot(*_series(epochs, "train_loss", by_epoch), color=color, marker="o",
+                         label=label)
+        metric = _metric_of(info, epochs)
+        if metric:
+            metrics.add(metric)
+            ax_metric.plot(*_series(epochs, metric, by_epoch), color=color, marker="o",
+                           label=label)
+        x, y = _series(steps, "lr", by_step)
+        ax_lr.plot(*((x, y) if x else _series(epochs, "lr", by_epoch)), color=color,
+                   label=label)
+        x, med = _series(steps, "trust_median", by_step)
+        if x:
+            trust_seen = True
+            ax_trust.plot(x, med, color=color, lw=0.8, label=label)
+            lo = _series(steps, "trust_min", by_step)
+            hi = _series(steps, "trust_max", by_step)
+            if lo[0] == x and hi[0] == x:
+                ax_trust.fill_between(x, lo[1], hi[1], color=color, alpha=0.2, lw=0)
+    ax_loss.set_ylabel("training loss")
+    ax_metric.set_ylabel(" / ".join(sorted(metrics)) or "no test metric")
+    ax_lr.set_ylabel("learning rate")
+    ax_trust.set_ylabel("trust ratio (median, min-max)")
+    if not trust_seen:
+        ax_trust.text(0.5, 0.5, "no trust ratios logged\n(LARS/LAMB runs with per-step lines)",
+                      ha="center", va="center", transform=ax_trust.transAxes, fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    if out is None:
+        out = runs[0] / "plot.png" if len(runs) == 1 else \
+            runs[0].parent / f"plot-{'+'.join(r.name for r in runs)[:150]}.png"
+    return _save(fig, Path(out)), fig
+
+
+def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
+    """Redraw a sweep's results (``results/sweeps/<experiment>.json``) with
+    :func:`hpclb.sweep.plot` to ``out`` (default: the JSON's path with ``.png``); returns
+    ``(path, figure)``. ConfigError when the file is missing, not a sweep's JSON or has no
+    rows."""
+    from . import sweep
+
+    path = Path(sweep_json)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such sweep file (hpclb sweep writes "
+                          f"results/sweeps/<experiment>.json)")
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not JSON ({e})") from e
+    if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and
+                                                    "batch_size" in r for r in rows)):
+        raise ConfigError(f"{path}: not the rows of an `hpclb sweep` (a non-empty JSON list of "
+                          f"points with batch_size, scheme, metric)")
+    out = Path(out) if out else path.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out, sweep.plot(rows, out, path.stem, rows[0]["metric_name"])
+
+
+def _cmd(args) -> int:
+    """``hpclb plot schedule|runs|sweep``: print the PNG's path; exit 2 on bad input."""
+    from .cli import _error
+    from .extras import MissingExtraError
+
+    try:
+        if args.plot_command == "schedule":
+            path, _, skipped = plot_schedule(args.experiment, args.k, args.out,
+                                             schemes=args.schemes, num_samples=args.num_samples,
+                                             epochs=args.epochs, optimizer=args.optimizer)
+            for why in skipped:
+                print(f"hpclb plot: skipped {why}", file=sys.stderr)
+        elif args.plot_command == "runs":
+            path, _ = plot_runs(args.run_dirs, args.out)
+        else:
+            path, _ = plot_sweep(args.sweep_json, args.out)
+    except MissingExtraError as e:
+        _error(str(e))
+        return 1
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        _error(str(e))
+        return 2
+    print(path)
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Register ``hpclb plot schedule|runs|sweep`` on the top-level subparsers ``sub``."""
+    p = sub.add_parser("plot", help="PNGs: LR schedules of a recipe (LEGW picture), runs' "
+                       "metrics, a sweep's metric vs batch")
+    psub = p.add_subparsers(dest="plot_command", required=True)
+    s = psub.add_parser("schedule", help="LR vs epochs and vs steps for every scheme and k")
+    s.add_argument("experiment", help="recipe name or path to a recipe .yaml")
+    s.add_argument("--k", type=float, nargs="+", default=[1, 8, 64],
+                   help="batch ratios B / B0 (default 1 8 64)")
+    s.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    s.add_argument("--epochs", type=float, help="training budget (default: the recipe's)")
+    s.add_argument("--optimizer", help="whose B0 LR (default: the recipe's optimizer)")
+    s.add_argument("--num-samples", type=int, help="training-set size, for data sets "
+                   "hpclb.jobs.TRAIN_SET_SIZES does not know")
+    s.add_argument("--out", help="PNG path (default results/schedules/<experiment>.png)")
+    r = psub.add_parser("runs", help="loss, metric, LR, trust ratios of runs vs epoch")
+    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    r.add_argument("--out", help="PNG path (default RUN_DIR/plot.png, or "
+                   "<parent>/plot-<run>+<run>.png for several)")
+    w = psub.add_parser("sweep", help="a sweep's metric vs batch per scheme, B0 marked")
+    w.add_argument("sweep_json", metavar="SWEEP.json", help="results/sweeps/<experiment>.json")
+    w.add_argument("--out", help="PNG path (default: SWEEP.png beside the JSON)")
+    p.set_defaults(func=_cmd)

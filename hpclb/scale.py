@@ -1,0 +1,209 @@
+"""``hpclb scale RUN_DIR --to-batch B``: carry a finished run's recipe to another batch size.
+
+The run's resolved recipe (``RUN_DIR/config.json``, written by ``hpclb train``) is written out as
+a recipe YAML that ``hpclb train RECIPE --batch-size B --scaling S`` runs as is. The written
+recipe stays the *B0 recipe*: ``base_batch_size``, the optimizer's peak LR and
+``warmup_epochs`` are the tuned B0 values (the run's ``--lr``/``--epochs``/``--optimizer``
+overrides folded in), because ``hpclb train`` applies the scaling rule itself
+(:mod:`hpclb.schedules`, You et al. SC '19): under LEGW the peak LR becomes ``eta0 * sqrt(k)``
+and the warmup ``W0 * k`` epochs, the same number of steps, for ``k = B / B0``. What changes
+from the source run to ``B`` (k, peak LR, warmup epochs and steps, steps per epoch, total steps)
+is computed with the same functions and printed. With ``--scheduler`` the SLURM/PBS job script
+for the new batch is rendered by :func:`hpclb.jobs.render` beside the recipe.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import ConfigError, resolve
+from .schedules import SCHEMES, Schedule, scale_warmup_epochs
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """The outcome of :func:`scale_run`: the written recipe, the command that runs it, and the
+    schedules before (the source run's) and after (at ``batch``)."""
+
+    recipe_path: Path
+    command: str
+    batch: int
+    scaling: str
+    base_batch: int
+    before: dict[str, Any]
+    after: dict[str, Any]
+
+
+def _read_config(run_dir: Path) -> dict:
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing; RUN_DIR must be a run directory written by `hpclb "
+                          f"train --out RUN_DIR` (it holds config.json, metrics.jsonl)")
+    cfg = json.loads(path.read_text())
+    for key in ("recipe", "global_batch_size", "scaling", "optimizer"):
+        if key not in cfg:
+            raise ConfigError(f"{path}: no {key!r}; not a config.json of `hpclb train`")
+    return cfg
+
+
+def b0_recipe(cfg: dict, batch: int) -> dict:
+    """The source run's recipe with its command-line overrides folded in (``--optimizer``,
+    ``--lr`` as the B0 peak LR, ``--epochs``, ``--accumulation-steps``), named
+    ``<name>-b<batch>`` so its default run directory is new."""
+    recipe = json.loads(json.dumps(cfg["recipe"]))  # deep copy
+    opt = cfg["optimizer"]
+    recipe["optimizer"] = opt
+    if cfg.get("lr") is not None:
+        recipe["optimizers"][opt]["lr"] = cfg["lr"]
+    if cfg.get("epochs") is not None:
+        recipe["epochs"] = cfg["epochs"]
+    if cfg.get("accumulation_steps", 1) != recipe.get("accumulation_steps", 1):
+        recipe["accumulation_steps"] = cfg["accumulation_steps"]
+    recipe["name"] = f"{cfg['recipe']['name']}-b{batch}"
+    return recipe
+
+
+def describe(sched: Schedule, recipe: dict, batch: int, scaling: str) -> dict[str, Any]:
+    """The numbers :func:`scale_run` prints for one schedule (batch in samples).
+    ``warmup_epochs`` is the scheme's rule (LEGW: ``W0 * k``), counted in samples as
+    :mod:`hpclb.schedules` counts warmup (``warmup_steps = round(W * N / B)``)."""
+    b0 = int(recipe["base_batch_size"])
+    w_epochs = scale_warmup_epochs(float(recipe["warmup_epochs"]), b0, batch,
+                                   SCHEMES[scaling][1])
+    return {"batch": batch, "scaling": scaling, "k": batch / b0, "peak_lr": sched.peak_lr,
+            "warmup_epochs": w_epochs, "warmup_steps": sched.warmup_steps,
+            "steps_per_epoch": sched.steps_per_epoch, "total_steps": sched.total_steps}
+
+
+def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
+              out: str | Path | None = None, num_samples: int | None = None) -> Scaled:
+    """Write the B0 recipe of ``run_dir`` for batch ``to_batch`` under ``scaling`` to ``out``
+    (default ``RUN_DIR/recipe-b<B>-<scaling>.yaml``) and return what changed.
+
+    ``num_samples``: the training-set size, needed only for data sets that
+    :data:`hpclb.jobs.TRAIN_SET_SIZES` does not know. ConfigError (nothing written) for a
+    directory without config.json, a bad batch or scheme, or a schedule that cannot run at
+    ``to_batch`` (e.g. LEGW's warmup longer than training; the message names the fix)."""
+    from .plot import num_train_samples
+
+    run = Path(run_dir)
+    cfg = _read_config(run)
+    if scaling not in SCHEMES:
+        raise ConfigError(f"--scaling {scaling!r} is not one of {tuple(SCHEMES)}")
+    if isinstance(to_batch, bool) or not isinstance(to_batch, int) or to_batch <= 0:
+        raise ConfigError(f"--to-batch must be a positive integer (global batch in samples), "
+                          f"got {to_batch!r}")
+    recipe = b0_recipe(cfg, to_batch)
+    path = Path(out) if out else run / f"recipe-b{to_batch}-{scaling}.yaml"
+    if path.suffix not in (".yaml", ".yml"):
+        raise ConfigError(f"--out {path}: a recipe file must end in .yaml")
+    n = num_train_samples(recipe, num_samples)
+    source = cfg["recipe"]["name"]
+    header = (f"# {recipe['name']}: the B0 recipe of the run {run} ({source}, batch "
+              f"{cfg['global_batch_size']}, {cfg['scaling']}), to run at batch {to_batch} with "
+              f"--scaling {scaling}:\n#   hpclb train {path} --batch-size {to_batch} "
+              f"--scaling {scaling}\n# base_batch_size, peak LR and warmup_epochs are B0's; "
+              f"hpclb train scales them (hpclb/schedules.py).\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump(recipe, sort_keys=False))
+    try:  # the file must resolve exactly as the printed command will resolve it
+        after = resolve(str(path), batch_size=to_batch, scaling=scaling).schedule(n)
+        before = resolve(str(path), batch_size=cfg["global_batch_size"],
+                         scaling=cfg["scaling"]).schedule(n)
+    except ConfigError as e:
+        path.unlink()
+        raise ConfigError(f"--to-batch {to_batch} --scaling {scaling}: {e}") from e
+    b0 = int(recipe["base_batch_size"])
+    return Scaled(recipe_path=path, batch=to_batch, scaling=scaling, base_batch=b0,
+                  command=f"hpclb train {path} --batch-size {to_batch} --scaling {scaling}",
+                  before=describe(before, recipe, cfg["global_batch_size"], cfg["scaling"]),
+                  after=describe(after, recipe, to_batch, scaling))
+
+
+def format_changes(s: Scaled) -> str:
+    """A small table of the source run's and the new batch's schedule, then the command."""
+    rows = [("batch", "{:d}"), ("scaling", "{}"), ("k", "{:g}"), ("peak_lr", "{:.4g}"),
+            ("warmup_epochs", "{:.4g}"), ("warmup_steps", "{:d}"),
+            ("steps_per_epoch", "{:d}"), ("total_steps", "{:d}")]
+    lines = [f"{'':16s} {'run':>12s} {'-> new':>12s}"]
+    for key, fmt in rows:
+        a, b = fmt.format(s.before[key]), fmt.format(s.after[key])
+        lines.append(f"{key:16s} {a:>12s} {b:>12s}{'' if a == b else '  *'}")
+    lines.append(f"B0 = {s.base_batch}; recipe written to {s.recipe_path}")
+    lines.append(f"run it with:  {s.command}")
+    return "\n".join(lines)
+
+
+def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
+              tasks_per_node: int | None = None, out: str | Path | None = None) -> Path:
+    """Render the ``scheduler`` job script for the scaled recipe on ``nodes`` x (``gpus_per_node``
+    or ``tasks_per_node``) ranks, each with ``batch / ranks`` samples, through
+    :func:`hpclb.jobs.render`; written to ``out`` (default: the recipe's path with ``.sbatch``
+    or ``.pbs``). ConfigError when the batch does not split evenly over the ranks or the job
+    cannot be rendered (the message says what to change)."""
+    from .jobs import JobError, JobSpec, render
+
+    ranks = nodes * (tasks_per_node or gpus_per_node or 1) if nodes > 0 else 0
+    if ranks <= 0 or s.batch % ranks:
+        raise ConfigError(f"--to-batch {s.batch} must split evenly over --nodes {nodes} x "
+                          f"{'--tasks-per-node' if tasks_per_node else '--gpus-per-node'} "
+                          f"{tasks_per_node or gpus_per_node} = {ranks} ranks")
+    spec = JobSpec(experiment=str(s.recipe_path), scheduler=scheduler, nodes=nodes,
+                   gpus_per_node=gpus_per_node, tasks_per_node=tasks_per_node,
+                   per_gpu_batch=s.batch // ranks, scaling=s.scaling)
+    try:
+        text, plan = render(spec)
+    except JobError as e:
+        raise ConfigError(str(e)) from e
+    if plan.global_batch != s.batch or plan.warmup_steps != s.after["warmup_steps"]:
+        raise AssertionError(f"job plan {plan} disagrees with the scaled recipe {s.after}")
+    path = Path(out) if out else s.recipe_path.with_suffix(
+        ".sbatch" if scheduler == "slurm" else ".pbs")
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def _cmd(args) -> int:
+    """``hpclb scale``: write the recipe (and job script), print the changes; exit 2 on bad
+    input."""
+    from .cli import _error
+
+    if args.scheduler and (args.nodes is None or args.gpus_per_node is None):
+        _error("--scheduler needs --nodes N and --gpus-per-node G (0 with --tasks-per-node "
+               "for CPU-only nodes)")
+        return 2
+    try:
+        s = scale_run(args.run_dir, args.to_batch, scaling=args.scaling, out=args.out,
+                      num_samples=args.num_samples)
+        print(format_changes(s))
+        if args.scheduler:
+            job = write_job(s, args.scheduler, args.nodes, args.gpus_per_node,
+                            tasks_per_node=args.tasks_per_node)
+            print(f"job script ({args.scheduler}, {args.nodes} node(s)): {job}")
+    except ConfigError as e:
+        _error(str(e))
+        return 2
+    return 0
+
+
+def add_cli(sub) -> None:
+    """Register ``hpclb scale`` on the top-level subparsers ``sub``."""
+    p = sub.add_parser("scale", help="write a finished run's recipe for another batch size "
+                       "(LEGW by default) and print what changes")
+    p.add_argument("run_dir", help="a run directory written by hpclb train --out")
+    p.add_argument("--to-batch", type=int, required=True, help="the new global batch (samples)")
+    p.add_argument("--scaling", default="legw", choices=list(SCHEMES))
+    p.add_argument("--out", help="recipe path (default RUN_DIR/recipe-b<B>-<scaling>.yaml)")
+    p.add_argument("--num-samples", type=int, help="training-set size, for data sets "
+                   "hpclb.jobs.TRAIN_SET_SIZES does not know")
+    p.add_argument("--scheduler", choices=("slurm", "pbs"), help="also write a job script "
+                   "beside the recipe")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int, help="one rank per GPU")
+    p.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU-only nodes")
+    p.set_defaults(func=_cmd)

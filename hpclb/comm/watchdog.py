@@ -9,6 +9,14 @@ A rank that has not reached ``seq``, or does not answer within the grace period,
 The report goes to ``on_stall`` (default: one line on stderr) and repeats every ``timeout_s``
 while the wait lasts; after ``abort_s`` the watchdog ends the job (``comm.abort``).
 
+The report tells a *mismatched* collective from a *slow* one. Every rank remembers the labels of
+its last :data:`HISTORY` collectives and answers with the label it gave number ``seq`` and the
+one it waits in: a peer whose collective #n has a different label than this rank's #n (two
+``GradientSync``\ s or optimizers on one communicator, a rank that skipped a step) is in a
+different collective, and waiting will not fix that; a peer that has not reached ``seq`` (still
+computing, or waiting in an earlier collective that matches) is slow, or all ranks have joined
+and the transfer itself is slow.
+
 Every rank's watchdog thread answers such questions, also while its main thread computes,
 sleeps or waits elsewhere; a rank that cannot answer (dead, or stuck in native code that holds
 the Python GIL) is named as "no reply".
@@ -28,6 +36,7 @@ from typing import Callable, Iterator
 from .base import Communicator
 
 DEFAULT_POLL_S = 1.0
+HISTORY = 1024  # labels of this many recent collectives, to compare with the peers'
 
 
 @dataclass
@@ -36,7 +45,11 @@ class StallReport:
 
     ``seq``/``label``: the collective; ``rank``: the reporting rank; ``waited_s``: seconds it has
     waited; ``missing``: ranks that have not joined (None when unknown: no side channel);
-    ``details``: rank -> what that rank said (or that it did not answer); ``message``: one line.
+    ``mismatched``: ranks whose collective of the same number (or the one they wait in) has a
+    different label, i.e. they are in a different collective; ``verdict``: ``"mismatched"``,
+    ``"not joined"`` (slow peers), ``"slow"`` (all joined: the transfer is slow) or
+    ``"unknown"``; ``details``: rank -> what that rank said (or that it did not answer);
+    ``message``: one line.
     """
 
     seq: int
@@ -46,6 +59,8 @@ class StallReport:
     missing: list[int] | None
     details: dict[int, str] = field(default_factory=dict)
     message: str = ""
+    mismatched: list[int] = field(default_factory=list)
+    verdict: str = "unknown"
 
 
 def print_report(report: StallReport) -> None:
@@ -83,6 +98,7 @@ class StallWatchdog:
         self._ids = itertools.count()
         self._seq = 0
         self._entered_label = ""
+        self._history: dict[int, str] = {}  # seq -> label, the last HISTORY collectives
         self._entered_at = time.monotonic()
         self._left_at = time.monotonic()
         self._replies: dict[tuple, dict[int, dict]] = {}
@@ -96,6 +112,8 @@ class StallWatchdog:
         with self._lock:
             self._seq += 1
             self._entered_label, self._entered_at = label, time.monotonic()
+            self._history[self._seq] = label
+            self._history.pop(self._seq - HISTORY, None)
             return self._seq
 
     @property
@@ -147,12 +165,13 @@ class StallWatchdog:
                 print(f"hpclb: rank {self.comm.rank}: stall watchdog error: {e!r}",
                       file=sys.stderr, flush=True)
 
-    def _state(self) -> dict:
+    def _state(self, asked_seq: int | None = None) -> dict:
         now = time.monotonic()
         with self._lock:
             waits = sorted(self._waits.values(), key=lambda w: w.seq)
             state = {"entered": self._seq, "entered_label": self._entered_label,
-                     "entered_ago_s": now - self._entered_at}
+                     "entered_ago_s": now - self._entered_at,
+                     "label_at_seq": self._history.get(asked_seq)}
             if waits:
                 state["waiting"] = (waits[0].seq, waits[0].label, now - waits[0].since)
             else:
@@ -164,7 +183,8 @@ class StallWatchdog:
         if self.channel is not None:
             for src, msg in self.channel.poll():
                 if msg.get("kind") == "ask":
-                    self.channel.send({"kind": "state", "id": msg["id"], **self._state()}, src)
+                    self.channel.send({"kind": "state", "id": msg["id"],
+                                       **self._state(msg.get("seq"))}, src)
                 elif msg.get("kind") == "state":
                     self._replies.setdefault(msg["id"], {})[src] = msg
         with self._lock:
@@ -193,46 +213,81 @@ class StallWatchdog:
         head = (f"hpclb: rank {me}: collective #{w.seq} '{w.label}' has waited {waited:.1f} s "
                 f"(stall timeout {w.timeout_s:g} s)")
         details: dict[int, str] = {}
+        mismatched: list[int] = []
         if replies is None:
             missing = None
             msg = f"{head}; cannot tell which ranks are missing (no side channel: one process, " \
                   f"or MPI without MPI_THREAD_MULTIPLE)"
         else:
-            missing = []
-            for r in range(self.comm.world_size):
-                if r == me:
-                    continue
-                st = replies.get(r)
-                if st is None:
-                    missing.append(r)
-                    details[r] = "no reply (dead, or stuck in code that holds the GIL)"
-                elif st["entered"] >= w.seq:
-                    details[r] = f"joined (started #{st['entered']})"
-                else:
-                    missing.append(r)
-                    if "waiting" in st:
-                        s, lab, t = st["waiting"]
-                        where = f"is waiting in #{s} '{lab}' for {t:.1f} s"
-                    else:
-                        where = f"is not communicating ({st['idle_s']:.1f} s since its last wait)"
-                    last = (f"last started #{st['entered']} '{st['entered_label']}' "
-                            f"{st['entered_ago_s']:.1f} s ago") if st["entered"] else \
-                        "has started no watched collective yet"
-                    details[r] = f"{last} and {where}"
-            if missing:
-                msg = f"{head}; rank(s) {', '.join(map(str, missing))} have not joined it: " + \
-                      "; ".join(f"rank {r} {details[r]}" for r in missing)
-            else:
-                msg = f"{head}; all {self.comm.world_size} ranks have joined it, so the " \
-                      f"collective itself is slow (message size, network) rather than stalled"
+            missing, mismatched = self._classify(w, replies, details)
+            msg = self._message(head, w, missing, mismatched, details)
         w.reports += 1
         w.query_id = None
         w.next_report = now + w.timeout_s
-        report = StallReport(w.seq, w.label, me, waited, missing, details, msg)
+        verdict = ("unknown" if replies is None else "mismatched" if mismatched else
+                   "not joined" if missing else "slow")
+        report = StallReport(w.seq, w.label, me, waited, missing, details, msg,
+                             mismatched if replies is not None else [], verdict)
         try:
             w.on_stall(report)
         except Exception as e:
             print(f"{msg}\n(on_stall raised {e!r})", file=sys.stderr, flush=True)
+
+    def _classify(self, w: _Wait, replies: dict[int, dict],
+                  details: dict[int, str]) -> tuple[list[int], list[int]]:
+        """(ranks that have not joined #seq, ranks in a different collective); fills
+        ``details`` with one phrase per other rank."""
+        missing, mismatched = [], []
+        for r in range(self.comm.world_size):
+            if r == self.comm.rank:
+                continue
+            st = replies.get(r)
+            if st is None:
+                missing.append(r)
+                details[r] = "no reply (dead, or stuck in code that holds the GIL)"
+                continue
+            theirs = st.get("label_at_seq")
+            if st["entered"] >= w.seq:
+                if theirs is not None and theirs != w.label:
+                    mismatched.append(r)
+                    details[r] = f"started #{w.seq} as '{theirs}'"
+                else:
+                    details[r] = f"joined (started #{st['entered']})"
+                continue
+            missing.append(r)
+            if "waiting" in st:
+                s, lab, t = st["waiting"]
+                mine = self._history.get(s)
+                if mine is not None and mine != lab:
+                    mismatched.append(r)
+                    details[r] = (f"is waiting in #{s} '{lab}' for {t:.1f} s, where this rank's "
+                                  f"#{s} was '{mine}'")
+                    continue
+                where = f"is waiting in #{s} '{lab}' for {t:.1f} s (behind: slow)"
+            else:
+                where = (f"is not communicating ({st['idle_s']:.1f} s since its last wait: "
+                         f"still computing, slow)")
+            last = (f"last started #{st['entered']} '{st['entered_label']}' "
+                    f"{st['entered_ago_s']:.1f} s ago") if st["entered"] else \
+                "has started no watched collective yet"
+            details[r] = f"{last} and {where}"
+        return missing, mismatched
+
+    def _message(self, head: str, w: _Wait, missing: list[int], mismatched: list[int],
+                 details: dict[int, str]) -> str:
+        if mismatched:
+            return (f"{head}; MISMATCHED collective, not a slow one: rank(s) "
+                    f"{', '.join(map(str, mismatched))} are in a different collective: "
+                    + "; ".join(f"rank {r} {details[r]}" for r in mismatched)
+                    + f" (this rank's #{w.seq} is '{w.label}'). The ranks issue collectives in "
+                    f"different orders (e.g. two GradientSyncs or optimizers on one "
+                    f"communicator, or a step skipped on some ranks); waiting will not resolve it")
+        if missing:
+            return (f"{head}; slow, not mismatched: rank(s) {', '.join(map(str, missing))} have "
+                    f"not joined it yet: " + "; ".join(f"rank {r} {details[r]}" for r in missing))
+        return (f"{head}; all {self.comm.world_size} ranks have joined it with the same "
+                f"collective, so the collective itself is slow (message size, network) rather "
+                f"than stalled or mismatched")
 
 
 _watchdogs: "weakref.WeakKeyDictionary[Communicator, StallWatchdog]" = weakref.WeakKeyDictionary()

@@ -12,7 +12,7 @@ while the wait lasts; after ``abort_s`` the watchdog ends the job (``comm.abort`
 The report tells a *mismatched* collective from a *slow* one. Every rank remembers the labels of
 its last :data:`HISTORY` collectives and answers with the label it gave number ``seq`` and the
 one it waits in: a peer whose collective #n has a different label than this rank's #n (two
-``GradientSync``\ s or optimizers on one communicator, a rank that skipped a step) is in a
+``GradientSync`` objects or optimizers on one communicator, a rank that skipped a step) is in a
 different collective, and waiting will not fix that; a peer that has not reached ``seq`` (still
 computing, or waiting in an earlier collective that matches) is slow, or all ranks have joined
 and the transfer itself is slow.

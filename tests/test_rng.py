@@ -92,3 +92,20 @@ def test_bad_rank_or_seed():
         rng.rank_seed(0, -1)
     with pytest.raises(ValueError, match="seed must be an int"):
         rng.rank_seed(1.5, 0)
+
+
+@pytest.mark.mpi
+def test_ranks_draw_different_dropout_masks_and_restore_their_own(comm):
+    from conftest import all_ranks_ok
+
+    rng.seed_rank(11, comm.rank)
+    saved = comm.allgather_object(rng.rng_state())  # what a checkpoint holds, index = rank
+    mask = torch.nn.functional.dropout(torch.ones(64), 0.5).tolist()
+    masks = comm.allgather_object(mask)
+    distinct = len({tuple(m) for m in masks}) == comm.world_size
+    rng.seed_rank(0, 0)
+    how = rng.resume_rank_rng(saved, seed=11, rank=comm.rank, world_size=comm.world_size, step=3)
+    again = torch.nn.functional.dropout(torch.ones(64), 0.5).tolist()
+    all_ranks_ok(comm, distinct and how == "restored" and again == mask,
+                 f"rank {comm.rank}: distinct={distinct}, {how}, same mask after restore="
+                 f"{again == mask}")

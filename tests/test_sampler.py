@@ -148,3 +148,22 @@ def test_task_global_size_default_is_the_global_batch():
     assert t.global_size(0) == 12
     t.global_batch = 20
     assert t.global_size(7) == 20
+
+
+@pytest.mark.mpi
+def test_ranks_shares_form_the_one_process_global_batches(comm):
+    """Under mpirun: the shares gathered from all ranks are the 1-process batches, each sample
+    once per epoch, for N=1000, B=300 (uneven last step at W=3 or 6)."""
+    from conftest import all_ranks_ok
+
+    w = comm.world_size
+    mine = GlobalBatchSampler(1000, 300, comm.rank, w, seed=9)
+    mine.set_epoch(2)
+    one = GlobalBatchSampler(1000, 300, 0, 1, seed=9)
+    one.set_epoch(2)
+    gathered = comm.allgather_object([mine.share(i).tolist() for i in range(4)])
+    steps_ok = all(sorted(x for rank in gathered for x in rank[i]) ==
+                   sorted(one.share(i).tolist()) for i in range(4))
+    everything = sorted(x for rank in gathered for step in rank for x in step)
+    all_ranks_ok(comm, steps_ok and everything == list(range(1000)),
+                 f"world size {w}: shares do not form the 1-process global batches")

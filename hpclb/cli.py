@@ -220,7 +220,8 @@ def cmd_jobs_render(args: argparse.Namespace) -> int:
         nccl_ib_hca=args.nccl_ib_hca, socket_ifname=args.socket_ifname,
         signal_lead=args.signal_lead, checkpoint_interval=args.checkpoint_interval,
         launcher=args.launcher, scaling=args.scaling, optimizer=args.optimizer,
-        epochs=args.epochs, seed=args.seed, exclusive=not args.shared)
+        epochs=args.epochs, seed=args.seed, exclusive=not args.shared, backend=args.backend,
+        device=args.device, gpu_bind=args.gpu_bind)
     try:
         text, plan = render(spec)
     except JobError as e:
@@ -253,7 +254,7 @@ def cmd_jobs_examples(args: argparse.Namespace) -> int:
 
 
 def _add_jobs_parser(sub) -> None:
-    from .jobs import ALLREDUCE, FABRICS, SCHEDULERS, SLURM_LAUNCHERS
+    from .jobs import ALLREDUCE, FABRICS, GPU_BINDS, JOB_BACKENDS, SCHEDULERS, SLURM_LAUNCHERS
     from .schedules import SCHEMES
 
     j = sub.add_parser("jobs", help="render SLURM / PBS job scripts from jobs/templates")
@@ -298,6 +299,13 @@ def _add_jobs_parser(sub) -> None:
     r.add_argument("--epochs", type=float)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--shared", action="store_true", help="do not ask for whole nodes")
+    r.add_argument("--backend", choices=JOB_BACKENDS, help="hpclb train --backend (default: "
+                   "torch, i.e. NCCL, with GPUs; mpi on CPU-only nodes)")
+    r.add_argument("--device", choices=("cuda", "cpu"), help="hpclb train --device (default: "
+                   "cuda with GPUs; none on CPU-only nodes)")
+    r.add_argument("--gpu-bind", default="single:1", choices=GPU_BINDS,
+                   help="SLURM srun --gpu-bind with GPUs: single:1 = one GPU per rank; none = "
+                   "every rank sees the node's GPUs (where cgroups would block NVLink P2P)")
     r.add_argument("-o", "--output", help="write the script here (default: stdout)")
     r.set_defaults(func=cmd_jobs_render)
     e = jsub.add_parser("examples", help="re-render the committed examples (jobs/slurm, jobs/pbs)")

@@ -32,6 +32,13 @@ SCHEDULERS = ("slurm", "pbs")
 FABRICS = ("ib", "tcp", "local")
 ALLREDUCE = ("ring", "segmented_ring", "recursive_doubling", "rabenseifner", "auto")
 SLURM_LAUNCHERS = ("srun", "mpirun")
+JOB_BACKENDS = ("mpi", "torch", "horovod")
+# srun --gpu-bind values the templates offer: single:1 = one GPU per task, the closest to its
+# cores; closest = every GPU near the task's cores; none = every rank sees the node's GPUs.
+GPU_BINDS = ("single:1", "closest", "none")
+# Each rank starts with the preemption signals blocked until hpclb has its handler in place
+# (hpclb.cli unblocks them); GNU coreutils >= 8.31 (Debian 11+, RHEL 9+).
+BLOCK_SIGNALS = "env --block-signal=USR2 --block-signal=TERM"
 
 # Training-set sizes in the unit the loader counts one sample in (the denominator of an epoch).
 # name: (size, unit, note). Word-level LMs count tokens; their loaders cut the token stream into
@@ -173,6 +180,17 @@ class JobSpec:
     epochs: float | None = None
     seed: int = 0
     exclusive: bool = True
+    backend: str | None = None              # default: torch (NCCL) with GPUs, mpi without
+    device: str | None = None               # hpclb train --device; default cuda with GPUs
+    gpu_bind: str = "single:1"              # SLURM srun --gpu-bind with GPUs (GPU_BINDS)
+
+
+def default_backend(gpus_per_node: int) -> str:
+    """The communication backend a job should use: ``torch`` on GPUs (NCCL moves the CUDA
+    gradient buckets GPU to GPU over NVLink and GPUDirect RDMA, with no CUDA-aware MPI build
+    needed; the ``mpi`` backend stages every bucket through pinned host memory unless mpi4py
+    sits on a CUDA-aware MPI), ``mpi`` on CPU-only nodes."""
+    return "torch" if gpus_per_node else "mpi"
 
 
 def plan_for(recipe: dict[str, Any], global_batch: int, per_rank_batch: int, scaling: str,
@@ -276,6 +294,15 @@ def _validate(spec: JobSpec) -> None:
         raise JobError(f"--fabric {spec.fabric!r}: choose one of {FABRICS}")
     if spec.allreduce not in ALLREDUCE:
         raise JobError(f"--allreduce {spec.allreduce!r}: choose one of {ALLREDUCE}")
+    if spec.backend is not None and spec.backend not in JOB_BACKENDS:
+        raise JobError(f"--backend {spec.backend!r}: choose one of {JOB_BACKENDS}")
+    if spec.device not in (None, "cuda", "cpu"):
+        raise JobError(f"--device {spec.device!r}: choose cuda or cpu")
+    if spec.device == "cuda" and not spec.gpus_per_node:
+        raise JobError("--device cuda with --gpus-per-node 0: ask for GPUs (--gpus-per-node G, "
+                       "one rank per GPU) or drop --device")
+    if spec.gpu_bind not in GPU_BINDS:
+        raise JobError(f"--gpu-bind {spec.gpu_bind!r}: choose one of {GPU_BINDS}")
     if spec.scheduler == "slurm" and spec.launcher not in SLURM_LAUNCHERS:
         raise JobError(f"--launcher {spec.launcher!r}: choose one of {SLURM_LAUNCHERS}")
     limit = parse_time(spec.time)
@@ -318,7 +345,8 @@ def _render_args(spec: JobSpec) -> str:
     for name in ("per_gpu_batch", "tasks_per_node", "cpus_per_task", "time", "partition",
                  "account", "job_name", "out", "log", "data_dir", "venv", "fabric", "allreduce",
                  "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
-                 "checkpoint_interval", "launcher", "scaling", "optimizer", "epochs", "seed"):
+                 "checkpoint_interval", "launcher", "scaling", "optimizer", "epochs", "seed",
+                 "backend", "device", "gpu_bind"):
         v = getattr(spec, name)
         if v != getattr(defaults, name) and v is not None:
             args += [f"--{name.replace('_', '-')}", str(v)]
@@ -353,9 +381,14 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
     _check_path("--job-name", name)
     cpus = spec.cpus_per_task or (8 if spec.gpus_per_node else 1)
 
+    backend = spec.backend or default_backend(spec.gpus_per_node)
     train = ["hpclb", "train", shlex.quote(spec.experiment), "--batch-size",
              str(plan.global_batch), "--scaling", spec.scaling, "--expect-world-size", str(ranks),
-             "--backend", "mpi", "--out", '"$OUT"', "--seed", str(spec.seed)]
+             "--backend", backend,
+             "--out", '"$OUT"', "--seed", str(spec.seed)]
+    device = spec.device or ("cuda" if spec.gpus_per_node else None)
+    if device:  # CPU-only jobs keep the command they always had
+        train += ["--device", device]
     if spec.optimizer:
         train += ["--optimizer", spec.optimizer]
     if spec.epochs is not None:
@@ -369,6 +402,8 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
         if spec.launcher == "srun":
             launch = (f"srun --mpi=pmix --kill-on-bad-exit=0 --ntasks={ranks} "
                       f"--ntasks-per-node={tasks} --cpus-per-task={cpus}")
+            if spec.gpus_per_node:
+                launch += f" --gpus-per-task=1 --gpu-bind={spec.gpu_bind}"
         else:
             launch = (f"env --block-signal=TERM mpirun -n {ranks} --map-by ppr:{tasks}:node "
                       f"--bind-to none")
@@ -389,7 +424,8 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
         log=spec.log or (f"{name}-%j.out" if spec.scheduler == "slurm" else f"{name}.log"),
         venv=spec.venv, modules=spec.modules, fabric=spec.fabric, interconnect=env,
         signal_lead=spec.signal_lead, preempted_exit_code=PREEMPTED_EXIT_CODE,
-        train_argv=" ".join(train), launch=launch, scaling=spec.scaling, plan=plan,
+        train_argv=" ".join(train), launch=launch, block_signals=BLOCK_SIGNALS,
+        gpu_bind=spec.gpu_bind, backend=backend, scaling=spec.scaling, plan=plan,
         render_args=_render_args(spec), version=__version__)
     tmpl_name = "slurm.sbatch.j2" if spec.scheduler == "slurm" else "pbs.pbs.j2"
     loader = jinja2.FileSystemLoader(str(_templates_dir()))

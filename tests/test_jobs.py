@@ -95,12 +95,18 @@ def test_slurm_example_directives(rel, sp):
     d = jobs.directives(text, "#SBATCH")
     assert f"--nodes={sp.nodes}" in d
     assert f"--ntasks-per-node={sp.gpus_per_node}" in d
-    assert f"--gpus-per-node={sp.gpus_per_node}" in d
+    assert "--gpus-per-task=1" in d and not any(x.startswith("--gpus-per-node") for x in d)
     assert f"--time={jobs.format_time(jobs.parse_time(sp.time), 'slurm')}" in d
     assert "--partition=gpu" in d and "--account=hpclb" in d
     assert any(re.fullmatch(r"--signal=B:USR2@\d+", x) for x in d)
     assert "--requeue" in d and "--open-mode=append" in d
-    assert re.search(r"^srun --mpi=pmix .*\"\$\{TRAIN\[@\]\}\".* &$", text, re.M)
+    launch = re.search(r"^    srun --mpi=pmix (.*)\"\$\{TRAIN\[@\]\}\".* &$", text, re.M)
+    assert launch, text
+    assert f"--ntasks-per-node={sp.gpus_per_node}" in launch.group(1)
+    assert "--gpus-per-task=1 --gpu-bind=single:1 " in launch.group(1)
+    assert launch.group(1).endswith(f"{jobs.BLOCK_SIGNALS} ")
+    argv = train_line(text)
+    assert flag(argv, "--device") == "cuda" and flag(argv, "--backend") == "torch"
     assert 'wait "$LAUNCH"' in text and "trap 'forward USR2' USR2" in text
     assert re.search(r'if \[ "\$rc" -eq 75 \]; then\n.*\n\s+scontrol requeue "\$SLURM_JOB_ID"', text)
     assert "export OMPI_MCA_coll_tuned_allreduce_algorithm=ring" in text
@@ -118,9 +124,12 @@ def test_pbs_example_directives(rel, sp):
     assert r["ncpus"] == G * 8 and r["ompthreads"] == 8
     assert r["walltime"] == jobs.parse_time(sp.time) and r["rerunnable"] is True
     assert r["queue"] == "gpu" and r["account"] == "hpclb" and r["place"] == "scatter:excl"
-    assert re.search(rf'^env --block-signal=TERM mpiexec -n {sp.nodes * G} --host "\$HOSTS" '
-                     rf"--map-by ppr:{G}:node", text,
-                     re.M)
+    launch = re.search(rf'^    env --block-signal=TERM mpiexec -n {sp.nodes * G} --host "\$HOSTS" '
+                       rf"--map-by ppr:{G}:node (.*)\"\$\{{TRAIN", text, re.M)
+    assert launch and launch.group(1).endswith(f"{jobs.BLOCK_SIGNALS} "), text
+    assert "-x CUDA_VISIBLE_DEVICES" not in text  # each node's own list, set by PBS there
+    argv = train_line(text)
+    assert flag(argv, "--device") == "cuda" and flag(argv, "--backend") == "torch"
     assert "awk '!seen[$0]++" in text and "$PBS_NODEFILE" in text
 
 
@@ -152,7 +161,8 @@ def test_env_modules_launcher_and_outputs():
                        out="runs/x", data_dir="/scratch/data", checkpoint_interval=0,
                        scaling="linear", epochs=5.0))[0]
     assert "module load cuda/12.4\nmodule load openmpi/5.0" in text and "activate" not in text
-    assert re.search(r"^env --block-signal=TERM mpirun -n 8 --map-by ppr:4:node", text, re.M)
+    assert re.search(r"^    env --block-signal=TERM mpirun -n 8 --map-by ppr:4:node "
+                     r"--bind-to none env --block-signal=USR2 --block-signal=TERM ", text, re.M)
     argv = train_line(text)
     assert flag(argv, "--scaling") == "linear" and flag(argv, "--epochs") == "5"
     assert "--checkpoint-interval" not in argv and flag(argv, "--data-dir") == "$HPCLB_DATA"
@@ -167,6 +177,41 @@ def test_cpu_only_nodes_use_tasks_per_node():
     assert "--ntasks-per-node=16" in d and not any("gpus" in x for x in d)
     pbs = jobs.pbs_resources(render(spec(scheduler="pbs", gpus_per_node=0, tasks_per_node=16))[0])
     assert "ngpus" not in pbs and pbs["mpiprocs"] == 16
+    argv = train_line(text)  # CPU jobs: the command they always had
+    assert "--device" not in argv and flag(argv, "--backend") == "mpi"
+    assert "--gpu" not in text.split("TRAIN=(")[1]
+
+
+def test_gpu_backend_device_and_binding_choices():
+    text = render(spec(backend="mpi", gpu_bind="none"))[0]
+    assert flag(train_line(text), "--backend") == "mpi"
+    assert "--gpus-per-task=1 --gpu-bind=none " in text
+    argv = train_line(render(spec(device="cpu"))[0])
+    assert flag(argv, "--device") == "cpu"
+    pbs = render(spec(scheduler="pbs"))[0]
+    argv = train_line(pbs)
+    assert (flag(argv, "--backend"), flag(argv, "--device")) == ("torch", "cuda")
+    assert "# --backend torch on GPUs: NCCL moves the CUDA gradient buckets" in pbs
+    assert "# --backend torch on GPUs" not in text  # mpi asked for: no NCCL reasoning
+
+
+def test_signals_are_trapped_before_anything_else_runs():
+    """The traps come right after `set -uo pipefail`, before cd/module/venv (a TERM there
+    used to kill the batch shell: no requeue)."""
+    for sched in jobs.SCHEDULERS:
+        text = render(spec(scheduler=sched, modules=["cuda"]))[0]
+        body = [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+        first = body.index("set -uo pipefail")
+        assert "trap 'forward TERM' TERM" in body[first:first + 30]
+        traps = body.index("trap 'forward TERM' TERM")
+        assert traps < body.index("module load cuda") and traps < min(
+            i for i, l in enumerate(body) if l.startswith("cd "))
+
+
+def test_packaged_templates_are_the_checkout_templates():
+    packaged = REPO / "hpclb" / "job_templates"
+    for t in (REPO / "jobs" / "templates").glob("*.j2"):
+        assert (packaged / t.name).read_text() == t.read_text(), t.name
 
 
 def test_long_time_limits_per_scheduler():
@@ -192,6 +237,9 @@ def test_long_time_limits_per_scheduler():
     ({"scheduler": "lsf"}, r"--scheduler 'lsf'"),
     ({"out": "my runs/x"}, r"no spaces"),
     ({"optimizer": "lion"}, r"no tuned hyper-parameters"),
+    ({"backend": "nccl"}, r"--backend 'nccl': choose one of"),
+    ({"gpu_bind": "map_gpu:0"}, r"--gpu-bind 'map_gpu:0'"),
+    ({"device": "cuda", "gpus_per_node": 0, "tasks_per_node": 2}, r"ask for GPUs"),
 ])
 def test_invalid_requests_name_the_fix(kw, match):
     with pytest.raises(JobError, match=match):

@@ -34,7 +34,8 @@ def render_quick(tmp: Path, epochs: float) -> Path:
         pytest.fail(f"real MNIST not staged in {DATA}/mnist; run `make data`")
     recipe = quick_recipe(tmp, epochs=epochs)
     text, plan = jobs.render(jobs.JobSpec(
-        experiment=recipe, scheduler="pbs", nodes=1, gpus_per_node=2, per_gpu_batch=128,
+        experiment=recipe, scheduler="pbs", nodes=1, gpus_per_node=0, tasks_per_node=2,
+        per_gpu_batch=128,
         cpus_per_task=1, time="00:15:00", fabric="local", venv=str(REPO / ".venv"),
         data_dir=str(DATA), out="run", job_name="pbsq", checkpoint_interval=0))
     assert plan.global_batch == 256

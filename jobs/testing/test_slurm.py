@@ -90,7 +90,8 @@ def render_quick(tmp: Path, out: str, epochs: float, name: str, time: str = "00:
 
     recipe = quick_recipe(tmp, epochs=epochs)
     text, plan = jobs.render(jobs.JobSpec(
-        experiment=recipe, scheduler="slurm", nodes=2, gpus_per_node=1, per_gpu_batch=128,
+        experiment=recipe, scheduler="slurm", nodes=2, gpus_per_node=0, tasks_per_node=1,
+        per_gpu_batch=128,
         cpus_per_task=1, time=time, partition="gpu", fabric="local", venv=str(VENV),
         data_dir=str(DATA), out=out, job_name=name, checkpoint_interval=0,
         signal_lead=signal_lead))
@@ -154,7 +155,8 @@ if [ "$SLURM_PROCID" = 0 ]; then echo "ARGS $*"; fi
 def test_example_task_and_gpu_layout(cluster, workdir, script):
     text = script.read_text()
     nodes = _nodes_in(text)
-    gpus = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M).group(1))
+    assert re.search(r"^#SBATCH --gpus-per-task=1$", text, re.M)
+    gpus = int(re.search(r"^#SBATCH --ntasks-per-node=(\d+)", text, re.M).group(1))
     cpus = int(re.search(r"^#SBATCH --cpus-per-task=(\d+)", text, re.M).group(1))
     stub = workdir / "stub.sh"
     stub.write_text(STUB)
@@ -175,8 +177,11 @@ def test_example_task_and_gpu_layout(cluster, workdir, script):
     assert len(by_node) == nodes
     for node_rows in by_node.values():
         assert sorted(int(r[4]) for r in node_rows) == list(range(gpus))
-        for r in node_rows:  # each rank sees its node's G GPUs and picks its local rank's
-            assert r[5] == ",".join(str(i) for i in range(gpus))
+        # --gpu-bind=single:1: each rank sees exactly one GPU, a different one per rank (or
+        # every rank sees its own as "0" where cgroups renumber the devices)
+        seen = [r[5] for r in node_rows]
+        assert all(v.isdigit() for v in seen), seen
+        assert sorted(seen) == [str(i) for i in range(gpus)] or set(seen) == {"0"}, seen
     assert {tuple(r[6:10]) for r in rows} == {("ring", "Ring", "ucx", str(cpus))}
     args = next(l for l in log.splitlines() if l.startswith("ARGS ")).split()
     assert args[1:3] == ["hpclb", "train"]
@@ -247,6 +252,24 @@ def test_usr2_checkpoints_requeues_and_resumes_bit_for_bit(cluster, workdir, mni
     sa = json.loads((workdir / "ref" / "summary.json").read_text())
     sb = json.loads((workdir / "cut" / "summary.json").read_text())
     assert sa["final_test_accuracy"] == sb["final_test_accuracy"]
+
+
+def test_term_to_the_batch_shell_4s_after_start_requeues(cluster, workdir, mnist_ok):
+    """TERM (preemption, scancel) 4 s after the job starts: the shell traps it from its first
+    line; before the launch it requeues without starting the ranks, after it the ranks started
+    with USR2/TERM blocked catch it during their start-up; either way exit 75 -> requeue, and
+    the requeued job finishes."""
+    job = cluster.sbatch(str(render_quick(workdir, "early", epochs=1, name="early")),
+                         cwd=workdir)
+    cluster.wait_state(job, {"RUNNING"}, 120)
+    time.sleep(4)
+    subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=cluster.env(), check=True)
+    state = wait_done(cluster, job, 300, restarts=1)
+    log = (workdir / f"early-{job}.out").read_text()
+    assert state == "COMPLETED", f"{state}\n{log}"
+    assert "got TERM: asking the ranks to checkpoint" in log, log
+    assert f"requeueing {job}" in log and cluster.job_field(job, "Restarts") == "1", log
+    assert log.rstrip().endswith("training exited with 0")
 
 
 @pytest.mark.timeout(1200)

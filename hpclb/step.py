@@ -1,0 +1,207 @@
+"""One optimizer step across ranks, shared by ``hpclb train`` and library users.
+
+:class:`DistributedOptimizer` wraps any ``torch.optim.Optimizer``. Its ``step()`` does, in order:
+
+1. wait for the gradient allreduce (:class:`~hpclb.parallel.GradientSync`: fused buckets started
+   during backward); on the first ``K - 1`` micro-batches of an accumulation window it returns
+   ``False`` without stepping;
+2. unscale the fp16 loss scale (when a ``torch.amp.GradScaler`` is given);
+3. the global gradient norm (one fused norm over all gradients, on the device) and the
+   non-finite guard: a non-finite norm skips the step on every rank together (the averaged
+   gradients are identical on all ranks, so no extra collective is needed) and counts it; after
+   ``max_nonfinite_steps`` skipped steps in a row it raises :class:`NonFiniteError` naming the
+   step and the first non-finite layer. The guard reads one scalar from the device per step,
+   as ``torch.amp.GradScaler`` does;
+4. optional clipping to ``grad_clip_norm`` (after the averaging, once);
+5. the wrapped optimizer's step.
+
+Forgetting the synchronisation is impossible: the allreduce happens inside ``step()``.
+"""
+from __future__ import annotations
+
+import math
+import torch
+from torch import Tensor, nn
+
+from .comm import Communicator
+from .parallel import GradientSync
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised on every rank after ``max_nonfinite_steps`` non-finite steps in a row.
+
+    Attributes: ``step`` (the optimizer step, 1-based, at which the limit was reached),
+    ``layer`` (the first parameter whose averaged gradient was not finite, or None when only the
+    loss was), ``skipped`` (steps skipped in a row)."""
+
+    def __init__(self, step: int, layer: str | None, skipped: int):
+        self.step, self.layer, self.skipped = step, layer, skipped
+        where = f"first non-finite layer {layer}" if layer else "the loss was not finite"
+        super().__init__(f"non-finite gradient at optimizer step {step} ({where}); {skipped} "
+                         f"step(s) in a row skipped, the run stops: lower the learning rate, "
+                         f"add warmup or gradient clipping (grad_clip_norm)")
+
+
+def _named(model_or_named_parameters) -> list[tuple[str, nn.Parameter]]:
+    if isinstance(model_or_named_parameters, nn.Module):
+        return list(model_or_named_parameters.named_parameters())
+    items = list(model_or_named_parameters)
+    if items and not (isinstance(items[0], tuple) and len(items[0]) == 2):
+        return [(f"param{i}", p) for i, p in enumerate(items)]
+    return items
+
+
+class DistributedOptimizer:
+    """A torch optimizer whose ``step()`` averages gradients across ranks first.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (SGD, Adam, :class:`hpclb.LARS`, ...) over the
+            model's parameters.
+        model_or_named_parameters: the model (``nn.Module``) or its ``named_parameters()``, in the
+            same order on every rank. Every parameter the optimizer updates must be here.
+        comm: the communicator (default: the one :func:`hpclb.init` made).
+        accumulation_steps: K micro-batches per optimizer step (call ``backward()`` and
+            ``step()`` after each; only every K-th ``step()`` communicates and updates, the
+            others return False). The result is the gradient of the K-times larger batch when
+            each micro-batch loss is a mean.
+        grad_clip_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
+        max_nonfinite_steps: non-finite steps skipped in a row before :class:`NonFiniteError`
+            (>= 1; default 3).
+        scaler: a ``torch.amp.GradScaler`` for fp16 (the caller scales the loss with
+            ``scaler.scale(loss).backward()``; ``step()`` unscales before the norm, clipping and
+            trust ratios, and updates the scale).
+        **sync_options: passed to :class:`~hpclb.parallel.GradientSync` (fusion_threshold_bytes,
+            overlap, compression, stall_timeout_s, track_local_norm, ...).
+
+    Attributes after each ``step()``: ``grad_norm`` (0-d float32 device tensor, the averaged
+    gradient's global L2 norm before clipping), ``steps`` (optimizer steps taken or skipped),
+    ``skipped_steps`` (non-finite steps skipped in total), ``sync`` (the GradientSync).
+
+    Raises ValueError when the optimizer updates a parameter that is not in
+    ``model_or_named_parameters`` (its gradient would never be averaged) or for a bad setting.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model_or_named_parameters, *,
+                 comm: Communicator | None = None, accumulation_steps: int = 1,
+                 grad_clip_norm: float | None = None, max_nonfinite_steps: int = 3,
+                 scaler: "torch.amp.GradScaler | None" = None, **sync_options):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if grad_clip_norm is not None and not (grad_clip_norm > 0 and math.isfinite(grad_clip_norm)):
+            raise ValueError(f"grad_clip_norm={grad_clip_norm!r} must be None or a positive norm")
+        if isinstance(max_nonfinite_steps, bool) or not isinstance(max_nonfinite_steps, int) \
+                or max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps={max_nonfinite_steps!r} must be an int >= 1 "
+                             f"(consecutive skipped steps before the run stops)")
+        if comm is None:
+            from .api import communicator
+            comm = communicator()
+        named = _named(model_or_named_parameters)
+        known = {id(p) for _, p in named}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in known:
+                    raise ValueError(f"the optimizer's param_groups[{gi}] holds a parameter of "
+                                     f"shape {list(p.shape)} that is not among the model's "
+                                     f"parameters given to DistributedOptimizer; its gradient "
+                                     f"would never be averaged across ranks")
+        self.optimizer = optimizer
+        self.comm = comm
+        self.names = [n for n, p in named if p.requires_grad]
+        self.params = [p for _, p in named if p.requires_grad]
+        self.sync = GradientSync(named, comm, accumulation_steps=accumulation_steps,
+                                 **sync_options)
+        self.grad_clip_norm = grad_clip_norm
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.scaler = scaler
+        self.grad_norm: Tensor | None = None
+        self.steps = 0
+        self.skipped_steps = 0
+        self._streak = 0
+
+    # the torch.optim.Optimizer surface LR schedulers and user code read
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.sync.accumulation_steps
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients in place (they are views into the communication buckets;
+        ``set_to_none`` is accepted and ignored, since re-allocating would cost a copy)."""
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def step(self, closure=None) -> bool:
+        """Average, check, clip and step (module docstring). Returns True when the parameters
+        were updated; False on a partial accumulation window or a skipped non-finite step.
+        Raises :class:`NonFiniteError` after too many non-finite steps in a row."""
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step() takes no closure: run forward and "
+                             "backward before calling step()")
+        if not self.sync.synchronize():
+            return False
+        self.steps += 1
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if not bool(torch.isfinite(self.grad_norm)):  # the one host read per step
+            self._skip()
+            return False
+        self._streak = 0
+        if self.grad_clip_norm:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip_norm, self.grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return True
+
+    def _skip(self) -> None:
+        self.skipped_steps += 1
+        self._streak += 1
+        if self._streak >= self.max_nonfinite_steps:
+            raise NonFiniteError(self.steps, self.first_nonfinite_layer(), self._streak)
+        self.optimizer.zero_grad(set_to_none=False)
+        if self.scaler is not None:
+            self.scaler.update()  # lowers the fp16 loss scale, as a skipped scaler step does
+
+    def first_nonfinite_layer(self) -> str | None:
+        """Name of the first parameter whose gradient holds inf/NaN (host syncs per layer: only
+        for the error path)."""
+        for n, p in zip(self.names, self.params):
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return n
+        return None
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state plus the guard's counters."""
+        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps,
+                "skipped_steps": self.skipped_steps,
+                **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "optimizer" not in state:  # a plain optimizer state dict
+            self.optimizer.load_state_dict(state)
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state.get("steps", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def close(self) -> None:
+        """Release the communicator (hooks, communication thread)."""
+        self.sync.close()
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({type(self.optimizer).__name__}, {self.sync!r})"
+

@@ -121,3 +121,19 @@ def test_tags():
     assert tensorboard_tag("comm_s") == "time/comm_exposed_s"
     assert tensorboard_tag("train_loss", "epoch") == "epoch/train/loss"
     assert tensorboard_tag("lr", "epoch") == "epoch/lr"
+
+
+@pytest.mark.mpi
+def test_only_rank_zero_writes(comm, tmp_path):
+    from pathlib import Path
+
+    from conftest import all_ranks_ok
+
+    run = Path(comm.broadcast_object(str(tmp_path))) / "mpi-run"  # rank 0's directory
+    with RunLogger(run, enabled=comm.rank == 0, tensorboard=False) as rl:
+        rl.log_step(1, {"rank": float(comm.rank)})
+        rl.log_epoch({"epoch": 1, "step": 1, "rank": float(comm.rank)})
+    comm.barrier()
+    epochs, steps = read_metrics(run)
+    all_ranks_ok(comm, steps == [{"step": 1, "rank": 0.0}] and epochs == [
+        {"epoch": 1, "step": 1, "rank": 0.0}], f"rank {comm.rank} read {epochs} {steps}")

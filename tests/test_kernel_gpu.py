@@ -263,6 +263,66 @@ def test_optimizer_step_equals_torch_backend(opt):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"seed {SEED}: {m}")
 
 
+def test_optimizer_outputs_nonfinite_clamp_and_vector_path():
+    """LARS with a trust clamp and a NaN layer: the CuPy path equals the torch path, leaves the
+    NaN layer untouched, reports it in nonfinite_layers, and vectorises every launch on fresh
+    (allocator-aligned) parameters."""
+    from hpclb.optim import LARS
+
+    runs = {}
+    for backend in ("cupy", "torch"):
+        params_ = _model(torch.float32, SEED)
+        o = LARS(params_, lr=0.5, weight_decay=1e-4, trust_clamp=(0.001, 0.02))
+        g = gen(11)
+        counters = dict(fused().counters)
+        if backend == "torch":
+            os.environ["HPCLB_TRUST_BACKEND"] = "torch"
+        try:
+            for step in range(2):
+                for p in params_:
+                    p.grad = rand(p.shape, p.dtype, g, 1e-2)
+                if step == 1:
+                    params_[3].grad.view(-1)[0] = float("nan")
+                before = params_[3].detach().clone()
+                o.step()
+        finally:
+            os.environ.pop("HPCLB_TRUST_BACKEND", None)
+        assert o.path == backend
+        assert o.nonfinite_layers.device == dev() and int(o.nonfinite_layers) == 1
+        assert torch.equal(params_[3].detach(), before)
+        if backend == "cupy":
+            c = {k: v - counters[k] for k, v in fused().counters.items()}
+            assert c["launches"] == 4 and c["vector_launches"] == 4, c
+        runs[backend] = [p.detach().clone() for p in params_], o.trust_ratios.clone()
+    (pc, rc), (pt, rt) = runs["cupy"], runs["torch"]
+    torch.testing.assert_close(rc, rt, rtol=1e-5, atol=0)
+    for a, b in zip(pc, pt):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"seed {SEED}: {m}")
+
+
+def test_two_streams_get_their_own_tables():
+    g = gen(12)
+    ws = [rand((2048, 1024), torch.float32, g) for _ in range(3)]
+    gs = [rand((2048, 1024), torch.float32, g) for _ in range(3)]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for s in (s1, s2):
+        s.wait_stream(torch.cuda.current_stream())
+    out = []
+    for s in (s1, s2):   # both queued before either finishes
+        with torch.cuda.stream(s):
+            out.append(fused().lars_ratios(ws, gs, trust_coefficient=1e-3, weight_decay=1e-4,
+                                           eps=1e-9, adapt=[True] * 3))
+    for s in (s1, s2):
+        torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.stream(s1):
+        t1 = fused().table(ws, gs, adapt=[True] * 3)
+    with torch.cuda.stream(s2):
+        t2 = fused().table(ws, gs, adapt=[True] * 3)
+    assert t1 is not t2 and t1.partials.data_ptr() != t2.partials.data_ptr()
+    for a, b in zip(out[0][:3], out[1][:3]):
+        assert torch.equal(a, b)
+
+
 def test_cupy_compile_error_is_reported():
     launcher = K.CupyLauncher(dev())
     real = K.kernel_source

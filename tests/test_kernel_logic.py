@@ -273,7 +273,7 @@ def test_constants_match_the_cu_file():
                  "MODE_LAMB_FUSED"):
         assert int(defs[f"HL_{name}"]) == getattr(K, name), name
     for prefix, names in (("HL_D_", "W G M V NUMEL FIRST META ROW"),
-                          ("HL_HP_", "LR ETA WD EPS BETA1 BETA2 BC1 BC2 OMB1 OMB2")):
+                          ("HL_HP_", "LR ETA WD EPS BETA1 BETA2 BC1 BC2 OMB1 OMB2 TMIN TMAX")):
         for n in names.split():
             assert int(defs[prefix + n]) == getattr(K, prefix[3:] + n), prefix + n
     assert int(defs["HL_MAX_THREADS"]) == K.KERNELS["hl_norms_pass1"] == K.KERNELS["hl_lars_apply"]
@@ -526,6 +526,182 @@ def test_trust_functions_use_the_installed_fused_backend(emu, caplog):
 
 
 # ---------------------------------------------------------------------------------------------
+# trust-ratio clamp, non-finite layers, float64, streams, the vector path
+# ---------------------------------------------------------------------------------------------
+
+def test_clamp_in_the_kernel(emu):
+    rng = np.random.default_rng([SEED, 20])
+    sizes = [33, 257, 1000, 7, 100]
+    ws = Arena(torch.float32, sizes, rng).views(make_values(rng, sizes))
+    gs = Arena(torch.float32, sizes, rng).views(make_values(rng, sizes))
+    adapt = [True, True, True, False, True]
+    F = fused(emu, 64, 64, 3, 2)
+    kw = dict(trust_coefficient=1e-2, weight_decay=1e-4, eps=1e-9, adapt=adapt)
+    free = F.lars_ratios(ws, gs, **kw).ratio.clone()
+    lo, hi = np.float32(np.quantile(free[:3].numpy(), 0.5)), np.float32(free[:3].max() / 2)
+    lo = min(lo, np.float32(hi / 2))
+    tmax = np.array([hi, hi, hi, hi, 0.0], np.float32)       # layer 4: no clamp (0)
+    got = F.lars_ratios(ws, gs, clamp_min=lo, clamp_max=tmax, out=poisoned(5), **kw).ratio
+    want = np.where(adapt, np.clip(free.numpy(), lo, hi), 1.0).astype(np.float32)
+    want[4] = free[4]
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert (got != free).any()
+    # LAMB norms mode, and the torch path agrees with the kernel
+    from hpclb.optim import trust
+    with K.use_fused("cpu", F):
+        got = trust.lamb_trust_ratios(ws, gs, adapt=adapt, trust_clamp=(float(lo), float(hi)))[0]
+    want = trust.lamb_trust_ratios(ws, gs, adapt=adapt, trust_clamp=(float(lo), float(hi)))[0]
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("opt", ["lars", "lamb"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_step_leaves_nonfinite_layers_untouched(emu, opt, dtype):
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng([SEED, 21, list(DTYPES).index(dtype)])
+    sizes = [100, 257, 33, 1000]
+    arenas = [Arena(dt, sizes, rng) for _ in range(4)]
+    vals = [make_values(rng, sizes) for _ in range(4)]
+    vals[3] = [np.abs(v) * 1e-2 for v in vals[3]]
+    vals[1][1][5] = np.inf
+    vals[1][2][0] = np.nan
+    w, g, m, v = (a.views(x) for a, x in zip(arenas, vals))
+    before = [[t.clone() for t in ts] for ts in (w, m, v)]
+    hp = np.zeros((1, K.HP_WORDS), np.float32)
+    F = fused(emu, 64, 64, 3, 1)
+    if opt == "lars":
+        hp[0, [K.HP_LR, K.HP_ETA, K.HP_WD, K.HP_EPS, K.HP_BETA1]] = (1.0, 1e-2, 1e-4, 1e-9, 0.9)
+        res = F.lars_step(w, g, m, hp, [0] * 4, [True] * 4)
+    else:
+        hp[0, [K.HP_LR, K.HP_WD, K.HP_EPS, K.HP_BETA1, K.HP_BETA2, K.HP_BC1, K.HP_BC2,
+               K.HP_OMB1, K.HP_OMB2]] = (1e-2, 1e-2, 1e-6, 0.9, 0.999, 0.1, 0.001, 0.1, 0.001)
+        res = F.lamb_step(w, g, m, v, hp, [0] * 4, [True] * 4)
+    assert int(res.nonfinite) == 2
+    assert all(a.canaries_intact() for a in arenas)
+    for i in (1, 2):   # bit for bit as before the step
+        for now, then in zip((w, m, v), before):
+            assert torch.equal(now[i].view(torch.int16 if dt != torch.float32 else torch.int32),
+                               then[i].view(torch.int16 if dt != torch.float32 else torch.int32))
+    for i in (0, 3):
+        assert not torch.equal(w[i], before[0][i]) and not torch.equal(m[i], before[1][i])
+
+
+def _model_state(o, params):
+    return [t.clone() for p in params for t in o.state[p].values() if torch.is_tensor(t)]
+
+
+@pytest.mark.parametrize("opt", ["lars", "lamb"])
+def test_optimizer_outputs_equal_on_both_paths(emu, opt):
+    """trust_clamp, a non-finite layer, nonfinite_layers and trust_ratios: fused == torch."""
+    from hpclb.optim import LAMB, LARS
+
+    runs = {}
+    for backend in ("torch", "fused"):
+        params = _model()
+        o = LARS(params, lr=0.5, trust_clamp=(0.001, 0.02)) if opt == "lars" else \
+            LAMB(params, lr=0.01, trust_clamp=(0.01, 2.0))
+        F = fused(emu, 256, 64, 4, 0)
+        gen = torch.Generator().manual_seed(SEED)
+        out = []
+        with K.use_fused("cpu", F if backend == "fused" else None):
+            for step in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                if step == 2:
+                    params[2].grad[0, 0] = float("nan")
+                o.step()
+                out.append((int(o.nonfinite_layers), o.trust_ratios.clone(), o.path))
+        runs[backend] = out, [p.detach().clone() for p in params] + _model_state(o, params)
+    (out_t, state_t), (out_f, state_f) = runs["torch"], runs["fused"]
+    assert [x[0] for x in out_t] == [x[0] for x in out_f] == [0, 0, 1]
+    assert [x[2] for x in out_t] == ["torch"] * 3 and [x[2] for x in out_f] == ["emulator"] * 3
+    for (_, a, _), (_, b, _) in zip(out_t, out_f):
+        assert a.shape == b.shape == (4,) and b.dtype == torch.float32
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    for a, b in zip(state_t, state_f):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_float64_is_refused_before_launch_and_the_optimizer_falls_back(emu, caplog):
+    from hpclb.optim import LARS
+
+    F = fused(emu, 256, 64, 4, 0)
+    ws = [torch.randn(4, 4, dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"layer 0 is torch.float64; the fused kernel takes "
+                                         r"float32, float16 and bfloat16"):
+        F.lars_ratios(ws, ws, trust_coefficient=1.0, weight_decay=0.0, eps=1e-9, adapt=[True])
+    assert F.launcher.launches == [] and F.counters["launches"] == 0
+    model = torch.nn.Linear(5, 3).double()
+    o = LARS(model.named_parameters(), lr=0.1)
+    with K.use_fused("cpu", F), caplog.at_level("INFO", logger="hpclb.optim.base"):
+        for _ in range(3):
+            model(torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+            o.step()
+    assert F.launcher.launches == [] and o.path == "torch"
+    msgs = [r.getMessage() for r in caplog.records if "path" in r.getMessage()]
+    assert msgs == ["LARS: torch path on cpu, not the fused kernel: layer 'weight' is "
+                    "torch.float64; the fused kernel takes float32, float16 and bfloat16 (it "
+                    "accumulates in fp32)"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_tables_and_scratch_are_keyed_by_stream(emu):
+    rng = np.random.default_rng([SEED, 22])
+    sizes = [100, 3000]
+    ws = Arena(torch.float32, sizes, rng).views(make_values(rng, sizes))
+    F = fused(emu, 64, 64, 3, 0)
+    launcher = F.launcher
+    tabs = {}
+    for stream in (1, 2, 1):
+        launcher.stream = stream
+        tab = F.table(ws, ws, adapt=[True, True])
+        assert tab.stream == stream
+        tabs.setdefault(stream, tab)
+        assert tab is tabs[stream]                       # a hit on the same stream
+    assert tabs[1].partials.data_ptr() != tabs[2].partials.data_ptr()
+    assert tabs[1].tickets.data_ptr() != tabs[2].tickets.data_ptr()
+    norms = []
+    for stream in (1, 2):
+        launcher.stream = stream
+        norms.append(F.norms(ws).clone())
+    assert torch.equal(norms[0], norms[1])
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+def test_vector_path_is_counted_per_launch(emu, misalign):
+    from hpclb.optim import LAMB
+
+    rng = np.random.default_rng([SEED, 23])
+    sizes = [64, 256, 4096, 40, 1000]                    # multiples of 4 fp32 (16 bytes) ...
+    arena_w, arena_g = Arena(torch.float32, sizes, rng, misalign), \
+        Arena(torch.float32, sizes, rng, misalign)       # ... misaligned: every third view
+    ws = [torch.nn.Parameter(t) for t in arena_w.views(make_values(rng, sizes))]
+    for p, gr in zip(ws, arena_g.views(make_values(rng, sizes))):
+        p.grad = gr
+    F = fused(emu, 512, 64, 4, 0)
+    o = LAMB(ws, lr=0.01)
+    with K.use_fused("cpu", F):
+        o.step()
+    c = F.counters
+    assert c["launches"] == 2 and c["chunks"] == 2 * (1 + 1 + 8 + 1 + 2)
+    if misalign:   # views 2 (4096: 8 chunks) are misaligned in w and g: never vectorised
+        assert c["vector_launches"] == 0 and c["vector_chunks"] == c["chunks"] - 2 * 8
+    else:
+        assert c["vector_launches"] == 2 and c["vector_chunks"] == c["chunks"]
+    # the rule itself: a chunk whose start is not 16-byte aligned takes the scalar path
+    desc = np.zeros((1, K.DESC_WORDS), np.int64)
+    desc[0, [K.D_W, K.D_G, K.D_NUMEL]] = (4096, 4096 + 16, 10)
+    first, owner = K.build_layout([10], 3)
+    desc[0, K.D_FIRST] = first[0]
+    assert K.vector_chunks(desc, owner, 3, (K.D_W, K.D_G)) == 1   # offsets 0, 12, 24, 36 bytes
+    owner4 = K.build_layout([10], 4)[1]                               # offsets 0, 16, 32 bytes
+    assert K.vector_chunks(desc, owner4, 4, (K.D_W, K.D_G)) == 3
+    desc[0, K.D_G] = 4096 + 4                                         # g 4 bytes off
+    assert K.vector_chunks(desc, owner4, 4, (K.D_W, K.D_G)) == 0
+    assert K.vector_chunks(desc, owner4, 4, (K.D_W,)) == 3            # g unused: w decides
+
+
+# ---------------------------------------------------------------------------------------------
 # the gate catches bugs: mutants, and AddressSanitizer
 # ---------------------------------------------------------------------------------------------
 
@@ -567,7 +743,8 @@ def test_gate_catches_an_off_by_one_read(libs):
 
 
 ASAN_TESTS = ("test_lars_sweep or test_lars_step or test_lamb_step or test_lamb_norms or "
-              "test_nonfinite or test_selftest_atomics or test_optimizer_step")
+              "test_nonfinite or test_selftest_atomics or test_optimizer_step or "
+              "test_step_leaves_nonfinite or test_clamp_in_the_kernel")
 
 
 @pytest.mark.skipif(H.asan_runtime() is None, reason="no libasan")

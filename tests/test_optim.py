@@ -1,4 +1,5 @@
-"""LARS / LAMB / trust ratios against a float64 NumPy reference of the formulas (You et al. 2017, 2020)."""
+"""LARS / LAMB / trust ratios against a float64 NumPy reference of the formulas (You et al.
+2017 and 2020), and the settings, dtypes and non-finite handling of issue #12."""
 import io
 
 import numpy as np

@@ -54,7 +54,8 @@ def lars_update_(params: Sequence[Tensor], grads: Sequence[Tensor],
     torch._foreach_mul_(new_bufs, list(momentum))
     torch._foreach_add_(new_bufs, direction)
     select_(update, bufs, new_bufs)                                  # skipped layers: v kept
-    torch._foreach_sub_(list(params), torch._foreach_mul(bufs, update.to(step_sizes.dtype).unbind()))
+    keep = update.to(step_sizes.dtype).unbind()                      # 1, or 0 for skipped
+    torch._foreach_sub_(list(params), torch._foreach_mul(bufs, keep))
 
 
 class LARS(LayerwiseOptimizer):

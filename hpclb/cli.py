@@ -72,18 +72,39 @@ def _preempted_during_start_up(comm, early: _PendingSignal) -> bool:
     return any(comm.allgather_object(bool(early.pending)))
 
 
-def _start_comm(backend: str):
-    """The communicator of ``--backend`` with logging set up for its rank; None (after printing
-    why) when the launcher and the backend do not fit, for the command to exit 2."""
+def _start_comm(backend: str, device: str = "cpu", share_gpu: bool = False):
+    """The communicator of ``--backend`` on ``device`` (auto|cpu|cuda, bound before MPI/NCCL
+    start) with logging set up for its rank; None (after printing why) when the launcher, the
+    backend or the device do not fit, for the command to exit 2. Rank 0 warns when GPUs are
+    visible but the run uses the CPU."""
     from .comm import get_communicator
 
     try:
-        comm = get_communicator(backend)
+        comm = get_communicator(backend, device=device, share_gpu=share_gpu)
     except (RuntimeError, ValueError) as e:
         _error(str(e))
         return None
     _setup_logging(comm.rank)
+    if comm.rank == 0:
+        from .device import gpus_idle_warning
+
+        warning = gpus_idle_warning(comm.device)
+        if warning:
+            logging.getLogger("hpclb").warning(warning)
     return comm
+
+
+def _recipe_device(args: argparse.Namespace) -> str:
+    """``--device``, else the recipe's ``device`` field, else auto (a broken recipe is reported
+    by ``resolve`` once the communicator is up)."""
+    if args.device:
+        return args.device
+    try:
+        from .config import load_recipe
+
+        return load_recipe(args.experiment).get("device", "auto")
+    except Exception:  # noqa: BLE001 (reported with its rank-0 message later)
+        return "auto"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -91,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .config import (ConfigError, check_checkpoint_interval, check_expect_world_size,
                          resolve)
 
-    comm = _start_comm(args.backend)
+    comm = _start_comm(args.backend, _recipe_device(args), args.share_gpu)
     if comm is None:
         return 2
     try:
@@ -102,11 +123,19 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"--expect-world-size {args.expect_world_size}, but this job has world size "
                 f"{comm.world_size} ({comm.backend} backend); launch it with `mpirun -n "
                 f"{args.expect_world_size}` from the MPI that mpi4py uses (.venv/bin/mpirun)")
+        if comm.rank > 0:  # recipe warnings once, from rank 0
+            import warnings
+
+            from .config import RecipeWarning
+            warnings.simplefilter("ignore", RecipeWarning)
         cfg = resolve(args.experiment, batch_size=args.batch_size, scaling=args.scaling,
                       optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
                       data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr,
-                      accumulation_steps=args.accumulation_steps)
-        from .train import Preempted, PREEMPTED_EXIT_CODE, train
+                      accumulation_steps=args.accumulation_steps, device=args.device,
+                      precision=args.precision, log_every=args.log_every,
+                      noise_scale=args.noise_scale, max_nonfinite_steps=args.max_nonfinite_steps,
+                      keep_checkpoints=args.keep_checkpoints)
+        from .train import DIVERGED_EXIT_CODE, Diverged, Preempted, PREEMPTED_EXIT_CODE, train
         if _preempted_during_start_up(comm, early):
             # no model yet, so no checkpoint to write: exit 75 and let the job requeue (it
             # resumes from an earlier checkpoint under --out, or starts afresh)
@@ -120,6 +149,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"hpclb: rank {comm.rank} of {comm.world_size}: preempted after step {p.args[0]}"
                   f", checkpoint saved; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
             return PREEMPTED_EXIT_CODE
+        except Diverged as d:  # raised on every rank together: no abort needed
+            if comm.rank == 0:
+                _error(f"diverged: {d}; exit {DIVERGED_EXIT_CODE}")
+            return DIVERGED_EXIT_CODE
         return 0
     except Exception as e:  # ConfigError, DataError, CheckpointError, anything else
         return _failed(comm, e)
@@ -349,6 +382,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-interval", type=float, metavar="SECONDS",
                    help="also checkpoint mid-epoch every SECONDS of rank 0's wall time (0 or "
                    "default: at epoch ends and on preemption only)")
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where each rank trains "
+                   "(auto: its local rank's GPU when CUDA is available, else the CPU; default: "
+                   "the recipe's device, else auto)")
+    t.add_argument("--share-gpu", action="store_true", help="allow more ranks than GPUs on a "
+                   "node (ranks share GPUs round-robin; for tests)")
+    t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute precision "
+                   "(autocast; fp16 with a loss scaler; parameters stay fp32; default: the "
+                   "recipe's, else fp32)")
+    t.add_argument("--log-every", type=int, metavar="STEPS", help="a metrics.jsonl step line "
+                   "every STEPS optimizer steps (0: off; default: the recipe's, else 50)")
+    t.add_argument("--noise-scale", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the gradient noise scale B_simple (needs >= 2 ranks; `hpclb "
+                   "advise` reads it)")
+    t.add_argument("--max-nonfinite-steps", type=int, metavar="N", help="stop (exit 3) after N "
+                   "non-finite steps in a row, each skipped (default: the recipe's, else 3)")
+    t.add_argument("--keep-checkpoints", type=int, metavar="K", help="checkpoint generations "
+                   "kept, each verified by SHA-256 (default: the recipe's, else 2)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="score a run's checkpoint again (e.g. seq2seq with "

@@ -81,6 +81,27 @@ def broadcast_parameters(module: nn.Module, comm: Communicator, root: int = 0) -
         comm.broadcast_(t.data, root=root)
 
 
+@torch.no_grad()
+def average_buffers(module: nn.Module, comm: Communicator) -> None:
+    """Make every floating-point buffer (BatchNorm running mean/var) the mean over ranks, in one
+    allreduce of a flat float32/float64 copy: each rank's statistics come from its own share, so
+    without this the ranks (and the checkpoint vs. a later evaluation) disagree. Integer buffers
+    (``num_batches_tracked``) are equal on every rank already. Collective."""
+    if comm.world_size == 1:
+        return
+    bufs = [b for b in module.buffers() if b.is_floating_point()]
+    if not bufs:
+        return
+    dtype = torch.float64 if any(b.dtype == torch.float64 for b in bufs) else torch.float32
+    flat = torch.cat([b.detach().reshape(-1).to(dtype) for b in bufs])
+    comm.allreduce_(flat)
+    flat.div_(comm.world_size)
+    offset = 0
+    for b in bufs:
+        b.copy_(flat[offset:offset + b.numel()].view_as(b))
+        offset += b.numel()
+
+
 def agree_num_steps(local_steps: int, comm: Communicator, how: str = "min") -> int:
     """The number of steps every rank runs this epoch when shards are uneven (one allreduce).
 

@@ -20,6 +20,7 @@ Forgetting the synchronisation is impossible: the allreduce happens inside ``ste
 from __future__ import annotations
 
 import math
+import time
 import torch
 from torch import Tensor, nn
 
@@ -75,7 +76,9 @@ class DistributedOptimizer:
 
     Attributes after each ``step()``: ``grad_norm`` (0-d float32 device tensor, the averaged
     gradient's global L2 norm before clipping), ``steps`` (optimizer steps taken or skipped),
-    ``skipped_steps`` (non-finite steps skipped in total), ``sync`` (the GradientSync).
+    ``skipped_steps`` (non-finite steps skipped in total), ``sync_wait_s`` (host seconds spent
+    waiting for the allreduce, all steps: the communication that backward did not hide),
+    ``sync`` (the GradientSync).
 
     Raises ValueError when the optimizer updates a parameter that is not in
     ``model_or_named_parameters`` (its gradient would never be averaged) or for a bad setting.
@@ -118,6 +121,7 @@ class DistributedOptimizer:
         self.grad_norm: Tensor | None = None
         self.steps = 0
         self.skipped_steps = 0
+        self.sync_wait_s = 0.0  # host seconds spent waiting in the allreduce (all steps)
         self._streak = 0
 
     # the torch.optim.Optimizer surface LR schedulers and user code read
@@ -145,7 +149,10 @@ class DistributedOptimizer:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure: run forward and "
                              "backward before calling step()")
-        if not self.sync.synchronize():
+        t0 = time.perf_counter()
+        synced = self.sync.synchronize()
+        self.sync_wait_s += time.perf_counter() - t0
+        if not synced:
             return False
         self.steps += 1
         if self.scaler is not None:

@@ -30,6 +30,27 @@ from .data.sampler import GlobalBatchSampler
 EVAL_BATCH_SIZE = 2000
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def to_device(batch, device: torch.device):
+    """``batch`` (a tensor, or tuples/lists/dicts of them; other values kept) on ``device``:
+    CPU tensors are pinned and copied with ``non_blocking=True`` for a CUDA device."""
+    if torch.is_tensor(batch):
+        if batch.device == device:
+            return batch
+        if device.type == "cuda" and batch.device.type == "cpu":
+            return batch.pin_memory().to(device, non_blocking=True)
+        return batch.to(device)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
 class Task:
     """Interface of a workload (see the module docstring). ``model_kwargs`` are passed to the
     model's constructor on top of the recipe's ``model`` section (e.g. the vocabulary size)."""
@@ -138,9 +159,10 @@ class ClassificationTask(Task):
         x, y = batch
         logits = model(x)
         loss = F.cross_entropy(logits, y)
-        with torch.no_grad():
-            stats = torch.tensor([loss.item() * len(y), (logits.argmax(1) == y).sum().item(),
-                                  len(y)], dtype=torch.float64)
+        with torch.no_grad():  # on the device: no host sync per step
+            stats = torch.stack([loss.detach().double() * len(y),
+                                 (logits.argmax(1) == y).sum().double(),
+                                 torch.tensor(float(len(y)), dtype=torch.float64, device=y.device)])
         return loss, stats
 
     def train_metrics(self, sums, seconds):
@@ -154,13 +176,15 @@ class ClassificationTask(Task):
         ``rank::world_size`` share (no padding, every sample counted once)."""
         model.eval()
         idx = torch.arange(comm.rank, len(self.test_set), comm.world_size)
-        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+        device = _device_of(model)
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
         for start in range(0, len(idx), batch_size):
-            x, y = self.test_set.batch(idx[start:start + batch_size])
+            x, y = to_device(self.test_set.batch(idx[start:start + batch_size]), device)
             logits = model(x)
-            sums[0] += F.cross_entropy(logits, y, reduction="sum").item()
-            sums[1] += (logits.argmax(1) == y).sum().item()
+            sums[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
+            sums[1] += (logits.argmax(1) == y).sum().double()
             sums[2] += len(y)
+        sums = sums.cpu()
         comm.allreduce_(sums)
         model.train()
         return {"test_loss": (sums[0] / sums[2]).item(),
@@ -221,16 +245,22 @@ class LanguageModelTask(Task):
         rows = slice(part * m, (part + 1) * m)
         return self.x[rows, s], self.y[rows, s], rows
 
+    def part_size(self, i, part, parts):
+        """Streams: ``b / parts`` in each micro-batch of this rank's ``b`` (always even)."""
+        b = self.x.shape[0]
+        return b // parts, b
+
     def loss(self, model, batch):
         x, y, rows = batch
         b = self.x.shape[0]
         if rows.start == 0 and rows.stop == b:  # the rank's whole share (no accumulation)
-            logits, hidden = model(x, self.hidden)
+            carried = None if self.hidden is None else tuple(h.to(x.device) for h in self.hidden)
+            logits, hidden = model(x, carried)
             self.hidden = tuple(h.detach() for h in hidden)
         else:  # a micro-batch: its streams' rows of the carried [layers, b, hidden] state; the
             # parts' new states replace the carried one after the last part of the window
             mine = None if self.hidden is None else \
-                tuple(h[:, rows].contiguous() for h in self.hidden)
+                tuple(h[:, rows].contiguous().to(x.device) for h in self.hidden)
             logits, hidden = model(x, mine)
             self._pending = (self._pending if rows.start else []) + \
                 [tuple(h.detach() for h in hidden)]
@@ -238,7 +268,9 @@ class LanguageModelTask(Task):
                 self.hidden = tuple(torch.cat(hs, dim=1) for hs in zip(*self._pending))
                 self._pending = []
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        stats = torch.tensor([loss.item() * y.numel(), 0.0, y.numel()], dtype=torch.float64)
+        with torch.no_grad():
+            n = torch.tensor(float(y.numel()), dtype=torch.float64, device=y.device)
+            stats = torch.stack([loss.detach().double() * n, torch.zeros_like(n), n])
         return loss, stats
 
     def train_metrics(self, sums, seconds):
@@ -254,17 +286,19 @@ class LanguageModelTask(Task):
         n = self.eval_streams
         length = stream_layout(len(tokens), n)
         mine = list(range(comm.rank, n, comm.world_size))
-        sums = torch.zeros(2, dtype=torch.float64)
+        device = _device_of(model)
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
         if mine:
-            x = torch.stack([tokens[j * length:(j + 1) * length] for j in mine])
-            y = torch.stack([tokens[j * length + 1:(j + 1) * length + 1] for j in mine])
+            x = torch.stack([tokens[j * length:(j + 1) * length] for j in mine]).to(device)
+            y = torch.stack([tokens[j * length + 1:(j + 1) * length + 1] for j in mine]).to(device)
             hidden = None
             for s in range(0, length, self.bptt):
                 logits, hidden = model(x[:, s:s + self.bptt], hidden)
                 t = y[:, s:s + self.bptt]
-                sums[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1),
-                                           reduction="sum").item()
+                sums[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                           t.reshape(-1), reduction="sum").double()
                 sums[1] += t.numel()
+        sums = sums.cpu()
         comm.allreduce_(sums)
         return (sums[0] / sums[1]).item()
 
@@ -281,7 +315,7 @@ class LanguageModelTask(Task):
     def state_dict(self, comm):
         """The carried LSTM state of all ``B`` streams, ``(h, c)`` each float32
         ``[layers, B, hidden]`` (gathered from the ranks; None at an epoch start)."""
-        mine = None if self.hidden is None else tuple(h.contiguous() for h in self.hidden)
+        mine = None if self.hidden is None else tuple(h.detach().cpu() for h in self.hidden)
         parts = comm.allgather_object(mine) if comm.world_size > 1 else [mine]
         if any(p is None for p in parts):
             return {"hidden": None}
@@ -512,8 +546,11 @@ class Seq2seqTask(Task):
         logits = model(src, mask, tgt_in)
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
                                 ignore_index=PAD, reduction="sum")
-        tokens = int((tgt_out != PAD).sum())
-        stats = torch.tensor([total.item(), src.shape[0], tokens], dtype=torch.float64)
+        with torch.no_grad():  # on the device: no host sync per step
+            stats = torch.stack([total.detach().double(),
+                                 torch.tensor(float(src.shape[0]), dtype=torch.float64,
+                                              device=src.device),
+                                 (tgt_out != PAD).sum().double()])
         return total / src.shape[0], stats  # stats: loss sum, sentences, target tokens
 
     def train_metrics(self, sums, seconds):
@@ -531,13 +568,14 @@ class Seq2seqTask(Task):
         hyps: dict[int, str] = {}
         for start in range(0, len(mine), batch_size):
             idx = mine[start:start + batch_size]
-            src, mask, tgt_in, tgt_out = self._tensors([self.test_src[j] for j in idx],
-                                                       [self.test_tgt[j] for j in idx])
+            src, mask, tgt_in, tgt_out = to_device(
+                self._tensors([self.test_src[j] for j in idx], [self.test_tgt[j] for j in idx]),
+                _device_of(model))
             logits = model(src, mask, tgt_in)
             sums[0] += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
                                        ignore_index=PAD, reduction="sum").item()
             sums[1] += int((tgt_out != PAD).sum())
-            bos = tgt_in[0, 0].item()
+            bos = int(tgt_in[0, 0])
             rows = max(1, batch_size // self.beam_size)  # the decoder runs rows * beam_size
             for r in range(0, len(idx), rows):
                 if self.beam_size == 1:

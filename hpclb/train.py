@@ -1,26 +1,33 @@
 """The training loop, as one rank sees it (docs/design.md, "One training step").
 
-1. Each rank reads its shard of the global batch from the :class:`~hpclb.tasks.Task` (images:
-   ``DistributedSampler``, reshuffled per epoch from the seed; language models: this rank's
-   contiguous token streams). The union of the ranks' shards of step ``s`` is the same global
-   batch for every world size.
-2. Forward/backward in torch (the task gives the loss); :class:`~hpclb.parallel.GradientSync`
-   averages gradients; optional clipping by global norm (recipe ``grad_clip_norm``), after the
-   averaging. With ``accumulation_steps`` K > 1 the rank's share is run as K micro-batches of
-   ``B / (world_size * K)`` samples, each backward accumulating locally; the allreduce runs once,
-   on the last micro-batch, and the step's gradient is the mean over the global batch.
-3. The optimizer steps with the LR that :mod:`hpclb.schedules` gives this global step.
-4. Loss and the task's metrics (accuracy, perplexity, ...) are reduced across ranks; rank 0
-   prints, writes ``metrics.jsonl`` / ``summary.json`` and checkpoints.
+1. :func:`hpclb.run.setup_run` builds or resumes the run: settings, data, out directory and
+   checkpoint agreed by all ranks; the model on this rank's device, broadcast from rank 0;
+   per-rank random streams; the optimizer wrapped in :class:`~hpclb.step.DistributedOptimizer`.
+2. Each step (:func:`train_step`), each rank reads its share of the global batch from the
+   :class:`~hpclb.tasks.Task` (a :class:`~hpclb.data.sampler.GlobalBatchSampler`: no padding,
+   the same global batch at every world size; language models: this rank's token streams),
+   copies it to the device and runs forward (under autocast for bf16/fp16) and backward, as
+   ``accumulation_steps`` micro-batches, each part's mean loss weighted by
+   ``W * K * n_part / global_size`` so the averaged gradient is the exact mean over the global
+   batch, even when the last step's shares are uneven. ``DistributedOptimizer.step()`` averages
+   (fused buckets, overlapped with backward), guards against non-finite values, clips, steps.
+3. The LR comes from :mod:`hpclb.schedules` for this global step (LEGW or a baseline).
+4. Every ``log_every`` steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios,
+   samples/s, compute vs exposed communication, skipped steps, device memory) goes to
+   ``metrics.jsonl`` and TensorBoard (:mod:`hpclb.observe`); statistics stay on the device in
+   between. At each epoch end: metrics reduced over ranks, BatchNorm buffers averaged, evaluation,
+   an epoch line, a checkpoint.
 
 Preemption: SIGUSR2/SIGTERM only set a flag; at the next step the ranks agree (allreduce max),
 rank 0 saves that step's checkpoint, and every rank exits with :data:`PREEMPTED_EXIT_CODE`, which
 the job scripts use to requeue; ``--resume`` continues the same trajectory bit for bit.
+Divergence: after ``max_nonfinite_steps`` non-finite steps in a row every rank raises
+:class:`Diverged` (exit :data:`DIVERGED_EXIT_CODE`); the last finite checkpoint is kept and no
+summary is written.
 """
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import signal
@@ -33,21 +40,26 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import Communicator
-from .config import ConfigError, RunConfig, check_checkpoint_interval
-from .models import build_model
-from .optim import LAMB, LARS
-from .parallel import GradientSync, broadcast_parameters, check_model_consistency
-from .schedules import ScheduleLR
-from .tasks import EVAL_BATCH_SIZE, Task, build_task  # noqa: F401 (EVAL_BATCH_SIZE re-exported)
+from .config import RunConfig, check_checkpoint_interval
+from .observe import RunLogger
+from .parallel import average_buffers
+from .run import Run, build_optimizer, save_checkpoint, setup_run  # noqa: F401 (re-exported)
+from .step import NonFiniteError
+from .steplog import StepLog
+from .tasks import EVAL_BATCH_SIZE, to_device  # noqa: F401 (EVAL_BATCH_SIZE re-exported)
 
-log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
+DIVERGED_EXIT_CODE = 3    # the run diverged (non-finite loss/gradient); not requeued
 
 
 class Preempted(Exception):
     """Raised on every rank after the preemption checkpoint is on disk."""
+
+
+class Diverged(RuntimeError):
+    """Raised on every rank when the run stops on non-finite values (message: global step,
+    epoch, first non-finite layer, the checkpoint kept)."""
 
 
 class PreemptionFlag:
@@ -83,30 +95,6 @@ class PreemptionFlag:
             signal.signal(s, h)
 
 
-def build_optimizer(name: str, model: torch.nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:
-    """The optimizer ``name`` over ``model``'s named parameters with the recipe's ``params``.
-
-    Raises ConfigError for a hyper-parameter the optimizer does not take or rejects.
-    """
-    named = list(model.named_parameters())
-    hp = dict(params)
-    try:
-        if name == "sgd":
-            return torch.optim.SGD(named, **hp)
-        if name == "momentum":
-            hp.setdefault("momentum", 0.9)
-            return torch.optim.SGD(named, **hp)
-        if name == "adam":
-            return torch.optim.Adam(named, **hp)
-        if name == "lars":
-            return LARS(named, **hp)
-        if name == "lamb":
-            return LAMB(named, **hp)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"optimizers.{name}: {e}") from e
-    raise ConfigError(f"unknown optimizer {name!r}")
-
-
 def _better(metric: str) -> str:
     """``"min"`` for losses, perplexities and errors, else ``"max"`` (accuracy, BLEU)."""
     return "min" if any(w in metric for w in ("loss", "perplexity", "error")) else "max"
@@ -129,6 +117,127 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp.replace(path)
 
 
+def train_step(run: Run, i: int, sums: torch.Tensor) -> bool:
+    """Step ``i`` of the current epoch on this rank: micro-batches, backward, the synchronised
+    optimizer step and the LR schedule. Adds the task's statistics to ``sums`` (on the device).
+    Returns whether the parameters were updated (False: a skipped non-finite step)."""
+    task, opt, k = run.task, run.optimizer, run.cfg.accumulation_steps
+    w = run.comm.world_size
+    opt.zero_grad()
+    n_global = task.global_size(i)
+    stepped = False
+    for part in range(k):
+        # Part j's mean loss times W*K*n_j/n_global makes the averaged gradient (GradientSync
+        # divides by W*K) the mean over the global batch; exactly 1 when the shares are even.
+        n_part, _ = task.part_size(i, part, k)
+        if n_part:
+            batch = to_device(task.batch(i, part, k), run.device)
+            with run.autocast():
+                loss, stats = task.loss(run.model, batch)
+            weight = w * k * n_part / n_global
+            loss = loss if weight == 1 else loss * weight
+            (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
+            sums += stats
+        stepped = opt.step()  # communicates and updates on the last part only
+    run.scheduler.step()
+    run.pos.global_step += 1
+    return stepped
+
+
+def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed: bool,
+               steplog: StepLog) -> dict:
+    comm = run.comm
+    sums = sums.double().cpu()
+    if comm.world_size > 1:
+        comm.allreduce_(sums)
+    train_metrics = run.task.train_metrics(sums, seconds)
+    average_buffers(run.model, comm)  # BatchNorm statistics: the same on every rank
+    eval_metrics = run.task.evaluate(run.model, comm)
+    rates = {k: (None if resumed else v) for k, v in train_metrics.items() if k.endswith("_per_s")}
+    row = {"epoch": epoch + 1, "step": run.pos.global_step,
+           **{k: v for k, v in train_metrics.items() if not k.endswith("_per_s")},
+           **eval_metrics, "lr": run.schedule.lr(run.pos.global_step - 1), **rates,
+           "epoch_time_s": seconds, "elapsed_s": run.elapsed_s(),
+           "skipped_steps": run.optimizer.skipped_steps, **steplog.epoch_fields()}
+    bad = [m for m, v in eval_metrics.items() if isinstance(v, float) and math.isnan(v)]
+    if bad or not math.isfinite(row["train_loss"]):
+        raise Diverged(f"epoch {epoch + 1} ended with non-finite "
+                       f"{', '.join(bad) or 'train_loss'} at global step {run.pos.global_step}; "
+                       f"the last finite checkpoint is kept in {run.store.latest_path}")
+    return row
+
+
+def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, say,
+               checkpoint_interval_s: float | None, last_checkpoint: list[float]) -> dict:
+    """One epoch (from the resumed step); returns its row. Raises Preempted, Diverged."""
+    task, pos, sched, comm = run.task, run.pos, run.schedule, run.comm
+    task.start_epoch(epoch)
+    run.optimizer.sync.reset_epoch()
+    spe = sched.steps_per_epoch
+    steps = min(spe, sched.total_steps - epoch * spe)
+    first = pos.step_in_epoch if epoch == pos.epoch else 0
+    if first:
+        task.load_state_dict(run.resumed_from.get("task"))  # resumed mid-epoch
+    sums = (pos.epoch_sums.clone() if first else torch.zeros(3, dtype=torch.float64)).to(run.device)
+    t_epoch = time.perf_counter()
+    bar = tqdm(range(first, steps), desc=f"epoch {epoch + 1}", leave=False,
+               disable=not (comm.rank == 0 and say.enabled and sys.stderr.isatty()))
+    for i in bar:
+        try:
+            stepped = train_step(run, i, sums)
+        except NonFiniteError as e:
+            raise Diverged(f"{e} (global step {pos.global_step + 1}, epoch {epoch + 1}, step "
+                           f"{i + 1}/{steps}); the last finite checkpoint is kept in "
+                           f"{run.store.latest_path}") from e
+        steplog.after_step(sums, stepped)
+        preempt.checkpoint_due = bool(comm.rank == 0 and checkpoint_interval_s and
+                                      time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s)
+        if preempt.agreed(comm):
+            save_checkpoint(run, epoch, i + 1, sums)
+            say(f"preempted: checkpoint of step {pos.global_step} (epoch {epoch}, step {i + 1}/"
+                f"{steps}) saved to {run.store.latest_path}; exiting with {PREEMPTED_EXIT_CODE} "
+                f"to requeue")
+            preempt.requested = True  # on every rank, also those the signal missed
+            raise Preempted(pos.global_step)
+        if preempt.checkpoint_now:
+            save_checkpoint(run, epoch, i + 1, sums)
+            last_checkpoint[0] = time.monotonic()
+    return _epoch_row(run, epoch, sums, time.perf_counter() - t_epoch, bool(first), steplog)
+
+
+class _Say:
+    """Rank 0's console lines (nothing elsewhere, or when quiet)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __call__(self, *args) -> None:
+        if self.enabled:
+            print(*args, flush=True)
+
+
+def _header(run: Run, say: _Say) -> None:
+    from .device import device_info
+
+    cfg, comm, sched = run.cfg, run.comm, run.schedule
+    info = device_info(run.device)
+    k = cfg.global_batch_size / cfg.base_batch_size
+    if run.resumed_from is not None:
+        say(f"resumed from {run.store.latest_path} at epoch {run.pos.epoch} step "
+            f"{run.pos.global_step}")
+    mem = f", {info['memory_bytes'] / 2**30:.0f} GiB" if info.get("memory_bytes") else ""
+    say(f"hpclb {cfg.experiment}: {comm.world_size} rank(s) [{comm.backend}] on {info['device']} "
+        f"({info['name']}{mem}), precision {cfg.precision}, global batch {cfg.global_batch_size} "
+        f"= {comm.world_size} x {run.per_rank_batch} (B0 {cfg.base_batch_size}, k = {k:g}), "
+        f"accumulation_steps {cfg.accumulation_steps} (micro-batch {run.micro_batch}), scaling "
+        f"{cfg.scaling}, optimizer {cfg.optimizer}")
+    say(f"  peak LR {sched.peak_lr:.4g} (B0: {cfg.base_lr:.4g}), warmup {sched.warmup_steps} steps "
+        f"= {sched.warmup_epochs:.3g} epochs, decay {sched.decay}, {sched.steps_per_epoch} "
+        f"steps/epoch, {sched.total_steps} steps in {cfg.epochs:g} epochs, "
+        f"{run.task.num_train_samples} train / {run.task.num_test_samples} test samples "
+        f"({run.task.kind}), gradient buffer {run.optimizer.sync.nbytes / 2**20:.2f} MiB")
+
+
 def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
           checkpoint_interval_s: float | None = None) -> dict[str, Any]:
     """Run one experiment on this rank; returns the summary (identical on every rank).
@@ -138,203 +247,103 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
 
     Raises ConfigError (bad settings, same on every rank), DataError (missing/corrupt data),
     CheckpointError (``--resume`` without a usable checkpoint), :class:`Preempted` after a
-    preemption checkpoint.
+    preemption checkpoint, :class:`Diverged` when the run stops on non-finite values.
     """
-    t_start = time.perf_counter()
     check_checkpoint_interval(checkpoint_interval_s)
-    rank0 = comm.rank == 0
-    say = (lambda *a: print(*a, flush=True)) if rank0 and not quiet else (lambda *a: None)
-    per_rank_batch = cfg.per_rank_batch_size(comm.world_size)
-    n_micro = cfg.accumulation_steps
-    micro_batch = cfg.micro_batch_size(comm.world_size)  # B % (W * K): fails before any work
-    data = cfg.recipe["data"]
-    task = build_task(cfg.recipe, cfg.data_dir, train_samples=data.get("train_samples"),
-                      test_samples=data.get("test_samples"))
-    sched = cfg.schedule(task.num_train_samples)  # validates warmup < training before any work
-    out = Path(cfg.out)
-    ckpt_path = out / "checkpoint.pt"
-    ckpt = load_checkpoint(ckpt_path) if cfg.resume else None
-    summary_path = out / "summary.json"
-    if ckpt is None and ckpt_path.exists() and not (
-            summary_path.exists() and summary_path.stat().st_mtime >= ckpt_path.stat().st_mtime):
-        raise ConfigError(f"{out} holds the checkpoint of an unfinished run; add --resume to "
-                          f"continue it, or choose another --out (or delete {ckpt_path}) to start "
-                          f"afresh")
-    if ckpt is not None:
-        for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs",
-                    "lr"):
-            if ckpt["run"][key] != getattr(cfg, key):
-                raise ConfigError(f"--resume: the checkpoint in {ckpt_path} was made with {key}="
-                                  f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; "
-                                  f"resume with the same settings or use another --out")
-
+    say = _Say(comm.rank == 0 and not quiet)
     _set_threads(comm)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.recipe["model"]["name"], **task.model_kwargs,
-                        **{k: v for k, v in cfg.recipe["model"].items() if k != "name"})
-    check_model_consistency(model, comm)
-    broadcast_parameters(model, comm)
-    optimizer = build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
-    scheduler = ScheduleLR(optimizer, sched)
-    sync = GradientSync(model.parameters(), comm, accumulation_steps=n_micro)
-    spe = sched.steps_per_epoch
-    task.setup(per_rank_batch=per_rank_batch, global_batch=cfg.global_batch_size, rank=comm.rank,
-               world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=spe)
-    clip = cfg.recipe.get("grad_clip_norm")
-    k = cfg.global_batch_size / cfg.base_batch_size
-
-    pos = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "elapsed_s": 0.0,
-           "epoch_sums": torch.zeros(3, dtype=torch.float64), "history": []}
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        torch.set_rng_state(ckpt["rng"])
-        pos.update({key: ckpt[key] for key in pos})
-        if not rank0:  # the saved sums are already totals over ranks: count them once
-            pos["epoch_sums"] = torch.zeros_like(pos["epoch_sums"])
-        say(f"resumed from {ckpt_path} at epoch {pos['epoch']} step {pos['global_step']}")
-
-    say(f"hpclb {cfg.experiment}: {comm.world_size} rank(s) [{comm.backend}], global batch "
-        f"{cfg.global_batch_size} = {comm.world_size} x {per_rank_batch} (B0 {cfg.base_batch_size}, "
-        f"k = {k:g}), accumulation_steps {n_micro} (micro-batch {micro_batch}), scaling "
-        f"{cfg.scaling}, optimizer {cfg.optimizer}")
-    say(f"  peak LR {sched.peak_lr:.4g} (B0: {cfg.base_lr:.4g}), warmup {sched.warmup_steps} steps "
-        f"= {sched.warmup_epochs:.3g} epochs, decay {sched.decay}, {spe} steps/epoch, "
-        f"{sched.total_steps} steps in {cfg.epochs:g} epochs, {task.num_train_samples} train / "
-        f"{task.num_test_samples} test samples ({task.kind}), gradient buffer {sync.nbytes / 2**20:.2f} MiB")
-
-    last_checkpoint = [time.monotonic()]
-
-    def checkpoint(epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor) -> None:
-        task_state = task.state_dict(comm)  # collective: e.g. the LM's carried state, all ranks
-        epoch_sums = comm.allreduce_(epoch_sums.clone())  # collective: this epoch's totals so far
-        if rank0:
-            save_checkpoint(ckpt_path, {
-                "run": {k_: v for k_, v in cfg.to_dict().items() if k_ != "recipe"},
-                "world_size": comm.world_size, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": torch.get_rng_state(), "epoch": epoch, "step_in_epoch": step_in_epoch,
-                "global_step": pos["global_step"], "epoch_sums": epoch_sums,
-                "elapsed_s": pos["elapsed_s"] + time.perf_counter() - t_start,
-                "history": pos["history"], "task": task_state})
-        comm.barrier()  # nobody exits or moves on before the checkpoint is on disk
-        last_checkpoint[0] = time.monotonic()
-
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "config.json", {**cfg.to_dict(), "world_size": comm.world_size,
-                                          "peak_lr": sched.peak_lr,
-                                          "warmup_steps": sched.warmup_steps})
+    run = setup_run(cfg, comm)
+    _header(run, say)
+    if comm.rank == 0:
+        run.out.mkdir(parents=True, exist_ok=True)
+        _write_json(run.out / "config.json", {**cfg.to_dict(), "world_size": comm.world_size,
+                                              "peak_lr": run.schedule.peak_lr,
+                                              "warmup_steps": run.schedule.warmup_steps})
+    logger = RunLogger(run.out, enabled=comm.rank == 0,
+                       resume_step=run.pos.global_step if run.resumed_from is not None else None)
+    steplog = StepLog(run, logger)
     preempt = PreemptionFlag()
-    history: list[dict] = pos["history"]
-    n_epochs = math.ceil(sched.total_steps / spe)
+    n_epochs = math.ceil(run.schedule.total_steps / run.schedule.steps_per_epoch)
+    last_checkpoint = [time.monotonic()]
     try:
-        for epoch in range(pos["epoch"], n_epochs):
-            task.start_epoch(epoch)
-            sync.reset_epoch()  # windows end with each step: nothing to drop, the counter restarts
-            steps = min(spe, sched.total_steps - epoch * spe)
-            first = pos["step_in_epoch"] if epoch == pos["epoch"] else 0
-            if first:
-                task.load_state_dict(ckpt.get("task"))  # resumed mid-epoch
-            sums = pos["epoch_sums"].clone() if first else torch.zeros(3, dtype=torch.float64)
-            t_epoch = time.perf_counter()
-            bar = tqdm(range(first, steps), desc=f"epoch {epoch + 1}", leave=False,
-                       disable=not (rank0 and not quiet and sys.stderr.isatty()))
-            for i in bar:
-                optimizer.zero_grad(set_to_none=False)
-                for part in range(n_micro):
-                    # GradientSync divides the accumulated sum by world_size * K, which is the
-                    # mean when the K parts are equal (always, except on a short last step of an
-                    # epoch): part j's mean loss is weighted K * n_j / n so that the step's
-                    # gradient is the mean over this rank's n samples (weight exactly 1 when
-                    # equal, so K = 1 runs as before). An empty part only counts the window.
-                    n_part, n_share = task.part_size(i, part, n_micro)
-                    if n_part:
-                        loss, stats = task.loss(model, task.batch(i, part, n_micro))
-                        weight = n_micro * n_part / n_share
-                        (loss if weight == 1 else loss * weight).backward()
-                        sums += stats
-                    sync.synchronize()  # communicates on the last part only
-                if clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                scheduler.step()
-                pos["global_step"] += 1
-                preempt.checkpoint_due = bool(
-                    rank0 and checkpoint_interval_s
-                    and time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s)
-                if preempt.agreed(comm):
-                    checkpoint(epoch, i + 1, sums)
-                    say(f"preempted: checkpoint of step {pos['global_step']} (epoch {epoch}, "
-                        f"step {i + 1}/{steps}) saved to {ckpt_path}; exiting with "
-                        f"{PREEMPTED_EXIT_CODE} to requeue")
-                    preempt.requested = True  # on every rank, also those the signal missed
-                    raise Preempted(pos["global_step"])
-                if preempt.checkpoint_now:
-                    checkpoint(epoch, i + 1, sums)
-            train_time = time.perf_counter() - t_epoch
-            comm.allreduce_(sums)
-            train_metrics = task.train_metrics(sums, train_time)
-            eval_metrics = task.evaluate(model, comm)
-            row = {"epoch": epoch + 1, "step": pos["global_step"],
-                   **{k_: v for k_, v in train_metrics.items() if not k_.endswith("_per_s")},
-                   **eval_metrics, "lr": sched.lr(pos["global_step"] - 1),
-                   **{k_: (v if not first else None) for k_, v in train_metrics.items()
-                      if k_.endswith("_per_s")},
-                   "epoch_time_s": train_time,
-                   "elapsed_s": pos["elapsed_s"] + time.perf_counter() - t_start}
-            history.append(row)
-            sps = f"{row['samples_per_s']:9,.0f}" if row["samples_per_s"] else "   (resumed)"
-            shown = "  ".join(f"{m} {_show(m, v)}" for m, v in eval_metrics.items())
-            say(f"epoch {epoch + 1:3d}/{n_epochs}  loss {row['train_loss']:.4f}  {shown}  "
-                f"lr {row['lr']:.3e}  samples/s {sps}  {train_time:5.1f}s")
-            if rank0:
-                with open(out / "metrics.jsonl", "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in history)
-            pos["epoch_sums"] = torch.zeros(3, dtype=torch.float64)
-            checkpoint(epoch + 1, 0, pos["epoch_sums"])
+        for epoch in range(run.pos.epoch, n_epochs):
+            row = _run_epoch(run, epoch, preempt, steplog, say, checkpoint_interval_s,
+                             last_checkpoint)
+            run.pos.history.append(row)
+            logger.log_epoch(row)
+            steplog.epoch_histograms()
+            say(_epoch_line(row, n_epochs))
+            save_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64))
+            last_checkpoint[0] = time.monotonic()
     finally:
         # After a preemption the flag handlers stay: the job script forwards the scheduler's
         # signal too, and a second USR2/TERM must not kill a rank on its way out with 75.
         if not preempt.requested:
             preempt.restore()
+        logger.close()
+        run.optimizer.close()
+    summary = _summary(run)
+    if comm.rank == 0:
+        _write_json(run.out / "summary.json", summary)
+    say(_summary_line(run, summary))
+    return summary
 
-    wall = pos["elapsed_s"] + time.perf_counter() - t_start
+
+def _epoch_line(row: dict, n_epochs: int) -> str:
+    evaluated = {m: v for m, v in row.items() if m.startswith(("valid_", "test_"))}
+    shown = "  ".join(f"{m} {_show(m, v)}" for m, v in evaluated.items())
+    sps = f"{row['samples_per_s']:9,.0f}" if row.get("samples_per_s") else "   (resumed)"
+    skipped = f"  skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
+    return (f"epoch {row['epoch']:3d}/{n_epochs}  loss {row['train_loss']:.4f}  {shown}  "
+            f"lr {row['lr']:.3e}  samples/s {sps}  {row['epoch_time_s']:5.1f}s{skipped}")
+
+
+def _summary(run: Run) -> dict:
+    from .device import device_info
+
+    cfg, history, sched = run.cfg, run.pos.history, run.schedule
     target = cfg.recipe.get("target") or {}
     metric = target.get("metric")
     mode = target.get("mode") or _better(metric or "")
     reached = [r for r in history if r.get(metric) is not None and
                (r[metric] >= target.get("value", math.inf) if mode == "max"
                 else r[metric] <= target.get("value", -math.inf))]
-    rates = [r["samples_per_s"] for r in history if r["samples_per_s"]]
-    evaluated = [m for m in history[-1] if m.startswith(("valid_", "test_"))]  # e.g. test_accuracy
-    summary = {
+    rates = [r["samples_per_s"] for r in history if r.get("samples_per_s")]
+    evaluated = [m for m in history[-1] if m.startswith(("valid_", "test_"))]
+    task = run.task
+    return {
         "experiment": cfg.experiment, "task": task.kind,
         **({"decoding": task.decoding} if task.decoding else {}),
         **{f"final_{m}": history[-1][m] for m in evaluated},
         **{f"best_{m}": (max if _better(m) == "max" else min)(r[m] for r in history)
            for m in evaluated},
-        "metric_name": metric, "global_batch_size": cfg.global_batch_size, "per_rank_batch_size": per_rank_batch,
-        "accumulation_steps": n_micro, "micro_batch_size": micro_batch,
-        "base_batch_size": cfg.base_batch_size, "batch_ratio_k": k,
-        "world_size": comm.world_size, "backend": comm.backend, "epochs": cfg.epochs,
-        "steps": pos["global_step"], "steps_per_epoch": spe, "scaling": cfg.scaling,
+        "metric_name": metric, "global_batch_size": cfg.global_batch_size,
+        "per_rank_batch_size": run.per_rank_batch,
+        "accumulation_steps": cfg.accumulation_steps, "micro_batch_size": run.micro_batch,
+        "base_batch_size": cfg.base_batch_size,
+        "batch_ratio_k": cfg.global_batch_size / cfg.base_batch_size,
+        "world_size": run.comm.world_size, "backend": run.comm.backend,
+        "device": device_info(run.device), "precision": cfg.precision, "epochs": cfg.epochs,
+        "steps": run.pos.global_step, "steps_per_epoch": sched.steps_per_epoch,
+        "skipped_steps": run.optimizer.skipped_steps, "scaling": cfg.scaling,
         "optimizer": cfg.optimizer, "base_lr": cfg.base_lr, "peak_lr": sched.peak_lr,
         "warmup_steps": sched.warmup_steps, "warmup_epochs": sched.warmup_epochs,
-        "decay": cfg.recipe["decay"], "seed": cfg.seed, "wall_time_s": wall,
+        "decay": cfg.recipe["decay"], "seed": cfg.seed, "wall_time_s": run.elapsed_s(),
         "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
         "target": target or None,
         "time_to_target_s": reached[0]["elapsed_s"] if reached else None,
         "torch": torch.__version__, "host": socket.gethostname(),
     }
-    if rank0:
-        _write_json(summary_path, summary)
+
+
+def _summary_line(run: Run, summary: dict) -> str:
+    cfg, task = run.cfg, run.task
+    metric = summary["metric_name"]
+    evaluated = [m[len("final_"):] for m in summary if m.startswith("final_")]
     shown = metric if metric in evaluated else evaluated[-1]
     how = f" (decoding: {task.decoding})" if task.decoding and "bleu" in shown else ""
-    say(f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} (k={k:g}) "
-        f"on {comm.world_size} rank(s): {shown} {_show(shown, summary['final_' + shown]).strip()}"
-        f"{how} "
-        f"after {cfg.epochs:g} epochs ({pos['global_step']} steps) in {wall:.1f} s -> "
-        f"{out / 'summary.json'}")
-    return summary
+    return (f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} "
+            f"(k={summary['batch_ratio_k']:g}) on {run.comm.world_size} rank(s): {shown} "
+            f"{_show(shown, summary['final_' + shown]).strip()}{how} after {cfg.epochs:g} epochs "
+            f"({run.pos.global_step} steps) in {summary['wall_time_s']:.1f} s -> "
+            f"{run.out / 'summary.json'}")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hpclb import train as train_mod
-from hpclb.checkpoint import load_checkpoint
+from hpclb.checkpoint import CheckpointStore, load_checkpoint
 from hpclb.comm import SelfCommunicator
 from hpclb.config import resolve
 from helpers import quick_recipe
@@ -20,10 +20,11 @@ def test_periodic_checkpoints_leave_the_trajectory_alone(tmp_path, mnist_dir, mo
         return load_checkpoint(tmp_path / out / "checkpoint.pt")
 
     saved = []
-    real_save = train_mod.save_checkpoint
-    monkeypatch.setattr(train_mod, "save_checkpoint",
-                        lambda path, state: saved.append((state["epoch"], state["step_in_epoch"]))
-                        or real_save(path, state))
+    real_save = CheckpointStore.save
+    monkeypatch.setattr(CheckpointStore, "save",
+                        lambda self, state, step=None: saved.append((state["epoch"],
+                                                                     state["step_in_epoch"]))
+                        or real_save(self, state, step))
     plain = run("plain", None)
     assert saved == [(1, 0), (2, 0)]  # 8 steps per epoch, 12 steps: epoch ends only
     saved.clear()

@@ -1,0 +1,260 @@
+"""Setting up one run on one rank, resuming it, and checkpointing it.
+
+:func:`setup_run` takes every start-up decision that ranks must share so that a disagreement ends
+every rank with the message, never a hang: settings, data, the out directory and the checkpoint
+are checked inside :func:`agreed` (every rank runs the check, then all compare verdicts), and the
+resume-or-start decision is rank 0's, broadcast. Then, in this order: the device is bound (by the
+communicator), the model is built on it, checked and broadcast, each rank gets its own random
+streams (:mod:`hpclb.rng`), the optimizer is wrapped in :class:`~hpclb.step.DistributedOptimizer`
+(its GradientSync's buckets hold the gradients on the device), and a checkpoint, if any, is loaded
+onto whatever device this run uses.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointError, CheckpointStore
+from .comm import Communicator
+from .config import ConfigError, RunConfig
+from .models import build_model
+from .optim import LAMB, LARS
+from .parallel import average_buffers, broadcast_parameters, check_model_consistency
+from .rng import resume_rank_rng, rng_state, seed_rank
+from .schedules import Schedule, ScheduleLR
+from .step import DistributedOptimizer
+from .tasks import Task, build_task
+
+log = logging.getLogger(__name__)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank, then compare verdicts (one allgather): if any rank failed, every
+    rank raises the first failing rank's error (a ConfigError stays one, naming the rank), so a
+    check that passes on some ranks and fails on others (a folder one rank cannot see) ends the
+    job within seconds instead of hanging the others in the next collective."""
+    try:
+        result, verdict = fn(), None
+    except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
+        result, verdict = None, (type(e).__name__, str(e), isinstance(e, ConfigError))
+        if comm.world_size == 1:
+            raise
+    verdicts = comm.allgather_object(verdict) if comm.world_size > 1 else [verdict]
+    failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if failed:
+        rank, (kind, msg, config) = failed[0]
+        where = f"rank {rank} of {comm.world_size}, {what}: " if comm.world_size > 1 else ""
+        raise (ConfigError if config else RuntimeError)(f"{where}{msg}" if config
+                                                        else f"{where}{kind}: {msg}")
+    return result
+
+
+@dataclass
+class Position:
+    """Where a run is: ``epoch`` and ``step_in_epoch`` (the next step to run), ``global_step``
+    (optimizer steps done), ``elapsed_s`` (seconds of earlier attempts), ``epoch_sums`` (this
+    epoch's float64 ``[3]`` task sums so far, totals over ranks), ``history`` (epoch rows)."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    elapsed_s: float = 0.0
+    epoch_sums: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    history: list = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """Everything one rank trains with (built by :func:`setup_run`)."""
+
+    cfg: RunConfig
+    comm: Communicator
+    device: torch.device
+    task: Task
+    schedule: Schedule
+    model: nn.Module
+    optimizer: DistributedOptimizer
+    scheduler: ScheduleLR
+    store: CheckpointStore
+    pos: Position
+    per_rank_batch: int
+    micro_batch: int
+    autocast_dtype: torch.dtype | None
+    resumed_from: dict | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def out(self) -> Path:
+        return self.store.out_dir
+
+    def elapsed_s(self) -> float:
+        return self.pos.elapsed_s + time.perf_counter() - self.t_start
+
+    def autocast(self):
+        """The forward's precision context (bf16/fp16 autocast; fp32: nothing)."""
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype is not None)
+
+
+def build_optimizer(name: str, model: nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over ``model``'s named parameters with the recipe's ``params``.
+
+    Raises ConfigError for a hyper-parameter the optimizer does not take or rejects.
+    """
+    named = list(model.named_parameters())
+    hp = dict(params)
+    try:
+        if name == "sgd":
+            return torch.optim.SGD(named, **hp)
+        if name == "momentum":
+            hp.setdefault("momentum", 0.9)
+            return torch.optim.SGD(named, **hp)
+        if name == "adam":
+            return torch.optim.Adam(named, **hp)
+        if name == "lars":
+            return LARS(named, **hp)
+        if name == "lamb":
+            return LAMB(named, **hp)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizers.{name}: {e}") from e
+    raise ConfigError(f"unknown optimizer {name!r}")
+
+
+def _local_checks(cfg: RunConfig, comm: Communicator):
+    """Everything a rank checks before any work: batch split, data, schedule."""
+    per_rank = cfg.per_rank_batch_size(comm.world_size)
+    micro = cfg.micro_batch_size(comm.world_size)  # B % (W * K): fails before any work
+    data = cfg.recipe["data"]
+    task = build_task(cfg.recipe, cfg.data_dir, train_samples=data.get("train_samples"),
+                      test_samples=data.get("test_samples"))
+    return per_rank, micro, task, cfg.schedule(task.num_train_samples)
+
+
+def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
+    """Rank 0 decides (None: start afresh; else the checkpoint's path); every rank loads it."""
+    def decide():
+        summary = store.out_dir / "summary.json"
+        if not cfg.resume:
+            if store.exists() and not (summary.exists() and summary.stat().st_mtime
+                                       >= store.latest_path.stat().st_mtime):
+                raise ConfigError(f"{store.out_dir} holds the checkpoint of an unfinished run; "
+                                  f"add --resume to continue it, or choose another --out (or "
+                                  f"delete {store.latest_path}) to start afresh")
+            return None
+        loaded = store.latest()
+        if loaded is None:
+            raise CheckpointError(f"--resume: no checkpoint in {store.out_dir}")
+        for path, why in loaded.skipped:
+            log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
+                        loaded.path)
+        return str(loaded.path.resolve())
+    path = agreed(comm, "checking --out and the checkpoint",
+                  lambda: decide() if comm.rank == 0 else None)
+    if comm.world_size > 1:
+        path = comm.broadcast_object(path, 0)
+    if path is None:
+        return None
+
+    def load():
+        from .checkpoint import load_checkpoint
+        try:
+            return load_checkpoint(path)
+        except (CheckpointError, OSError) as e:
+            raise ConfigError(f"cannot read rank 0's checkpoint {path} ({e}); --out must be on "
+                              f"a file system every rank sees") from e
+    ckpt = agreed(comm, "loading the checkpoint", load)
+    for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs", "lr"):
+        if ckpt["run"][key] != getattr(cfg, key):
+            raise ConfigError(f"--resume: the checkpoint in {path} was made with {key}="
+                              f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; resume "
+                              f"with the same settings or use another --out")
+    return ckpt
+
+
+def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (then broadcast)
+    model = build_model(cfg.recipe["model"]["name"], **task.model_kwargs,
+                        **{k: v for k, v in cfg.recipe["model"].items() if k != "name"})
+    model = model.to(device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        if any(isinstance(m, nn.Conv2d) for m in model.modules()):
+            model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = None) -> Run:
+    """Build (or resume) the run of ``cfg`` on this rank; collective.
+
+    ``device``: where the model, optimizer state and batches live (default the communicator's,
+    bound by ``--device``; tests pass ``meta`` for a device dry run). Raises ConfigError (same on
+    every rank), DataError, CheckpointError."""
+    device = torch.device(device or getattr(comm, "device", "cpu"))
+    per_rank, micro, task, sched = agreed(comm, "checking settings and data",
+                                          lambda: _local_checks(cfg, comm))
+    store = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints)
+    ckpt = _decide_resume(cfg, comm, store)
+    model = _build_model(cfg, task, device)
+    check_model_consistency(model, comm)
+    broadcast_parameters(model, comm)
+    seed_rank(cfg.seed, comm.rank)  # ranks share parameters, never randomness (dropout)
+    scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+    inner = build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
+    optimizer = DistributedOptimizer(inner, model, comm=comm,
+                                     accumulation_steps=cfg.accumulation_steps,
+                                     grad_clip_norm=cfg.recipe.get("grad_clip_norm"),
+                                     max_nonfinite_steps=cfg.max_nonfinite_steps, scaler=scaler,
+                                     track_local_norm=cfg.noise_scale and comm.world_size > 1)
+    scheduler = ScheduleLR(inner, sched)
+    task.setup(per_rank_batch=per_rank, global_batch=cfg.global_batch_size, rank=comm.rank,
+               world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=sched.steps_per_epoch)
+    run = Run(cfg, comm, device, task, sched, model, optimizer, scheduler, store, Position(),
+              per_rank, micro, PRECISIONS[cfg.precision])
+    if ckpt is not None:
+        _restore(run, ckpt)
+    return run
+
+
+def _restore(run: Run, ckpt: dict) -> None:
+    run.model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scheduler.load_state_dict(ckpt["scheduler"])
+    fields = {k: ckpt[k] for k in ("epoch", "step_in_epoch", "global_step", "elapsed_s",
+                                   "epoch_sums", "history")}
+    run.pos = Position(**fields)
+    if run.comm.rank != 0:  # the saved sums are already totals over ranks: count them once
+        run.pos.epoch_sums = torch.zeros_like(run.pos.epoch_sums)
+    resume_rank_rng(ckpt["rng"], seed=run.cfg.seed, rank=run.comm.rank,
+                    world_size=run.comm.world_size, step=run.pos.global_step)
+    run.resumed_from = ckpt
+
+
+def save_checkpoint(run: Run, epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor) -> None:
+    """Collective: every rank's RNG state, the task's carried state and this epoch's sums are
+    gathered, BatchNorm buffers averaged over ranks; rank 0 writes a new verified generation
+    (:class:`~hpclb.checkpoint.CheckpointStore`); nobody moves on before it is on disk."""
+    comm = run.comm
+    average_buffers(run.model, comm)
+    task_state = run.task.state_dict(comm)
+    sums = epoch_sums.double().cpu()
+    if comm.world_size > 1:
+        comm.allreduce_(sums)
+    rngs = comm.allgather_object(rng_state()) if comm.world_size > 1 else [rng_state()]
+
+    def write():
+        if comm.rank == 0:
+            run.store.save({
+                "run": {k: v for k, v in run.cfg.to_dict().items() if k != "recipe"},
+                "world_size": comm.world_size, "model": run.model.state_dict(),
+                "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+                "rng": rngs, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                "global_step": run.pos.global_step, "epoch_sums": sums,
+                "elapsed_s": run.elapsed_s(), "history": run.pos.history, "task": task_state})
+    agreed(comm, "writing the checkpoint", write)  # a failed write ends every rank

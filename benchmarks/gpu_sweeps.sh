@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The paper's sweeps at their full budgets on one GPU (issue #14), through `hpclb sweep`.
+#
+#   benchmarks/gpu_sweeps.sh OUT [--smoke]
+#
+# Prints its plan with an estimated time first, then runs, within GPU_SWEEPS_BUDGET_S (default
+# 540 s = 9 minutes), as many points as fit, in this order, and says what it skipped:
+#   mnist-lstm    20 epochs:  batch 128, 1024, 8192          x legw, linear, sqrt, none
+#   ptb-small     13 epochs:  batch 20, 80, 160, 640          x legw, sqrt, linear, none
+#   fashion-resnet (LARS), 20 epochs: batch 128, 1024, 4096, 8192 x legw, sqrt, linear, none
+# Each experiment runs from a derived recipe `<experiment>-gpu` (the packaged recipe with
+# `device: cuda`, `precision: bf16`), so the tables land in results/sweeps/<experiment>-gpu.
+# {json,md,png}, every row with its device, precision, wall time and time to target. `hpclb
+# sweep` is resumable: run the same command again (a second 9-minute invocation) and it goes on
+# where the first stopped; points already recorded are skipped.
+#
+# --smoke: the same script on the CPU with a few steps per point (data subsets, one or two
+# batches and schemes per experiment), results under OUT/sweeps; tests/test_gpu_scripts.py runs
+# it.
+# The data (data/mnist, data/ptb, data/fashion-mnist) travels in the tree on the GPU machine
+# (shared-data/ or $HPCLB_DATA), as for benchmarks/gpu_check.sh.
+set -uo pipefail
+
+usage="usage: benchmarks/gpu_sweeps.sh OUT [--smoke]"
+out="${1:?$usage}"
+smoke=0
+if [ "${2:-}" = "--smoke" ]; then smoke=1; elif [ -n "${2:-}" ]; then echo "$usage" >&2; exit 2; fi
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+cd "$(dirname "$0")/.."
+repo="$PWD"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export HPCLB_KERNELS_DIR="$repo/kernels"
+if [ -n "${HPCLB_DATA:-}" ]; then data="$HPCLB_DATA"
+elif [ -d shared-data ]; then data="$repo/shared-data"
+else data="$repo/data"; fi
+budget=${GPU_SWEEPS_BUDGET_S:-540}
+start=$(date +%s)
+
+# The plan: one line per experiment, "<name> <recipe.yaml> <batches> <schemes> <est. s/point>",
+# with the derived recipes written under OUT/recipes.
+"$PY" - "$out" "$smoke" "$data" >"$out/plan.txt" <<'PY' || exit 2
+import sys
+from pathlib import Path
+import yaml
+from hpclb.config import load_recipe
+
+out, smoke, data = Path(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[3])
+schemes_all = "legw,linear,sqrt,none"
+# experiment: (batches, schemes, seconds per point on one H200 (estimate), smoke: recipe
+# changes, batches, schemes). The smoke keeps every code path (each experiment, B0 and a larger
+# batch where evaluation is cheap) within about a minute on 2 CPU cores; PTB evaluates on the
+# full valid/test streams, so its smoke is one point.
+plan = {
+    "mnist-lstm": ([128, 1024, 8192], schemes_all, 25,
+                   ({"data": {"name": "mnist", "train_samples": 2048, "test_samples": 256},
+                     "epochs": 1, "warmup_epochs": 0.05}, [128, 1024], "legw,none")),
+    "ptb-small": ([20, 80, 160, 640], "legw,sqrt,linear,none", 60,
+                  ({"epochs": 0.002, "warmup_epochs": 0.0005}, [20], "legw")),
+    "fashion-resnet": ([128, 1024, 4096, 8192], schemes_all, 45,
+                       ({"data": {"name": "fashion-mnist", "train_samples": 512,
+                                  "test_samples": 128}, "epochs": 1, "warmup_epochs": 0.1},
+                        [128, 256], "legw")),
+}
+(out / "recipes").mkdir(parents=True, exist_ok=True)
+total = 0
+for exp, (batches, schemes, est, (changes, smoke_batches, smoke_schemes)) in plan.items():
+    recipe = load_recipe(exp)
+    if not (data / recipe["data"]["name"]).is_dir():
+        print(f"# {exp}: skipped, {recipe['data']['name']} not staged in {data}")
+        continue
+    recipe.pop("path", None)
+    if smoke:
+        batches, schemes, est = smoke_batches, smoke_schemes, 3
+        recipe.update(changes, name=f"{exp}-gpu-smoke")
+    else:
+        recipe.update(name=f"{exp}-gpu", device="cuda", precision="bf16")
+    path = out / "recipes" / f"{recipe['name']}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    n = len(batches) * len(schemes.split(",")) - (len(schemes.split(",")) - 1)  # k = 1 runs once
+    total += n * est
+    print(exp, path, ",".join(map(str, batches)), schemes, est, n)
+print(f"# estimated {total} s for all points")
+PY
+echo "gpu_sweeps: $([ $smoke = 1 ] && echo 'SMOKE (CPU, a few steps per point)' || echo 'full budgets, one GPU'), budget $budget s, data $data"
+echo "plan:"
+while read -r exp recipe batches schemes est n; do
+    case "$exp" in
+        "#") echo "  $recipe $batches $schemes $est $n";;
+        *) echo "  $exp: batches $batches x $schemes = $n run(s), ~$est s each";;
+    esac
+done <"$out/plan.txt"
+
+if [ $smoke = 1 ]; then results="$out/sweeps"; else results="$repo/results/sweeps"; fi
+runs="$out/runs"
+status=0
+while read -r exp recipe batches schemes est n; do
+    [ "$exp" = "#" ] && continue
+    left=$(( budget - ($(date +%s) - start) ))
+    if [ "$left" -lt "$est" ]; then
+        echo "gpu_sweeps: $exp skipped: $left s left, a point takes ~$est s; run the same command again to continue"
+        continue
+    fi
+    echo "== $exp ($left s left)"
+    timeout "$left" "$PY" -m hpclb sweep "$recipe" --batch-sizes "$batches" --schemes "$schemes" \
+        --data-dir "$data" --out-dir "$results" --runs-dir "$runs"
+    rc=$?
+    if [ $rc -eq 124 ]; then
+        echo "gpu_sweeps: $exp stopped at the time budget; run the same command again to resume it"
+    elif [ $rc -ne 0 ]; then
+        echo "gpu_sweeps: $exp failed (exit $rc)"; status=1
+    fi
+done <"$out/plan.txt"
+echo "gpu_sweeps: done in $(( $(date +%s) - start )) s; tables in $results"
+exit $status

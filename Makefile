@@ -142,3 +142,21 @@ test-pbs: install data
 # Re-render the committed examples (jobs/slurm, jobs/pbs) after a template or recipe change.
 jobs-examples: install
 	$(PY) -m hpclb jobs examples jobs
+
+# --- GPU environment (issue 10): see docs/clusters-gpu.md -------------------------------------
+# A CUDA build of torch cannot be pip-installed from here (the CUDA wheel index is not reachable
+# and setup.cfg pins the CPU wheel), so install-gpu works in an environment that already holds a
+# CUDA torch (a site module, a container, or `pip install torch --index-url
+# https://download.pytorch.org/whl/cu1xx` where that is reachable): GPU_PY names its python. It
+# installs hpclb with the `gpu` extra (CuPy) without touching torch, and, with MPICC set, builds
+# mpi4py against the site's (CUDA-aware) MPI: `make install-gpu GPU_PY=... MPICC=mpicc`.
+GPU_PY ?= python3
+.PHONY: install-gpu
+install-gpu:
+	@$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'error: $(GPU_PY) has a CPU-only torch ' + torch.__version__ + '; install a CUDA build of torch first (docs/clusters-gpu.md)')"
+	$(GPU_PY) -m pip install --no-deps -e . && $(GPU_PY) -m pip install 'cupy-cuda13x==14.2.0' \
+	    'numpy==2.4.6' 'PyYAML==6.0.4' 'tqdm==4.70.1' 'jinja2==3.1.6' 'matplotlib==3.11.2' \
+	    'pillow==13.0.0' 'pysword==0.2.8' 'sacrebleu==2.6.0' 'sentencepiece==0.2.3'
+	@if [ -n "$(MPICC)" ]; then MPICC="$(MPICC)" $(GPU_PY) -m pip install --no-binary mpi4py \
+	    --no-cache-dir --force-reinstall 'mpi4py==4.1.2'; fi
+	$(GPU_PY) -c "import torch, cupy, mpi4py; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count(), '| cupy', cupy.__version__, '| mpi4py', mpi4py.__version__)"

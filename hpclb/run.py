@@ -11,6 +11,7 @@ onto whatever device this run uses.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -99,8 +100,9 @@ class Run:
 
     def autocast(self):
         """The forward's precision context (bf16/fp16 autocast; fp32: nothing)."""
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                              enabled=self.autocast_dtype is not None)
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
 def build_optimizer(name: str, model: nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:

@@ -159,7 +159,8 @@ class DistributedOptimizer:
             self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
         self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if not bool(torch.isfinite(self.grad_norm)):  # the one host read per step
+        meta = self.grad_norm.device.type == "meta"  # a device dry run: nothing to read
+        if not meta and not bool(torch.isfinite(self.grad_norm)):  # the one host read per step
             self._skip()
             return False
         self._streak = 0

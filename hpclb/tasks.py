@@ -536,14 +536,17 @@ class Seq2seqTask(Task):
     global_size = ClassificationTask.global_size  # sentence pairs in global step i
 
     def batch(self, i: int, part: int = 0, parts: int = 1):
+        """``(src, src_mask, tgt_in, tgt_out, lengths)``: int64/bool tensors and the source
+        lengths as host ints (packing needs them on the host: no device read-back per step)."""
         idx = self._part_indices(i, part, parts).tolist()
-        return self._tensors([self.train_src[j] for j in idx], [self.train_tgt[j] for j in idx])
+        src = [self.train_src[j] for j in idx]
+        return (*self._tensors(src, [self.train_tgt[j] for j in idx]), [len(x) for x in src])
 
     def loss(self, model, batch):
         from .data.translation import PAD
 
-        src, mask, tgt_in, tgt_out = batch
-        logits = model(src, mask, tgt_in)
+        src, mask, tgt_in, tgt_out, *lengths = batch
+        logits = model(src, mask, tgt_in, *lengths)
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
                                 ignore_index=PAD, reduction="sum")
         with torch.no_grad():  # on the device: no host sync per step

@@ -60,17 +60,27 @@ class GNMT(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.out = nn.Linear(2 * h, tgt_vocab)
 
-    def encode(self, src, src_mask):
+    def encode(self, src, src_mask, lengths=None):
         """Encoder outputs ``[b, s, h]`` (zeros at padding). Sequences are packed by their
-        lengths (``src_mask.sum(1)``), so padding never reaches the backward direction."""
+        lengths (``lengths``: ``b`` ints on the host, as the batch was built; default
+        ``src_mask.sum(1)``, read back from the device), so padding never reaches the backward
+        direction."""
         from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-        lengths = src_mask.sum(1).clamp(min=1).cpu()
+        lengths = torch.as_tensor(lengths).clamp(min=1) if lengths is not None else \
+            src_mask.sum(1).clamp(min=1).cpu()
+
+        # Sorted on the host (as pack_padded_sequence does with enforce_sorted=False, which
+        # then reads its permutation back from the device in pad_packed_sequence).
+        lengths, order = torch.sort(lengths, descending=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        order, inverse = order.to(src.device), inverse.to(src.device)
 
         def run(lstm, x):
-            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            packed = pack_padded_sequence(x.index_select(0, order), lengths, batch_first=True)
             return pad_packed_sequence(lstm(packed)[0], batch_first=True,
-                                       total_length=src.shape[1])[0]
+                                       total_length=src.shape[1])[0].index_select(0, inverse)
 
         x = run(self.enc_bi, self.drop(self.src_embed(src)))
         for i, lstm in enumerate(self.enc):
@@ -86,8 +96,10 @@ class GNMT(nn.Module):
             x = x + y if i >= 1 else y  # residual from the third decoder layer on
         return self.out(self.drop(torch.cat([x, context], -1)))
 
-    def forward(self, src, src_mask, tgt_in):
-        return self.decode(self.encode(src, src_mask), src_mask, tgt_in)
+    def forward(self, src, src_mask, tgt_in, lengths=None):
+        """Logits ``[b, t, tgt_vocab]`` for teacher-forced ``tgt_in`` ``[b, t]`` given ``src``
+        ``[b, s]`` (int64), ``src_mask`` ``[b, s]`` (bool) and optional host ``lengths``."""
+        return self.decode(self.encode(src, src_mask, lengths), src_mask, tgt_in)
 
     @torch.no_grad()
     def greedy(self, src, src_mask, bos: int, eos: int, max_len: int = 100) -> torch.Tensor:

@@ -94,6 +94,10 @@ def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
     """
     data = recipe.get("data") or {}
     name = data.get("name")
+    from .plugins import is_plugin
+
+    if is_plugin(name):
+        return _plugin_train_set_size(recipe, data)
     if name not in TRAIN_SET_SIZES:
         raise JobError(f"data set {name!r} of recipe {recipe.get('name')!r} is not in "
                        f"hpclb.jobs.TRAIN_SET_SIZES ({', '.join(TRAIN_SET_SIZES)}); add its "
@@ -110,6 +114,24 @@ def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
     if isinstance(subset, int) and 0 < subset < size:
         size = subset
     return size, unit
+
+
+def _plugin_train_set_size(recipe: dict[str, Any], data: dict[str, Any]) -> tuple[int, str]:
+    """A plug-in data set (``module:function``): ``data.train_samples`` when given, else the
+    length of the training split the function returns here ($HPCLB_DATA or ./data)."""
+    subset = data.get("train_samples")
+    if isinstance(subset, int) and subset > 0:
+        return subset, "samples"
+    from .plugins import add_search_path
+    from .tasks import load_plugin_data
+
+    add_search_path(recipe.get("plugin_path", []))
+    try:
+        return len(load_plugin_data(data, None)[0]), "samples"
+    except Exception as e:  # noqa: BLE001 (any failure of the user's loader)
+        raise JobError(f"recipe {recipe.get('name')!r}: cannot count the training samples of "
+                       f"plug-in data {data.get('name')!r} here ({e}); give data.train_samples "
+                       f"in the recipe, or stage the data under $HPCLB_DATA") from e
 
 
 def _g(x: float) -> str:

@@ -367,3 +367,13 @@ def test_plugin_run_resolves_in_process(tmp_path):
     from hpclb import train as train_mod
     s = train_mod.train(cfg, SelfCommunicator(), quiet=True)
     assert s["final_test_accuracy"] >= 0.9, s
+
+
+def test_job_templates_render_a_plugin_recipe():
+    """`hpclb jobs render` counts a plug-in data set by its data.train_samples (the LEGW plan in
+    the script's header needs the training-set size)."""
+    from hpclb.config import load_recipe
+    from hpclb.jobs import train_set_size
+
+    recipe = load_recipe(str(REPO / "examples" / "plugin" / "recipe.yaml"))
+    assert train_set_size(recipe) == (8192, "samples")

@@ -140,3 +140,9 @@ def test_example_script_two_ranks_equal_one_process(mnist_dir, tmp_path):
     assert one["steps"] == two["steps"] == 96
     assert one["test_accuracy"] > 0.90
     assert abs(one["test_accuracy"] - two["test_accuracy"]) <= 2e-4  # 2 of 10,000 test images
+
+
+def test_readme_library_quick_start_is_the_tested_example():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- library-quickstart -->\n```python\n", 1)[1].split("```\n", 1)[0]
+    assert block == (REPO / "examples" / "own_model.py").read_text()

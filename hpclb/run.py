@@ -152,7 +152,7 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
             return None
         loaded = store.latest()
         if loaded is None:
-            raise CheckpointError(f"--resume: no checkpoint in {store.out_dir}")
+            raise CheckpointError(f"--resume: no checkpoint to resume from in {store.out_dir}")
         for path, why in loaded.skipped:
             log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
                         loaded.path)

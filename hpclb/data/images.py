@@ -8,7 +8,12 @@ random augmentation also has ``set_epoch(epoch, seed)`` (called by the task at e
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +42,12 @@ CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10
 _MASK64 = (1 << 64) - 1
+# ImageFolder's file index, cached next to the images (or in the user's cache when the data
+# directory is read-only) so that it is listed once, not by every rank of every run.
+INDEX_NAME = ".hpclb-index.json"
+INDEX_VERSION = 1
+INDEX_WAIT_S = 600.0   # how long a rank waits for another process that is building the index
+log = logging.getLogger(__name__)
 
 
 def _splitmix64(x: int) -> int:
@@ -159,6 +170,118 @@ class SyntheticImages:
         return x, y
 
 
+def _class_dirs(root: Path) -> list[str]:
+    if not root.is_dir():
+        raise DataError(f"{root}: no such directory (expected <class>/<image> sub-directories, "
+                        f"ImageNet layout)")
+    return sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
+
+
+def _stamps(root: Path, classes: list[str]) -> list[list[int]]:
+    """``[mtime_ns, size]`` of each class directory: adding, removing or renaming an image
+    changes its directory's mtime, so a stale index is detected with one stat per class."""
+    return [[(st := os.stat(root / c)).st_mtime_ns, st.st_size] for c in classes]
+
+
+def _scan(root: Path) -> dict:
+    """List ``root`` (classes, their image files, sorted); the index as written to disk."""
+    classes = _class_dirs(root)
+    if not classes:
+        raise DataError(f"{root}: no class sub-directories")
+    files = {c: sorted(e.name for e in os.scandir(root / c)
+                       if e.is_file() and Path(e.name).suffix.lower() in IMAGE_SUFFIXES)
+             for c in classes}
+    if not any(files.values()):
+        raise DataError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)})")
+    return {"version": INDEX_VERSION, "root": str(root.resolve()), "classes": classes,
+            "stamps": _stamps(root, classes), "files": files}
+
+
+def _index_paths(root: Path) -> list[Path]:
+    """Where the index of ``root`` may live: next to the images, else the user's cache."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpclb"
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    return [root / INDEX_NAME, cache / f"imagefolder-{key}.json"]
+
+
+def _read_index(path: Path, root: Path) -> dict | None:
+    """The index at ``path`` if it is readable and still describes ``root``, else None."""
+    try:
+        index = json.loads(path.read_text())
+        classes = index["classes"]
+        if index.get("version") != INDEX_VERSION or index.get("root") != str(root.resolve()) \
+                or _class_dirs(root) != classes or _stamps(root, classes) != index["stamps"]:
+            return None
+        return index
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_index(path: Path, index: dict) -> None:
+    """Write atomically (temporary file + rename): readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(index, separators=(",", ":")))
+    os.replace(tmp, path)
+
+
+def _build_or_wait(path: Path, root: Path, wait_s: float) -> dict | None:
+    """Build the index into ``path`` if this process claims it (an O_EXCL lock file next to
+    it), else wait for the process that did. None: ``path`` is not writable here."""
+    lock = path.with_name(path.name + ".building")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and lock.exists():
+            time.sleep(0.2)
+        index = _read_index(path, root)
+        if index is None:  # the builder died or is stuck: list the folder here
+            log.warning("%s: no index after waiting %.0f s for %s; listing it here", root,
+                        wait_s, lock)
+            index = _scan(root)
+        return index
+    except OSError:  # read-only or missing directory
+        return None
+    try:
+        os.close(fd)
+        index = _scan(root)
+        _write_index(path, index)
+        return index
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def folder_index(root: str | Path, *, wait_s: float = INDEX_WAIT_S
+                 ) -> tuple[list[str], list[tuple[Path, int]]]:
+    """``(classes, files)`` of an ImageFolder ``root``: the sorted class sub-directories and
+    ``(path, class id)`` of their images (sorted by name within a class, classes in order).
+
+    Listing ImageNet's 1.28 M files takes minutes on a parallel file system, and every rank of
+    every run would repeat it; so the first process that needs it lists the folder and writes
+    the index atomically to ``root/.hpclb-index.json`` (or, when ``root`` is read-only,
+    ``~/.cache/hpclb/imagefolder-<hash>.json``), claiming the job with an O_EXCL lock file
+    so that the others wait for it (up to ``wait_s`` seconds) instead of listing too. The index
+    is valid while the class directories and their mtimes and sizes are unchanged (one stat per
+    class). Raises DataError for a missing directory, no classes or no images.
+    """
+    root = Path(root)
+    _class_dirs(root)  # DataError for a missing directory, before any cache is looked at
+    paths = _index_paths(root)
+    index = next((i for i in (_read_index(p, root) for p in paths) if i is not None), None)
+    for path in paths:
+        if index is not None:
+            break
+        index = _build_or_wait(path, root, wait_s)
+    if index is None:
+        log.warning("%s: cannot write its index to %s; every process lists the folder", root,
+                    " or ".join(map(str, paths)))
+        index = _scan(root)
+    classes = index["classes"]
+    return classes, [(root / c / name, k) for k, c in enumerate(classes)
+                     for name in index["files"][c]]
+
+
 class ImageFolder:
     """``root/<class>/<image>`` (ImageNet's ``train``/``val`` layout): classes are the sorted
     sub-directory names, images their files with an image suffix, sorted. A batch is read with
@@ -185,17 +308,7 @@ class ImageFolder:
         self.root, self.image_size, self.resize = Path(root), image_size, resize
         self.augment, self.seed, self.epoch = bool(augment), int(seed), 0
         if files is None:
-            if not self.root.is_dir():
-                raise DataError(f"{self.root}: no such directory (expected <class>/<image> "
-                                f"sub-directories, ImageNet layout)")
-            classes = sorted(d.name for d in self.root.iterdir() if d.is_dir())
-            if not classes:
-                raise DataError(f"{self.root}: no class sub-directories")
-            files = [(f, c) for c, name in enumerate(classes)
-                     for f in sorted((self.root / name).iterdir())
-                     if f.suffix.lower() in IMAGE_SUFFIXES]
-            if not files:
-                raise DataError(f"{self.root}: no images ({', '.join(IMAGE_SUFFIXES)})")
+            classes, files = folder_index(self.root)
         self.files, self.classes = files, classes
 
     def __len__(self) -> int:
@@ -213,8 +326,16 @@ class ImageFolder:
         if seed is not None:
             self.seed = int(seed)
 
-    def _load(self, path: Path, index: int) -> torch.Tensor:
-        """Sample ``index`` (file ``path``): float32 ``[3, image_size, image_size]``."""
+    def sample(self, index: int, epoch: int | None = None) -> tuple[torch.Tensor, int]:
+        """Sample ``index``: ``(x, y)``, x float32 ``[3, image_size, image_size]``, y its class
+        id; augmented as in ``epoch`` (default the epoch of :meth:`set_epoch`). A DataLoader
+        worker passes the epoch with the index (its copy of the split never sees set_epoch)."""
+        path, label = self.files[int(index)]
+        return self._load(path, int(index), self.epoch if epoch is None else int(epoch)), label
+
+    def _load(self, path: Path, index: int, epoch: int) -> torch.Tensor:
+        """Sample ``index`` (file ``path``) of ``epoch``: float32 ``[3, image_size,
+        image_size]``."""
         from ..extras import require
 
         Image = require("PIL.Image", "reading ImageFolder images")
@@ -224,7 +345,7 @@ class ImageFolder:
                 im = im.convert("RGB")
                 w, h = im.size
                 if self.augment:
-                    (left, top, cw, ch), flip = train_crop(w, h, self.seed, self.epoch, index)
+                    (left, top, cw, ch), flip = train_crop(w, h, self.seed, epoch, index)
                     im = im.crop((left, top, left + cw, top + ch)).resize((size, size),
                                                                           Image.BILINEAR)
                     if flip:
@@ -244,9 +365,12 @@ class ImageFolder:
             torch.tensor(IMAGENET_STD)[:, None, None]
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        items = [(int(i), *self.files[int(i)]) for i in indices]
-        return (torch.stack([self._load(p, i) for i, p, _ in items]),
-                torch.tensor([c for _, _, c in items], dtype=torch.int64))
+        items = [self.sample(int(i)) for i in indices]
+        if not items:  # an empty share (a short last step)
+            size = self.image_size
+            return torch.zeros(0, 3, size, size), torch.zeros(0, dtype=torch.int64)
+        return (torch.stack([x for x, _ in items]),
+                torch.tensor([c for _, c in items], dtype=torch.int64))
 
 
 def load_imagenet(root: str | Path | None = None, image_size: int = 224, *,

@@ -333,6 +333,16 @@ def _check_builtin_data(data: dict, kind: str, where: str) -> None:
         _require(data["name"] == "imagenet", f"{where}: data.augment",
                  f"only the imagenet reader augments its training split; remove the field for "
                  f"data.name {data['name']!r}")
+    if "num_workers" in data:
+        n = data["num_workers"]
+        _require(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+                 f"{where}: data.num_workers",
+                 f"must be an integer >= 0 (DataLoader worker processes per rank that decode the "
+                 f"training images; 0: in the training thread; default min(4, CPUs per rank)), "
+                 f"got {n!r}")
+        _require(data["name"] == "imagenet", f"{where}: data.num_workers",
+                 f"only the imagenet reader (image files) uses loader workers; "
+                 f"{data['name']!r} is read from memory: remove the field")
 
 
 def _check_seq2seq_data(data: dict, where: str) -> None:

@@ -120,12 +120,21 @@ class ClassificationTask(Task):
 
     kind = "classification"
 
-    def __init__(self, train, test):
+    def __init__(self, train, test, *, num_workers: int | None = None):
+        """``num_workers``: DataLoader worker processes that read a training split with
+        ``sample(index, epoch)`` (an ImageFolder; :mod:`hpclb.data.loader`); None: the default
+        ``min(4, CPUs per rank)``; 0: read in the training thread. In-memory splits (MNIST,
+        Fashion-MNIST, synthetic) are always read in the training thread."""
         self.train_set, self.test_set = train, test
         self.num_train_samples, self.num_test_samples = len(train), len(test)
+        self.num_workers = num_workers
 
-    def setup(self, *, per_rank_batch, global_batch, rank, world_size, seed, steps_per_epoch):
-        self.per_rank_batch, self.seed = per_rank_batch, seed
+    def setup(self, *, per_rank_batch, global_batch, rank, world_size, seed, steps_per_epoch,
+              device=None):
+        """``device``: the run's device (pinned batches from the loader workers when CUDA;
+        None: pinned when CUDA is in use in this process)."""
+        self.per_rank_batch, self.seed, self.device = per_rank_batch, seed, device
+        self.epoch, self._step_loader = 0, None
         self.sampler = GlobalBatchSampler(self.num_train_samples, global_batch, rank, world_size,
                                           seed)
         if self.sampler.steps_per_epoch != steps_per_epoch:
@@ -134,6 +143,7 @@ class ClassificationTask(Task):
                                f"per epoch, the schedule has {steps_per_epoch}")
 
     def start_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         self.sampler.set_epoch(epoch)
         if hasattr(self.train_set, "set_epoch"):  # per-sample augmentation draws (ImageFolder)
             self.train_set.set_epoch(epoch, seed=self.seed)
@@ -152,7 +162,30 @@ class ClassificationTask(Task):
         """Samples in global step ``i`` over all ranks (``B``, or fewer on the last step)."""
         return self.sampler.global_size(i)
 
+    def _loader(self):
+        """The split's :class:`~hpclb.data.loader.StepLoader` (made at the first batch), or None
+        when the training thread reads it (no ``sample`` method, or ``num_workers`` 0)."""
+        if self._step_loader is None and hasattr(self.train_set, "sample"):
+            from .data.loader import StepLoader, default_num_workers
+
+            workers = default_num_workers() if self.num_workers is None else self.num_workers
+            if workers:
+                device = getattr(self, "device", None)
+                pin = torch.device(device).type == "cuda" if device is not None else \
+                    torch.cuda.is_available() and torch.cuda.is_initialized()
+                self._step_loader = StepLoader(
+                    self.train_set, self._part_indices,
+                    steps_per_epoch=self.sampler.steps_per_epoch, num_workers=workers,
+                    pin_memory=pin)
+        return self._step_loader
+
     def batch(self, i: int, part: int = 0, parts: int = 1):
+        """``(x, y)`` of micro-batch ``part`` of ``parts`` of this rank's share of step ``i``:
+        x float32 ``[n, ...]``, y int64 ``[n]`` (from the loader workers when there are any;
+        the same tensors either way)."""
+        loader = self._loader()
+        if loader is not None:
+            return loader.batch(self.epoch, i, part, parts)
         return self.train_set.batch(self._part_indices(i, part, parts))
 
     def loss(self, model, batch):
@@ -438,7 +471,7 @@ def build_task(recipe: dict, data_root, *, train_samples=None, test_samples=None
                                       test.subset(test_samples) if test_samples else test)
         train, test = load_dataset(data["name"], data_root, train_samples=train_samples,
                                    test_samples=test_samples, augment=data.get("augment", True))
-        return ClassificationTask(train, test)
+        return ClassificationTask(train, test, num_workers=data.get("num_workers"))
     if kind == "language_model":
         from .data.ptb import Corpus, load_ptb
 

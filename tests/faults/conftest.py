@@ -119,8 +119,9 @@ def checkpoint_state(out: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """``reference(ranks) -> summary``: the uninterrupted run of the fault recipe (cached)."""
-    done = {}
+    """``reference(ranks) -> summary``: the uninterrupted run of the fault recipe (cached);
+    ``reference.folder(ranks)``: its run folder (read-only for the tests: copy it)."""
+    done, folders = {}, {}
 
     def get(ranks: int) -> dict:
         if ranks not in done:
@@ -128,8 +129,9 @@ def reference(tmp_path_factory):
             rc, out, _ = run(command(train_args(write_recipe(folder), folder / "run"), ranks),
                              bound_s=120)
             assert rc == 0, out
-            done[ranks] = summary(folder / "run")
+            done[ranks], folders[ranks] = summary(folder / "run"), folder / "run"
         return done[ranks]
+    get.folder = folders.__getitem__
     return get
 
 

@@ -125,6 +125,11 @@ bench-model: install
 bench-kernel: install
 	$(PY) -m hpclb bench trust-ratio --out results/bench_trust_ratio.json
 
+# Per-step logging cost (issue 13): one 2-rank job, --log-every 50 / 0 / --noise-scale alternated.
+.PHONY: bench-logging
+bench-logging: install data
+	$(PY) -m hpclb bench logging --out results/bench_logging.json
+
 # --- job templates (issue 6): a real SLURM and an emulated PBS -----------------------------------
 # test-slurm installs Debian's SLURM + munge + PMIx with apt-get (root), starts a 256-node emulated
 # cluster under a temp dir, and runs jobs/testing: sbatch --test-only of every example, a stub

@@ -470,6 +470,11 @@ def _add_bench_parser(sub) -> None:
     tr.set_defaults(func=cmd_bench_trust_ratio)
     from .bench import model as sync_bench  # bench model|allreduce|scaling (gradient sync)
     sync_bench.add_cli(bsub)
+    from .bench import logging_cost  # bench logging (per-step logging cost, issue #13)
+    lc = bsub.add_parser("logging", help="per-step logging and noise-scale cost: 2-rank "
+                         "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")
+    logging_cost.add_run_arguments(lc)
+    lc.set_defaults(func=logging_cost.driver)
 
 
 def main(argv: list[str] | None = None) -> int:

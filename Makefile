@@ -165,3 +165,11 @@ install-gpu:
 	@if [ -n "$(MPICC)" ]; then MPICC="$(MPICC)" $(GPU_PY) -m pip install --no-binary mpi4py \
 	    --no-cache-dir --force-reinstall 'mpi4py==4.1.2'; fi
 	$(GPU_PY) -c "import torch, cupy, mpi4py; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count(), '| cupy', cupy.__version__, '| mpi4py', mpi4py.__version__)"
+
+# --- fault matrix (issue 12 item 7): the real CLI in subprocesses (1 process, mpirun -n 2/3), each
+# case bounded in time, checked for its exit code, message and kept progress; one line per case
+# {case, bound_s, elapsed_s, exit_code, progress_kept} in results/faults.json. ~8 min on 2 cores.
+.PHONY: test-faults
+test-faults: install $(HPCLB_DATA)/mnist/.verified
+	rm -f results/faults.json
+	HPCLB_FAULTS_REPORT=results/faults.json $(PY) -m pytest -q -rxXfE -p no:cacheprovider tests/faults

@@ -168,7 +168,7 @@ install-gpu:
 
 # --- fault matrix (issue 12 item 7): the real CLI in subprocesses (1 process, mpirun -n 2/3), each
 # case bounded in time, checked for its exit code, message and kept progress; one line per case
-# {case, bound_s, elapsed_s, exit_code, progress_kept} in results/faults.json. ~8 min on 2 cores.
+# {case, bound_s, elapsed_s, exit_code, progress_kept} in results/faults.json. ~6 min on 2 cores.
 .PHONY: test-faults
 test-faults: install $(HPCLB_DATA)/mnist/.verified
 	rm -f results/faults.json

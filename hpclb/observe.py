@@ -41,8 +41,8 @@ STEP_TAGS = {
     "loss": "train/loss", "lr": "lr", "grad_norm": "grad/norm", "trust_min": "trust/min",
     "trust_median": "trust/median", "trust_max": "trust/max",
     "samples_per_s": "perf/samples_per_s", "step_time_s": "time/step_s",
-    "compute_s": "time/compute_s", "comm_s": "time/comm_exposed_s",
-    "skipped": "train/skipped_steps", "memory_bytes": "device/memory_bytes",
+    "compute_s": "time/compute_s", "comm_wait_s": "time/comm_exposed_s",
+    "skipped_steps": "train/skipped_steps", "max_memory_bytes": "device/max_memory_bytes",
 }
 _hint_given = False
 

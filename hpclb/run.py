@@ -102,7 +102,14 @@ class Run:
         """The forward's precision context (bf16/fp16 autocast; fp32: nothing)."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        stack = contextlib.ExitStack()
+        if self.device.type == "cpu" and any(isinstance(m, nn.RNNBase)
+                                             for m in self.model.modules()):
+            # oneDNN has no low-precision LSTM kernel on CPUs without AVX512-BF16/AMX; PyTorch's
+            # own LSTM kernels run bf16/fp16 everywhere
+            stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+        stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+        return stack
 
 
 def build_optimizer(name: str, model: nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:
@@ -216,7 +223,8 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
                                      track_local_norm=cfg.noise_scale and comm.world_size > 1)
     scheduler = ScheduleLR(inner, sched)
     task.setup(per_rank_batch=per_rank, global_batch=cfg.global_batch_size, rank=comm.rank,
-               world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=sched.steps_per_epoch)
+               world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=sched.steps_per_epoch,
+               device=device)
     run = Run(cfg, comm, device, task, sched, model, optimizer, scheduler, store, Position(),
               per_rank, micro, PRECISIONS[cfg.precision])
     if ckpt is not None:

@@ -67,7 +67,8 @@ class DistributedOptimizer:
             each micro-batch loss is a mean.
         grad_clip_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         max_nonfinite_steps: non-finite steps skipped in a row before :class:`NonFiniteError`
-            (>= 1; default 3).
+            (>= 1; default 3). With an fp16 scaler, overflows count only once the loss scale has
+            fallen below 1 (before that they are the scaler's calibration).
         scaler: a ``torch.amp.GradScaler`` for fp16 (the caller scales the loss with
             ``scaler.scale(loss).backward()``; ``step()`` unscales before the norm, clipping and
             trust ratios, and updates the scale).
@@ -175,7 +176,10 @@ class DistributedOptimizer:
 
     def _skip(self) -> None:
         self.skipped_steps += 1
-        self._streak += 1
+        # An fp16 overflow while the loss scale is still >= 1 is the scaler calibrating itself
+        # (it halves the scale and tries again): skipped, counted, not a divergence.
+        if self.scaler is None or self.scaler.get_scale() < 1.0:
+            self._streak += 1
         if self._streak >= self.max_nonfinite_steps:
             raise NonFiniteError(self.steps, self.first_nonfinite_layer(), self._streak)
         self.optimizer.zero_grad(set_to_none=False)

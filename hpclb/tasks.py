@@ -62,7 +62,7 @@ class Task:
     num_test_samples: int
 
     def setup(self, *, per_rank_batch: int, global_batch: int, rank: int, world_size: int,
-              seed: int, steps_per_epoch: int) -> None:
+              seed: int, steps_per_epoch: int, device=None) -> None:
         raise NotImplementedError
 
     def start_epoch(self, epoch: int) -> None:
@@ -248,7 +248,8 @@ class LanguageModelTask(Task):
         self.num_test_samples = (len(corpus.test) - 1) // self.bptt
         self.model_kwargs = {"vocab_size": corpus.vocab_size}
 
-    def setup(self, *, per_rank_batch, global_batch, rank, world_size, seed, steps_per_epoch):
+    def setup(self, *, per_rank_batch, global_batch, rank, world_size, seed, steps_per_epoch,
+              device=None):
         from .data.ptb import rank_streams
 
         self.x, self.y, self.streams = rank_streams(self.corpus.train, global_batch, rank,

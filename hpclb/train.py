@@ -282,6 +282,9 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
             preempt.restore()
         logger.close()
         run.optimizer.close()
+        loader = getattr(run.task, "_step_loader", None)  # image decoding workers
+        if loader is not None:
+            loader.close()
     summary = _summary(run)
     if comm.rank == 0:
         _write_json(run.out / "summary.json", summary)

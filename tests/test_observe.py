@@ -118,7 +118,7 @@ def test_read_metrics_old_runs_and_errors(tmp_path):
 
 def test_tags():
     assert tensorboard_tag("grad_norm") == "grad/norm"
-    assert tensorboard_tag("comm_s") == "time/comm_exposed_s"
+    assert tensorboard_tag("comm_wait_s") == "time/comm_exposed_s"
     assert tensorboard_tag("train_loss", "epoch") == "epoch/train/loss"
     assert tensorboard_tag("lr", "epoch") == "epoch/lr"
 

@@ -4,21 +4,17 @@ optimizer state in fp32, count the fp16 scaler's skipped steps in summary.json, 
 within ACCURACY_TOLERANCE of fp32, and a fp16 checkpoint resumes with its scaler state.
 
 CPU autocast casts nn.LSTM to bf16/fp16, and oneDNN has no such LSTM primitive on a CPU without
-avx512_bf16/AMX ("could not create a primitive descriptor for the LSTM forward propagation
-primitive"); the native kernels take both. Until hpclb/run.py's Run.autocast turns oneDNN off
-around the forward of a model with an RNN on the CPU, the in-process tests install that fix
-(:func:`_autocast_without_onednn_rnn`) and the CLI test is a strict xfail where oneDNN fails.
+avx512_bf16/AMX; hpclb/run.py's Run.autocast turns oneDNN off around the forward of a model
+holding an RNN on the CPU, so the native kernels run (the CLI test below is the check).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from hpclb import run as run_mod
 from hpclb import train as train_mod
@@ -33,32 +29,6 @@ pytestmark = pytest.mark.timeout(600)
 ACCURACY_TOLERANCE = 0.03   # |test accuracy - fp32's| after one quick epoch (fraction)
 
 
-def _autocast_without_onednn_rnn(self):
-    """The proposed Run.autocast: on the CPU, oneDNN off for a model holding an RNN."""
-    if self.autocast_dtype is None:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    if self.device.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in self.model.modules()):
-        stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
-    stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
-    return stack
-
-
-def _onednn_lstm_fails(dtype=torch.bfloat16) -> bool:
-    lstm = nn.LSTM(4, 4, batch_first=True)
-    try:
-        with torch.autocast("cpu", dtype=dtype):
-            lstm(torch.randn(1, 2, 4))
-        return False
-    except RuntimeError as e:
-        return "primitive descriptor" in str(e)
-
-
-@pytest.fixture
-def fixed_autocast(monkeypatch):
-    monkeypatch.setattr(run_mod.Run, "autocast", _autocast_without_onednn_rnn)
-
-
 @pytest.fixture(scope="module")
 def fp32_summary(tmp_path_factory, mnist_dir):
     tmp = tmp_path_factory.mktemp("fp32")
@@ -69,7 +39,7 @@ def fp32_summary(tmp_path_factory, mnist_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_quick_run_completes_and_matches_fp32(tmp_path, mnist_dir, fixed_autocast, precision,
+def test_quick_run_completes_and_matches_fp32(tmp_path, mnist_dir, precision,
                                               fp32_summary):
     out = tmp_path / "run"
     s = train_mod.train(resolve(quick_recipe(tmp_path), out=str(out), precision=precision,
@@ -85,7 +55,7 @@ def test_quick_run_completes_and_matches_fp32(tmp_path, mnist_dir, fixed_autocas
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_parameters_gradients_and_state_stay_fp32(tmp_path, mnist_dir, fixed_autocast, precision):
+def test_parameters_gradients_and_state_stay_fp32(tmp_path, mnist_dir, precision):
     cfg = resolve(quick_recipe(tmp_path), out=str(tmp_path / "run"), precision=precision,
                   data_dir=str(mnist_dir.parent))
     run = run_mod.setup_run(cfg, SelfCommunicator())
@@ -105,8 +75,7 @@ def test_parameters_gradients_and_state_stay_fp32(tmp_path, mnist_dir, fixed_aut
     run.optimizer.close()
 
 
-def test_fp16_overflow_is_skipped_counted_and_lowers_the_scale(tmp_path, mnist_dir,
-                                                               fixed_autocast):
+def test_fp16_overflow_is_skipped_counted_and_lowers_the_scale(tmp_path, mnist_dir):
     cfg = resolve(quick_recipe(tmp_path), out=str(tmp_path / "run"), precision="fp16",
                   data_dir=str(mnist_dir.parent))
     run = run_mod.setup_run(cfg, SelfCommunicator())
@@ -124,7 +93,7 @@ def test_fp16_overflow_is_skipped_counted_and_lowers_the_scale(tmp_path, mnist_d
 
 
 @pytest.mark.slow
-def test_fp16_checkpoint_resumes_with_its_scaler_state(tmp_path, mnist_dir, fixed_autocast,
+def test_fp16_checkpoint_resumes_with_its_scaler_state(tmp_path, mnist_dir,
                                                        monkeypatch):
     recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 2048,
                                           "test_samples": 500})  # 16 steps
@@ -134,7 +103,6 @@ def test_fp16_checkpoint_resumes_with_its_scaler_state(tmp_path, mnist_dir, fixe
     with pytest.raises(train_mod.Preempted):
         train_mod.train(resolve(recipe, **kw), SelfCommunicator(), quiet=True)
     monkeypatch.undo()
-    monkeypatch.setattr(run_mod.Run, "autocast", _autocast_without_onednn_rnn)
     saved = load_checkpoint(Path(out) / "checkpoint.pt")["optimizer"]["scaler"]
     assert saved["scale"] > 0 and saved["_growth_tracker"] == 6  # 6 finite steps so far
     run = run_mod.setup_run(resolve(recipe, resume=True, **kw), SelfCommunicator())
@@ -145,12 +113,10 @@ def test_fp16_checkpoint_resumes_with_its_scaler_state(tmp_path, mnist_dir, fixe
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(_onednn_lstm_fails(), strict=True, raises=AssertionError,
-                   reason="Run.autocast leaves oneDNN on: no bf16 LSTM primitive on this CPU")
 def test_cli_bf16_quick_run(tmp_path, mnist_dir):
     from test_cli import hpclb
 
-    rc, output, _ = hpclb("train", quick_recipe(tmp_path, epochs=0.25), "--out",
+    rc, output, _ = hpclb("train", quick_recipe(tmp_path, epochs=0.5), "--out",
                           str(tmp_path / "run"), "--precision", "bf16", "--device", "cpu",
                           "--data-dir", str(mnist_dir.parent), timeout=300)
     assert rc == 0, output[-2000:]

@@ -60,15 +60,15 @@ train: install $(HPCLB_DATA)/$(TRAIN_DATA)/.verified
 
 # The 1-process suite runs the MPI-marked tests too, at world size 1 (--with-mpi, no launcher).
 test: install data
-	$(PY) -m pytest -q --with-mpi
+	$(PY) -m pytest -q --with-mpi --ignore=tests/faults
 	$(MAKE) --no-print-directory test-mpi
 
 test-unit: install data
-	$(PY) -m pytest -q --with-mpi
+	$(PY) -m pytest -q --with-mpi --ignore=tests/faults
 
 test-mpi: install data
 	HPCLB_EXPECT_WORLD_SIZE=$(NP) $(MPIRUN) $(MPIRUN_FLAGS) -x HPCLB_EXPECT_WORLD_SIZE \
-	    $(PY) -m pytest -q -rfE --only-mpi -p no:cacheprovider tests
+	    $(PY) -m pytest -q -rfE --only-mpi -p no:cacheprovider --ignore=tests/faults tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info hpclb.egg-info .pytest_cache runs

@@ -163,8 +163,10 @@ def _failed(comm, e: Exception) -> int:
     rank raised the same), else 1 after the failing rank prints it and aborts the MPI job so no
     rank waits forever in a collective (re-raised under $HPCLB_TRACEBACK)."""
     from .config import ConfigError
+    from .parallel import ModelMismatchError
 
-    if isinstance(e, ConfigError):
+    # both are raised on every rank alike (checked with an allgather): no abort needed
+    if isinstance(e, (ConfigError, ModelMismatchError)):
         if comm.rank == 0:
             _error(str(e))
         return 2

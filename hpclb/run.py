@@ -61,7 +61,8 @@ def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
 class Position:
     """Where a run is: ``epoch`` and ``step_in_epoch`` (the next step to run), ``global_step``
     (optimizer steps done), ``elapsed_s`` (seconds of earlier attempts), ``epoch_sums`` (this
-    epoch's float64 ``[3]`` task sums so far, totals over ranks), ``history`` (epoch rows)."""
+    epoch's float64 ``[3]`` task sums so far, totals over ranks), ``history`` (epoch rows),
+    ``first_loss`` (step 1's training loss, the reference of the divergence check)."""
 
     epoch: int = 0
     step_in_epoch: int = 0
@@ -69,6 +70,7 @@ class Position:
     elapsed_s: float = 0.0
     epoch_sums: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
     history: list = field(default_factory=list)
+    first_loss: float | None = None  # the mean training loss of global step 1 (all ranks)
 
 
 @dataclass
@@ -158,8 +160,9 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
                                   f"delete {store.latest_path}) to start afresh")
             return None
         loaded = store.latest()
-        if loaded is None:
-            raise CheckpointError(f"--resume: no checkpoint to resume from in {store.out_dir}")
+        if loaded is None:  # a usage error, the same for every rank: exit 2
+            raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
+                              f"drop --resume to start afresh")
         for path, why in loaded.skipped:
             log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
                         loaded.path)
@@ -238,6 +241,7 @@ def _restore(run: Run, ckpt: dict) -> None:
     run.scheduler.load_state_dict(ckpt["scheduler"])
     fields = {k: ckpt[k] for k in ("epoch", "step_in_epoch", "global_step", "elapsed_s",
                                    "epoch_sums", "history")}
+    fields["first_loss"] = ckpt.get("first_loss")
     run.pos = Position(**fields)
     if run.comm.rank != 0:  # the saved sums are already totals over ranks: count them once
         run.pos.epoch_sums = torch.zeros_like(run.pos.epoch_sums)
@@ -266,5 +270,6 @@ def save_checkpoint(run: Run, epoch: int, step_in_epoch: int, epoch_sums: torch.
                 "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
                 "rng": rngs, "epoch": epoch, "step_in_epoch": step_in_epoch,
                 "global_step": run.pos.global_step, "epoch_sums": sums,
-                "elapsed_s": run.elapsed_s(), "history": run.pos.history, "task": task_state})
+                "elapsed_s": run.elapsed_s(), "history": run.pos.history, "task": task_state,
+                "first_loss": run.pos.first_loss})
     agreed(comm, "writing the checkpoint", write)  # a failed write ends every rank

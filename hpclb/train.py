@@ -51,6 +51,9 @@ from .tasks import EVAL_BATCH_SIZE, to_device  # noqa: F401 (EVAL_BATCH_SIZE re-
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
 DIVERGED_EXIT_CODE = 3    # the run diverged (non-finite loss/gradient); not requeued
+# An epoch's training loss this many times step 1's (both finite, > 0) is a divergence: a
+# cross-entropy that starts at ln(classes) never legitimately grows a thousandfold.
+EXPLODED_LOSS_FACTOR = 1e3
 
 
 class Preempted(Exception):
@@ -159,12 +162,31 @@ def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed
            **eval_metrics, "lr": run.schedule.lr(run.pos.global_step - 1), **rates,
            "epoch_time_s": seconds, "elapsed_s": run.elapsed_s(),
            "skipped_steps": run.optimizer.skipped_steps, **steplog.epoch_fields()}
-    bad = [m for m, v in eval_metrics.items() if isinstance(v, float) and math.isnan(v)]
-    if bad or not math.isfinite(row["train_loss"]):
-        raise Diverged(f"epoch {epoch + 1} ended with non-finite "
-                       f"{', '.join(bad) or 'train_loss'} at global step {run.pos.global_step}; "
-                       f"the last finite checkpoint is kept in {run.store.latest_path}")
+    _check_diverged(run, epoch, row["train_loss"], eval_metrics)
     return row
+
+
+def _check_diverged(run: Run, epoch: int, train_loss: float, eval_metrics: dict) -> None:
+    """Raise :class:`Diverged` (the same on every rank: the numbers are reduced) when a metric is
+    not finite or the training loss exploded relative to step 1's."""
+    where = (f"global step {run.pos.global_step}, epoch {epoch + 1}; the last checkpoint, "
+             f"{run.store.latest_path}, is kept")
+    bad = [m for m, v in {"train_loss": train_loss, **eval_metrics}.items()
+           if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise Diverged(f"non-finite {', '.join(bad)} at the end of the epoch ({where})")
+    first = run.pos.first_loss
+    if first and first > 0 and train_loss > EXPLODED_LOSS_FACTOR * first:
+        raise Diverged(f"the training loss exploded to {train_loss:.3g} from {first:.3g} at step "
+                       f"1 (more than {EXPLODED_LOSS_FACTOR:g}x) ({where})")
+
+
+def _first_loss(run: Run, sums: torch.Tensor) -> float:
+    """Step 1's mean training loss over all ranks (collective, once per run)."""
+    t = torch.stack([sums[0], sums[2]]).double().cpu()
+    if run.comm.world_size > 1:
+        run.comm.allreduce_(t)
+    return float(t[0] / t[1]) if t[1] else float("nan")
 
 
 def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, say,
@@ -189,6 +211,8 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
             raise Diverged(f"{e} (global step {pos.global_step + 1}, epoch {epoch + 1}, step "
                            f"{i + 1}/{steps}); the last finite checkpoint is kept in "
                            f"{run.store.latest_path}") from e
+        if pos.global_step == 1 and pos.first_loss is None:
+            pos.first_loss = _first_loss(run, sums)
         steplog.after_step(sums, stepped)
         preempt.checkpoint_due = bool(comm.rank == 0 and checkpoint_interval_s and
                                       time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s)

@@ -88,23 +88,17 @@ def test_nonfinite_loss_from_a_given_step(tmp_path, record):
     record(bound, t, rc, "finite checkpoint at global step 8; stopped at step 13")
 
 
-# Found by this matrix (hpclb/train.py, the integrator's): the issue's reproducer no longer makes
-# NaN, and a diverged run still ends with exit 0 and a summary.json. At LR 1e6 the loss reaches
-# 2.1e20 with finite weights (~1e20), test accuracy 11%: nothing non-finite to catch. At LR 1e20
-# test_loss is inf, yet _epoch_row checks the evaluation metrics with math.isnan only, so an
-# infinite test loss passes as a result. strict: these flip to failures once fixed.
+# Found by this matrix: at LR 1e6 the loss reaches 2.1e20 with finite weights (nothing non-finite:
+# caught as an exploded loss, > 1000x step 1's); at LR 1e20 test_loss is inf (caught as a
+# non-finite metric). Both end with exit 3 and no summary.
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("lr,gap", [
-    ("1e6", "loss 2.1e20 with finite weights: nothing non-finite, exit 0 and a summary"),
-    ("1e20", "test_loss inf passes _epoch_row's math.isnan check: exit 0 and a summary"),
-], ids=["lr1e6", "lr1e20"])
-def test_lars_huge_lr_diverges_with_exit_3(tmp_path, mnist_dir, lr, gap, record, request):
+@pytest.mark.parametrize("lr", ["1e6", "1e20"], ids=["lr1e6", "lr1e20"])
+def test_lars_huge_lr_diverges_with_exit_3(tmp_path, mnist_dir, lr, record):
     """Issue 12 item 1: LARS at a huge LR on MNIST (2,048 samples, hidden 16, one epoch, 1
     process): exit 3 within 120 s with the step/epoch/layer message, no summary.json, and no
     checkpoint with non-finite weights on disk."""
     from helpers import quick_recipe
 
-    request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=gap))
     bound = 120
     recipe = quick_recipe(tmp_path, model={"name": "mnist_lstm", "hidden_size": 16},
                           data={"name": "mnist", "train_samples": 2048, "test_samples": 500},
@@ -112,9 +106,9 @@ def test_lars_huge_lr_diverges_with_exit_3(tmp_path, mnist_dir, lr, gap, record,
     out = tmp_path / "run"
     rc, text, t = run(command(["train", recipe, "--out", out, "--lr", lr, "--data-dir",
                                mnist_dir.parent]), bound)
-    record(bound, t, rc, f"KNOWN GAP: {gap}" if rc == 0 else "see the assertions")
+    record(bound, t, rc, "no summary; no checkpoint with non-finite weights")
     assert rc == 3, text
-    assert re.search(r"diverged: .*non-finite .*global step \d+, epoch 1", text), text
+    assert re.search(r"diverged: .*(non-finite|exploded).*global step \d+, epoch 1", text), text
     assert not (out / "summary.json").exists()
     state = checkpoint_state(out) if (out / "checkpoint.pt").exists() else None
     assert state is None or _finite(state)

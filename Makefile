@@ -60,11 +60,19 @@ train: install $(HPCLB_DATA)/$(TRAIN_DATA)/.verified
 
 # The 1-process suite runs the MPI-marked tests too, at world size 1 (--with-mpi, no launcher).
 test: install data
-	$(PY) -m pytest -q --with-mpi --ignore=tests/faults
+	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m "not extended"
 	$(MAKE) --no-print-directory test-mpi
 
 test-unit: install data
-	$(PY) -m pytest -q --with-mpi --ignore=tests/faults
+	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m "not extended"
+
+# Slower variants of cases make test covers (bf16/fp16 accuracy runs, more signal timings, the
+# GPU check's CPU dry run), and everything: make test, the extended variants, the fault matrix.
+.PHONY: test-extended test-all
+test-extended: install data
+	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m extended
+
+test-all: test test-extended test-faults
 
 test-mpi: install data
 	HPCLB_EXPECT_WORLD_SIZE=$(NP) $(MPIRUN) $(MPIRUN_FLAGS) -x HPCLB_EXPECT_WORLD_SIZE \

@@ -19,6 +19,7 @@ for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+@pytest.mark.extended  # ~1 min; the GPU check itself runs on a GPU machine
 def test_gpu_check_cpu_dry_run(tmp_path, mnist_dir):
     r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path),
                         "--cpu-dry-run"], capture_output=True, text=True, timeout=280, env=ENV)

@@ -38,6 +38,7 @@ def fp32_summary(tmp_path_factory, mnist_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # make test runs the bf16 CLI run and the fp32-state checks instead
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_quick_run_completes_and_matches_fp32(tmp_path, mnist_dir, precision,
                                               fp32_summary):

@@ -71,7 +71,7 @@ def test_nothing_heavy_is_imported_before_the_handler(entry):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM], ids=["USR2", "TERM"])
-@pytest.mark.parametrize("delay", [0.3, 1.0])
+@pytest.mark.parametrize("delay", [0.3, pytest.param(1.0, marks=pytest.mark.extended)])
 def test_signal_soon_after_launch_exits_75(tmp_path, mnist_dir, sig, delay):
     """`kill -USR2` (or TERM) 0.3 s / 1 s after `hpclb train` starts: exit 75, not 140/143."""
     p = subprocess.Popen(train_argv(tmp_path, mnist_dir), stdout=subprocess.PIPE,
@@ -90,7 +90,7 @@ def test_signal_soon_after_launch_exits_75(tmp_path, mnist_dir, sig, delay):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", ["USR2", "TERM"])
+@pytest.mark.parametrize("sig", ["USR2", pytest.param("TERM", marks=pytest.mark.extended)])
 def test_signal_before_python_starts_is_delivered_after_the_handler(tmp_path, mnist_dir, sig):
     """Launched as the job templates do (both signals blocked), a signal sent before the
     interpreter even starts is caught: exit 75 during start-up. Without the block the same

@@ -183,3 +183,18 @@ def gpus_idle_warning(device: torch.device | str, *, device_count: int | None = 
         return None
     return (f"warning: {n} GPU(s) visible but training on the CPU (--device cpu); they stay "
             f"idle. Use --device auto or cuda to train on them.")
+
+
+def bind_local_gpu(device, local_rank: int):
+    """``device`` (None/"auto": CUDA when available, else CPU) made concrete for a rank whose
+    node-local rank is ``local_rank``: a CUDA device without an index becomes
+    ``cuda:<local_rank % visible GPUs>`` and is made current. For backends that learn the local
+    rank only after their own initialisation (Horovod, torch.distributed under torchrun)."""
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+    return device

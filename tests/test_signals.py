@@ -9,7 +9,6 @@ hpclb (pending signals and the mask survive exec).
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,13 +18,8 @@ from pathlib import Path
 import pytest
 
 from helpers import quick_recipe
+from test_cli import ENV, MPIRUN  # the Open MPI settings of every CLI test
 
-BIN = Path(sys.executable).parent
-MPIRUN = BIN / "mpirun"
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
-for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
-    del ENV[var]  # never inherit a surrounding mpirun's identity
 BLOCK = ["env", "--block-signal=USR2", "--block-signal=TERM"]
 HEAVY = ("torch", "numpy", "mpi4py", "yaml", "jinja2")
 START_UP = "preempted during start-up, before training began; no new checkpoint; exit 75"

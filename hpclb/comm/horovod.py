@@ -69,16 +69,10 @@ class HorovodCommunicator(Communicator):
         self._n = 0
 
     def _bind(self, device) -> torch.device:
-        """The rank's device; CUDA: ``hvd.local_rank()``'s GPU, made current."""
-        if device is None or device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if device.type == "cuda":
-            if device.index is None:
-                device = torch.device("cuda",
-                                      self.local_rank % max(torch.cuda.device_count(), 1))
-            torch.cuda.set_device(device)
-        return device
+        """The rank's device; CUDA: this rank's local GPU, made current."""
+        from ..device import bind_local_gpu
+
+        return bind_local_gpu(device, self.local_rank)
 
     def _check(self, tensor: Tensor, op: str) -> None:
         check_op(op)

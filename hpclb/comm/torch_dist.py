@@ -190,15 +190,10 @@ class TorchCommunicator(Communicator):
             self._cpu_group = dist.new_group(backend="gloo")
 
     def _pick_device(self, device) -> torch.device:
-        if device is None or device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if device.type == "cuda":
-            if device.index is None:
-                device = torch.device("cuda",
-                                      self.local_rank % max(torch.cuda.device_count(), 1))
-            torch.cuda.set_device(device)
-        return device
+        """The rank's device; CUDA: this rank's local GPU, made current."""
+        from ..device import bind_local_gpu
+
+        return bind_local_gpu(device, self.local_rank)
 
     def _group(self, tensor: Tensor):
         """The group for ``tensor``: Gloo for CPU tensors beside an NCCL default group."""

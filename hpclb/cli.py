@@ -170,6 +170,12 @@ def _failed(comm, e: Exception) -> int:
         if comm.rank == 0:
             _error(str(e))
         return 2
+    from .run import AgreedFailure
+
+    if isinstance(e, AgreedFailure):  # raised on every rank together, with one message
+        if comm.rank == 0:
+            _error(str(e))
+        return 1
     where = f" on rank {comm.rank} of {comm.world_size}" if comm.world_size > 1 else ""
     _error(f"{type(e).__name__}{where}: {e}")
     if comm.world_size > 1:

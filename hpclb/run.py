@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +35,13 @@ from .step import DistributedOptimizer
 from .tasks import Task, build_task
 
 log = logging.getLogger(__name__)
+LOCK_NAME = ".hpclb.lock"
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class AgreedFailure(RuntimeError):
+    """A start-up check failed on some rank and every rank raises this, with that rank's
+    message: no rank is left behind in a collective, so no MPI_Abort is needed."""
 
 
 def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
@@ -52,8 +60,8 @@ def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
     if failed:
         rank, (kind, msg, config) = failed[0]
         where = f"rank {rank} of {comm.world_size}, {what}: " if comm.world_size > 1 else ""
-        raise (ConfigError if config else RuntimeError)(f"{where}{msg}" if config
-                                                        else f"{where}{kind}: {msg}")
+        raise (ConfigError if config else AgreedFailure)(f"{where}{msg}" if config
+                                                         else f"{where}{kind}: {msg}")
     return result
 
 
@@ -91,6 +99,8 @@ class Run:
     micro_batch: int
     autocast_dtype: torch.dtype | None
     resumed_from: dict | None = None
+    resumed_path: str | None = None
+    out_lock: Any = None
     t_start: float = field(default_factory=time.perf_counter)
 
     @property
@@ -99,6 +109,17 @@ class Run:
 
     def elapsed_s(self) -> float:
         return self.pos.elapsed_s + time.perf_counter() - self.t_start
+
+    def close(self) -> None:
+        """Release the communicator (the optimizer's hooks and thread), the image loader's
+        workers and rank 0's lock on the run directory."""
+        self.optimizer.close()
+        loader = getattr(self.task, "_step_loader", None)
+        if loader is not None:
+            loader.close()
+        if self.out_lock is not None:
+            self.out_lock.close()
+            self.out_lock = None
 
     def autocast(self):
         """The forward's precision context (bf16/fp16 autocast; fp32: nothing)."""
@@ -148,9 +169,39 @@ def _local_checks(cfg: RunConfig, comm: Communicator):
     return per_rank, micro, task, cfg.schedule(task.num_train_samples)
 
 
+def _lock_out(out: Path):
+    """Rank 0's exclusive lock on the run directory for the whole run (``flock`` on
+    ``.hpclb.lock``; released by the kernel when the process ends, even killed). Raises
+    ConfigError when another run holds it; on a file system without locks, warns and goes on."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"--out {out}: another hpclb train ({holder}) is writing to this run "
+                          f"directory; wait for it, or choose another --out") from None
+    except OSError as e:  # e.g. a network file system mounted without locks
+        log.warning("--out %s: cannot lock the run directory (%s); make sure no other run "
+                    "writes to it", out, e)
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
 def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
-    """Rank 0 decides (None: start afresh; else the checkpoint's path); every rank loads it."""
+    """Rank 0 locks the run directory and decides (None: start afresh; else the checkpoint's
+    path); every rank loads it. Returns ``(checkpoint or None, its path, rank 0's lock)``."""
+    lock = []
+
     def decide():
+        lock.append(_lock_out(store.out_dir))
         summary = store.out_dir / "summary.json"
         if not cfg.resume:
             if store.exists() and not (summary.exists() and summary.stat().st_mtime
@@ -167,12 +218,21 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
             log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
                         loaded.path)
         return str(loaded.path.resolve())
-    path = agreed(comm, "checking --out and the checkpoint",
-                  lambda: decide() if comm.rank == 0 else None)
+    try:
+        return _load_decided(cfg, comm, agreed(comm, "checking --out and the checkpoint",
+                                               lambda: decide() if comm.rank == 0 else None),
+                             lock[0] if lock else None)
+    except BaseException:
+        if lock:
+            lock[0].close()  # a failed start-up leaves the run directory free
+        raise
+
+
+def _load_decided(cfg: RunConfig, comm: Communicator, path: str | None, held):
     if comm.world_size > 1:
         path = comm.broadcast_object(path, 0)
     if path is None:
-        return None
+        return None, None, held
 
     def load():
         from .checkpoint import load_checkpoint
@@ -187,7 +247,7 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
             raise ConfigError(f"--resume: the checkpoint in {path} was made with {key}="
                               f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; resume "
                               f"with the same settings or use another --out")
-    return ckpt
+    return ckpt, path, held
 
 
 def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
@@ -212,7 +272,19 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     per_rank, micro, task, sched = agreed(comm, "checking settings and data",
                                           lambda: _local_checks(cfg, comm))
     store = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints)
-    ckpt = _decide_resume(cfg, comm, store)
+    ckpt, ckpt_path, out_lock = _decide_resume(cfg, comm, store)
+    try:
+        return _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
+                      out_lock)
+    except BaseException:
+        if out_lock is not None:
+            out_lock.close()
+        raise
+
+
+def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
+           out_lock) -> Run:
+    """The model, optimizer, schedule and task of :func:`setup_run`, restored from ``ckpt``."""
     model = _build_model(cfg, task, device)
     check_model_consistency(model, comm)
     broadcast_parameters(model, comm)
@@ -230,6 +302,7 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
                device=device)
     run = Run(cfg, comm, device, task, sched, model, optimizer, scheduler, store, Position(),
               per_rank, micro, PRECISIONS[cfg.precision])
+    run.out_lock, run.resumed_path = out_lock, ckpt_path
     if ckpt is not None:
         _restore(run, ckpt)
     return run

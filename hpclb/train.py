@@ -52,8 +52,8 @@ from .tasks import EVAL_BATCH_SIZE, to_device  # noqa: F401 (EVAL_BATCH_SIZE re-
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
 DIVERGED_EXIT_CODE = 3    # the run diverged (non-finite loss/gradient); not requeued
 # An epoch's training loss this many times step 1's (both finite, > 0) is a divergence: a
-# cross-entropy that starts at ln(classes) never legitimately grows a thousandfold.
-EXPLODED_LOSS_FACTOR = 1e3
+# cross-entropy that starts at ln(classes) never legitimately grows a hundredfold.
+EXPLODED_LOSS_FACTOR = 1e2
 
 
 class Preempted(Exception):
@@ -169,8 +169,9 @@ def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed
 def _check_diverged(run: Run, epoch: int, train_loss: float, eval_metrics: dict) -> None:
     """Raise :class:`Diverged` (the same on every rank: the numbers are reduced) when a metric is
     not finite or the training loss exploded relative to step 1's."""
-    where = (f"global step {run.pos.global_step}, epoch {epoch + 1}; the last checkpoint, "
-             f"{run.store.latest_path}, is kept")
+    kept = (f"the last checkpoint, {run.store.latest_path}, is kept" if run.store.exists()
+            else "no checkpoint was written before it")
+    where = f"global step {run.pos.global_step}, epoch {epoch + 1}; {kept}"
     bad = [m for m, v in {"train_loss": train_loss, **eval_metrics}.items()
            if isinstance(v, float) and not math.isfinite(v)]
     if bad:
@@ -208,9 +209,10 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
         try:
             stepped = train_step(run, i, sums)
         except NonFiniteError as e:
+            kept = (f"the last finite checkpoint is kept in {run.store.latest_path}"
+                    if run.store.exists() else "no checkpoint was written before it")
             raise Diverged(f"{e} (global step {pos.global_step + 1}, epoch {epoch + 1}, step "
-                           f"{i + 1}/{steps}); the last finite checkpoint is kept in "
-                           f"{run.store.latest_path}") from e
+                           f"{i + 1}/{steps}); {kept}") from e
         if pos.global_step == 1 and pos.first_loss is None:
             pos.first_loss = _first_loss(run, sums)
         steplog.after_step(sums, stepped)
@@ -247,7 +249,7 @@ def _header(run: Run, say: _Say) -> None:
     info = device_info(run.device)
     k = cfg.global_batch_size / cfg.base_batch_size
     if run.resumed_from is not None:
-        say(f"resumed from {run.store.latest_path} at epoch {run.pos.epoch} step "
+        say(f"resumed from {run.resumed_path} at epoch {run.pos.epoch} step "
             f"{run.pos.global_step}")
     mem = f", {info['memory_bytes'] / 2**30:.0f} GiB" if info.get("memory_bytes") else ""
     say(f"hpclb {cfg.experiment}: {comm.world_size} rank(s) [{comm.backend}] on {info['device']} "
@@ -305,10 +307,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         if not preempt.requested:
             preempt.restore()
         logger.close()
-        run.optimizer.close()
-        loader = getattr(run.task, "_step_loader", None)  # image decoding workers
-        if loader is not None:
-            loader.close()
+        run.close()  # hooks, loader workers, the run directory's lock
     summary = _summary(run)
     if comm.rank == 0:
         _write_json(run.out / "summary.json", summary)
@@ -369,6 +368,9 @@ def _summary_line(run: Run, summary: dict) -> str:
     evaluated = [m[len("final_"):] for m in summary if m.startswith("final_")]
     shown = metric if metric in evaluated else evaluated[-1]
     how = f" (decoding: {task.decoding})" if task.decoding and "bleu" in shown else ""
+    target = summary.get("target") or {}
+    if target.get("metric") == shown and summary.get("time_to_target_s") is None:
+        how += f" (target {_show(shown, target['value']).strip()} not reached)"
     return (f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} "
             f"(k={summary['batch_ratio_k']:g}) on {run.comm.world_size} rank(s): {shown} "
             f"{_show(shown, summary['final_' + shown]).strip()}{how} after {cfg.epochs:g} epochs "

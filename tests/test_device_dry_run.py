@@ -55,7 +55,7 @@ def test_one_training_step_runs_entirely_on_the_meta_device(tmp_path, experiment
         [t for st in run.optimizer.state.values() for t in st.values() if torch.is_tensor(t)
          and t.dim() > 0]
     assert tensors and all(t.device == META for t in tensors)
-    run.optimizer.close()
+    run.close()
 
 
 def test_the_dry_run_catches_a_tensor_left_on_the_cpu(tmp_path, monkeypatch):
@@ -70,4 +70,4 @@ def test_the_dry_run_catches_a_tensor_left_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(train_mod, "to_device", lambda batch, device: batch)
     with pytest.raises(RuntimeError, match="meta|device"):
         train_step(run, 0, torch.zeros(3, dtype=torch.float64, device=META))
-    run.optimizer.close()
+    run.close()

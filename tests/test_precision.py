@@ -73,7 +73,7 @@ def test_parameters_gradients_and_state_stay_fp32(tmp_path, mnist_dir, precision
              if torch.is_tensor(t) and t.is_floating_point()]
     assert state and all(t.dtype == torch.float32 for t in state)
     assert (run.optimizer.scaler is not None) == (precision == "fp16")
-    run.optimizer.close()
+    run.close()
 
 
 def test_fp16_overflow_is_skipped_counted_and_lowers_the_scale(tmp_path, mnist_dir):
@@ -90,7 +90,7 @@ def test_fp16_overflow_is_skipped_counted_and_lowers_the_scale(tmp_path, mnist_d
     assert not stepped and run.optimizer.skipped_steps == 1
     assert scaler.get_scale() == 2.0 ** 29
     assert all(torch.equal(a, p) for a, p in zip(before, run.model.parameters()))
-    run.optimizer.close()
+    run.close()
 
 
 @pytest.mark.slow
@@ -108,7 +108,7 @@ def test_fp16_checkpoint_resumes_with_its_scaler_state(tmp_path, mnist_dir,
     assert saved["scale"] > 0 and saved["_growth_tracker"] == 6  # 6 finite steps so far
     run = run_mod.setup_run(resolve(recipe, resume=True, **kw), SelfCommunicator())
     assert run.optimizer.scaler.state_dict() == saved and run.pos.global_step == 6
-    run.optimizer.close()
+    run.close()
     s = train_mod.train(resolve(recipe, resume=True, **kw), SelfCommunicator(), quiet=True)
     assert s["steps"] == 16 and s["precision"] == "fp16"
 

@@ -117,3 +117,21 @@ def test_warmup_longer_than_training_fails_before_work(tmp_path, mnist_dir):
     with pytest.raises(ConfigError, match=r"warmup .* must be shorter than training"):
         run(tmp_path, "w", data_dir=str(mnist_dir.parent), epochs=0.01)
     assert not (tmp_path / "w").exists()
+
+
+def test_two_runs_into_one_out_directory_at_once_are_refused(tmp_path, mnist_dir):
+    """Rank 0 holds a lock on --out for the whole run: a second run started into the same
+    directory while the first is running is a ConfigError naming the holder and the fix; once
+    the first run ends (or dies), the directory is free again."""
+    from hpclb.config import ConfigError
+    from hpclb.run import setup_run
+
+    cfg = resolve(quick_recipe(tmp_path), out=str(tmp_path / "run"),
+                  data_dir=str(mnist_dir.parent))
+    first = setup_run(cfg, SelfCommunicator())
+    try:
+        with pytest.raises(ConfigError, match=r"another hpclb train \(pid \d+ on .*\) is writing"):
+            train_mod.train(cfg, SelfCommunicator(), quiet=True)
+    finally:
+        first.close()
+    assert train_mod.train(cfg, SelfCommunicator(), quiet=True)["steps"] == 32

@@ -154,7 +154,7 @@ def interleaved_steps(comm, recipe: str, work: Path, data_dir: str | None,
             steplog.epoch_fields()  # collective with --noise-scale
     for run, logger, _ in runs.values():
         logger.close()
-        run.optimizer.close()
+        run.close()
     return times
 
 

@@ -173,7 +173,7 @@ def advise(run_dir, last: int = 3) -> dict[str, Any]:
     ``critical_batch``: the median ``b_simple`` over the last ``last`` epochs that have one (the
     noise scale grows as training goes on, so the late epochs are the ones that bound the batch
     for a full run); ``critical_lo``/``critical_hi``: the lowest ``b_simple_lo`` and the highest
-    ``b_simple_hi`` of those epochs. ``recommended_batch``: :func:`recommend_batch` of it (the
+    ``b_simple_hi`` of those epochs, each widened to include the epoch's end value. ``recommended_batch``: :func:`recommend_batch` of it (the
     largest ``B0 * 2^j`` not above it), with the same rule at both ends of the spread.
     Raises ConfigError (exit 2) when the run has no noise data, naming ``--noise-scale``;
     FileNotFoundError without metrics.jsonl.
@@ -203,8 +203,14 @@ def advise(run_dir, last: int = 3) -> dict[str, Any]:
     values = sorted(r["noise"]["b_simple"] for r in tail)
     mid = len(values) // 2
     critical = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-    lows = [r["noise"]["b_simple_lo"] for r in tail if finite(r["noise"].get("b_simple_lo"))]
-    highs = [r["noise"]["b_simple_hi"] for r in tail if finite(r["noise"].get("b_simple_hi"))]
+    # each epoch's window quantiles, widened to its end value (the estimate rises within an
+    # epoch, so the end value can lie above the window's 90 % quantile)
+    lows = [min(r["noise"]["b_simple"], *([r["noise"]["b_simple_lo"]]
+                                          if finite(r["noise"].get("b_simple_lo")) else []))
+            for r in tail]
+    highs = [max(r["noise"]["b_simple"], *([r["noise"]["b_simple_hi"]]
+                                           if finite(r["noise"].get("b_simple_hi")) else []))
+             for r in tail]
     lo, hi = (min(lows) if lows else None), (max(highs) if highs else None)
     pos = lambda x: x is not None and x > 0  # noqa: E731
     return {"critical_batch": critical, "critical_lo": lo, "critical_hi": hi,
@@ -225,7 +231,7 @@ def format_advice(a: dict[str, Any]) -> str:
     k = a["recommended_batch"] / a["base_batch_size"]
     return "\n".join([
         f"critical_batch {a['critical_batch']:.4g} (B_simple, McCandlish et al. 2018; median of "
-        f"{span}; 10-90% range {g(a['critical_lo'])} - {g(a['critical_hi'])})",
+        f"{span}; range {g(a['critical_lo'])} - {g(a['critical_hi'])})",
         f"recommended_batch {a['recommended_batch']} (LEGW, k = {k:g}: the largest B0 x 2^j not "
         f"above critical_batch, B0 = {a['base_batch_size']}; {a['recommended_lo'] or '?'} - "
         f"{a['recommended_hi'] or '?'} over the range)",

@@ -53,7 +53,7 @@ def _batches(root: Path, *, workers: int, rank: int, world_size: int, parts: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,parts", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("world_size,parts", [(1, 1), pytest.param(2, 2, marks=pytest.mark.extended)])
 def test_worker_batches_equal_the_training_thread(tmp_path, world_size, parts):
     """12 images, global batch 5: steps of 5, 5, 2 samples (shares 3/2, 3/2, 1/1 on 2 ranks),
     augmented, 2 epochs, micro-batches: every batch identical with 2 workers and with none."""

@@ -94,6 +94,7 @@ def test_fp16_overflow_is_skipped_counted_and_lowers_the_scale(tmp_path, mnist_d
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~1 min; make test keeps the overflow/scale and fp32-state checks
 def test_fp16_checkpoint_resumes_with_its_scaler_state(tmp_path, mnist_dir,
                                                        monkeypatch):
     recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 2048,

@@ -44,10 +44,10 @@ from .comm import Communicator
 from .config import RunConfig, check_checkpoint_interval
 from .observe import RunLogger
 from .parallel import average_buffers
-from .run import Run, build_optimizer, save_checkpoint, setup_run  # noqa: F401 (re-exported)
+from .run import Run, save_checkpoint, setup_run
 from .step import NonFiniteError
 from .steplog import StepLog
-from .tasks import EVAL_BATCH_SIZE, to_device  # noqa: F401 (EVAL_BATCH_SIZE re-exported)
+from .tasks import to_device
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
 DIVERGED_EXIT_CODE = 3    # the run diverged (non-finite loss/gradient); not requeued

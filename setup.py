@@ -3,7 +3,7 @@
 ``kernels/`` at the repository root stays the one source of truth (the CPU emulator in
 ``kernels/testing`` and the compile gate read it there). When a wheel or a regular install is
 built, ``build_py`` copies ``kernels/*.cu`` to ``hpclb/_kernels/`` in the build tree only, so the
-source tree never holds a second copy; ``hpclb.kernels.kernel_source()`` looks in the installed
+source tree never holds a second copy; ``hpclb.optim.fused.kernel_source()`` looks in the installed
 package first, then in the repository's ``kernels/``. Everything else is in setup.cfg.
 """
 from pathlib import Path

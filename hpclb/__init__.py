@@ -15,7 +15,8 @@ _EXPORTS = {
     "init": "api", "communicator": "api", "broadcast_parameters": "api",
     "broadcast_optimizer_state": "api", "legw": "api", "linear_scaling": "api",
     "sqrt_scaling": "api", "no_scaling": "api", "shard_loader": "api", "share_weight": "api",
-    "mean_over_ranks": "api", "DistributedOptimizer": "step", "NonFiniteError": "step",
+    "mean_over_ranks": "api", "DistributedOptimizer": "sync.optimizer",
+    "NonFiniteError": "sync.optimizer",
     "LARS": "optim", "LAMB": "optim",
 }
 __all__ = sorted(_EXPORTS)

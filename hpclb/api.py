@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm import Communicator
-from .schedules import Schedule, ScheduleLR
+from hpclb.dist import Communicator
+from hpclb.schedules import Schedule, ScheduleLR
 
 _COMM: Communicator | None = None
 
@@ -33,13 +33,13 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     otherwise), ``mpi``, ``torch``, ``horovod`` or ``self``. ``device``: ``auto`` (this rank's
     GPU, ``cuda:<local_rank % visible GPUs>``, when CUDA is available, else the CPU), ``cpu`` or
     ``cuda``; ``share_gpu`` allows more ranks than GPUs on a node. Returns the
-    :class:`~hpclb.comm.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
+    :class:`~hpclb.dist.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
     calling it again returns the same one. Raises ConfigError (a ValueError) when the launcher
     and backend do not fit, or the device cannot be had.
     """
     global _COMM
     if _COMM is None:
-        from .comm import get_communicator
+        from hpclb.dist import get_communicator
 
         _COMM = get_communicator(backend, device=device, share_gpu=share_gpu)
     return _COMM
@@ -56,7 +56,7 @@ def broadcast_parameters(model: nn.Module, comm: Communicator | None = None, roo
     """Make every rank's parameters and buffers rank ``root``'s (one broadcast per tensor), after
     checking that every rank built the same model (names, shapes, dtypes: ModelMismatchError on
     every rank otherwise, naming the first difference)."""
-    from .parallel import broadcast_parameters as _bcast, check_model_consistency
+    from hpclb.sync.gradients import broadcast_parameters as _bcast, check_model_consistency
 
     comm = comm or communicator()
     check_model_consistency(model, comm)
@@ -66,7 +66,7 @@ def broadcast_parameters(model: nn.Module, comm: Communicator | None = None, roo
 def broadcast_optimizer_state(optimizer, comm: Communicator | None = None, root: int = 0) -> None:
     """Give every rank rank ``root``'s optimizer state (momentum, Adam moments, step counts), e.g.
     after only rank 0 loaded a checkpoint. ``optimizer``: a torch optimizer or a
-    :class:`~hpclb.step.DistributedOptimizer`. One object broadcast of the state dict."""
+    :class:`~hpclb.sync.optimizer.DistributedOptimizer`. One object broadcast of the state dict."""
     comm = comm or communicator()
     if comm.world_size == 1:
         return
@@ -173,7 +173,7 @@ def shard_loader(dataset, batch_size: int, *, comm: Communicator | None = None, 
     so every rank runs the same number of steps. ``loader_kwargs`` go to ``DataLoader``
     (num_workers, pin_memory, ...). Raises ValueError for ``batch_size`` < world size.
     """
-    from .data.sampler import GlobalBatchSampler
+    from hpclb.data.sampler import GlobalBatchSampler
 
     comm = comm or communicator()
     if batch_size < comm.world_size:

@@ -181,8 +181,8 @@ def advise(run_dir, last: int = 3) -> dict[str, Any]:
     import json
     from pathlib import Path
 
-    from .config import ConfigError
-    from .observe import finite, read_metrics
+    from hpclb.config import ConfigError
+    from hpclb.train.metrics import finite, read_metrics
 
     run = Path(run_dir)
     epochs, _ = read_metrics(run)
@@ -240,8 +240,8 @@ def format_advice(a: dict[str, Any]) -> str:
 
 def _cmd(args) -> int:
     """``hpclb advise RUN_DIR``: print critical and recommended batch; exit 2 without data."""
-    from .cli import _error
-    from .config import ConfigError
+    from hpclb.cli import _error
+    from hpclb.config import ConfigError
 
     try:
         print(format_advice(advise(args.run_dir, last=args.last)))

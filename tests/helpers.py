@@ -5,8 +5,8 @@ from pathlib import Path
 
 import yaml
 
-from hpclb import train as train_mod
-from hpclb.comm import SelfCommunicator
+from hpclb.train import loop as train_mod
+from hpclb.dist import SelfCommunicator
 from hpclb.config import load_recipe, resolve
 
 

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 import torch
 
-from hpclb import checkpoint as C
-from hpclb.checkpoint import CheckpointError, CheckpointStore
+from hpclb.train import checkpoint as C
+from hpclb.train.checkpoint import CheckpointError, CheckpointStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +59,7 @@ def test_damaged_newest_falls_back_to_the_previous_with_a_warning(tmp_path, capl
         newest.write_bytes(bytes(data))
     else:  # the newest generation is gone; checkpoint.pt (its link) remains and is used
         newest.unlink()
-    with caplog.at_level(logging.WARNING, logger="hpclb.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hpclb.train.checkpoint"):
         loaded = store.latest()
     if damage == "delete_latest":
         assert loaded.state["global_step"] == 20 and not loaded.fell_back

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import all_ranks_ok
-from hpclb.comm import (BACKENDS, SelfCommunicator, get_communicator, launcher_kind,
+from hpclb.dist import (BACKENDS, SelfCommunicator, get_communicator, launcher_kind,
                         resolve_backend)
-from hpclb.comm.testing import assert_all
+from hpclb.dist.testing import assert_all
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16)
 LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD", "SLURM_STEP_ID",
@@ -122,7 +122,7 @@ def torch_comm():
     """One torch.distributed (Gloo) world per test process, created beside the MPI one."""
     global _torch_comm
     if _torch_comm is None:
-        from hpclb.comm.torch_dist import TorchCommunicator
+        from hpclb.dist.torch_dist import TorchCommunicator
         _torch_comm = TorchCommunicator(device="cpu")
     return _torch_comm
 
@@ -151,7 +151,7 @@ def test_torch_gloo_backend_collectives_and_side_channel(comm):
 @pytest.mark.mpi
 @pytest.mark.timeout(120, method="thread")
 def test_gradient_sync_over_gloo_equals_over_mpi(comm):
-    from hpclb.parallel import GradientSync
+    from hpclb.sync.gradients import GradientSync
     tc = torch_comm()
     grads = {}
     for name, c in (("mpi", comm), ("torch", tc)):
@@ -173,7 +173,7 @@ def test_gradient_sync_over_gloo_equals_over_mpi(comm):
 
 
 def test_get_communicator_refuses_a_second_backend(no_launcher):
-    import hpclb.comm as hc
+    import hpclb.dist as hc
     saved = hc._world
     try:
         hc._world = SelfCommunicator()

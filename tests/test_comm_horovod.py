@@ -30,7 +30,7 @@ _hvd_comm = None
 def hvd_comm():
     global _hvd_comm
     if _hvd_comm is None:
-        from hpclb.comm.horovod import HorovodCommunicator
+        from hpclb.dist.horovod import HorovodCommunicator
         _hvd_comm = HorovodCommunicator()
     return _hvd_comm
 
@@ -70,7 +70,7 @@ def test_horovod_collectives(comm):
 
 @pytest.mark.parametrize("compression", (None, "fp16"))
 def test_gradient_sync_over_horovod_equals_over_mpi(comm, compression):
-    from hpclb.parallel import GradientSync
+    from hpclb.sync.gradients import GradientSync
     grads = {}
     for name, c in (("mpi", comm), ("horovod", hvd_comm())):
         torch.manual_seed(0)
@@ -97,7 +97,7 @@ def test_horovod_distributed_optimizer_agrees_with_gradient_sync(comm):
     averaged gradients."""
     import horovod.torch as hvd
 
-    from hpclb.parallel import GradientSync
+    from hpclb.sync.gradients import GradientSync
     hvd_comm()
     torch.manual_seed(0)
     a = nn.Linear(16, 8)

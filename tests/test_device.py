@@ -1,4 +1,4 @@
-"""The rank -> device mapping (hpclb/device.py) over the launchers' environments, with faked GPU
+"""The rank -> device mapping (hpclb/dist/device.py) over the launchers' environments, with faked GPU
 counts: no GPU is needed."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpclb.config import ConfigError
-from hpclb.device import (LOCAL_RANK_VARS, device_info, env_local_rank, gpus_idle_warning,
+from hpclb.dist.device import (LOCAL_RANK_VARS, device_info, env_local_rank, gpus_idle_warning,
                           select_device)
 
 pytestmark = pytest.mark.timeout(30)
@@ -144,7 +144,7 @@ class _NodeComm:
 def test_gpu_peers_per_task_binding_is_not_sharing(env):
     import socket
 
-    from hpclb.comm import _gpu_peers
+    from hpclb.dist import _gpu_peers
     host = socket.gethostname()
     # srun --gpus-per-task=1: rank 2 of 4 on this node sees only its own GPU
     env.setenv("CUDA_VISIBLE_DEVICES", "2")
@@ -158,7 +158,7 @@ def test_gpu_peers_per_task_binding_is_not_sharing(env):
 
 
 def test_get_communicator_sets_the_device_and_checks_the_launcher(env):
-    import hpclb.comm as hc
+    import hpclb.dist as hc
     for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD", "SLURM_STEP_ID",
               "HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR"):
         env.delenv(v, raising=False)

@@ -8,10 +8,10 @@ import pytest
 import torch
 import yaml
 
-from hpclb.comm import SelfCommunicator
+from hpclb.dist import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.run import setup_run
-from hpclb.train import train_step
+from hpclb.train.setup import setup_run
+from hpclb.train.loop import train_step
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,7 +62,7 @@ def test_the_dry_run_catches_a_tensor_left_on_the_cpu(tmp_path, monkeypatch):
     """The check can fail: a task whose batch stays on the CPU breaks the meta step."""
     if not (REPO / "data" / "mnist" / ".verified").exists():
         pytest.skip("mnist not staged (make data)")
-    import hpclb.train as train_mod
+    import hpclb.train.loop as train_mod
 
     cfg = _cfg(tmp_path, "mnist-lstm", None, (512, 100), REPO / "data")
     run = setup_run(cfg, SelfCommunicator(), device=META)

@@ -4,10 +4,10 @@ import json
 import pytest
 
 from hpclb import cli
-from hpclb import train as train_mod
-from hpclb.comm import SelfCommunicator
+from hpclb.train import loop as train_mod
+from hpclb.dist import SelfCommunicator
 from hpclb.config import ConfigError, resolve
-from hpclb.evaluate import evaluate_run
+from hpclb.tools.evaluate import evaluate_run
 from helpers import quick_recipe
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from hpclb import train as train_mod
-from hpclb.comm import SelfCommunicator
+from hpclb.train import loop as train_mod
+from hpclb.dist import SelfCommunicator
 from hpclb.config import ConfigError, load_recipe, resolve
 from hpclb.data import DataError, load_dataset
 from hpclb.data.images import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, ImageFolder,

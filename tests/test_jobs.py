@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from hpclb import jobs, schedules
+from hpclb import schedules
+
+from hpclb.tools import jobs
 from hpclb.cli import main
 from hpclb.config import load_recipe
-from hpclb.jobs import JobError, JobSpec, render
+from hpclb.tools.jobs import JobError, JobSpec, render
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = jobs.example_specs()

@@ -1,11 +1,11 @@
-"""The training-set sizes hpclb.jobs renders from (a table, for login nodes without the data)
+"""The training-set sizes hpclb.tools.jobs renders from (a table, for login nodes without the data)
 agree with the loaders where the data is staged (slow: the loaders read and tokenise it)."""
 import os
 from pathlib import Path
 
 import pytest
 
-from hpclb import jobs
+from hpclb.tools import jobs
 from hpclb.config import load_recipe
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpclb import jobs
+from hpclb.tools import jobs
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 
 The unchanged .cu runs on the CPU through kernels/testing/cuda_on_cpu.h (every CUDA thread a
 ucontext fiber, blocks one after another), built at test time with g++ -std=c++20 and driven
-through the same host code as on a GPU (hpclb.kernels.FusedTrust with the emulator as launcher).
+through the same host code as on a GPU (hpclb.optim.fused.FusedTrust with the emulator as launcher).
 Outputs are compared with a float64 NumPy reference (and, for the element-wise updates, with a
 float32 NumPy model of the same operation order, bit for bit) across dtypes, odd tensor, chunk,
 block and grid sizes, schedule policies, misaligned views, missing gradients, zeros and inf/NaN.
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpclb import kernels as K
+from hpclb.optim import fused as K
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "kernels" / "testing"))

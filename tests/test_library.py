@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import hpclb
-from hpclb.comm import SelfCommunicator
-from hpclb.comm.testing import ScaledComm
+from hpclb.dist import SelfCommunicator
+from hpclb.dist.testing import ScaledComm
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(300)

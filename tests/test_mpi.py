@@ -10,12 +10,12 @@ import torch
 
 from conftest import all_ranks_ok
 from helpers import quick_recipe, train_multi_and_single
-from hpclb import train as train_mod
-from hpclb.checkpoint import load_checkpoint
+from hpclb.train import loop as train_mod
+from hpclb.train.checkpoint import load_checkpoint
 from hpclb.config import resolve
-from hpclb.observe import read_metrics
+from hpclb.train.metrics import read_metrics
 from hpclb.models import MnistLSTM
-from hpclb.parallel import (GradientSync, ModelMismatchError, broadcast_parameters,
+from hpclb.sync.gradients import (GradientSync, ModelMismatchError, broadcast_parameters,
                             check_model_consistency)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]

@@ -1,4 +1,4 @@
-"""hpclb.observe: metrics.jsonl step/epoch lines, TensorBoard event files read back, resume."""
+"""hpclb.train.metrics: metrics.jsonl step/epoch lines, TensorBoard event files read back, resume."""
 import json
 import logging
 import sys
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpclb import observe
-from hpclb.observe import RunLogger, read_metrics, tensorboard_tag
+from hpclb.train import metrics as observe
+from hpclb.train.metrics import RunLogger, read_metrics, tensorboard_tag
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,9 +9,9 @@ import pytest
 
 from conftest import all_ranks_ok
 from helpers import quick_recipe
-from hpclb import train as train_mod
+from hpclb.train import loop as train_mod
 from hpclb.config import resolve
-from hpclb.observe import read_metrics, tensorboard_tag
+from hpclb.train.metrics import read_metrics, tensorboard_tag
 from hpclb.schedules import Schedule
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(240)]

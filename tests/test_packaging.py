@@ -72,7 +72,7 @@ def test_installed_package_reads_its_own_kernel_copy(wheel, tmp_path):
         z.extractall(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "HPCLB_KERNELS_DIR"}
     env["PYTHONPATH"] = str(tmp_path)
-    code = ("import hpclb.kernels as K; print(K.KERNEL_PATH); "
+    code = ("import hpclb.optim.fused as K; print(K.KERNEL_PATH); "
             "print(len(K.kernel_source()))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
@@ -83,7 +83,7 @@ def test_installed_package_reads_its_own_kernel_copy(wheel, tmp_path):
 
 
 def test_repository_checkout_reads_kernels_dir():
-    import hpclb.kernels as K
+    import hpclb.optim.fused as K
 
     if os.environ.get("HPCLB_KERNELS_DIR"):
         pytest.skip("HPCLB_KERNELS_DIR overrides the lookup")

@@ -17,7 +17,7 @@ from torch import nn
 
 from conftest import all_ranks_ok
 from hpclb.models import MnistLSTM
-from hpclb.parallel import (GradientSync, ModelMismatchError, agree_num_steps,
+from hpclb.sync.gradients import (GradientSync, ModelMismatchError, agree_num_steps,
                             check_model_consistency)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120, method="thread")]

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from hpclb.comm import SelfCommunicator, SideChannel
-from hpclb.comm.testing import ScaledComm
-from hpclb.comm.watchdog import StallWatchdog
-from hpclb.parallel import (DEFAULT_FUSION_THRESHOLD_BYTES, GradientSync, MiB, ModelMismatchError,
+from hpclb.dist import SelfCommunicator, SideChannel
+from hpclb.dist.testing import ScaledComm
+from hpclb.dist.watchdog import StallWatchdog
+from hpclb.sync.gradients import (DEFAULT_FUSION_THRESHOLD_BYTES, GradientSync, MiB, ModelMismatchError,
                             agree_num_steps)
 
 pytestmark = pytest.mark.timeout(60, method="thread")
@@ -225,7 +225,7 @@ def test_watchdog_without_side_channel_reports_and_aborts():
 
 def test_plan_buckets_and_the_scaling_model_fit():
     from hpclb.bench.model import Calibration, comm_time, fit_alpha_beta, workloads
-    from hpclb.parallel import plan_buckets
+    from hpclb.sync.gradients import plan_buckets
     assert plan_buckets([10, 10, 10, 30, 5], fusion_threshold_bytes=25,
                         first_bucket_bytes=12) == [[4], [3], [2, 1], [0]]
     alpha, beta = 3e-6, 1 / 5e9
@@ -259,7 +259,7 @@ def test_one_live_gradient_sync_per_communicator():
 
 
 def test_byte_settings_name_their_unit_and_forms(monkeypatch):
-    from hpclb.parallel_options import parse_bytes
+    from hpclb.sync.options import parse_bytes
 
     assert [parse_bytes(s) for s in ("26214400", "25MiB", "64 MB", "1GiB", "512k")] == \
         [26214400, 25 * MiB, 64 * 10 ** 6, 2 ** 30, 512 * 1024]

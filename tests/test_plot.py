@@ -1,11 +1,11 @@
-"""hpclb.plot: the drawn lines carry the schedule / metrics values, and the PNGs are written."""
+"""hpclb.tools.plot: the drawn lines carry the schedule / metrics values, and the PNGs are written."""
 import json
 
 import pytest
 
-from hpclb import plot
+from hpclb.tools import plot
 from hpclb.config import ConfigError, resolve
-from hpclb.observe import RunLogger
+from hpclb.train.metrics import RunLogger
 
 pytestmark = pytest.mark.timeout(120)
 

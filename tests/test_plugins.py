@@ -19,7 +19,7 @@ import yaml
 
 from conftest import REPO, all_ranks_ok
 from helpers import train_multi_and_single
-from hpclb.comm import SelfCommunicator
+from hpclb.dist import SelfCommunicator
 from hpclb.config import ConfigError, load_recipe, resolve
 from hpclb.models import build_model
 from hpclb.tasks import DatasetSplit, build_task
@@ -121,7 +121,7 @@ def test_example_run_evaluates_from_another_directory(example_one_process, tmp_p
                                                       monkeypatch, mnist_dir):
     """`hpclb evaluate RUN_DIR` of a plug-in run finds the plug-ins through the saved recipe's
     plugin_path and scores the checkpoint as training did."""
-    from hpclb.evaluate import evaluate_run
+    from hpclb.tools.evaluate import evaluate_run
 
     monkeypatch.chdir(tmp_path)
     result = evaluate_run(example_one_process["out"], SelfCommunicator(),
@@ -364,7 +364,7 @@ def test_plugin_run_resolves_in_process(tmp_path):
                                     "out_features": 4}, {"name": f"{m}:blobs"}),
                   out=str(tmp_path / "o"))
     assert cfg.recipe["data"]["name"] == f"{m}:blobs"
-    from hpclb import train as train_mod
+    from hpclb.train import loop as train_mod
     s = train_mod.train(cfg, SelfCommunicator(), quiet=True)
     assert s["final_test_accuracy"] >= 0.9, s
 
@@ -373,7 +373,7 @@ def test_job_templates_render_a_plugin_recipe():
     """`hpclb jobs render` counts a plug-in data set by its data.train_samples (the LEGW plan in
     the script's header needs the training-set size)."""
     from hpclb.config import load_recipe
-    from hpclb.jobs import train_set_size
+    from hpclb.tools.jobs import train_set_size
 
     recipe = load_recipe(str(REPO / "examples" / "plugin" / "recipe.yaml"))
     assert train_set_size(recipe) == (8192, "samples")

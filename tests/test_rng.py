@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpclb import rng
-from hpclb.checkpoint import load_checkpoint, save_checkpoint
+from hpclb.train import rng
+from hpclb.train.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,7 +48,7 @@ def test_gpu_state_loads_on_a_cpu_only_machine(caplog):
     assert state["cuda"] is None  # no CUDA initialised here
     expected = (state, draws())
     gpu_like = dict(expected[0], cuda=[torch.zeros(16, dtype=torch.uint8)] * 2)
-    with caplog.at_level(logging.INFO, logger="hpclb.rng"):
+    with caplog.at_level(logging.INFO, logger="hpclb.train.rng"):
         rng.set_rng_state(gpu_like)
     assert draws() == expected[1]
     if not torch.cuda.is_available():
@@ -71,7 +71,7 @@ def test_resume_rank_rng_restores_same_world_size_and_reseeds_otherwise(caplog):
     expected = draws()  # rank 1's continuation
     assert rng.resume_rank_rng(states, seed=7, rank=1, world_size=2, step=40) == "restored"
     assert draws() == expected
-    with caplog.at_level(logging.WARNING, logger="hpclb.rng"):
+    with caplog.at_level(logging.WARNING, logger="hpclb.train.rng"):
         assert rng.resume_rank_rng(states, seed=7, rank=2, world_size=3, step=40) == "reseeded"
     assert "reseeded" in caplog.text
     fresh = draws()

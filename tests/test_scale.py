@@ -7,11 +7,11 @@ import yaml
 
 from hpclb import cli
 from hpclb.config import ConfigError, load_recipe, resolve
-from hpclb.observe import RunLogger
-from hpclb.scale import scale_run, write_job
+from hpclb.train.metrics import RunLogger
+from hpclb.tools.scale import scale_run, write_job
 
 pytestmark = pytest.mark.timeout(120)
-N = 60_000  # MNIST training images: hpclb.jobs.TRAIN_SET_SIZES
+N = 60_000  # MNIST training images: hpclb.tools.jobs.TRAIN_SET_SIZES
 ETA0, W0, B0 = 2e-3, 0.25, 128  # the packaged mnist-lstm recipe (adam)
 
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from hpclb import sweep
+from hpclb.tools import sweep
 from hpclb.config import ConfigError
 from helpers import quick_recipe
 
@@ -90,7 +90,7 @@ def test_point_held_by_another_sweep_process_is_skipped(tmp_path):
     try:
         import subprocess
         import sys
-        code = ("import sys; sys.path.insert(0, 'tests'); from hpclb import sweep; "
+        code = ("import sys; sys.path.insert(0, 'tests'); from hpclb.tools import sweep; "
                 f"sweep.run_sweep({recipe!r}, [256], ['linear'], out_dir={str(tmp_path / 'res')!r},"
                 f" runs_dir={str(tmp_path / 'runs')!r})")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

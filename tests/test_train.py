@@ -4,12 +4,12 @@ import json
 import pytest
 import torch
 
-from hpclb import train as train_mod
-from hpclb.checkpoint import load_checkpoint
-from hpclb.comm import SelfCommunicator
+from hpclb.train import loop as train_mod
+from hpclb.train.checkpoint import load_checkpoint
+from hpclb.dist import SelfCommunicator
 from hpclb.config import ConfigError, resolve
 from hpclb.data import DataError
-from hpclb.observe import read_metrics
+from hpclb.train.metrics import read_metrics
 from helpers import preempt_at, quick_recipe
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_two_runs_into_one_out_directory_at_once_are_refused(tmp_path, mnist_dir
     directory while the first is running is a ConfigError naming the holder and the fix; once
     the first run ends (or dies), the directory is free again."""
     from hpclb.config import ConfigError
-    from hpclb.run import setup_run
+    from hpclb.train.setup import setup_run
 
     cfg = resolve(quick_recipe(tmp_path), out=str(tmp_path / "run"),
                   data_dir=str(mnist_dir.parent))

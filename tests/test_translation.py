@@ -76,8 +76,8 @@ def test_seq2seq_trains_and_scores_bleu(tmp_path):
 
     import yaml
     from conftest import REPO
-    from hpclb import train as train_mod
-    from hpclb.comm import SelfCommunicator
+    from hpclb.train import loop as train_mod
+    from hpclb.dist import SelfCommunicator
     base = Path(os.environ.get("HPCLB_DATA", REPO / "data"))
     if not (base / "bible-en-es" / "pairs.tsv").is_file():
         pytest.skip(f"bible-en-es not staged in {base}; run `make data`")
@@ -270,7 +270,7 @@ def test_seq2seq_evaluation_uses_the_recipes_decoder(one_thread, monkeypatch):
     """Seq2seqTask.evaluate calls greedy for beam_size 1, else beam_search with the recipe's
     beam_size and length_penalty (tiny synthetic pairs, untrained model)."""
     import random
-    from hpclb.comm import SelfCommunicator
+    from hpclb.dist import SelfCommunicator
     from hpclb.tasks import Seq2seqTask
     en = "the cat dog sat ran on a mat home and big small".split()
     es = "el gato perro se sento corrio en una casa y grande chico".split()

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from hpclb import kernels as K
+from hpclb.optim import fused as K
 from hpclb.bench import shapes
 from hpclb.optim import trust
 
@@ -27,7 +27,7 @@ def test_cpu_tensors_take_the_torch_backend_and_say_so_once(caplog, monkeypatch)
 
 
 def test_importing_hpclb_does_not_import_cupy():
-    code = ("import sys, torch; import hpclb.optim, hpclb.kernels, hpclb.cli;"
+    code = ("import sys, torch; import hpclb.optim, hpclb.optim.fused, hpclb.cli;"
             "from hpclb.optim import trust; trust.layer_norms([torch.ones(3)]);"
             "print('cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

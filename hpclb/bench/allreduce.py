@@ -114,7 +114,7 @@ def bench_raw(comm, timer: Timer, sizes: list[int], quick: bool) -> list[dict]:
 
 
 def fake_grads(name: str, seed: int = 0) -> list[nn.Parameter]:
-    from .workloads import gradient_shapes
+    from hpclb.bench.workloads import gradient_shapes
     g = torch.Generator().manual_seed(seed)
     params = []
     for _, shape in gradient_shapes(name):
@@ -126,7 +126,7 @@ def fake_grads(name: str, seed: int = 0) -> list[nn.Parameter]:
 
 def bench_sync(comm, timer: Timer, quick: bool) -> dict:
     """GradientSync of each workload's real gradient list vs one flat raw Allreduce."""
-    from ..parallel import GradientSync
+    from hpclb.sync.gradients import GradientSync
     out = {}
     for name in SYNC_WORKLOADS if not quick else ("resnet50", "mnist_lstm"):
         params = fake_grads(name, comm.rank)
@@ -162,7 +162,7 @@ def bench_sync(comm, timer: Timer, quick: bool) -> dict:
 
 
 def step_setup(seed: int = 0):
-    from .workloads import resnet50
+    from hpclb.bench.workloads import resnet50
     torch.manual_seed(seed)
     model = resnet50(num_classes=10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -189,7 +189,7 @@ def make_step(model, opt, x, y, after_backward: Callable[[], None] | None = None
 
 
 def hpclb_steps(comm, x, y, modes=MODES) -> dict[str, Callable[[], None]]:
-    from ..parallel import GradientSync
+    from hpclb.sync.gradients import GradientSync
     variants = {}
     model, opt = step_setup()
     variants["compute_only"] = make_step(model, opt, x, y)
@@ -204,7 +204,7 @@ def bench_steps(comm, timer: Timer, rounds: int, with_ddp: bool) -> dict:
     x, y = step_data(comm.rank)
     variants = hpclb_steps(comm, x, y)
     if with_ddp:
-        from ..comm.torch_dist import TorchCommunicator
+        from hpclb.dist.torch_dist import TorchCommunicator
         TorchCommunicator(device="cpu")  # the default group DDP uses (Gloo)
         model, opt = step_setup()
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -280,7 +280,7 @@ def conditions(comm) -> dict:
 
 
 def worker(args) -> int:
-    from ..comm import get_communicator
+    from hpclb.dist import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
     timer = Timer(comm)
@@ -289,7 +289,7 @@ def worker(args) -> int:
     t0 = time.perf_counter()
     if args.suite == "main":
         res["raw_mpi"] = bench_raw(comm, timer, sizes, args.quick)
-        from ..comm.torch_dist import TorchCommunicator
+        from hpclb.dist.torch_dist import TorchCommunicator
         res["raw_gloo"] = bench_raw(TorchCommunicator(device="cpu"), timer, sizes, args.quick)
         res["sync"] = bench_sync(comm, timer, args.quick)
         res["step"] = bench_steps(comm, timer, args.rounds, with_ddp=True)

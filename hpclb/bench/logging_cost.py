@@ -18,7 +18,7 @@ logging, ``noise`` over ``log50`` for the noise scale):
    ``--interleaved-epochs`` epochs; median over log intervals (50 steps, one log point each) of
    the ratio of mean step times. Load from other jobs, which changes over seconds, hits all
    variants alike.
-2. ``run_cost_percent``, whole runs: :func:`hpclb.train.train` (what ``hpclb train`` runs) once
+2. ``run_cost_percent``, whole runs: :func:`hpclb.train.loop.train` (what ``hpclb train`` runs) once
    per variant per round (``--rounds``, order rotated: ABC, BCA, CAB); each run's step time =
    sum of its epochs' ``epoch_time_s`` (no evaluation) / steps; median over rounds of each
    round's ratio. On a shared machine runs 20 s apart differ by tens of percent, so this one
@@ -59,7 +59,7 @@ SHARED_NOTE = ("measured on a shared 2-core CPU machine while other jobs ran (se
 def bench_recipe(path: Path, train_samples: int, test_samples: int, epochs: float) -> Path:
     """Write the packaged mnist-lstm recipe on a data subset to ``path`` (YAML); returns it."""
     import yaml
-    from ..config import load_recipe
+    from hpclb.config import load_recipe
 
     recipe = load_recipe("mnist-lstm")
     recipe.update({"epochs": epochs, "data": {"name": "mnist", "train_samples": train_samples,
@@ -79,7 +79,7 @@ class _StepLogTimer:
     """Accumulates wall seconds spent in ``StepLog.after_step`` (patched on the class)."""
 
     def __init__(self):
-        from ..steplog import StepLog
+        from hpclb.train.steplog import StepLog
         self.seconds, original = 0.0, StepLog.after_step
 
         @functools.wraps(original)
@@ -96,7 +96,7 @@ class _StepLogTimer:
 def run_stats(run_dir: Path) -> dict:
     """Step statistics of one finished run from its ``metrics.jsonl``: ``steps``, the epochs'
     ``epoch_time_s`` (seconds), ``step_time_s`` (their sum / steps) and ``step_lines``."""
-    from ..observe import read_metrics
+    from hpclb.train.metrics import read_metrics
 
     epochs, steps = read_metrics(run_dir)
     n = epochs[-1]["step"]
@@ -122,11 +122,11 @@ def interleaved_steps(comm, recipe: str, work: Path, data_dir: str | None,
     variants alike. Collective.
     """
     import torch
-    from ..config import resolve
-    from ..observe import RunLogger
-    from ..run import setup_run
-    from ..steplog import StepLog
-    from ..train import train_step
+    from hpclb.config import resolve
+    from hpclb.train.metrics import RunLogger
+    from hpclb.train.setup import setup_run
+    from hpclb.train.steplog import StepLog
+    from hpclb.train.loop import train_step
 
     runs = {}
     for name, settings in VARIANTS.items():
@@ -166,10 +166,10 @@ def blocks(times: list[float], size: int) -> list[float]:
 def worker(args) -> int:
     """Inside ``mpirun``: every variant once per round (rotated order); rank 0 writes the runs."""
     import torch
-    from ..comm import get_communicator
-    from ..config import resolve
-    from ..train import train
-    from .allreduce import conditions
+    from hpclb.dist import get_communicator
+    from hpclb.config import resolve
+    from hpclb.train.loop import train
+    from hpclb.bench.allreduce import conditions
 
     comm = get_communicator("mpi")
     timer = _StepLogTimer()
@@ -264,7 +264,7 @@ def report(res: dict) -> str:
 
 def driver(args) -> int:
     """``hpclb bench logging``: write the recipe, run the mpirun job, summarize, write JSON."""
-    from .allreduce import run_mpi
+    from hpclb.bench.allreduce import run_mpi
 
     if args.rounds < 1 or args.np < 2:
         raise SystemExit("hpclb bench logging: --rounds must be >= 1 and --np >= 2 (the noise "
@@ -280,7 +280,7 @@ def driver(args) -> int:
                       args.timeout, "bench-logging")
     if raw is None:
         return 1
-    from ..config import load_recipe
+    from hpclb.config import load_recipe
     setup = {"experiment": "mnist-lstm", "ranks": args.np,
              "global_batch_size": load_recipe("mnist-lstm")["base_batch_size"],
              "train_samples": args.train_samples, "test_samples": args.test_samples,

@@ -66,7 +66,7 @@ class Workload:
 
 def workloads(gpu: str = "v100") -> dict[str, Workload]:
     """ResNet-50, PTB-large and GNMT with their real gradient shapes and assumed GPU compute."""
-    from .workloads import gradient_shapes
+    from hpclb.bench.workloads import gradient_shapes
 
     def tensors(name):
         return [4 * math.prod(s) for _, s in gradient_shapes(name)]
@@ -90,7 +90,7 @@ def workloads(gpu: str = "v100") -> dict[str, Workload]:
 
 
 def n_buckets(tensor_bytes: list[int], fusion_bytes: int) -> int:
-    from ..parallel import DEFAULT_FIRST_BUCKET_BYTES, plan_buckets
+    from hpclb.sync.gradients import DEFAULT_FIRST_BUCKET_BYTES, plan_buckets
     return len(plan_buckets(tensor_bytes, fusion_bytes, DEFAULT_FIRST_BUCKET_BYTES))
 
 
@@ -334,7 +334,7 @@ def add_cli(bsub) -> None:
                         "and scaling efficiency at 1-1024 nodes x 4 GPUs")
     add_arguments(m)
     m.set_defaults(func=run)
-    from . import allreduce, scaling
+    from hpclb.bench import allreduce, scaling
     a = bsub.add_parser("allreduce", help="allreduce bandwidth, GradientSync, DDP and Horovod "
                         "step times at 2 and 4 ranks (launches mpirun itself)")
     allreduce.add_run_arguments(a)

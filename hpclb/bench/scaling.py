@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .allreduce import Timer, best, conditions, interleaved, med, run_mpi
+from hpclb.bench.allreduce import Timer, best, conditions, interleaved, med, run_mpi
 
 # model -> (per-rank batch for weak scaling, global batch for strong scaling)
 BATCHES = {"mnist_lstm": (128, 512), "resnet50": (16, 32)}
@@ -38,7 +38,7 @@ IMAGE = 32
 
 
 def build(name: str):
-    from .workloads import WORKLOADS
+    from hpclb.bench.workloads import WORKLOADS
     torch.manual_seed(0)
     model = WORKLOADS[name]() if name != "resnet50" else WORKLOADS[name](num_classes=10)
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -54,7 +54,7 @@ def batch(name: str, n: int, rank: int):
 
 
 def measure(comm, timer: Timer, name: str, per_rank: int, rounds: int) -> dict:
-    from ..parallel import GradientSync
+    from hpclb.sync.gradients import GradientSync
     x, y = batch(name, per_rank, comm.rank)
     variants, syncs = {}, []
 
@@ -123,7 +123,7 @@ def merge(a: dict | None, b: dict | None) -> dict | None:
 
 
 def worker(args) -> int:
-    from ..comm import get_communicator
+    from hpclb.dist import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
     timer = Timer(comm)

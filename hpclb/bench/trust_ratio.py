@@ -6,7 +6,7 @@ weights and gradients, fp32 by default) it times one call that yields every laye
 
 - CPU: the torch path of :mod:`hpclb.optim.trust` (two ``torch._foreach_norm`` calls) vs a
   per-layer loop (two norms and a ``.item()`` per layer);
-- GPU (CUDA + CuPy): the fused kernel (:mod:`hpclb.kernels`, one launch) vs the torch path vs
+- GPU (CUDA + CuPy): the fused kernel (:mod:`hpclb.optim.fused`, one launch) vs the torch path vs
   the per-layer loop, plus a whole LARS optimizer step (fused vs torch path), against the bytes
   moved (every weight and gradient read once) and the measured device-to-device copy bandwidth
   (``dst.copy_(src)`` of 1 GiB, counted as read + write).
@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .shapes import SETS
+from hpclb.bench.shapes import SETS
 
 ETA, WD, EPS = 1e-3, 1e-4, 1e-9
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,7 +75,7 @@ def loop_ratios(ws, gs, adapt) -> list[float]:
 
 def foreach_ratios(ws, gs, adapt):
     """hpclb's torch path: two torch._foreach_norm calls and element-wise ratios."""
-    from ..optim.trust import lars_trust_ratios
+    from hpclb.optim.trust import lars_trust_ratios
 
     with _backend("torch"):
         return lars_trust_ratios(ws, gs, trust_coefficient=ETA, weight_decay=WD, eps=EPS,
@@ -131,8 +131,8 @@ def bench_cpu(name, shapes, dtype, repeat, warmup) -> dict:
 
 
 def bench_gpu(name, shapes, dtype, repeat, warmup, copy_gbs) -> dict:
-    from .. import kernels
-    from ..optim import LARS
+    from hpclb.optim import fused as kernels
+    from hpclb.optim import LARS
 
     dev = torch.device("cuda", torch.cuda.current_device())
     fused = kernels.fused_for(dev)
@@ -216,7 +216,7 @@ def run(sets: list[str], *, dtype: str = "float32", repeat: int = 5, warmup: int
         result["cpu"] = dict(threads=torch.get_num_threads(), sets={
             s: bench_cpu(s, SETS[s], dt, repeat, warmup) for s in sets})
     if gpu:
-        from .. import kernels
+        from hpclb.optim import fused as kernels
 
         if not torch.cuda.is_available():
             result["gpu_skipped"] = "no CUDA device"

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..models.lstm_lm import LSTMLanguageModel
-from ..models.resnet import BasicBlock, ResNet50
+from hpclb.models.lstm_lm import LSTMLanguageModel
+from hpclb.models.resnet import BasicBlock, ResNet50
 
 
 def resnet50(num_classes: int = 1000) -> nn.Module:
@@ -60,7 +60,7 @@ class GNMTShapes(nn.Module):
 
 
 def mnist_lstm() -> nn.Module:
-    from ..models import MnistLSTM
+    from hpclb.models import MnistLSTM
     return MnistLSTM(hidden_size=128)
 
 

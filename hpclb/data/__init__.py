@@ -25,16 +25,16 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, *,
     Raises DataError for an unknown name or a missing/corrupt file.
     """
     if name == "mnist":
-        from .mnist import load_mnist
+        from hpclb.data.mnist import load_mnist
         train, test = load_mnist(root)
     elif name == "fashion-mnist":
-        from .images import load_fashion_mnist
+        from hpclb.data.images import load_fashion_mnist
         train, test = load_fashion_mnist(root)
     elif name == "imagenet":
-        from .images import load_imagenet
+        from hpclb.data.images import load_imagenet
         train, test = load_imagenet(root, augment=augment)
     elif name == "synthetic":  # throughput runs: ImageNet-sized random images
-        from .images import SyntheticImages
+        from hpclb.data.images import SyntheticImages
         train, test = SyntheticImages(1_281_167, seed=0), SyntheticImages(50_000, seed=1)
     else:
         raise DataError(f"unknown data set {name!r}")

@@ -29,8 +29,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from . import DataError, data_dir
-from . import images, mnist, ptb, translation
+from hpclb.data import DataError, data_dir
+from hpclb.data import images, mnist, ptb, translation
 
 log = logging.getLogger(__name__)
 

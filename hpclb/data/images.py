@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import DataError, data_dir
-from .idx import read_idx
+from hpclb.data import DataError, data_dir
+from hpclb.data.idx import read_idx
 
 # Debian dataset-fashion-mnist 0.0~git20200523.55506a9-1, /usr/share/datasets/fashion-mnist
 # (Xiao et al. 2017): 60,000 train / 10,000 test 28x28 grey images, 10 classes.
@@ -336,7 +336,7 @@ class ImageFolder:
     def _load(self, path: Path, index: int, epoch: int) -> torch.Tensor:
         """Sample ``index`` (file ``path``) of ``epoch``: float32 ``[3, image_size,
         image_size]``."""
-        from ..extras import require
+        from hpclb.extras import require
 
         Image = require("PIL.Image", "reading ImageFolder images")
         size = self.image_size

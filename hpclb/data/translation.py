@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import DataError, data_dir
+from hpclb.data import DataError, data_dir
 
 MODULES = {"en": "engKJV2006eb", "es": "spaRV1909eb"}
 PACKAGES = ("sword-text-kjv", "sword-text-sparv")
@@ -40,7 +40,7 @@ def read_sword_pairs(sword_root: str | Path) -> list[Pair]:
     """All verse pairs of the two modules under ``sword_root`` (holding ``mods.d`` and
     ``modules``), in canonical order, read with pysword. Raises DataError when a module is
     missing or the two disagree on a book's number of verses."""
-    from ..extras import require
+    from hpclb.extras import require
 
     SwordModules = require("pysword.modules", "reading the Bible SWORD modules").SwordModules
 
@@ -96,7 +96,7 @@ def load_bible_pairs(root: str | Path | None = None) -> dict[str, list[Pair]]:
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:
     """Corpus BLEU (sacrebleu, default 13a tokenisation), 0-100, one reference per sentence."""
-    from ..extras import require
+    from hpclb.extras import require
 
     sacrebleu = require("sacrebleu", "BLEU")
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
@@ -110,7 +110,7 @@ def train_sentencepiece(lines: list[str], vocab_size: int):
     with ids pad 0, unk 1, bos 2, eos 3. Every rank trains the same model; nothing is written."""
     import io
 
-    from ..extras import require
+    from hpclb.extras import require
 
     spm = require("sentencepiece", "the translation vocabulary (SentencePiece)")
 

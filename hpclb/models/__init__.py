@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .gnmt import GNMT
-from .lstm_lm import LSTMLanguageModel
-from .mnist_lstm import MnistLSTM
-from .resnet import ResNet50, SmallResNet
+from hpclb.models.gnmt import GNMT
+from hpclb.models.lstm_lm import LSTMLanguageModel
+from hpclb.models.mnist_lstm import MnistLSTM
+from hpclb.models.resnet import ResNet50, SmallResNet
 
 MODELS = {"mnist_lstm": MnistLSTM, "lstm_lm": LSTMLanguageModel, "resnet50": ResNet50,
           "resnet_small": SmallResNet, "gnmt": GNMT}
@@ -20,7 +20,7 @@ def model_factory(name: str):
     """The class or factory of model ``name``: a key of :data:`MODELS`, or a plug-in imported by
     :func:`hpclb.plugins.load_object`. Raises ValueError for an unknown built-in name,
     ConfigError (a ValueError) for a plug-in that does not import."""
-    from ..plugins import is_plugin, load_object
+    from hpclb.plugins import is_plugin, load_object
 
     if is_plugin(name):
         return load_object(name, "model.name")
@@ -37,7 +37,7 @@ def build_model(name: str, **kwargs) -> nn.Module:
     factory returns something other than an ``nn.Module``."""
     model = model_factory(name)(**kwargs)
     if not isinstance(model, nn.Module):
-        from ..config import ConfigError
+        from hpclb.config import ConfigError
 
         raise ConfigError(f"model.name: {name!r} returned a {type(model).__name__}, not a "
                           f"torch.nn.Module; name an nn.Module class or a function returning "

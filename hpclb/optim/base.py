@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import kernels
-from .trust import check_trust_clamp
+from hpclb.optim import fused as kernels
+from hpclb.optim.trust import check_trust_clamp
 
 log = logging.getLogger(__name__)
 

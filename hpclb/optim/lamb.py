@@ -12,7 +12,7 @@ Per layer at step t (1-based), with ``b1, b2, eps, wd`` and LR ``lr``::
 A layer whose ``||w||`` or ``||u||`` is inf/NaN keeps ``w``, ``m`` and ``v`` as they were and is
 counted in ``nonfinite_layers`` (see :mod:`hpclb.optim.base`).
 
-On CUDA with CuPy (:mod:`hpclb.kernels`) the step is two fused launches for all layers: pass 1
+On CUDA with CuPy (:mod:`hpclb.optim.fused`) the step is two fused launches for all layers: pass 1
 forms the new moments and ``u`` on the fly (storing neither) and reduces ||w|| and ||u||; pass 2
 recomputes them, stores the moments and applies ``u``, in the arithmetic order of
 :func:`lamb_direction`.
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import kernels
-from .base import LayerwiseOptimizer, check_range, clamp_row, select_
-from .trust import lamb_trust_ratios
+from hpclb.optim import fused as kernels
+from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
+from hpclb.optim.trust import lamb_trust_ratios
 
 
 def lamb_direction(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

@@ -10,7 +10,7 @@ Per layer, with trust coefficient ``eta``, momentum ``m``, weight decay ``wd``, 
 A layer whose ``||w||`` or ``||g||`` is inf/NaN is left as it was (``w`` and ``v``) and counted in
 ``nonfinite_layers``; see :mod:`hpclb.optim.base` for that and ``trust_ratios``.
 
-On CUDA with CuPy (:mod:`hpclb.kernels`) the whole step is two fused launches for all layers
+On CUDA with CuPy (:mod:`hpclb.optim.fused`) the whole step is two fused launches for all layers
 (norms and ratios, then the update), in the same arithmetic order as :func:`lars_update_`.
 
 The LR sits *inside* the momentum buffer, as in the TF/TPU and MLPerf reference code (torch-style
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import kernels
-from .base import LayerwiseOptimizer, check_range, clamp_row, select_
-from .trust import lars_trust_ratios
+from hpclb.optim import fused as kernels
+from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
+from hpclb.optim.trust import lars_trust_ratios
 
 
 def lars_update_(params: Sequence[Tensor], grads: Sequence[Tensor],

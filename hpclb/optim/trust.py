@@ -16,7 +16,7 @@ fp64 for fp64. Results are tensors of shape ``[n_layers]`` on the tensors' devic
 when any input is fp64, so nothing synchronises with the host per layer.
 
 Backends (:func:`backend_for`): ``"cupy"``, the fused kernel of ``kernels/trust_ratio.cu``
-(:mod:`hpclb.kernels`: one launch for all layers), is chosen automatically for CUDA tensors when
+(:mod:`hpclb.optim.fused`: one launch for all layers), is chosen automatically for CUDA tensors when
 CuPy imports; ``"torch"`` (``torch._foreach_norm`` calls) everywhere else, and for inputs the
 kernel does not take (non-contiguous tensors; dtypes other than fp32/fp16/bf16, e.g. float64),
 which is logged once per reason. ``HPCLB_TRUST_BACKEND=torch`` forces the torch path. The choice
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import kernels
+from hpclb.optim import fused as kernels
 
 log = logging.getLogger(__name__)
 _announced: set[str] = set()
@@ -56,7 +56,7 @@ def backend_for(tensors: Sequence[Tensor]) -> str:
 
 
 def fused_backend(*lists: Sequence[Tensor | None]) -> kernels.FusedTrust | None:
-    """The fused implementation (:class:`hpclb.kernels.FusedTrust`) that can take all of
+    """The fused implementation (:class:`hpclb.optim.fused.FusedTrust`) that can take all of
     ``lists`` (layer-aligned tensor lists, the first non-empty), or None for the torch path."""
     first = lists[0]
     if not first or backend_for(first) == "torch":

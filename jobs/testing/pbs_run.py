@@ -2,7 +2,7 @@
 not in Debian 12, not on PyPI).
 
 What PBS Pro does and this reproduces:
-- the directives are read first (:func:`hpclb.jobs.pbs_resources`: select, ncpus, ngpus,
+- the directives are read first (:func:`hpclb.tools.jobs.pbs_resources`: select, ncpus, ngpus,
   mpiprocs, walltime, -r), and a script PBS would reject is not run;
 - ``$PBS_NODEFILE`` lists each chunk's host once per ``mpiprocs`` (here: this host, so a
   1-chunk script gets ``mpiprocs`` lines), ``PBS_O_WORKDIR`` is the submit directory,
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hpclb.jobs import pbs_resources
+from hpclb.tools.jobs import pbs_resources
 
 QRERUN = """#!/bin/bash
 # qrerun stub of the PBS emulation: records the request; the emulator reruns the job.

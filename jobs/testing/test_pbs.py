@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import pbs_run  # noqa: E402
 
-from hpclb import jobs  # noqa: E402
+from hpclb.tools import jobs  # noqa: E402
 
 DATA = Path(os.environ.get("HPCLB_DATA", REPO / "data"))
 ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

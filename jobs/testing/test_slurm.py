@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from slurm_cluster import SlurmCluster  # noqa: E402
 
-from hpclb import jobs  # noqa: E402
+from hpclb.tools import jobs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("apt-get"),
                                 reason="needs root and apt-get to run Debian's SLURM")

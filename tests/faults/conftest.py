@@ -112,7 +112,7 @@ def summary(out: Path) -> dict:
 
 def checkpoint_state(out: Path) -> dict:
     """The newest verified checkpoint under run folder ``out`` (what --resume would read)."""
-    from hpclb.checkpoint import CheckpointStore
+    from hpclb.train.checkpoint import CheckpointStore
 
     return CheckpointStore(out).load_latest()
 

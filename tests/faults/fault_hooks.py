@@ -14,7 +14,7 @@ import errno
 import os
 import signal
 
-from hpclb import checkpoint
+from hpclb.train import checkpoint
 
 _saves = {"n": 0, "bytes": 0}
 _save, _write = checkpoint.CheckpointStore.save, checkpoint._HashingWriter.write

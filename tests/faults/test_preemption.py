@@ -74,7 +74,7 @@ def test_signal_during_checkpoint_write(tmp_path, sig, reference, record):
                       env={"HOOK_MODE": "signal", "HOOK_SAVE": "1", "HOOK_SIGNAL": sig})
     assert rc == 75, text
     assert "preempted: checkpoint of step 9 (epoch 1, step 1/8)" in text, text
-    from hpclb.checkpoint import CheckpointStore, load_checkpoint
+    from hpclb.train.checkpoint import CheckpointStore, load_checkpoint
     steps = [load_checkpoint(p)["global_step"] for _, _, p in CheckpointStore(out).generations()]
     assert steps == [8, 9], steps  # the interrupted write is whole and verifies
     if sig == "USR2":

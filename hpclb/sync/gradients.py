@@ -10,8 +10,8 @@ count) exactly once. Every rank starts the buckets in the same order (bucket ``i
 bucket ``i-1``), which keeps the MPI rule that all ranks enter collectives in the same order; for
 the same reason one communicator carries one GradientSync at a time.
 
-Settings: :mod:`hpclb.parallel_options` (arguments and ``HPCLB_*`` variables, one place).
-How buckets travel (``overlap=thread|nonblocking|none``): :mod:`hpclb.parallel_drivers`; the
+Settings: :mod:`hpclb.sync.options` (arguments and ``HPCLB_*`` variables, one place).
+How buckets travel (``overlap=thread|nonblocking|none``): :mod:`hpclb.sync.drivers`; the
 measurements behind the defaults are in ``docs/gradient-sync.md``.
 """
 from __future__ import annotations
@@ -25,14 +25,14 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from .comm import Communicator
-from .comm.base import Handle
-from .comm.watchdog import StallReport, watchdog_for
+from hpclb.dist import Communicator
+from hpclb.dist.base import Handle
+from hpclb.dist.watchdog import StallReport, watchdog_for
 
-from .parallel_drivers import DRIVERS
-from .parallel_options import (COMPRESSIONS, DEFAULT_COMM_POLL_S,  # noqa: F401 (re-exported)
-                               DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_FUSION_THRESHOLD_BYTES,
-                               DEFAULT_STALL_TIMEOUT_S, OVERLAP_MODES, MiB, SyncOptions)
+from hpclb.sync.drivers import DRIVERS
+from hpclb.sync.options import (COMPRESSIONS, DEFAULT_COMM_POLL_S, DEFAULT_FIRST_BUCKET_BYTES,
+                                    DEFAULT_FUSION_THRESHOLD_BYTES, DEFAULT_STALL_TIMEOUT_S,
+                                    OVERLAP_MODES, MiB, SyncOptions)
 
 ALIGN_BYTES = 16  # every gradient view starts at a multiple of this many bytes in its bucket
 
@@ -195,7 +195,7 @@ class GradientSync:
             first; small so communication starts early). Default 1 MiB.
         overlap: ``"thread"``, ``"nonblocking"``, ``"none"`` or ``"auto"`` (default
             $HPCLB_OVERLAP or auto: ``thread`` for MPI, ``nonblocking`` for backends that
-            progress on their own threads); see :mod:`hpclb.parallel_drivers`.
+            progress on their own threads); see :mod:`hpclb.sync.drivers`.
         accumulation_steps: k micro-batches per optimizer step; ``synchronize()`` after each
             backward returns False for the first k-1 (gradients accumulate locally, no
             communication) and reduces on the k-th. The result is the mean over ranks and
@@ -206,7 +206,7 @@ class GradientSync:
         stall_timeout_s: report a wait longer than this many seconds, naming the ranks that have
             not joined (default $HPCLB_STALL_TIMEOUT_S or 60).
         stall_abort_s: end the job after a wait this long (default $HPCLB_STALL_ABORT_S or never).
-        on_stall: called with a :class:`~hpclb.comm.watchdog.StallReport` (default: print it).
+        on_stall: called with a :class:`~hpclb.dist.watchdog.StallReport` (default: print it).
         track_local_norm: also keep, per step, the squared L2 norm of this rank's own gradient
             (the mean over its samples, before the allreduce) for the gradient noise scale
             (:attr:`local_sq_norm`); one norm per bucket on the device, no host sync.

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .config import ConfigError, load_recipe, resolve
-from .schedules import SCHEMES, Schedule
+from hpclb.config import ConfigError, load_recipe, resolve
+from hpclb.schedules import SCHEMES, Schedule
 
 ROW_KEYS = ("batch_size", "scheme", "metric_name", "metric", "epochs", "wall_time_s", "steps")
 
@@ -92,8 +92,8 @@ def _row(summary: dict, *, batch: int, scheme: str, metric: str, settings: dict,
 
 def _run_in_process(experiment: str, batch: int, scheme: str, settings: dict, run_dir: Path,
                     data_dir: str | None, resume: bool, quiet: bool) -> dict:
-    from .comm import SelfCommunicator
-    from .train import train
+    from hpclb.dist import SelfCommunicator
+    from hpclb.train.loop import train
 
     cfg = resolve(experiment, batch_size=batch, scaling=scheme, optimizer=settings["optimizer"],
                   epochs=settings["epochs"], seed=settings["seed"], data_dir=data_dir,
@@ -316,7 +316,7 @@ def lr_curve(row: dict, points: int = 400) -> tuple[list[float], list[float]]:
 def plot(rows: list[dict], path: Path, name: str, metric: str):
     """PNG: the metric vs batch size (log2) per scheme with B0 marked, then one LR-vs-epoch
     panel per scheme. Returns the (closed) figure."""
-    from .extras import require
+    from hpclb.extras import require
 
     matplotlib = require("matplotlib", "the sweep plot")
     matplotlib.use("Agg")

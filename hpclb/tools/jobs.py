@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__, schedules
+from hpclb import __version__, schedules
 
 SCHEDULERS = ("slurm", "pbs")
 FABRICS = ("ib", "tcp", "local")
@@ -94,13 +94,13 @@ def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
     """
     data = recipe.get("data") or {}
     name = data.get("name")
-    from .plugins import is_plugin
+    from hpclb.plugins import is_plugin
 
     if is_plugin(name):
         return _plugin_train_set_size(recipe, data)
     if name not in TRAIN_SET_SIZES:
         raise JobError(f"data set {name!r} of recipe {recipe.get('name')!r} is not in "
-                       f"hpclb.jobs.TRAIN_SET_SIZES ({', '.join(TRAIN_SET_SIZES)}); add its "
+                       f"hpclb.tools.jobs.TRAIN_SET_SIZES ({', '.join(TRAIN_SET_SIZES)}); add its "
                        f"training-set size there")
     size, unit, _ = TRAIN_SET_SIZES[name]
     if unit in TOKEN_UNITS:
@@ -122,8 +122,8 @@ def _plugin_train_set_size(recipe: dict[str, Any], data: dict[str, Any]) -> tupl
     subset = data.get("train_samples")
     if isinstance(subset, int) and subset > 0:
         return subset, "samples"
-    from .plugins import add_search_path
-    from .tasks import load_plugin_data
+    from hpclb.plugins import add_search_path
+    from hpclb.tasks import load_plugin_data
 
     add_search_path(recipe.get("plugin_path", []))
     try:
@@ -354,7 +354,7 @@ def _validate(spec: JobSpec) -> None:
 
 def _templates_dir() -> Path:
     """jobs/templates of the checkout, else the copy packaged as hpclb/job_templates."""
-    repo = Path(__file__).resolve().parent.parent / "jobs" / "templates"
+    repo = Path(__file__).resolve().parents[2] / "jobs" / "templates"
     if repo.is_dir():
         return repo
     return Path(str(resources.files("hpclb") / "job_templates"))
@@ -381,9 +381,9 @@ def _render_args(spec: JobSpec) -> str:
 
 def render(spec: JobSpec) -> tuple[str, Plan]:
     """(script text, plan) for ``spec``; JobError with the fix for anything invalid."""
-    from .config import ConfigError, load_recipe
-    from .extras import require
-    from .train import PREEMPTED_EXIT_CODE
+    from hpclb.config import ConfigError, load_recipe
+    from hpclb.extras import require
+    from hpclb.train.loop import PREEMPTED_EXIT_CODE
 
     jinja2 = require("jinja2", "rendering job templates")
 
@@ -478,7 +478,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 
 def example_specs() -> list[tuple[str, JobSpec]]:
     """(relative path, spec) of every committed example whose recipe exists."""
-    from .config import available_experiments
+    from hpclb.config import available_experiments
 
     have = set(available_experiments())
     specs = []

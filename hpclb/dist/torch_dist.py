@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Communicator, Handle, SideChannel, check_op, launcher_world_size
+from hpclb.dist.base import Communicator, Handle, SideChannel, check_op, launcher_world_size
 
 STORE_TIMEOUT_S = 300.0
 
@@ -191,7 +191,7 @@ class TorchCommunicator(Communicator):
 
     def _pick_device(self, device) -> torch.device:
         """The rank's device; CUDA: this rank's local GPU, made current."""
-        from ..device import bind_local_gpu
+        from hpclb.dist.device import bind_local_gpu
 
         return bind_local_gpu(device, self.local_rank)
 

@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 
 #: Where the .cu source is looked for, in order: $HPCLB_KERNELS_DIR, the installed package's copy
 #: (``hpclb/_kernels/``, put there by setup.py when a wheel is built), the repository's ``kernels/``.
-PACKAGE_KERNELS_DIR = Path(__file__).resolve().parent / "_kernels"
-REPO_KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+PACKAGE_KERNELS_DIR = Path(__file__).resolve().parents[2] / "_kernels"
+REPO_KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
 KERNELS_DIR = Path(os.environ.get("HPCLB_KERNELS_DIR")
                    or next((d for d in (PACKAGE_KERNELS_DIR, REPO_KERNELS_DIR)
                             if (d / "trust_ratio.cu").is_file()), REPO_KERNELS_DIR))

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .base import Communicator
+from hpclb.dist.base import Communicator
 
 DEFAULT_POLL_S = 1.0
 HISTORY = 1024  # labels of this many recent collectives, to compare with the peers'

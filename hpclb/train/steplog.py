@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from .noise import NoiseScaleEstimator
+from hpclb.noise import NoiseScaleEstimator
 
 
 class StepLog:
-    """Owned by :func:`hpclb.train.train`; ``after_step`` after each step, ``epoch_fields`` and
+    """Owned by :func:`hpclb.train.loop.train`; ``after_step`` after each step, ``epoch_fields`` and
     ``epoch_histograms`` at epoch ends (collective where noted)."""
 
     def __init__(self, run, logger):

@@ -1,6 +1,6 @@
 """Kinds of workload the training loop runs: what a batch is, the loss, and the eval metrics.
 
-The loop in :mod:`hpclb.train` is the same for every kind; a :class:`Task` supplies
+The loop in :mod:`hpclb.train.loop` is the same for every kind; a :class:`Task` supplies
 
 - ``num_train_samples``: ``N`` of the schedule (``steps_per_epoch = ceil(N / B)``, docs/design.md);
 - ``start_epoch(epoch)`` then ``batch(i)`` for step ``i`` of the epoch: this rank's share of the
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from .comm import Communicator
-from .data.sampler import GlobalBatchSampler
+from hpclb.dist import Communicator
+from hpclb.data.sampler import GlobalBatchSampler
 
 EVAL_BATCH_SIZE = 2000
 
@@ -166,7 +166,7 @@ class ClassificationTask(Task):
         """The split's :class:`~hpclb.data.loader.StepLoader` (made at the first batch), or None
         when the training thread reads it (no ``sample`` method, or ``num_workers`` 0)."""
         if self._step_loader is None and hasattr(self.train_set, "sample"):
-            from .data.loader import StepLoader, default_num_workers
+            from hpclb.data.loader import StepLoader, default_num_workers
 
             workers = default_num_workers() if self.num_workers is None else self.num_workers
             if workers:
@@ -250,7 +250,7 @@ class LanguageModelTask(Task):
 
     def setup(self, *, per_rank_batch, global_batch, rank, world_size, seed, steps_per_epoch,
               device=None):
-        from .data.ptb import rank_streams
+        from hpclb.data.ptb import rank_streams
 
         self.x, self.y, self.streams = rank_streams(self.corpus.train, global_batch, rank,
                                                     world_size)
@@ -315,7 +315,7 @@ class LanguageModelTask(Task):
 
     @torch.no_grad()
     def _nll(self, model, tokens: torch.Tensor, comm: Communicator) -> float:
-        from .data.ptb import stream_layout
+        from hpclb.data.ptb import stream_layout
 
         n = self.eval_streams
         length = stream_layout(len(tokens), n)
@@ -408,7 +408,7 @@ class DatasetSplit:
 
 def _check_split(split, which: str, spec: str) -> DatasetSplit:
     """``split`` must be a non-empty sized dataset whose sample 0 is ``(x, y)``, y an integer."""
-    from .config import ConfigError
+    from hpclb.config import ConfigError
 
     field = f"data.name {spec!r}"
     if not (hasattr(split, "__len__") and hasattr(split, "__getitem__")):
@@ -436,9 +436,9 @@ def load_plugin_data(data: dict, data_root) -> tuple[DatasetSplit, DatasetSplit]
     other than :data:`PLUGIN_DATA_RESERVED`; it must return two torch Datasets of ``(x, y)``.
 
     Raises ConfigError (naming data.name) when it does not import or returns the wrong thing."""
-    from .config import ConfigError
-    from .data import data_dir
-    from .plugins import load_object
+    from hpclb.config import ConfigError
+    from hpclb.data import data_dir
+    from hpclb.plugins import load_object
 
     spec = data["name"]
     fn = load_object(spec, "data.name")
@@ -458,13 +458,13 @@ def build_task(recipe: dict, data_root, *, train_samples=None, test_samples=None
     """
     data = recipe["data"]
     if recipe.get("plugin_path"):
-        from .plugins import add_search_path
+        from hpclb.plugins import add_search_path
 
         add_search_path(recipe["plugin_path"])
     kind = recipe.get("task", "classification")
     if kind == "classification":
-        from .data import load_dataset
-        from .plugins import is_plugin
+        from hpclb.data import load_dataset
+        from hpclb.plugins import is_plugin
 
         if is_plugin(data["name"]):
             train, test = load_plugin_data(data, data_root)
@@ -474,7 +474,7 @@ def build_task(recipe: dict, data_root, *, train_samples=None, test_samples=None
                                    test_samples=test_samples, augment=data.get("augment", True))
         return ClassificationTask(train, test, num_workers=data.get("num_workers"))
     if kind == "language_model":
-        from .data.ptb import Corpus, load_ptb
+        from hpclb.data.ptb import Corpus, load_ptb
 
         corpus = load_ptb(data_root)
         if train_samples or test_samples:  # smoke-run subsets, counted in bptt sequences
@@ -485,7 +485,7 @@ def build_task(recipe: dict, data_root, *, train_samples=None, test_samples=None
         return LanguageModelTask(corpus, bptt=data["bptt"],
                                  eval_streams=data.get("eval_streams", 10))
     if kind == "seq2seq":
-        from .data.translation import load_bible_pairs
+        from hpclb.data.translation import load_bible_pairs
 
         splits = load_bible_pairs(data_root)
         src, tgt = data.get("source", "en"), data.get("target", "es")
@@ -521,7 +521,7 @@ class Seq2seqTask(Task):
 
     def __init__(self, pairs: dict, *, vocab_size: int, max_length: int, eval_samples: int,
                  beam_size: int = 1, length_penalty: float = 0.6):
-        from .data.translation import train_sentencepiece
+        from hpclb.data.translation import train_sentencepiece
 
         train, test = pairs["train"], pairs["test"]
         self.src_sp = train_sentencepiece([s for s, _ in train], vocab_size)
@@ -553,14 +553,14 @@ class Seq2seqTask(Task):
 
     @staticmethod
     def _pad(seqs: list[list[int]], prefix: list[int] = (), suffix: list[int] = ()):
-        from .data.translation import PAD
+        from hpclb.data.translation import PAD
 
         rows = [list(prefix) + s + list(suffix) for s in seqs]
         width = max(1, max(len(r) for r in rows))
         return torch.tensor([r + [PAD] * (width - len(r)) for r in rows], dtype=torch.int64)
 
     def _tensors(self, src: list[list[int]], tgt: list[list[int]]):
-        from .data.translation import BOS, EOS, PAD
+        from hpclb.data.translation import BOS, EOS, PAD
 
         s = self._pad(src)
         return s, s != PAD, self._pad(tgt, prefix=[BOS]), self._pad(tgt, suffix=[EOS])
@@ -577,7 +577,7 @@ class Seq2seqTask(Task):
         return (*self._tensors(src, [self.train_tgt[j] for j in idx]), [len(x) for x in src])
 
     def loss(self, model, batch):
-        from .data.translation import PAD
+        from hpclb.data.translation import PAD
 
         src, mask, tgt_in, tgt_out, *lengths = batch
         logits = model(src, mask, tgt_in, *lengths)
@@ -597,7 +597,7 @@ class Seq2seqTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model, comm, batch_size: int = 64):
-        from .data.translation import EOS, PAD, bleu
+        from hpclb.data.translation import EOS, PAD, bleu
 
         model.eval()
         sums = torch.zeros(2, dtype=torch.float64)

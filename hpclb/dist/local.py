@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .base import Communicator, check_op
+from hpclb.dist.base import Communicator, check_op
 
 
 class SelfCommunicator(Communicator):

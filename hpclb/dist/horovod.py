@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Communicator, Handle, SideChannel, check_op
+from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
 
 
 class _HorovodHandle(Handle):
@@ -70,7 +70,7 @@ class HorovodCommunicator(Communicator):
 
     def _bind(self, device) -> torch.device:
         """The rank's device; CUDA: this rank's local GPU, made current."""
-        from ..device import bind_local_gpu
+        from hpclb.dist.device import bind_local_gpu
 
         return bind_local_gpu(device, self.local_rank)
 
@@ -128,7 +128,7 @@ class HorovodCommunicator(Communicator):
         if self._side is None:
             from mpi4py import MPI
 
-            from .mpi import _MPISideChannel
+            from hpclb.dist.mpi import _MPISideChannel
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 return None
             self._side = _MPISideChannel(MPI.COMM_WORLD.Dup(), MPI)

@@ -9,7 +9,7 @@ overrides folded in), because ``hpclb train`` applies the scaling rule itself
 and the warmup ``W0 * k`` epochs, the same number of steps, for ``k = B / B0``. What changes
 from the source run to ``B`` (k, peak LR, warmup epochs and steps, steps per epoch, total steps)
 is computed with the same functions and printed. With ``--scheduler`` the SLURM/PBS job script
-for the new batch is rendered by :func:`hpclb.jobs.render` beside the recipe.
+for the new batch is rendered by :func:`hpclb.tools.jobs.render` beside the recipe.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, resolve
-from .schedules import SCHEMES, Schedule, scale_warmup_epochs
+from hpclb.config import ConfigError, resolve
+from hpclb.schedules import SCHEMES, Schedule, scale_warmup_epochs
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,10 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
     (default ``RUN_DIR/recipe-b<B>-<scaling>.yaml``) and return what changed.
 
     ``num_samples``: the training-set size, needed only for data sets that
-    :data:`hpclb.jobs.TRAIN_SET_SIZES` does not know. ConfigError (nothing written) for a
+    :data:`hpclb.tools.jobs.TRAIN_SET_SIZES` does not know. ConfigError (nothing written) for a
     directory without config.json, a bad batch or scheme, or a schedule that cannot run at
     ``to_batch`` (e.g. LEGW's warmup longer than training; the message names the fix)."""
-    from .plot import num_train_samples
+    from hpclb.tools.plot import num_train_samples
 
     run = Path(run_dir)
     cfg = _read_config(run)
@@ -142,10 +142,10 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
               tasks_per_node: int | None = None, out: str | Path | None = None) -> Path:
     """Render the ``scheduler`` job script for the scaled recipe on ``nodes`` x (``gpus_per_node``
     or ``tasks_per_node``) ranks, each with ``batch / ranks`` samples, through
-    :func:`hpclb.jobs.render`; written to ``out`` (default: the recipe's path with ``.sbatch``
+    :func:`hpclb.tools.jobs.render`; written to ``out`` (default: the recipe's path with ``.sbatch``
     or ``.pbs``). ConfigError when the batch does not split evenly over the ranks or the job
     cannot be rendered (the message says what to change)."""
-    from .jobs import JobError, JobSpec, render
+    from hpclb.tools.jobs import JobError, JobSpec, render
 
     ranks = nodes * (tasks_per_node or gpus_per_node or 1) if nodes > 0 else 0
     if ranks <= 0 or s.batch % ranks:
@@ -171,7 +171,7 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
 def _cmd(args) -> int:
     """``hpclb scale``: write the recipe (and job script), print the changes; exit 2 on bad
     input."""
-    from .cli import _error
+    from hpclb.cli import _error
 
     if args.scheduler and (args.nodes is None or args.gpus_per_node is None):
         _error("--scheduler needs --nodes N and --gpus-per-node G (0 with --tasks-per-node "
@@ -200,7 +200,7 @@ def add_cli(sub) -> None:
     p.add_argument("--scaling", default="legw", choices=list(SCHEMES))
     p.add_argument("--out", help="recipe path (default RUN_DIR/recipe-b<B>-<scaling>.yaml)")
     p.add_argument("--num-samples", type=int, help="training-set size, for data sets "
-                   "hpclb.jobs.TRAIN_SET_SIZES does not know")
+                   "hpclb.tools.jobs.TRAIN_SET_SIZES does not know")
     p.add_argument("--scheduler", choices=("slurm", "pbs"), help="also write a job script "
                    "beside the recipe")
     p.add_argument("--nodes", type=int)

@@ -5,7 +5,7 @@ every rank with the message, never a hang: settings, data, the out directory and
 are checked inside :func:`agreed` (every rank runs the check, then all compare verdicts), and the
 resume-or-start decision is rank 0's, broadcast. Then, in this order: the device is bound (by the
 communicator), the model is built on it, checked and broadcast, each rank gets its own random
-streams (:mod:`hpclb.rng`), the optimizer is wrapped in :class:`~hpclb.step.DistributedOptimizer`
+streams (:mod:`hpclb.train.rng`), the optimizer is wrapped in :class:`~hpclb.sync.optimizer.DistributedOptimizer`
 (its GradientSync's buckets hold the gradients on the device), and a checkpoint, if any, is loaded
 onto whatever device this run uses.
 """
@@ -23,16 +23,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, CheckpointStore
-from .comm import Communicator
-from .config import ConfigError, RunConfig
-from .models import build_model
-from .optim import LAMB, LARS
-from .parallel import average_buffers, broadcast_parameters, check_model_consistency
-from .rng import resume_rank_rng, rng_state, seed_rank
-from .schedules import Schedule, ScheduleLR
-from .step import DistributedOptimizer
-from .tasks import Task, build_task
+from hpclb.train.checkpoint import CheckpointError, CheckpointStore
+from hpclb.dist import Communicator
+from hpclb.config import ConfigError, RunConfig
+from hpclb.models import build_model
+from hpclb.optim import LAMB, LARS
+from hpclb.sync.gradients import average_buffers, broadcast_parameters, check_model_consistency
+from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
+from hpclb.schedules import Schedule, ScheduleLR
+from hpclb.sync.optimizer import DistributedOptimizer
+from hpclb.tasks import Task, build_task
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".hpclb.lock"
@@ -235,7 +235,7 @@ def _load_decided(cfg: RunConfig, comm: Communicator, path: str | None, held):
         return None, None, held
 
     def load():
-        from .checkpoint import load_checkpoint
+        from hpclb.train.checkpoint import load_checkpoint
         try:
             return load_checkpoint(path)
         except (CheckpointError, OSError) as e:
@@ -326,7 +326,7 @@ def _restore(run: Run, ckpt: dict) -> None:
 def save_checkpoint(run: Run, epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor) -> None:
     """Collective: every rank's RNG state, the task's carried state and this epoch's sums are
     gathered, BatchNorm buffers averaged over ranks; rank 0 writes a new verified generation
-    (:class:`~hpclb.checkpoint.CheckpointStore`); nobody moves on before it is on disk."""
+    (:class:`~hpclb.train.checkpoint.CheckpointStore`); nobody moves on before it is on disk."""
     comm = run.comm
     average_buffers(run.model, comm)
     task_state = run.task.state_dict(comm)

@@ -2,7 +2,7 @@
 
 :class:`DistributedOptimizer` wraps any ``torch.optim.Optimizer``. Its ``step()`` does, in order:
 
-1. wait for the gradient allreduce (:class:`~hpclb.parallel.GradientSync`: fused buckets started
+1. wait for the gradient allreduce (:class:`~hpclb.sync.gradients.GradientSync`: fused buckets started
    during backward); on the first ``K - 1`` micro-batches of an accumulation window it returns
    ``False`` without stepping;
 2. unscale the fp16 loss scale (when a ``torch.amp.GradScaler`` is given);
@@ -24,8 +24,8 @@ import time
 import torch
 from torch import Tensor, nn
 
-from .comm import Communicator
-from .parallel import GradientSync
+from hpclb.dist import Communicator
+from hpclb.sync.gradients import GradientSync
 
 
 class NonFiniteError(FloatingPointError):
@@ -72,7 +72,7 @@ class DistributedOptimizer:
         scaler: a ``torch.amp.GradScaler`` for fp16 (the caller scales the loss with
             ``scaler.scale(loss).backward()``; ``step()`` unscales before the norm, clipping and
             trust ratios, and updates the scale).
-        **sync_options: passed to :class:`~hpclb.parallel.GradientSync` (fusion_threshold_bytes,
+        **sync_options: passed to :class:`~hpclb.sync.gradients.GradientSync` (fusion_threshold_bytes,
             overlap, compression, stall_timeout_s, track_local_norm, ...).
 
     Attributes after each ``step()``: ``grad_norm`` (0-d float32 device tensor, the averaged
@@ -99,7 +99,7 @@ class DistributedOptimizer:
             raise ValueError(f"max_nonfinite_steps={max_nonfinite_steps!r} must be an int >= 1 "
                              f"(consecutive skipped steps before the run stops)")
         if comm is None:
-            from .api import communicator
+            from hpclb.api import communicator
             comm = communicator()
         named = _named(model_or_named_parameters)
         known = {id(p) for _, p in named}

@@ -1,8 +1,8 @@
 """The training loop, as one rank sees it (docs/design.md, "One training step").
 
-1. :func:`hpclb.run.setup_run` builds or resumes the run: settings, data, out directory and
+1. :func:`hpclb.train.setup.setup_run` builds or resumes the run: settings, data, out directory and
    checkpoint agreed by all ranks; the model on this rank's device, broadcast from rank 0;
-   per-rank random streams; the optimizer wrapped in :class:`~hpclb.step.DistributedOptimizer`.
+   per-rank random streams; the optimizer wrapped in :class:`~hpclb.sync.optimizer.DistributedOptimizer`.
 2. Each step (:func:`train_step`), each rank reads its share of the global batch from the
    :class:`~hpclb.tasks.Task` (a :class:`~hpclb.data.sampler.GlobalBatchSampler`: no padding,
    the same global batch at every world size; language models: this rank's token streams),
@@ -14,7 +14,7 @@
 3. The LR comes from :mod:`hpclb.schedules` for this global step (LEGW or a baseline).
 4. Every ``log_every`` steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios,
    samples/s, compute vs exposed communication, skipped steps, device memory) goes to
-   ``metrics.jsonl`` and TensorBoard (:mod:`hpclb.observe`); statistics stay on the device in
+   ``metrics.jsonl`` and TensorBoard (:mod:`hpclb.train.metrics`); statistics stay on the device in
    between. At each epoch end: metrics reduced over ranks, BatchNorm buffers averaged, evaluation,
    an epoch line, a checkpoint.
 
@@ -40,14 +40,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .comm import Communicator
-from .config import RunConfig, check_checkpoint_interval
-from .observe import RunLogger
-from .parallel import average_buffers
-from .run import Run, save_checkpoint, setup_run
-from .step import NonFiniteError
-from .steplog import StepLog
-from .tasks import to_device
+from hpclb.dist import Communicator
+from hpclb.config import RunConfig, check_checkpoint_interval
+from hpclb.train.metrics import RunLogger
+from hpclb.sync.gradients import average_buffers
+from hpclb.train.setup import Run, save_checkpoint, setup_run
+from hpclb.sync.optimizer import NonFiniteError
+from hpclb.train.steplog import StepLog
+from hpclb.tasks import to_device
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
 DIVERGED_EXIT_CODE = 3    # the run diverged (non-finite loss/gradient); not requeued
@@ -243,7 +243,7 @@ class _Say:
 
 
 def _header(run: Run, say: _Say) -> None:
-    from .device import device_info
+    from hpclb.dist.device import device_info
 
     cfg, comm, sched = run.cfg, run.comm, run.schedule
     info = device_info(run.device)
@@ -325,7 +325,7 @@ def _epoch_line(row: dict, n_epochs: int) -> str:
 
 
 def _summary(run: Run) -> dict:
-    from .device import device_info
+    from hpclb.dist.device import device_info
 
     cfg, history, sched = run.cfg, run.pos.history, run.schedule
     target = cfg.recipe.get("target") or {}

@@ -6,9 +6,9 @@ import importlib.util
 import os
 import socket
 
-from .base import (REDUCE_OPS, CompletedHandle, Communicator, Handle, SideChannel, launcher_kind,
-                   launcher_world_size)
-from .local import SelfCommunicator
+from hpclb.dist.base import (REDUCE_OPS, CompletedHandle, Communicator, Handle, SideChannel,
+                             launcher_kind, launcher_world_size)
+from hpclb.dist.local import SelfCommunicator
 
 BACKENDS = ("auto", "mpi", "horovod", "torch", "self")
 _world: Communicator | None = None
@@ -41,7 +41,7 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
 
     backend: see :func:`resolve_backend`. device: ``auto`` (cuda when a GPU is visible),
     ``cpu`` or ``cuda``; share_gpu: allow more ranks than GPUs on a node (tests on one GPU).
-    Where the launcher sets a node-local rank (:func:`hpclb.device.env_local_rank`) the GPU is
+    Where the launcher sets a node-local rank (:func:`hpclb.dist.device.env_local_rank`) the GPU is
     bound *before* MPI/NCCL initialise; afterwards the communicator's node-local rank (MPI's
     shared-memory split) must agree with the launcher's, and the device is chosen among the
     ranks of the node that see the same GPUs (so per-task GPU binding, one GPU per rank, is
@@ -54,7 +54,7 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
     when a communicator of another backend already exists in this process.
     """
     global _world
-    from ..device import env_local_rank, select_device
+    from hpclb.dist.device import env_local_rank, select_device
     backend = resolve_backend(backend)
     if _world is not None:
         if _world.backend != backend:
@@ -66,7 +66,7 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
         early = select_device(device, env_rank, 1)
     comm = _create(backend, early if early is not None else device, share_gpu)
     if env_rank is not None and comm.local_rank != env_rank:
-        from ..config import ConfigError
+        from hpclb.config import ConfigError
         raise ConfigError(
             f"the launcher says this process is node-local rank {env_rank} but the {backend} "
             f"backend finds node-local rank {comm.local_rank} (of {comm.local_size}): the "
@@ -80,16 +80,16 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
 
 def _create(backend: str, device, share_gpu: bool) -> Communicator:
     if backend == "mpi":
-        from .mpi import MPICommunicator
+        from hpclb.dist.mpi import MPICommunicator
         return MPICommunicator()
     if backend == "horovod":
-        from .horovod import HorovodCommunicator
+        from hpclb.dist.horovod import HorovodCommunicator
         try:
             return HorovodCommunicator(device=device)
         except ImportError as e:
             raise RuntimeError(str(e)) from e
     if backend == "torch":
-        from .torch_dist import TorchCommunicator
+        from hpclb.dist.torch_dist import TorchCommunicator
         return TorchCommunicator(device=device, share_gpu=share_gpu)
     return SelfCommunicator()
 

@@ -10,7 +10,7 @@
   lines where there are some, else the per-epoch rows). Written into the run directory (one
   run) or beside the run directories (several).
 - :func:`plot_sweep`: a sweep's ``<experiment>.json`` (``hpclb sweep``) drawn by
-  :func:`hpclb.sweep.plot` (metric against batch size per scheme with B0 marked, and the LR of
+  :func:`hpclb.tools.sweep.plot` (metric against batch size per scheme with B0 marked, and the LR of
   every point), written beside the JSON.
 
 Every figure is drawn with matplotlib's Agg backend (no display needed) and written atomically.
@@ -24,15 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .config import ConfigError, load_recipe, resolve
-from .observe import finite, read_metrics
-from .schedules import SCHEMES, Schedule
+from hpclb.config import ConfigError, load_recipe, resolve
+from hpclb.train.metrics import finite, read_metrics
+from hpclb.schedules import SCHEMES, Schedule
 
 
 def _pyplot():
     """matplotlib.pyplot on the Agg backend; MissingExtraError (pip install 'hpclb[experiments]')
     without matplotlib."""
-    from .extras import require
+    from hpclb.extras import require
 
     matplotlib = require("matplotlib", "hpclb plot")
     matplotlib.use("Agg")
@@ -84,13 +84,13 @@ def sample_steps(sched: Schedule, points: int = 300) -> list[int]:
 
 def num_train_samples(recipe: dict, num_samples: int | None = None) -> int:
     """Training-set size of a recipe without reading the data: ``num_samples`` if given, else
-    :func:`hpclb.jobs.train_set_size` (published sizes, ``data.train_samples`` subsets).
+    :func:`hpclb.tools.jobs.train_set_size` (published sizes, ``data.train_samples`` subsets).
     ConfigError naming ``--num-samples`` for a data set that table does not know."""
     if num_samples is not None:
         if not (isinstance(num_samples, int) and num_samples > 0):
             raise ConfigError(f"--num-samples must be a positive integer, got {num_samples!r}")
         return num_samples
-    from .jobs import JobError, train_set_size
+    from hpclb.tools.jobs import JobError, train_set_size
 
     try:
         return train_set_size(recipe)[0]
@@ -262,10 +262,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None):
 
 def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
     """Redraw a sweep's results (``results/sweeps/<experiment>.json``) with
-    :func:`hpclb.sweep.plot` to ``out`` (default: the JSON's path with ``.png``); returns
+    :func:`hpclb.tools.sweep.plot` to ``out`` (default: the JSON's path with ``.png``); returns
     ``(path, figure)``. ConfigError when the file is missing, not a sweep's JSON or has no
     rows."""
-    from . import sweep
+    from hpclb.tools import sweep
 
     path = Path(sweep_json)
     if not path.is_file():
@@ -286,8 +286,8 @@ def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
 
 def _cmd(args) -> int:
     """``hpclb plot schedule|runs|sweep``: print the PNG's path; exit 2 on bad input."""
-    from .cli import _error
-    from .extras import MissingExtraError
+    from hpclb.cli import _error
+    from hpclb.extras import MissingExtraError
 
     try:
         if args.plot_command == "schedule":
@@ -323,7 +323,7 @@ def add_cli(sub) -> None:
     s.add_argument("--epochs", type=float, help="training budget (default: the recipe's)")
     s.add_argument("--optimizer", help="whose B0 LR (default: the recipe's optimizer)")
     s.add_argument("--num-samples", type=int, help="training-set size, for data sets "
-                   "hpclb.jobs.TRAIN_SET_SIZES does not know")
+                   "hpclb.tools.jobs.TRAIN_SET_SIZES does not know")
     s.add_argument("--out", help="PNG path (default results/schedules/<experiment>.png)")
     r = psub.add_parser("runs", help="loss, metric, LR, trust ratios of runs vs epoch")
     r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -1,4 +1,4 @@
-"""The settings of :class:`hpclb.parallel.GradientSync`, read from arguments and the environment in
+"""The settings of :class:`hpclb.sync.gradients.GradientSync`, read from arguments and the environment in
 one place and validated with their units.
 
 Every setting may come from an argument or from an ``HPCLB_*`` environment variable (the argument
@@ -61,7 +61,7 @@ def _seconds(raw: str) -> float:
 
 @dataclass(frozen=True)
 class SyncOptions:
-    """Resolved GradientSync settings (see :class:`hpclb.parallel.GradientSync` for meanings).
+    """Resolved GradientSync settings (see :class:`hpclb.sync.gradients.GradientSync` for meanings).
 
     Units: ``*_bytes`` bytes, ``*_s`` seconds. ``overlap`` is still ``"auto"`` here; the
     communicator decides it (:meth:`overlap_for`)."""

@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from . import schedules
-from .models import MODELS
+from hpclb import schedules
+from hpclb.models import MODELS
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "lars", "lamb")
 DATASETS = ("mnist", "fashion-mnist", "imagenet", "synthetic", "ptb", "bible-en-es")
@@ -219,8 +219,8 @@ def _check_model_args(model: dict, kind: str, where: str) -> None:
     without a default must be given. Imports a plug-in (ConfigError saying why it fails)."""
     from torch import nn
 
-    from .models import model_factory
-    from .plugins import check_kwargs, is_plugin
+    from hpclb.models import model_factory
+    from hpclb.plugins import check_kwargs, is_plugin
 
     name = model["name"]
     factory = model_factory(name)
@@ -288,8 +288,8 @@ def _plugin_path(recipe: dict, path: Path, where: str) -> list[str]:
 def _check_plugin_data(data: dict, kind: str, where: str) -> None:
     """A plug-in ``data.name``: a classification task, a function taking ``data_dir`` first
     and the data section's other keys as keyword arguments. Imports it (ConfigError why not)."""
-    from .plugins import check_kwargs, load_object, signature_of
-    from .tasks import PLUGIN_DATA_RESERVED
+    from hpclb.plugins import check_kwargs, load_object, signature_of
+    from hpclb.tasks import PLUGIN_DATA_RESERVED
 
     name = data["name"]
     _require(kind == "classification", f"{where}: data.name",
@@ -444,7 +444,7 @@ def load_recipe(experiment: str) -> dict[str, Any]:
     ``sys.path``. Raises ConfigError naming the offending field (a duplicate key with its line);
     warns (:class:`RecipeWarning`) for valid values outside their sensible range.
     """
-    from .plugins import add_search_path, is_plugin
+    from hpclb.plugins import add_search_path, is_plugin
 
     path = _recipe_path(experiment)
     recipe = _read_yaml(path)

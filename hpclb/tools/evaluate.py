@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_checkpoint
-from .comm import Communicator
-from .config import ConfigError
-from .models import build_model
-from .tasks import build_task
+from hpclb.train.checkpoint import load_checkpoint
+from hpclb.dist import Communicator
+from hpclb.config import ConfigError
+from hpclb.models import build_model
+from hpclb.tasks import build_task
 
 
 def _decoding_overrides(recipe: dict, beam_size: int | None,

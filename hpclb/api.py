@@ -56,7 +56,8 @@ def broadcast_parameters(model: nn.Module, comm: Communicator | None = None, roo
     """Make every rank's parameters and buffers rank ``root``'s (one broadcast per tensor), after
     checking that every rank built the same model (names, shapes, dtypes: ModelMismatchError on
     every rank otherwise, naming the first difference)."""
-    from hpclb.sync.gradients import broadcast_parameters as _bcast, check_model_consistency
+    from hpclb.sync.gradients import broadcast_parameters as _bcast
+    from hpclb.sync.gradients import check_model_consistency
 
     comm = comm or communicator()
     check_model_consistency(model, comm)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from hpclb.errors import MissingExtraError
+
 #: top-level module -> (distribution name, extra that installs it)
 OPTIONAL: dict[str, tuple[str, str]] = {
     "jinja2": ("jinja2", "experiments"),
@@ -21,10 +23,6 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "cupy": ("cupy-cuda13x", "gpu"),
     "horovod": ("horovod", "horovod"),
 }
-
-
-class MissingExtraError(ModuleNotFoundError):
-    """An optional dependency is not installed; the message names the extra to install."""
 
 
 def require(module: str, purpose: str) -> ModuleType:

@@ -181,7 +181,7 @@ def advise(run_dir, last: int = 3) -> dict[str, Any]:
     import json
     from pathlib import Path
 
-    from hpclb.config import ConfigError
+    from hpclb.errors import ConfigError
     from hpclb.train.metrics import finite, read_metrics
 
     run = Path(run_dir)
@@ -241,7 +241,7 @@ def format_advice(a: dict[str, Any]) -> str:
 def _cmd(args) -> int:
     """``hpclb advise RUN_DIR``: print critical and recommended batch; exit 2 without data."""
     from hpclb.cli import _error
-    from hpclb.config import ConfigError
+    from hpclb.errors import ConfigError
 
     try:
         print(format_advice(advise(args.run_dir, last=args.last)))

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from hpclb.config import ConfigError
+from hpclb.errors import ConfigError
 
 
 def is_plugin(name: Any) -> bool:

@@ -38,6 +38,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from hpclb.errors import WarmupTooLong
+
 SCALING_RULES = ("none", "linear", "sqrt")
 WARMUP_RULES = ("legw", "fixed", "none")
 DECAYS = ("constant", "poly", "exponential", "multistep", "cosine")
@@ -206,23 +208,6 @@ def _round_up(x: float, digits: int = 3) -> float:
     return float(f"{math.ceil(x / quantum - 1e-9) * quantum:.{digits}g}")
 
 
-class WarmupTooLong(ValueError):
-    """Warmup is not shorter than training. ``problem`` states the two lengths; ``min_epochs``
-    is (rounded up) the smallest training budget in epochs whose steps exceed the warmup at
-    this batch (the warmup does not depend on the budget)."""
-
-    def __init__(self, warmup_steps: int, total_steps: int, steps_per_epoch: int):
-        self.warmup_steps, self.total_steps = warmup_steps, total_steps
-        self.steps_per_epoch = steps_per_epoch
-        # total_steps = ceil(epochs * spe) > warmup_steps  <=>  epochs > warmup_steps / spe
-        self.min_epochs = _round_up((warmup_steps + 1) / steps_per_epoch)
-        self.problem = (f"warmup ({warmup_steps} steps = {warmup_steps / steps_per_epoch:.3g} "
-                        f"epochs) must be shorter than training ({total_steps} steps = "
-                        f"{total_steps / steps_per_epoch:.3g} epochs)")
-        super().__init__(f"{self.problem}; train more epochs (at least {self.min_epochs:g} for "
-                         f"this batch), use a smaller batch, or shorten warmup_epochs")
-
-
 @dataclass(frozen=True)
 class Schedule:
     """The LR of every step of one run, a pure function of the global step.
@@ -247,7 +232,8 @@ class Schedule:
             raise ValueError(f"total_steps ({self.total_steps}) and steps_per_epoch "
                              f"({self.steps_per_epoch}) must be > 0")
         if self.warmup_steps >= self.total_steps:
-            raise WarmupTooLong(self.warmup_steps, self.total_steps, self.steps_per_epoch)
+            raise WarmupTooLong(self.warmup_steps, self.total_steps, self.steps_per_epoch,
+                                _round_up((self.warmup_steps + 1) / self.steps_per_epoch))
         validate_decay(self.decay, self.decay_params)
 
     @classmethod

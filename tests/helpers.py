@@ -5,9 +5,9 @@ from pathlib import Path
 
 import yaml
 
-from hpclb.train import loop as train_mod
-from hpclb.dist import SelfCommunicator
 from hpclb.config import load_recipe, resolve
+from hpclb.dist import SelfCommunicator
+from hpclb.train import loop as train_mod
 
 
 def quick_recipe(tmp_path: Path, **changes) -> str:

@@ -7,8 +7,9 @@ import subprocess
 import pytest
 import torch
 
+from hpclb.errors import CheckpointError
 from hpclb.train import checkpoint as C
-from hpclb.train.checkpoint import CheckpointError, CheckpointStore
+from hpclb.train.checkpoint import CheckpointStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import quick_recipe
 
 BIN = Path(sys.executable).parent
@@ -171,7 +170,8 @@ def test_bad_flags_fail_in_process(tmp_path, in_process, args, message):
 
 
 def test_checkpoint_interval_zero_means_off():
-    from hpclb.config import ConfigError, check_checkpoint_interval
+    from hpclb.config import check_checkpoint_interval
+    from hpclb.errors import ConfigError
     assert check_checkpoint_interval(0) == 0 and check_checkpoint_interval(None) is None
     assert check_checkpoint_interval(1800.0) == 1800.0
     with pytest.raises(ConfigError, match="--checkpoint-interval"):
@@ -190,7 +190,8 @@ def test_batch_larger_than_the_training_set(tmp_path, in_process, mnist_dir):
 
 
 def test_warmup_message_names_the_command_line_fixes(tmp_path, mnist_dir):
-    from hpclb.config import ConfigError, resolve
+    from hpclb.config import resolve
+    from hpclb.errors import ConfigError
     recipe = quick_recipe(tmp_path)  # 4,096 images, B0 128, warmup 0.25 epochs = 8 steps
     with pytest.raises(ConfigError) as e:
         resolve(recipe, batch_size=256, epochs=0.1).schedule(4096)  # 16 steps/epoch, warmup 8

@@ -7,10 +7,15 @@ import time
 
 import pytest
 import torch
-
 from conftest import all_ranks_ok
-from hpclb.dist import (BACKENDS, SelfCommunicator, get_communicator, launcher_kind,
-                        resolve_backend)
+
+from hpclb.dist import (
+    BACKENDS,
+    SelfCommunicator,
+    get_communicator,
+    launcher_kind,
+    resolve_backend,
+)
 from hpclb.dist.testing import assert_all
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16)

@@ -11,9 +11,8 @@ import os
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import all_ranks_ok
+from torch import nn
 
 pytestmark = [
     pytest.mark.mpi,

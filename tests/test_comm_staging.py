@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import all_ranks_ok
+
 from hpclb.dist.mpi import HostStaging, _DeviceBuffer, _MPIHandle, cuda_aware_mpi
 
 pytestmark = pytest.mark.timeout(60, method="thread")

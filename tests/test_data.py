@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from hpclb.data import DataError
 from hpclb.data.fetch import md5sum
 from hpclb.data.idx import read_idx
 from hpclb.data.mnist import FILES, load_mnist
+from hpclb.errors import DataError
 
 
 def write_idx(path, arr, code=0x08):

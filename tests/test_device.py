@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpclb.config import ConfigError
-from hpclb.dist.device import (LOCAL_RANK_VARS, device_info, env_local_rank, gpus_idle_warning,
-                          select_device)
+from hpclb.dist.device import (
+    LOCAL_RANK_VARS,
+    device_info,
+    env_local_rank,
+    gpus_idle_warning,
+    select_device,
+)
+from hpclb.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
 

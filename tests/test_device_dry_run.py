@@ -8,10 +8,10 @@ import pytest
 import torch
 import yaml
 
-from hpclb.dist import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.train.setup import setup_run
+from hpclb.dist import SelfCommunicator
 from hpclb.train.loop import train_step
+from hpclb.train.setup import setup_run
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(300)

@@ -2,13 +2,14 @@
 import json
 
 import pytest
+from helpers import quick_recipe
 
 from hpclb import cli
-from hpclb.train import loop as train_mod
+from hpclb.config import resolve
 from hpclb.dist import SelfCommunicator
-from hpclb.config import ConfigError, resolve
+from hpclb.errors import ConfigError
 from hpclb.tools.evaluate import evaluate_run
-from helpers import quick_recipe
+from hpclb.train import loop as train_mod
 
 
 @pytest.fixture(scope="module")

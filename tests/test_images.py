@@ -5,17 +5,28 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
-from hpclb.train import loop as train_mod
+
+from hpclb.config import load_recipe, resolve
+from hpclb.data import load_dataset
+from hpclb.data.images import (
+    CROP_RATIO,
+    CROP_SCALE,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImageFolder,
+    SyntheticImages,
+    load_fashion_mnist,
+    load_imagenet,
+    random_resized_crop_box,
+    sample_seed,
+    train_crop,
+)
 from hpclb.dist import SelfCommunicator
-from hpclb.config import ConfigError, load_recipe, resolve
-from hpclb.data import DataError, load_dataset
-from hpclb.data.images import (CROP_RATIO, CROP_SCALE, IMAGENET_MEAN, IMAGENET_STD, ImageFolder,
-                               SyntheticImages, load_fashion_mnist, load_imagenet,
-                               random_resized_crop_box, sample_seed, train_crop)
+from hpclb.errors import ConfigError, DataError
 from hpclb.models import ResNet50, SmallResNet
 from hpclb.tasks import ClassificationTask, build_task
+from hpclb.train import loop as train_mod
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from hpclb import schedules
-
-from hpclb.tools import jobs
 from hpclb.cli import main
 from hpclb.config import load_recipe
-from hpclb.tools.jobs import JobError, JobSpec, render
+from hpclb.errors import JobError
+from hpclb.tools import jobs
+from hpclb.tools.jobs import JobSpec, render
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = jobs.example_specs()

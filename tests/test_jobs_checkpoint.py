@@ -2,12 +2,12 @@
 checkpoints ride on the preemption allreduce and do not change the trajectory."""
 import pytest
 import torch
+from helpers import quick_recipe
 
+from hpclb.config import resolve
+from hpclb.dist import SelfCommunicator
 from hpclb.train import loop as train_mod
 from hpclb.train.checkpoint import CheckpointStore, load_checkpoint
-from hpclb.dist import SelfCommunicator
-from hpclb.config import resolve
-from helpers import quick_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hpclb.tools import jobs
 from hpclb.config import load_recipe
+from hpclb.tools import jobs
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hpclb.optim import fused as K  # noqa: E402
 from hpclb.bench.shapes import BERT_LARGE, RESNET50  # noqa: E402
+from hpclb.optim import fused as K  # noqa: E402
 
 try:
     import pytest

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpclb.optim import fused as K
-from hpclb.sync import gradients as parallel
 from hpclb.dist import SelfCommunicator
 from hpclb.models import LSTMLanguageModel, MnistLSTM, SmallResNet
 from hpclb.optim import LAMB, LARS
+from hpclb.optim import fused as K
+from hpclb.sync import gradients as parallel
 from hpclb.sync.gradients import GradientSync
 
 REPO = Path(__file__).resolve().parents[1]

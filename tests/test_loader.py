@@ -13,10 +13,11 @@ import pytest
 import torch
 import yaml
 
-from hpclb.config import ConfigError, load_recipe
+from hpclb.config import load_recipe
 from hpclb.data import images
 from hpclb.data.images import INDEX_NAME, ImageFolder, folder_index
 from hpclb.data.loader import StepBatchSampler, default_num_workers
+from hpclb.errors import ConfigError
 from hpclb.tasks import ClassificationTask
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,16 +7,20 @@ import os
 
 import pytest
 import torch
-
 from conftest import all_ranks_ok
 from helpers import quick_recipe, train_multi_and_single
+
+from hpclb.config import resolve
+from hpclb.errors import ModelMismatchError
+from hpclb.models import MnistLSTM
+from hpclb.sync.gradients import (
+    GradientSync,
+    broadcast_parameters,
+    check_model_consistency,
+)
 from hpclb.train import loop as train_mod
 from hpclb.train.checkpoint import load_checkpoint
-from hpclb.config import resolve
 from hpclb.train.metrics import read_metrics
-from hpclb.models import MnistLSTM
-from hpclb.sync.gradients import (GradientSync, ModelMismatchError, broadcast_parameters,
-                            check_model_consistency)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 

@@ -6,13 +6,13 @@ scalars, every rank shares the verdict."""
 import math
 
 import pytest
-
 from conftest import all_ranks_ok
 from helpers import quick_recipe
-from hpclb.train import loop as train_mod
+
 from hpclb.config import resolve
-from hpclb.train.metrics import read_metrics, tensorboard_tag
 from hpclb.schedules import Schedule
+from hpclb.train import loop as train_mod
+from hpclb.train.metrics import read_metrics, tensorboard_tag
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(240)]
 

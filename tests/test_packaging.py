@@ -111,7 +111,8 @@ def test_constraints_pin_every_requirement_exactly():
 
 def test_missing_extra_names_the_pip_command(monkeypatch):
     from hpclb.data import translation
-    from hpclb.extras import MissingExtraError, require
+    from hpclb.errors import MissingExtraError
+    from hpclb.extras import require
 
     monkeypatch.setitem(sys.modules, "sacrebleu", None)  # import sacrebleu -> ModuleNotFoundError
     with pytest.raises(MissingExtraError, match=r"BLEU needs sacrebleu.*pip install 'hpclb\[experiments\]'"):

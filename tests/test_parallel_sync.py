@@ -13,12 +13,12 @@ import time
 
 import pytest
 import torch
+from conftest import all_ranks_ok
 from torch import nn
 
-from conftest import all_ranks_ok
+from hpclb.errors import ModelMismatchError
 from hpclb.models import MnistLSTM
-from hpclb.sync.gradients import (GradientSync, ModelMismatchError, agree_num_steps,
-                            check_model_consistency)
+from hpclb.sync.gradients import GradientSync, agree_num_steps, check_model_consistency
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120, method="thread")]
 MODES = ("none", "thread", "nonblocking")

@@ -12,8 +12,13 @@ from torch import nn
 from hpclb.dist import SelfCommunicator, SideChannel
 from hpclb.dist.testing import ScaledComm
 from hpclb.dist.watchdog import StallWatchdog
-from hpclb.sync.gradients import (DEFAULT_FUSION_THRESHOLD_BYTES, GradientSync, MiB, ModelMismatchError,
-                            agree_num_steps)
+from hpclb.errors import ModelMismatchError
+from hpclb.sync.gradients import (
+    DEFAULT_FUSION_THRESHOLD_BYTES,
+    GradientSync,
+    MiB,
+    agree_num_steps,
+)
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 MODES = ("none", "thread", "nonblocking")

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
+from hpclb.config import resolve
+from hpclb.errors import ConfigError
 from hpclb.tools import plot
-from hpclb.config import ConfigError, resolve
 from hpclb.train.metrics import RunLogger
 
 pytestmark = pytest.mark.timeout(120)

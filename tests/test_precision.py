@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpclb.train import setup as run_mod
-from hpclb.train import loop as train_mod
-from hpclb.train.checkpoint import load_checkpoint
-from hpclb.dist import SelfCommunicator
 from hpclb.config import resolve
+from hpclb.dist import SelfCommunicator
+from hpclb.train import loop as train_mod
+from hpclb.train import setup as run_mod
+from hpclb.train.checkpoint import load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import preempt_at, quick_recipe  # noqa: E402

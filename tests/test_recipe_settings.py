@@ -5,9 +5,10 @@ import re
 import warnings
 
 import pytest
-
 from helpers import quick_recipe
-from hpclb.config import RUN_SETTINGS, ConfigError, RecipeWarning, load_recipe, resolve
+
+from hpclb.config import RUN_SETTINGS, load_recipe, resolve
+from hpclb.errors import ConfigError, RecipeWarning
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,9 +6,10 @@ import pytest
 import yaml
 
 from hpclb import cli
-from hpclb.config import ConfigError, load_recipe, resolve
-from hpclb.train.metrics import RunLogger
+from hpclb.config import load_recipe, resolve
+from hpclb.errors import ConfigError
 from hpclb.tools.scale import scale_run, write_job
+from hpclb.train.metrics import RunLogger
 
 pytestmark = pytest.mark.timeout(120)
 N = 60_000  # MNIST training images: hpclb.tools.jobs.TRAIN_SET_SIZES

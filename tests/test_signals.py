@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import quick_recipe
 from test_cli import ENV, MPIRUN  # the Open MPI settings of every CLI test
 

@@ -2,10 +2,10 @@
 import json
 
 import pytest
-
-from hpclb.tools import sweep
-from hpclb.config import ConfigError
 from helpers import quick_recipe
+
+from hpclb.errors import ConfigError
+from hpclb.tools import sweep
 
 pytestmark = pytest.mark.slow
 

@@ -3,14 +3,14 @@ import json
 
 import pytest
 import torch
+from helpers import preempt_at, quick_recipe
 
+from hpclb.config import resolve
+from hpclb.dist import SelfCommunicator
+from hpclb.errors import ConfigError, DataError
 from hpclb.train import loop as train_mod
 from hpclb.train.checkpoint import load_checkpoint
-from hpclb.dist import SelfCommunicator
-from hpclb.config import ConfigError, resolve
-from hpclb.data import DataError
 from hpclb.train.metrics import read_metrics
-from helpers import preempt_at, quick_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def test_two_runs_into_one_out_directory_at_once_are_refused(tmp_path, mnist_dir
     """Rank 0 holds a lock on --out for the whole run: a second run started into the same
     directory while the first is running is a ConfigError naming the holder and the fix; once
     the first run ends (or dies), the directory is free again."""
-    from hpclb.config import ConfigError
+    from hpclb.errors import ConfigError
     from hpclb.train.setup import setup_run
 
     cfg = resolve(quick_recipe(tmp_path), out=str(tmp_path / "run"),

@@ -4,7 +4,8 @@ import functools
 import pytest
 import torch
 
-from hpclb.config import ConfigError, load_recipe, resolve
+from hpclb.config import load_recipe, resolve
+from hpclb.errors import ConfigError
 from hpclb.models import GNMT
 
 
@@ -33,8 +34,9 @@ def test_gnmt_recipes_validate():
     assert (r["base_batch_size"], r["data"]["name"], r["task"]) == (128, "bible-en-es", "seq2seq")
     assert r["model"]["hidden_size"] == 1024 and load_recipe("gnmt-cpu")["task"] == "seq2seq"
     with pytest.raises(ConfigError, match="data.source"):
-        import yaml
         from pathlib import Path
+
+        import yaml
         bad = dict(r, data={"name": "bible-en-es", "source": "fr"})
         p = Path(__import__("tempfile").mkdtemp()) / "bad.yaml"
         p.write_text(yaml.safe_dump(bad))
@@ -52,7 +54,9 @@ def test_bleu_of_known_pairs():
 def test_bible_pairs_real_files():
     import os
     from pathlib import Path
+
     from conftest import REPO
+
     from hpclb.data.translation import TEST_BOOKS, load_bible_pairs
     base = Path(os.environ.get("HPCLB_DATA", REPO / "data"))
     if not (base / "bible-en-es" / "pairs.tsv").is_file():
@@ -76,8 +80,9 @@ def test_seq2seq_trains_and_scores_bleu(tmp_path):
 
     import yaml
     from conftest import REPO
-    from hpclb.train import loop as train_mod
+
     from hpclb.dist import SelfCommunicator
+    from hpclb.train import loop as train_mod
     base = Path(os.environ.get("HPCLB_DATA", REPO / "data"))
     if not (base / "bible-en-es" / "pairs.tsv").is_file():
         pytest.skip(f"bible-en-es not staged in {base}; run `make data`")
@@ -270,6 +275,7 @@ def test_seq2seq_evaluation_uses_the_recipes_decoder(one_thread, monkeypatch):
     """Seq2seqTask.evaluate calls greedy for beam_size 1, else beam_search with the recipe's
     beam_size and length_penalty (tiny synthetic pairs, untrained model)."""
     import random
+
     from hpclb.dist import SelfCommunicator
     from hpclb.tasks import Seq2seqTask
     en = "the cat dog sat ran on a mat home and big small".split()

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from hpclb.optim import fused as K
 from hpclb.bench import shapes
+from hpclb.optim import fused as K
 from hpclb.optim import trust
 
 

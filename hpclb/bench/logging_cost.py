@@ -59,6 +59,7 @@ SHARED_NOTE = ("measured on a shared 2-core CPU machine while other jobs ran (se
 def bench_recipe(path: Path, train_samples: int, test_samples: int, epochs: float) -> Path:
     """Write the packaged mnist-lstm recipe on a data subset to ``path`` (YAML); returns it."""
     import yaml
+
     from hpclb.config import load_recipe
 
     recipe = load_recipe("mnist-lstm")
@@ -122,11 +123,12 @@ def interleaved_steps(comm, recipe: str, work: Path, data_dir: str | None,
     variants alike. Collective.
     """
     import torch
+
     from hpclb.config import resolve
+    from hpclb.train.loop import train_step
     from hpclb.train.metrics import RunLogger
     from hpclb.train.setup import setup_run
     from hpclb.train.steplog import StepLog
-    from hpclb.train.loop import train_step
 
     runs = {}
     for name, settings in VARIANTS.items():
@@ -166,10 +168,11 @@ def blocks(times: list[float], size: int) -> list[float]:
 def worker(args) -> int:
     """Inside ``mpirun``: every variant once per round (rotated order); rank 0 writes the runs."""
     import torch
-    from hpclb.dist import get_communicator
-    from hpclb.config import resolve
-    from hpclb.train.loop import train
+
     from hpclb.bench.allreduce import conditions
+    from hpclb.config import resolve
+    from hpclb.dist import get_communicator
+    from hpclb.train.loop import train
 
     comm = get_communicator("mpi")
     timer = _StepLogTimer()

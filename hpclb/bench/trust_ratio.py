@@ -131,8 +131,8 @@ def bench_cpu(name, shapes, dtype, repeat, warmup) -> dict:
 
 
 def bench_gpu(name, shapes, dtype, repeat, warmup, copy_gbs) -> dict:
-    from hpclb.optim import fused as kernels
     from hpclb.optim import LARS
+    from hpclb.optim import fused as kernels
 
     dev = torch.device("cuda", torch.cuda.current_device())
     fused = kernels.fused_for(dev)

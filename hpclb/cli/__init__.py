@@ -109,8 +109,8 @@ def _recipe_device(args: argparse.Namespace) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     early = _install_early_signals(["train"], fresh=False)  # main() did it; for direct calls
-    from hpclb.config import (ConfigError, check_checkpoint_interval, check_expect_world_size,
-                              resolve)
+    from hpclb.config import check_checkpoint_interval, check_expect_world_size, resolve
+    from hpclb.errors import ConfigError
 
     comm = _start_comm(args.backend, _recipe_device(args), args.share_gpu)
     if comm is None:
@@ -126,7 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if comm.rank > 0:  # recipe warnings once, from rank 0
             import warnings
 
-            from hpclb.config import RecipeWarning
+            from hpclb.errors import RecipeWarning
             warnings.simplefilter("ignore", RecipeWarning)
         cfg = resolve(args.experiment, batch_size=args.batch_size, scaling=args.scaling,
                       optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
@@ -135,7 +135,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                       precision=args.precision, log_every=args.log_every,
                       noise_scale=args.noise_scale, max_nonfinite_steps=args.max_nonfinite_steps,
                       keep_checkpoints=args.keep_checkpoints)
-        from hpclb.train.loop import DIVERGED_EXIT_CODE, Diverged, Preempted, PREEMPTED_EXIT_CODE, train
+        from hpclb.errors import (
+            DIVERGED_EXIT_CODE,
+            PREEMPTED_EXIT_CODE,
+            Diverged,
+            Preempted,
+        )
+        from hpclb.train.loop import train
         if _preempted_during_start_up(comm, early):
             # no model yet, so no checkpoint to write: exit 75 and let the job requeue (it
             # resumes from an earlier checkpoint under --out, or starts afresh)
@@ -162,15 +168,14 @@ def _failed(comm, e: Exception) -> int:
     """Report ``e`` and return the exit status: 2 for a ConfigError (rank 0 prints it; every
     rank raised the same), else 1 after the failing rank prints it and aborts the MPI job so no
     rank waits forever in a collective (re-raised under $HPCLB_TRACEBACK)."""
-    from hpclb.config import ConfigError
-    from hpclb.sync.gradients import ModelMismatchError
+    from hpclb.errors import ConfigError, ModelMismatchError
 
     # both are raised on every rank alike (checked with an allgather): no abort needed
     if isinstance(e, (ConfigError, ModelMismatchError)):
         if comm.rank == 0:
             _error(str(e))
         return 2
-    from hpclb.train.setup import AgreedFailure
+    from hpclb.errors import AgreedFailure
 
     if isinstance(e, AgreedFailure):  # raised on every rank together, with one message
         if comm.rank == 0:
@@ -204,8 +209,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_data_fetch(args: argparse.Namespace) -> int:
-    from hpclb.data import DataError
     from hpclb.data.fetch import fetch
+    from hpclb.errors import DataError
 
     _setup_logging(0)
     try:
@@ -218,10 +223,8 @@ def cmd_data_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from hpclb.config import ConfigError
-    from hpclb.data import DataError
+    from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError, DataError, Preempted
     from hpclb.tools.sweep import run_sweep
-    from hpclb.train.loop import PREEMPTED_EXIT_CODE, Preempted
 
     _setup_logging(0)
     try:
@@ -248,7 +251,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs_render(args: argparse.Namespace) -> int:
-    from hpclb.tools.jobs import JobError, JobSpec, render
+    from hpclb.errors import JobError
+    from hpclb.tools.jobs import JobSpec, render
 
     spec = JobSpec(
         experiment=args.experiment, scheduler=args.scheduler, nodes=args.nodes,
@@ -283,7 +287,8 @@ def cmd_jobs_render(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs_examples(args: argparse.Namespace) -> int:
-    from hpclb.tools.jobs import JobError, write_examples
+    from hpclb.errors import JobError
+    from hpclb.tools.jobs import write_examples
 
     try:
         for path in write_examples(args.root):
@@ -295,8 +300,15 @@ def cmd_jobs_examples(args: argparse.Namespace) -> int:
 
 
 def _add_jobs_parser(sub) -> None:
-    from hpclb.tools.jobs import ALLREDUCE, FABRICS, GPU_BINDS, JOB_BACKENDS, SCHEDULERS, SLURM_LAUNCHERS
     from hpclb.schedules import SCHEMES
+    from hpclb.tools.jobs import (
+        ALLREDUCE,
+        FABRICS,
+        GPU_BINDS,
+        JOB_BACKENDS,
+        SCHEDULERS,
+        SLURM_LAUNCHERS,
+    )
 
     j = sub.add_parser("jobs", help="render SLURM / PBS job scripts from jobs/templates")
     jsub = j.add_subparsers(dest="jobs_command", required=True)
@@ -355,8 +367,8 @@ def _add_jobs_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hpclb.dist import BACKENDS
     from hpclb.config import OPTIMIZERS, available_experiments
+    from hpclb.dist import BACKENDS
     from hpclb.schedules import SCHEMES
 
     p = argparse.ArgumentParser(prog="hpclb", description="Large-batch training with LEGW over MPI "
@@ -451,8 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_jobs_parser(sub)
     _add_bench_parser(sub)
     from hpclb import noise
-    from hpclb.tools import plot
-    from hpclb.tools import scale  # hpclb plot | scale | advise (observability, issue #13)
+    from hpclb.tools import (
+        plot,
+        scale,  # hpclb plot | scale | advise (observability, issue #13)
+    )
     for module in (plot, scale, noise):
         module.add_cli(sub)
     return p
@@ -478,9 +492,13 @@ def _add_bench_parser(sub) -> None:
                          "torch path and a per-layer loop (ResNet-50, BERT-large shapes)")
     trust_ratio.add_arguments(tr)
     tr.set_defaults(func=cmd_bench_trust_ratio)
-    from hpclb.bench import model as sync_bench  # bench model|allreduce|scaling (gradient sync)
+    from hpclb.bench import (
+        model as sync_bench,  # bench model|allreduce|scaling (gradient sync)
+    )
     sync_bench.add_cli(bsub)
-    from hpclb.bench import logging_cost  # bench logging (per-step logging cost, issue #13)
+    from hpclb.bench import (
+        logging_cost,  # bench logging (per-step logging cost, issue #13)
+    )
     lc = bsub.add_parser("logging", help="per-step logging and noise-scale cost: 2-rank "
                          "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")
     logging_cost.add_run_arguments(lc)

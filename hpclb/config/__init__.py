@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from hpclb import schedules
+from hpclb.errors import ConfigError, RecipeWarning
 from hpclb.models import MODELS
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "lars", "lamb")
@@ -86,14 +87,6 @@ _RUN_SETTING_WARN = {
     "max_nonfinite_steps": (100, "a run with that many non-finite steps in a row has diverged"),
     "keep_checkpoints": (100, "each generation is a full model + optimizer copy on disk"),
 }
-
-
-class RecipeWarning(UserWarning):
-    """A recipe or command-line value that is valid but outside its sensible range."""
-
-
-class ConfigError(ValueError):
-    """An invalid experiment recipe or command-line setting."""
 
 
 def _did_you_mean(word: Any, choices) -> str:

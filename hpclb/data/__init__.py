@@ -2,9 +2,7 @@
 import os
 from pathlib import Path
 
-
-class DataError(RuntimeError):
-    """A data file is missing, truncated or not what its name says."""
+from hpclb.errors import DataError
 
 
 def data_dir(explicit: str | os.PathLike | None = None) -> Path:

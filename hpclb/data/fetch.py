@@ -29,8 +29,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from hpclb.data import DataError, data_dir
-from hpclb.data import images, mnist, ptb, translation
+from hpclb.data import data_dir, images, mnist, ptb, translation
+from hpclb.errors import DataError
 
 log = logging.getLogger(__name__)
 

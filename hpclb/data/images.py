@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpclb.data import DataError, data_dir
+from hpclb.data import data_dir
 from hpclb.data.idx import read_idx
+from hpclb.errors import DataError
 
 # Debian dataset-fashion-mnist 0.0~git20200523.55506a9-1, /usr/share/datasets/fashion-mnist
 # (Xiao et al. 2017): 60,000 train / 10,000 test 28x28 grey images, 10 classes.

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
-from hpclb.data import DataError, data_dir
+from hpclb.data import data_dir
 from hpclb.data.idx import read_idx
+from hpclb.errors import DataError
 
 FILES = {
     "train-images": ("train-images-idx3-ubyte", "6bbc9ace898e44ae57da46a324031adb"),

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from hpclb.data import DataError, data_dir
+from hpclb.data import data_dir
+from hpclb.errors import DataError
 
 FILES = {
     "train": ("ptb.train.txt", "f26c4b92c5fdc7b3f8c7cdcb991d8420"),

@@ -66,7 +66,7 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
         early = select_device(device, env_rank, 1)
     comm = _create(backend, early if early is not None else device, share_gpu)
     if env_rank is not None and comm.local_rank != env_rank:
-        from hpclb.config import ConfigError
+        from hpclb.errors import ConfigError
         raise ConfigError(
             f"the launcher says this process is node-local rank {env_rank} but the {backend} "
             f"backend finds node-local rank {comm.local_rank} (of {comm.local_size}): the "

@@ -15,7 +15,7 @@ import platform
 
 import torch
 
-from hpclb.config import ConfigError
+from hpclb.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 

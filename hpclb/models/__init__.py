@@ -37,7 +37,7 @@ def build_model(name: str, **kwargs) -> nn.Module:
     factory returns something other than an ``nn.Module``."""
     model = model_factory(name)(**kwargs)
     if not isinstance(model, nn.Module):
-        from hpclb.config import ConfigError
+        from hpclb.errors import ConfigError
 
         raise ConfigError(f"model.name: {name!r} returned a {type(model).__name__}, not a "
                           f"torch.nn.Module; name an nn.Module class or a function returning "

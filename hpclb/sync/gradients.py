@@ -28,17 +28,20 @@ from torch import Tensor, nn
 from hpclb.dist import Communicator
 from hpclb.dist.base import Handle
 from hpclb.dist.watchdog import StallReport, watchdog_for
-
+from hpclb.errors import ModelMismatchError
 from hpclb.sync.drivers import DRIVERS
-from hpclb.sync.options import (COMPRESSIONS, DEFAULT_COMM_POLL_S, DEFAULT_FIRST_BUCKET_BYTES,
-                                    DEFAULT_FUSION_THRESHOLD_BYTES, DEFAULT_STALL_TIMEOUT_S,
-                                    OVERLAP_MODES, MiB, SyncOptions)
+from hpclb.sync.options import (
+    COMPRESSIONS,
+    DEFAULT_COMM_POLL_S,
+    DEFAULT_FIRST_BUCKET_BYTES,
+    DEFAULT_FUSION_THRESHOLD_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+    OVERLAP_MODES,
+    MiB,
+    SyncOptions,
+)
 
 ALIGN_BYTES = 16  # every gradient view starts at a multiple of this many bytes in its bucket
-
-
-class ModelMismatchError(RuntimeError):
-    """Ranks hold different models (names, shapes or dtypes) or different sync settings."""
 
 
 def check_model_consistency(model: nn.Module, comm: Communicator) -> None:

@@ -21,26 +21,13 @@ from __future__ import annotations
 
 import math
 import time
+
 import torch
 from torch import Tensor, nn
 
 from hpclb.dist import Communicator
+from hpclb.errors import NonFiniteError
 from hpclb.sync.gradients import GradientSync
-
-
-class NonFiniteError(FloatingPointError):
-    """Raised on every rank after ``max_nonfinite_steps`` non-finite steps in a row.
-
-    Attributes: ``step`` (the optimizer step, 1-based, at which the limit was reached),
-    ``layer`` (the first parameter whose averaged gradient was not finite, or None when only the
-    loss was), ``skipped`` (steps skipped in a row)."""
-
-    def __init__(self, step: int, layer: str | None, skipped: int):
-        self.step, self.layer, self.skipped = step, layer, skipped
-        where = f"first non-finite layer {layer}" if layer else "the loss was not finite"
-        super().__init__(f"non-finite gradient at optimizer step {step} ({where}); {skipped} "
-                         f"step(s) in a row skipped, the run stops: lower the learning rate, "
-                         f"add warmup or gradient clipping (grad_clip_norm)")
 
 
 def _named(model_or_named_parameters) -> list[tuple[str, nn.Parameter]]:

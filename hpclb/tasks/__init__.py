@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hpclb.dist import Communicator
+
 from hpclb.data.sampler import GlobalBatchSampler
+from hpclb.dist import Communicator
 
 EVAL_BATCH_SIZE = 2000
 
@@ -408,7 +409,7 @@ class DatasetSplit:
 
 def _check_split(split, which: str, spec: str) -> DatasetSplit:
     """``split`` must be a non-empty sized dataset whose sample 0 is ``(x, y)``, y an integer."""
-    from hpclb.config import ConfigError
+    from hpclb.errors import ConfigError
 
     field = f"data.name {spec!r}"
     if not (hasattr(split, "__len__") and hasattr(split, "__getitem__")):
@@ -436,8 +437,8 @@ def load_plugin_data(data: dict, data_root) -> tuple[DatasetSplit, DatasetSplit]
     other than :data:`PLUGIN_DATA_RESERVED`; it must return two torch Datasets of ``(x, y)``.
 
     Raises ConfigError (naming data.name) when it does not import or returns the wrong thing."""
-    from hpclb.config import ConfigError
     from hpclb.data import data_dir
+    from hpclb.errors import ConfigError
     from hpclb.plugins import load_object
 
     spec = data["name"]

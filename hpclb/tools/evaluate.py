@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from hpclb.train.checkpoint import load_checkpoint
 from hpclb.dist import Communicator
-from hpclb.config import ConfigError
+from hpclb.errors import ConfigError
 from hpclb.models import build_model
 from hpclb.tasks import build_task
+from hpclb.train.checkpoint import load_checkpoint
 
 
 def _decoding_overrides(recipe: dict, beam_size: int | None,

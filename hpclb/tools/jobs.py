@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpclb import __version__, schedules
+from hpclb.errors import JobError
 
 SCHEDULERS = ("slurm", "pbs")
 FABRICS = ("ib", "tcp", "local")
@@ -60,10 +61,6 @@ SEQ_LEN_KEYS = ("seq_len", "bptt", "num_steps", "sequence_length")
 # one (`per_gpu_batch`), else B0 split over one node's ranks (so 1 node runs the recipe at k = 1).
 _PATH_OK = re.compile(r"^[^\s'\";&|<>`\\]+$")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)$")
-
-
-class JobError(ValueError):
-    """A job that cannot be rendered as asked; the message says what to change."""
 
 
 def parse_time(text: str) -> int:
@@ -381,9 +378,9 @@ def _render_args(spec: JobSpec) -> str:
 
 def render(spec: JobSpec) -> tuple[str, Plan]:
     """(script text, plan) for ``spec``; JobError with the fix for anything invalid."""
-    from hpclb.config import ConfigError, load_recipe
+    from hpclb.config import load_recipe
+    from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError
     from hpclb.extras import require
-    from hpclb.train.loop import PREEMPTED_EXIT_CODE
 
     jinja2 = require("jinja2", "rendering job templates")
 

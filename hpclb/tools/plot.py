@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from hpclb.config import ConfigError, load_recipe, resolve
-from hpclb.train.metrics import finite, read_metrics
+from hpclb.config import load_recipe, resolve
+from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES, Schedule
+from hpclb.train.metrics import finite, read_metrics
 
 
 def _pyplot():
@@ -90,7 +91,8 @@ def num_train_samples(recipe: dict, num_samples: int | None = None) -> int:
         if not (isinstance(num_samples, int) and num_samples > 0):
             raise ConfigError(f"--num-samples must be a positive integer, got {num_samples!r}")
         return num_samples
-    from hpclb.tools.jobs import JobError, train_set_size
+    from hpclb.errors import JobError
+    from hpclb.tools.jobs import train_set_size
 
     try:
         return train_set_size(recipe)[0]
@@ -287,7 +289,7 @@ def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
 def _cmd(args) -> int:
     """``hpclb plot schedule|runs|sweep``: print the PNG's path; exit 2 on bad input."""
     from hpclb.cli import _error
-    from hpclb.extras import MissingExtraError
+    from hpclb.errors import MissingExtraError
 
     try:
         if args.plot_command == "schedule":

@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from hpclb.config import ConfigError, resolve
+from hpclb.config import resolve
+from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES, Schedule, scale_warmup_epochs
 
 
@@ -145,7 +146,8 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
     :func:`hpclb.tools.jobs.render`; written to ``out`` (default: the recipe's path with ``.sbatch``
     or ``.pbs``). ConfigError when the batch does not split evenly over the ranks or the job
     cannot be rendered (the message says what to change)."""
-    from hpclb.tools.jobs import JobError, JobSpec, render
+    from hpclb.errors import JobError
+    from hpclb.tools.jobs import JobSpec, render
 
     ranks = nodes * (tasks_per_node or gpus_per_node or 1) if nodes > 0 else 0
     if ranks <= 0 or s.batch % ranks:

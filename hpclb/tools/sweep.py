@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from hpclb.config import ConfigError, load_recipe, resolve
+from hpclb.config import load_recipe, resolve
+from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES, Schedule
 
 ROW_KEYS = ("batch_size", "scheme", "metric_name", "metric", "epochs", "wall_time_s", "steps")

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from hpclb.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 SIDECAR_SUFFIX = ".sha256"
@@ -34,10 +36,6 @@ LATEST_NAME = "checkpoint.pt"
 GENERATIONS_DIR = "checkpoints"
 _GENERATION = re.compile(r"^gen-(\d{6,})(?:-step-(\d+))?\.pt$")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read or written, or does not belong to this run."""
 
 
 class _HashingWriter:

@@ -40,29 +40,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hpclb.dist import Communicator
 from hpclb.config import RunConfig, check_checkpoint_interval
-from hpclb.train.metrics import RunLogger
+from hpclb.dist import Communicator
+from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
 from hpclb.sync.gradients import average_buffers
-from hpclb.train.setup import Run, save_checkpoint, setup_run
-from hpclb.sync.optimizer import NonFiniteError
-from hpclb.train.steplog import StepLog
 from hpclb.tasks import to_device
+from hpclb.train.metrics import RunLogger
+from hpclb.train.setup import Run, save_checkpoint, setup_run
+from hpclb.train.steplog import StepLog
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
-DIVERGED_EXIT_CODE = 3    # the run diverged (non-finite loss/gradient); not requeued
 # An epoch's training loss this many times step 1's (both finite, > 0) is a divergence: a
 # cross-entropy that starts at ln(classes) never legitimately grows a hundredfold.
 EXPLODED_LOSS_FACTOR = 1e2
-
-
-class Preempted(Exception):
-    """Raised on every rank after the preemption checkpoint is on disk."""
-
-
-class Diverged(RuntimeError):
-    """Raised on every rank when the run stops on non-finite values (message: global step,
-    epoch, first non-finite layer, the checkpoint kept)."""
 
 
 class PreemptionFlag:

@@ -23,25 +23,25 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hpclb.train.checkpoint import CheckpointError, CheckpointStore
+from hpclb.config import RunConfig
 from hpclb.dist import Communicator
-from hpclb.config import ConfigError, RunConfig
+from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
 from hpclb.models import build_model
 from hpclb.optim import LAMB, LARS
-from hpclb.sync.gradients import average_buffers, broadcast_parameters, check_model_consistency
-from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
 from hpclb.schedules import Schedule, ScheduleLR
+from hpclb.sync.gradients import (
+    average_buffers,
+    broadcast_parameters,
+    check_model_consistency,
+)
 from hpclb.sync.optimizer import DistributedOptimizer
 from hpclb.tasks import Task, build_task
+from hpclb.train.checkpoint import CheckpointStore
+from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".hpclb.lock"
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class AgreedFailure(RuntimeError):
-    """A start-up check failed on some rank and every rank raises this, with that rank's
-    message: no rank is left behind in a collective, so no MPI_Abort is needed."""
 
 
 def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:

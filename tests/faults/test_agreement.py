@@ -6,7 +6,6 @@ import collections
 import shutil
 
 import pytest
-
 from conftest import command, run, summary, train_args, write_recipe
 
 

@@ -7,9 +7,15 @@ import subprocess
 
 import pytest
 import torch
-
-from conftest import (checkpoint_state, command, run, same_result, summary, train_args,
-                      write_recipe)
+from conftest import (
+    checkpoint_state,
+    command,
+    run,
+    same_result,
+    summary,
+    train_args,
+    write_recipe,
+)
 
 
 @pytest.mark.timeout(240)

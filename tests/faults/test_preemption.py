@@ -3,9 +3,15 @@ launch), mid-epoch (global step 11), and while rank 0 writes the epoch-1 checkpo
 exits 75 within the bound; the checkpoint holds every step taken; --resume (run for USR2; TERM
 reaches the same handler and checkpoint) ends at the uninterrupted run's result."""
 import pytest
-
-from conftest import (checkpoint_state, command, run, same_result, summary, train_args,
-                      write_recipe)
+from conftest import (
+    checkpoint_state,
+    command,
+    run,
+    same_result,
+    summary,
+    train_args,
+    write_recipe,
+)
 
 BLOCK = ["env", "--block-signal=USR2", "--block-signal=TERM"]  # as the job templates launch
 START_UP = "preempted during start-up, before training began; no new checkpoint; exit 75"

@@ -6,9 +6,17 @@ import sys
 import textwrap
 
 import pytest
-
-from conftest import (BATCH, MPIRUN, checkpoint_state, command, run, same_result, summary,
-                      train_args, write_recipe)
+from conftest import (
+    BATCH,
+    MPIRUN,
+    checkpoint_state,
+    command,
+    run,
+    same_result,
+    summary,
+    train_args,
+    write_recipe,
+)
 
 STEPS_PER_EPOCH = 1024 // BATCH
 FAIL_AT = STEPS_PER_EPOCH + 3  # epoch 2, step 3: after the epoch-1 checkpoint

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from hpclb.errors import KernelCompileError
+
 if TYPE_CHECKING:  # torch is imported lazily so kernels/testing can run this under ASan
     import torch
     from torch import Tensor
@@ -77,14 +79,6 @@ MODE_LARS, MODE_LAMB_NORMS, MODE_LAMB_FUSED = 0, 1, 2
 DEFAULT_CHUNK = 32768
 DEFAULT_BLOCK = 512
 _TABLE_CACHE_SIZE = 8
-
-
-class KernelCompileError(RuntimeError):
-    """The kernel source did not compile; ``log`` holds the compiler's messages."""
-
-    def __init__(self, message: str, log: str = ""):
-        super().__init__(message + (f"\n{log}" if log else ""))
-        self.log = log
 
 
 def kernel_source() -> str:

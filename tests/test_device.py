@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpclb.dist.device import (
-    LOCAL_RANK_VARS,
-    device_info,
-    env_local_rank,
-    gpus_idle_warning,
-    select_device,
-)
+from hpclb.dist.device import device_info, gpus_idle_warning, select_device
+from hpclb.dist.env import LOCAL_RANK_VARS, env_local_rank
 from hpclb.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)

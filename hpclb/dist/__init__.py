@@ -6,8 +6,14 @@ import importlib.util
 import os
 import socket
 
-from hpclb.dist.base import (REDUCE_OPS, CompletedHandle, Communicator, Handle, SideChannel,
-                             launcher_kind, launcher_world_size)
+from hpclb.dist.base import (
+    REDUCE_OPS,
+    Communicator,
+    CompletedHandle,
+    Handle,
+    SideChannel,
+)
+from hpclb.dist.env import launcher_kind, launcher_world_size
 from hpclb.dist.local import SelfCommunicator
 
 BACKENDS = ("auto", "mpi", "horovod", "torch", "self")
@@ -54,7 +60,8 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
     when a communicator of another backend already exists in this process.
     """
     global _world
-    from hpclb.dist.device import env_local_rank, select_device
+    from hpclb.dist.device import select_device
+    from hpclb.dist.env import env_local_rank
     backend = resolve_backend(backend)
     if _world is not None:
         if _world.backend != backend:

@@ -6,7 +6,6 @@ every collective in the same order with the same sizes.
 """
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -157,28 +156,3 @@ def check_op(op: str) -> None:
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
 
-
-def launcher_world_size() -> int | None:
-    """The number of ranks the launcher says it started (Open MPI, MPICH/Hydra, SLURM srun), or
-    None when this process was not started by a launcher."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD"):
-        if os.environ.get(var):
-            return int(os.environ[var])
-    if os.environ.get("SLURM_STEP_ID") is not None and os.environ.get("SLURM_STEP_NUM_TASKS"):
-        return int(os.environ["SLURM_STEP_NUM_TASKS"])
-    return None
-
-
-def launcher_kind() -> str | None:
-    """Which launcher started this process: ``"horovod"`` (horovodrun's Gloo mode sets
-    ``HOROVOD_RANK``), ``"torch"`` (torchrun / torch.distributed.launch), ``"mpi"`` (mpirun,
-    srun, Hydra), or None (plain ``python``)."""
-    if os.environ.get("HOROVOD_RANK") is not None and os.environ.get("HOROVOD_SIZE"):
-        return "horovod"
-    if os.environ.get("TORCHELASTIC_RUN_ID") or (
-            launcher_world_size() is None
-            and all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))):
-        return "torch"
-    if launcher_world_size() is not None:
-        return "mpi"
-    return None

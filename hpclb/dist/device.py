@@ -19,64 +19,6 @@ from hpclb.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 
-# Launcher variables holding the node-local rank, each with the variable holding the same
-# launcher's global rank (used to spot values inherited from an outer launcher).
-LOCAL_RANK_VARS = (
-    ("SLURM_LOCALID", "SLURM_PROCID"),                 # srun
-    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_RANK"),  # Open MPI mpirun / PMIx
-    ("LOCAL_RANK", "RANK"),                             # torchrun
-    ("PMI_LOCAL_RANK", "PMI_RANK"),                     # MPICH / Hydra (PMI-2)
-    ("MPI_LOCALRANKID", "PMI_RANK"),                    # MPICH / Intel MPI (Hydra)
-)
-_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-def _int_env(var: str) -> int:
-    raw = os.environ[var]
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{var}={raw!r} is not an integer; the launcher sets it to this "
-                          f"process's node-local rank (unset it if you set it by hand)") from None
-    if value < 0:
-        raise ConfigError(f"{var}={value} is negative; it must be a node-local rank >= 0")
-    return value
-
-
-def _inherited_slurm(found: dict[str, int]) -> bool:
-    """True when SLURM_LOCALID belongs to an outer ``srun`` step (mpirun inside an allocation
-    starts its ranks from daemons that srun launched, one per node: every rank inherits the
-    daemon's SLURM_LOCALID 0), seen as SLURM_PROCID differing from the MPI launcher's rank."""
-    if "SLURM_LOCALID" not in found or os.environ.get("SLURM_PROCID") is None:
-        return False
-    return any(os.environ.get(v) is not None and os.environ[v] != os.environ["SLURM_PROCID"]
-               for v in _MPI_RANK_VARS)
-
-
-def env_local_rank() -> int | None:
-    """This process's node-local rank as its launcher set it, or None without a launcher.
-
-    Read from ``SLURM_LOCALID`` (srun), ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI),
-    ``LOCAL_RANK`` (torchrun), ``PMI_LOCAL_RANK`` / ``MPI_LOCALRANKID`` (MPICH/Hydra). A
-    ``SLURM_LOCALID`` inherited from an outer srun step (mpirun inside ``sbatch``: its
-    ``SLURM_PROCID`` differs from the MPI rank) is ignored.
-
-    Raises ConfigError when a variable is not a non-negative integer, or when several are set
-    and disagree (the message names each variable and value).
-    """
-    found = {var: _int_env(var) for var, _ in LOCAL_RANK_VARS if os.environ.get(var)}
-    if _inherited_slurm(found):
-        del found["SLURM_LOCALID"]
-    values = set(found.values())
-    if len(values) > 1:
-        names = ", ".join(f"{k}={v}" for k, v in found.items())
-        raise ConfigError(
-            f"the launcher variables disagree about this process's node-local rank ({names}); "
-            f"two launchers are nested or a variable was exported by hand: unset the stale "
-            f"one(s) and launch with one launcher (mpirun, srun or torchrun)")
-    return values.pop() if values else None
-
-
 def _check_requested(requested: str) -> None:
     if requested not in DEVICES:
         raise ConfigError(f"--device {requested!r} is not a device choice; use one of "

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hpclb.dist.base import Communicator, Handle, SideChannel, check_op, launcher_world_size
+from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
+from hpclb.dist.env import launcher_world_size
 
 SIDE_TAG = 0x4C42  # "LB": the watchdog's messages, on a duplicate of COMM_WORLD
 

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hpclb.dist.base import Communicator, Handle, SideChannel, check_op, launcher_world_size
+from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
+from hpclb.dist.env import (
+    env_local_rank,
+    launcher_world_size,
+    local_size,
+    torchrun_started,
+)
 
 STORE_TIMEOUT_S = 300.0
 
@@ -111,13 +117,6 @@ def _mpi_rendezvous(world_size: int):
     return store, rank, local_rank, local_size
 
 
-def _env_local() -> tuple[int, int]:
-    """``(local_rank, local_size)`` from torchrun's or Open MPI's variables (0, 1 without)."""
-    rank = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
-    size = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
-    return int(rank), int(size)
-
-
 def _default_store(dist):
     """The default group's key-value store (for the side channel), or None where torch keeps
     it private."""
@@ -148,7 +147,7 @@ class TorchCommunicator(Communicator):
         self._store, self._cpu_group = None, None
         if dist.is_initialized():
             self._store = _default_store(dist)
-            self.local_rank, self.local_size = _env_local()
+            self.local_rank, self.local_size = env_local_rank() or 0, local_size()
             self.device = self._pick_device(device)
             if self.device.type == "cuda" and "nccl" in str(dist.get_backend()):
                 self._cpu_group = dist.new_group(backend="gloo")
@@ -161,11 +160,9 @@ class TorchCommunicator(Communicator):
 
     def _init_group(self, device, share_gpu: bool) -> None:
         dist = self._dist
-        launched = launcher_world_size()
-        torchrun = all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                   "MASTER_PORT"))
+        launched, torchrun = launcher_world_size(), torchrun_started()
         if torchrun:
-            self.local_rank, self.local_size = _env_local()
+            self.local_rank, self.local_size = env_local_rank() or 0, local_size()
         elif launched is not None:
             store, rank, self.local_rank, self.local_size = _mpi_rendezvous(launched)
         else:

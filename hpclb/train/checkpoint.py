@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hpclb._io import fsync_dir, sha256_file, write_atomic
 from hpclb.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -63,28 +64,6 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + SIDECAR_SUFFIX)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Call ``write(f)`` on a temporary file next to ``path``, fsync it and rename it over
-    ``path``; the temporary file is removed on any failure (OSError propagates)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _read_digests(path: Path) -> list[str]:
     """The SHA-256 digests (lower-case hex) listed in ``path``'s sidecar; [] if it has none."""
     side = sidecar_path(path)
@@ -98,7 +77,7 @@ def _read_digests(path: Path) -> list[str]:
 
 def _write_sidecar(path: Path, *digests: str) -> None:
     text = "".join(f"{d}  {path.name}\n" for d in digests).encode()
-    _write_atomic(sidecar_path(path), lambda f: f.write(text))
+    write_atomic(sidecar_path(path), lambda f: f.write(text))
 
 
 def _replace_verified(tmp: Path, path: Path, digest: str) -> None:
@@ -130,7 +109,7 @@ def _save_verified(path: Path, state: dict[str, Any]) -> str:
         _replace_verified(tmp, path, digest)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return digest
 
 
@@ -150,14 +129,6 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verify_checkpoint(path: str | Path) -> bool | None:
     """Check ``path`` against the SHA-256 in its sidecar: True (matches), None (no sidecar: a
     checkpoint from before checksums), or raise CheckpointError saying what does not match."""
@@ -165,7 +136,7 @@ def verify_checkpoint(path: str | Path) -> bool | None:
     expected = _read_digests(path)
     if not expected:
         return None
-    actual = _sha256_file(path)
+    actual = sha256_file(path)
     if actual not in expected:
         raise CheckpointError(f"{path}: damaged or partial checkpoint (SHA-256 {actual[:12]}... "
                               f"!= {expected[0][:12]}... in {sidecar_path(path).name}, size "
@@ -294,7 +265,7 @@ class CheckpointStore:
             _replace_verified(tmp, self.latest_path, _read_digests(path)[0])
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(self.out_dir)
+        fsync_dir(self.out_dir)
 
     def _prune(self) -> None:
         for _, _, p in self.generations()[:-self.keep]:

@@ -27,19 +27,18 @@ summary is written.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from hpclb._io import write_json
 from hpclb.config import RunConfig, check_checkpoint_interval
 from hpclb.dist import Communicator
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
@@ -101,12 +100,6 @@ def _show(metric: str, value: float) -> str:
 def _set_threads(comm: Communicator) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def train_step(run: Run, i: int, sums: torch.Tensor) -> bool:
@@ -271,7 +264,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     _header(run, say)
     if comm.rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
-        _write_json(run.out / "config.json", {**cfg.to_dict(), "world_size": comm.world_size,
+        write_json(run.out / "config.json", {**cfg.to_dict(), "world_size": comm.world_size,
                                               "peak_lr": run.schedule.peak_lr,
                                               "warmup_steps": run.schedule.warmup_steps})
     logger = RunLogger(run.out, enabled=comm.rank == 0,
@@ -299,7 +292,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         run.close()  # hooks, loader workers, the run directory's lock
     summary = _summary(run)
     if comm.rank == 0:
-        _write_json(run.out / "summary.json", summary)
+        write_json(run.out / "summary.json", summary)
     say(_summary_line(run, summary))
     return summary
 

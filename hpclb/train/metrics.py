@@ -26,9 +26,10 @@ import json
 import logging
 import math
 import numbers
-import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from hpclb._io import json_lines, write_text_atomic
 
 log = logging.getLogger("hpclb")
 
@@ -93,22 +94,6 @@ def _load_writer(log_dir: Path, tensorboard: bool | None, purge_step: int | None
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
-def _json_lines(path: Path):
-    """``(line, row)`` for each non-empty line of a JSONL file; a torn last line (a killed
-    writer) is yielded as ``(line, None)``. Raises ValueError naming another line that is not
-    JSON."""
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            yield line, json.loads(line)
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise ValueError(f"{path}:{i + 1}: not a JSON line; repair or delete the file")
-            yield line, None
-
-
 def _truncate_after(path: Path, resume_step: int) -> int:
     """Rewrite ``path`` (atomically, once) without the lines of a killed run past global step
     ``resume_step`` (lines with no ``step`` are kept; a torn last line is dropped). Returns the
@@ -116,15 +101,13 @@ def _truncate_after(path: Path, resume_step: int) -> int:
     if not path.exists():
         return 0
     kept, dropped = [], 0
-    for line, row in _json_lines(path):
+    for line, row in json_lines(path):
         if row is None or (isinstance(row.get("step"), numbers.Real) and
                            row["step"] > resume_step):
             dropped += 1
         else:
             kept.append(line + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))
     return dropped
 
 
@@ -250,7 +233,7 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
         raise FileNotFoundError(f"{path}: no metrics file; is {path.parent} a run directory "
                                 f"written by `hpclb train --out`?")
     epochs, steps = [], []
-    for _, row in _json_lines(path):
+    for _, row in json_lines(path):
         if row is None:
             continue
         kind = row.pop("kind", "epoch")

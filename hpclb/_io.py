@@ -1,0 +1,77 @@
+"""Files that survive a kill: atomic writes, digests, JSON lines.
+
+Every file hpclb writes that a later run reads (checkpoints and their sidecars, ``config.json``,
+``summary.json``, ``metrics.jsonl`` rewrites, data indexes) goes through :func:`write_atomic`:
+written to a temporary file next to the target, flushed to disk, renamed over the target, so a
+reader sees the old file or the new one, never a torn one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["fsync_dir", "write_atomic", "write_text_atomic", "write_json", "sha256_file",
+           "json_lines"]
+
+
+def fsync_dir(directory: Path) -> None:
+    """Flush ``directory``'s entries (a rename in it) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Call ``write(f)`` on a temporary binary file next to ``path``, fsync it and rename it
+    over ``path``; the temporary file is removed on any failure (OSError propagates)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` (UTF-8) atomically (:func:`write_atomic`)."""
+    data = text.encode()
+    write_atomic(path, lambda f: f.write(data))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Replace ``path`` by ``obj`` as indented JSON with a final newline, atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 of the file at ``path``, lower-case hex (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(line, row)`` for each non-empty line of a JSONL file; a torn last line (a killed
+    writer) is yielded as ``(line, None)``. Raises ValueError naming another line that is not
+    JSON."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield line, json.loads(line)
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}:{i + 1}: not a JSON line; repair or delete the file")
+            yield line, None

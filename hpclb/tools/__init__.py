@@ -1,0 +1,1 @@
+"""Programs built on training: evaluate, sweep, scale, advise, plot, and job scripts."""

@@ -19,7 +19,7 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 export OMP_NUM_THREADS ?= 1
 MPIRUN_FLAGS ?= -n $(NP) --bind-to none -x HPCLB_DATA -x OMP_NUM_THREADS
 
-.PHONY: install data train test test-unit test-mpi clean
+.PHONY: install data train test test-unit test-mpi lint clean
 .DEFAULT_GOAL := train
 
 # The library needs only torch, numpy, mpi4py, PyYAML and tqdm (setup.cfg, ranges); this
@@ -58,8 +58,17 @@ train: install $(HPCLB_DATA)/$(TRAIN_DATA)/.verified
 	$(MPIRUN) $(MPIRUN_FLAGS) $(PY) -m hpclb train $(EXPERIMENT) --batch-size $(BATCH) \
 	    --scaling $(SCALING) --expect-world-size $(NP) --out $(OUT)
 
+# The house rules (docs/design.md): layers point down (import-linter, .importlinter), style and
+# docstrings (ruff, pyproject.toml), no dead code (vulture), and the size limits (no function
+# over 50 code lines, no module over 400, no import cycle: dev/check_house.py).
+lint: install
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/vulture
+	$(PY) dev/check_house.py hpclb
+
 # The 1-process suite runs the MPI-marked tests too, at world size 1 (--with-mpi, no launcher).
-test: install data
+test: install data lint
 	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m "not extended"
 	$(MAKE) --no-print-directory test-mpi
 

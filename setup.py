@@ -6,8 +6,8 @@ built, ``build_py`` copies ``kernels/*.cu`` to ``hpclb/_kernels/`` in the build 
 source tree never holds a second copy; ``hpclb.optim.fused.kernel_source()`` looks in the installed
 package first, then in the repository's ``kernels/``. Everything else is in setup.cfg.
 """
-from pathlib import Path
 import shutil
+from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py

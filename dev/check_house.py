@@ -32,8 +32,8 @@ def _docstring_lines(tree: ast.AST) -> set[int]:
 
 
 def _code_lines(lines: list[str], lo: int, hi: int, skip: set[int]) -> int:
-    return sum(1 for i in range(lo, hi + 1)
-               if i not in skip and lines[i - 1].strip() and not lines[i - 1].lstrip().startswith("#"))
+    return sum(1 for i in range(lo, hi + 1) if i not in skip and lines[i - 1].strip()
+               and not lines[i - 1].lstrip().startswith("#"))
 
 
 def size_problems(root: Path) -> list[str]:

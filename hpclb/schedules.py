@@ -269,9 +269,10 @@ class Schedule:
 
     def lr(self, step: int) -> float:
         """LR of the update made at global step ``step`` (0-based)."""
-        return warmup_factor(step, self.warmup_steps) * decay_factor(step, steps_per_epoch=self.steps_per_epoch,
-                            warmup_steps=self.warmup_steps, total_steps=self.total_steps,
-                            decay=self.decay, params=self.decay_params, peak_lr=self.peak_lr)
+        decay = decay_factor(step, steps_per_epoch=self.steps_per_epoch,
+                             warmup_steps=self.warmup_steps, total_steps=self.total_steps,
+                             decay=self.decay, params=self.decay_params, peak_lr=self.peak_lr)
+        return warmup_factor(step, self.warmup_steps) * decay
 
 
 class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):

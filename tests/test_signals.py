@@ -52,7 +52,7 @@ def test_nothing_heavy_is_imported_before_the_handler(entry):
         " flush=True)\n"
         "    raise SystemExit(0)\n"
         "cli._install_early_signals = probe\n"
-        f"sys.argv = ['hpclb', 'train', 'mnist-lstm']\n"
+        "sys.argv = ['hpclb', 'train', 'mnist-lstm']\n"
         + ("cli.main()\n" if entry == "cli" else "import runpy; runpy.run_module('hpclb', "
            "run_name='__main__')\n"))
     r = subprocess.run([sys.executable, "-c", code, *HEAVY], capture_output=True, text=True,

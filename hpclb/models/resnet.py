@@ -24,6 +24,9 @@ def _bn(c: int, zero: bool = False) -> nn.BatchNorm2d:
 
 
 class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (He et al. 2016, Fig. 2 left); input and
+    output ``(N, C, H, W)`` float, ``H`` and ``W`` divided by ``stride``."""
+
     def __init__(self, cin: int, cout: int, stride: int = 1):
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
@@ -40,6 +43,9 @@ class BasicBlock(nn.Module):
 
 
 class Bottleneck(nn.Module):
+    """1x1, 3x3, 1x1 convolutions with a residual connection (He et al. 2016, Fig. 5 right);
+    ``width * expansion`` output channels, ``H`` and ``W`` divided by ``stride``."""
+
     expansion = 4
 
     def __init__(self, cin: int, width: int, stride: int = 1):

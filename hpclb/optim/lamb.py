@@ -69,7 +69,8 @@ class LAMB(LayerwiseOptimizer):
     naming a parameter whose gradient is sparse.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: Iterable, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01,
                  trust_clamp: tuple[float, float] | None = None):
         check_range("learning rate", lr, 0.0)

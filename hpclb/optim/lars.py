@@ -41,7 +41,8 @@ def lars_update_(params: Sequence[Tensor], grads: Sequence[Tensor],
     layer. ``update``: bool ``[n]``; where False the layer's ``w`` and ``v`` stay exactly as they
     were (device-side selects, no host sync). None updates every layer.
     """
-    direction = torch._foreach_add(list(grads), torch._foreach_mul(list(params), list(weight_decay)))
+    decay = torch._foreach_mul(list(params), list(weight_decay))
+    direction = torch._foreach_add(list(grads), decay)
     bufs = list(momentum_buffers)
     if update is None:
         torch._foreach_mul_(direction, step_sizes.unbind())

@@ -183,7 +183,8 @@ def lars_trust_ratios(weights: Sequence[Tensor], grads: Sequence[Tensor], *,
     is fp64). Raises ValueError when the lists differ in length or a clamp is malformed.
     """
     if len(weights) != len(grads) or len(weights) != len(adapt):
-        raise ValueError(f"got {len(weights)} weights, {len(grads)} grads, {len(adapt)} adapt flags")
+        raise ValueError(f"got {len(weights)} weights, {len(grads)} grads, "
+                         f"{len(adapt)} adapt flags")
     n = len(weights)
     bounds = clamp_bounds(trust_clamp, n)
     fused = fused_backend(weights, grads)

@@ -2,7 +2,8 @@
 
 1. :func:`hpclb.train.setup.setup_run` builds or resumes the run: settings, data, out directory and
    checkpoint agreed by all ranks; the model on this rank's device, broadcast from rank 0;
-   per-rank random streams; the optimizer wrapped in :class:`~hpclb.sync.optimizer.DistributedOptimizer`.
+   per-rank random streams; the optimizer wrapped in
+   :class:`~hpclb.sync.optimizer.DistributedOptimizer`.
 2. Each step (:func:`train_step`), each rank reads its share of the global batch from the
    :class:`~hpclb.tasks.Task` (a :class:`~hpclb.data.sampler.GlobalBatchSampler`: no padding,
    the same global batch at every world size; language models: this rank's token streams),
@@ -198,8 +199,9 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
         if pos.global_step == 1 and pos.first_loss is None:
             pos.first_loss = _first_loss(run, sums)
         steplog.after_step(sums, stepped)
+        since = time.monotonic() - last_checkpoint[0]
         preempt.checkpoint_due = bool(comm.rank == 0 and checkpoint_interval_s and
-                                      time.monotonic() - last_checkpoint[0] >= checkpoint_interval_s)
+                                      since >= checkpoint_interval_s)
         if preempt.agreed(comm):
             save_checkpoint(run, epoch, i + 1, sums)
             say(f"preempted: checkpoint of step {pos.global_step} (epoch {epoch}, step {i + 1}/"

@@ -75,8 +75,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     older checkpoint holding only ``torch``) is left as it is. Raises ValueError naming the key
     when a part is malformed."""
     if not isinstance(state, dict) or "torch" not in state:
-        raise ValueError(f"RNG state must be a dict from hpclb.train.rng.rng_state() with a 'torch' "
-                         f"entry, got {type(state).__name__}")
+        raise ValueError(f"RNG state must be a dict from hpclb.train.rng.rng_state() with a "
+                         f"'torch' entry, got {type(state).__name__}")
     try:
         torch.set_rng_state(state["torch"])
     except (TypeError, RuntimeError) as e:

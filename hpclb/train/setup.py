@@ -5,7 +5,8 @@ every rank with the message, never a hang: settings, data, the out directory and
 are checked inside :func:`agreed` (every rank runs the check, then all compare verdicts), and the
 resume-or-start decision is rank 0's, broadcast. Then, in this order: the device is bound (by the
 communicator), the model is built on it, checked and broadcast, each rank gets its own random
-streams (:mod:`hpclb.train.rng`), the optimizer is wrapped in :class:`~hpclb.sync.optimizer.DistributedOptimizer`
+streams (:mod:`hpclb.train.rng`), the optimizer is wrapped in
+:class:`~hpclb.sync.optimizer.DistributedOptimizer`
 (its GradientSync's buckets hold the gradients on the device), and a checkpoint, if any, is loaded
 onto whatever device this run uses.
 """

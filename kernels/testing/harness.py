@@ -3,7 +3,8 @@
 ``build_emulator()`` compiles kernels/testing/emulator.cpp (cuda_on_cpu.h + the unchanged .cu,
 or a mutated copy) with g++ -std=c++20 into a shared library in a build directory;
 ``Emulator`` loads it with ctypes and launches kernels like ``cuLaunchKernel``; and
-``EmulatorLauncher`` plugs it into :class:`hpclb.optim.fused.FusedTrust` in place of CuPy, so the same
+``EmulatorLauncher`` plugs it into :class:`hpclb.optim.fused.FusedTrust` in place of CuPy, so
+the same
 host code (pointer tables, chunk maps, hyper-parameter rows) runs the kernels on CPU tensors.
 
 Needs g++ >= 10 (C++20 ``<source_location>``); :func:`compiler` returns None when there is none.

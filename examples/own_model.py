@@ -1,13 +1,9 @@
 """Your own model and training loop, made multi-rank LEGW with hpclb (the lines marked # hpclb).
 Run: python examples/own_model.py   or   mpirun -n 2 python examples/own_model.py"""
-import json
-import os
-import sys
-
+import os, sys, json
 import torch
 import torch.nn.functional as F
-
-import hpclb  # hpclb
+import hpclb                                                                         # hpclb
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "plugin"))
 from my_data import mnist_digits  # noqa: E402 (MNIST read with numpy: `hpclb data fetch mnist`)

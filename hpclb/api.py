@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from hpclb.dist import Communicator
-from hpclb.schedules import Schedule, ScheduleLR
+from hpclb.optim.lr_scheduler import ScheduleLR
+from hpclb.schedules import Schedule
 
 _COMM: Communicator | None = None
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hpclb import schedules as S
+from hpclb.optim.lr_scheduler import ScheduleLR
 
 N, B0 = 60_000, 128
 
@@ -115,7 +116,7 @@ def test_torch_scheduler_adapter_follows_schedule():
     s = legw(8)
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=123.0)
-    sch = S.ScheduleLR(opt, s)
+    sch = ScheduleLR(opt, s)
     seen = []
     for _ in range(200):
         seen.append(opt.param_groups[0]["lr"])
@@ -128,14 +129,14 @@ def test_schedule_lr_load_state_dict_restores_the_step_lr():
     s = legw(8)
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    sch = S.ScheduleLR(opt, s)
+    sch = ScheduleLR(opt, s)
     for _ in range(150):
         opt.step()
         sch.step()
     state = sch.state_dict()
     assert state == {"last_epoch": 150}
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sch2 = S.ScheduleLR(opt2, s)
+    sch2 = ScheduleLR(opt2, s)
     assert sch2.get_last_lr() == pytest.approx([s.lr(0)])
     sch2.load_state_dict(state)
     assert s.lr(150) != pytest.approx(s.lr(0))

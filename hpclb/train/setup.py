@@ -29,7 +29,8 @@ from hpclb.dist import Communicator
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
 from hpclb.models import build_model
 from hpclb.optim import LAMB, LARS
-from hpclb.schedules import Schedule, ScheduleLR
+from hpclb.optim.lr_scheduler import ScheduleLR
+from hpclb.schedules import Schedule
 from hpclb.sync.gradients import (
     average_buffers,
     broadcast_parameters,

@@ -24,7 +24,7 @@ def files(directory):
 
 def test_store_keeps_the_last_k_generations_and_checkpoint_pt_is_the_newest(tmp_path):
     store = CheckpointStore(tmp_path, keep=2)
-    assert not store.exists() and store.load_latest() is None
+    assert not store.exists() and store.latest() is None
     for step in (10, 20, 30):
         path = store.save(state(step))
     assert path.name == "gen-000003-step-30.pt"
@@ -32,7 +32,7 @@ def test_store_keeps_the_last_k_generations_and_checkpoint_pt_is_the_newest(tmp_
                                                "gen-000002-step-20.pt.sha256",
                                                "gen-000003-step-30.pt",
                                                "gen-000003-step-30.pt.sha256"]
-    assert store.exists() and store.load_latest()["global_step"] == 30
+    assert store.exists() and store.latest().state["global_step"] == 30
     # checkpoint.pt is the newest generation, readable by the plain loader, verified
     assert C.load_checkpoint(tmp_path / "checkpoint.pt")["global_step"] == 30
     assert C.verify_checkpoint(tmp_path / "checkpoint.pt") is True

@@ -10,7 +10,7 @@ same trajectory as an uninterrupted one (same seed and world size).
 
 :class:`CheckpointStore` keeps the last ``keep`` *generations* under ``out/checkpoints/`` and
 ``out/checkpoint.pt`` as the newest (a hard link to it, a copy where links are not supported);
-:meth:`CheckpointStore.load_latest` falls back to an older generation, with a warning, when the
+:meth:`CheckpointStore.latest` falls back to an older generation, with a warning, when the
 newest is damaged, and a full disk during a write leaves the previous generation valid.
 """
 from __future__ import annotations
@@ -177,10 +177,6 @@ class Loaded:
     step: int | None = None
     skipped: list[tuple[Path, str]] = field(default_factory=list)
 
-    @property
-    def fell_back(self) -> bool:
-        return bool(self.skipped)
-
 
 class CheckpointStore:
     """The last ``keep`` checkpoints of a run, each verified by its SHA-256.
@@ -309,8 +305,3 @@ class CheckpointStore:
                 "; ".join(f"{p}: {r}" for p, r in skipped) +
                 "; delete them to start afresh")
         return None
-
-    def load_latest(self) -> dict[str, Any] | None:
-        """The state of :meth:`latest` (None when there is no checkpoint)."""
-        loaded = self.latest()
-        return None if loaded is None else loaded.state

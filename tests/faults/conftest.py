@@ -114,7 +114,8 @@ def checkpoint_state(out: Path) -> dict:
     """The newest verified checkpoint under run folder ``out`` (what --resume would read)."""
     from hpclb.train.checkpoint import CheckpointStore
 
-    return CheckpointStore(out).load_latest()
+    loaded = CheckpointStore(out).latest()
+    return None if loaded is None else loaded.state
 
 
 @pytest.fixture(scope="session")

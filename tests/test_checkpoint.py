@@ -79,7 +79,7 @@ def test_every_checkpoint_damaged_is_an_error_listing_them(tmp_path):
         p = store.save(state(step))
         p.write_bytes(b"not a checkpoint")  # hard link: checkpoint.pt too for the newest
     with pytest.raises(CheckpointError, match="no usable checkpoint.*gen-000002.*gen-000001"):
-        store.load_latest()
+        store.latest()
 
 
 def test_disk_full_midway_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
@@ -150,7 +150,7 @@ def test_checkpoint_pt_verifies_at_every_instant_of_a_replacement(tmp_path, monk
 def test_legacy_checkpoint_without_sidecar_still_loads(tmp_path):
     torch.save(state(7), tmp_path / "checkpoint.pt")
     store = CheckpointStore(tmp_path)
-    assert store.exists() and store.load_latest()["global_step"] == 7
+    assert store.exists() and store.latest().state["global_step"] == 7
     store.save(state(8))
     assert C.load_checkpoint(tmp_path / "checkpoint.pt")["global_step"] == 8
 
@@ -173,4 +173,4 @@ def test_no_hard_links_falls_back_to_a_copy(tmp_path, monkeypatch):
     newest = store.save(state(2))
     assert not (tmp_path / "checkpoint.pt").samefile(newest)
     assert C.load_checkpoint(tmp_path / "checkpoint.pt")["global_step"] == 2
-    assert len(store.generations()) == 1 and store.load_latest()["global_step"] == 2
+    assert len(store.generations()) == 1 and store.latest().state["global_step"] == 2

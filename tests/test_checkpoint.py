@@ -63,7 +63,7 @@ def test_damaged_newest_falls_back_to_the_previous_with_a_warning(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="hpclb.train.checkpoint"):
         loaded = store.latest()
     if damage == "delete_latest":
-        assert loaded.state["global_step"] == 20 and not loaded.fell_back
+        assert loaded.state["global_step"] == 20 and not loaded.skipped
         return
     assert loaded.state["global_step"] == 10 and loaded.step == 10 and loaded.generation == 1
     assert [p.name for p, _ in loaded.skipped] == [newest.name]
@@ -108,7 +108,7 @@ def test_disk_full_midway_keeps_the_previous_checkpoint_and_says_so(tmp_path, mo
     assert written["n"] > 1000  # the failure came midway, after bytes were written
     assert (files(tmp_path), files(tmp_path / "checkpoints")) == before  # no partial file
     loaded = store.latest()
-    assert loaded.state["global_step"] == 10 and not loaded.fell_back
+    assert loaded.state["global_step"] == 10 and not loaded.skipped
     monkeypatch.undo()
     assert store.save(state(20)).name == "gen-000002-step-20.pt"  # space back: goes on
 

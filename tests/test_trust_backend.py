@@ -11,8 +11,8 @@ import torch
 
 from hpclb.bench import shapes
 from hpclb.optim import fused as K
-from hpclb.optim.fused import trust as fused_trust
 from hpclb.optim import trust
+from hpclb.optim.fused import trust as fused_trust
 
 
 def test_cpu_tensors_take_the_torch_backend_and_say_so_once(caplog, monkeypatch):

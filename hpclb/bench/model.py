@@ -90,7 +90,8 @@ def workloads(gpu: str = "v100") -> dict[str, Workload]:
 
 
 def n_buckets(tensor_bytes: list[int], fusion_bytes: int) -> int:
-    from hpclb.sync.gradients import DEFAULT_FIRST_BUCKET_BYTES, plan_buckets
+    from hpclb.sync.buckets import plan_buckets
+    from hpclb.sync.options import DEFAULT_FIRST_BUCKET_BYTES
     return len(plan_buckets(tensor_bytes, fusion_bytes, DEFAULT_FIRST_BUCKET_BYTES))
 
 

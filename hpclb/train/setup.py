@@ -29,7 +29,7 @@ from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
 from hpclb.models import build_model
 from hpclb.optim import LAMB, LARS
 from hpclb.schedules import Schedule, ScheduleLR
-from hpclb.sync.gradients import (
+from hpclb.sync.agree import (
     average_buffers,
     broadcast_parameters,
     check_model_consistency,

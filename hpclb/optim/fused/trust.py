@@ -133,10 +133,6 @@ class FusedTrust:
                     return f"{layer}: its tensors differ in dtype or size"
         return None
 
-    def supports(self, *lists: Sequence["Tensor | None"]) -> bool:
-        """True when :meth:`why_not` finds nothing against these lists."""
-        return self.why_not(*lists) is None
-
     def _layout(self, numels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         key = (numels.tobytes(), self.chunk_size)
         hit = self._layouts.get(key)

@@ -9,7 +9,8 @@ __all__ = ["KERNELS", "KERNELS_DIR", "KERNEL_PATH", "NVRTC_OPTIONS", "PACKAGE_KE
            "REPO_KERNELS_DIR", "kernel_source"]
 
 #: Where the .cu source is looked for, in order: $HPCLB_KERNELS_DIR, the installed package's copy
-#: (``hpclb/_kernels/``, put there by setup.py when a wheel is built), the repository's ``kernels/``.
+#: (``hpclb/_kernels/``, put there by setup.py when a wheel is built), the repository's
+#: ``kernels/``. parents[2] of hpclb/optim/fused/source.py is hpclb/, parents[3] the repository.
 PACKAGE_KERNELS_DIR = Path(__file__).resolve().parents[2] / "_kernels"
 REPO_KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
 KERNELS_DIR = Path(os.environ.get("HPCLB_KERNELS_DIR")

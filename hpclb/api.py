@@ -20,11 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpclb.dist import Communicator
+from hpclb.dist import Communicator, current_communicator, get_communicator, has_communicator
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
-
-_COMM: Communicator | None = None
 
 
 def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False) -> Communicator:
@@ -38,27 +36,23 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     calling it again returns the same one. Raises ConfigError (a ValueError) when the launcher
     and backend do not fit, or the device cannot be had.
     """
-    global _COMM
-    if _COMM is None:
-        from hpclb.dist import get_communicator
-
-        _COMM = get_communicator(backend, device=device, share_gpu=share_gpu)
-    return _COMM
+    if not has_communicator():
+        get_communicator(backend, device=device, share_gpu=share_gpu)
+    return current_communicator()
 
 
 def communicator() -> Communicator:
-    """The communicator :func:`init` made. Raises RuntimeError naming the fix before init."""
-    if _COMM is None:
-        raise RuntimeError("call hpclb.init() first (it starts the communicator)")
-    return _COMM
+    """The communicator :func:`init` made (the one :func:`hpclb.dist.get_communicator` holds).
+    Raises RuntimeError naming the fix before init."""
+    return current_communicator()
 
 
 def broadcast_parameters(model: nn.Module, comm: Communicator | None = None, root: int = 0) -> None:
     """Make every rank's parameters and buffers rank ``root``'s (one broadcast per tensor), after
     checking that every rank built the same model (names, shapes, dtypes: ModelMismatchError on
     every rank otherwise, naming the first difference)."""
-    from hpclb.sync.gradients import broadcast_parameters as _bcast
-    from hpclb.sync.gradients import check_model_consistency
+    from hpclb.sync.agree import broadcast_parameters as _bcast
+    from hpclb.sync.agree import check_model_consistency
 
     comm = comm or communicator()
     check_model_consistency(model, comm)

@@ -3,7 +3,7 @@
 nvcc (when on PATH): every kernel file, -cubin for sm_80, sm_90 and sm_90a with --resource-usage;
 fails on an error or warning, a register spill, stack (local memory) use, or registers / static
 shared memory above the limits below. NVRTC (the ``nvidia-cuda-nvrtc`` wheel of the ``test``
-extra, through ctypes): the exact string hpclb/optim/fused.py hands CuPy, with the same options, for
+extra, through ctypes): the exact string hpclb/optim/fused/launcher.py hands CuPy, with the same options, for
 the same architectures, with ptxas's report checked the same way; and a broken source must raise
 KernelCompileError carrying the compiler's message.
 """

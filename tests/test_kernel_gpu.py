@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpclb.bench.shapes import BERT_LARGE, RESNET50  # noqa: E402
 from hpclb.optim import fused as K  # noqa: E402
+from hpclb.optim.fused import launcher as fused_launcher  # noqa: E402
 
 try:
     import pytest
@@ -325,9 +326,9 @@ def test_two_streams_get_their_own_tables():
 
 def test_cupy_compile_error_is_reported():
     launcher = K.CupyLauncher(dev())
-    real = K.kernel_source
-    K.kernel_source = lambda: real().replace("s_last = done == (unsigned int)(nct - 1);",
-                                             "s_last = done == (unsigned int)(nct - 1)")
+    real = K.kernel_source   # CupyLauncher.module looks kernel_source up in fused.launcher
+    fused_launcher.kernel_source = lambda: real().replace(
+        "s_last = done == (unsigned int)(nct - 1);", "s_last = done == (unsigned int)(nct - 1)")
     try:
         raised = None
         try:
@@ -336,7 +337,7 @@ def test_cupy_compile_error_is_reported():
             raised = e
         assert raised is not None and "expected a" in str(raised), raised
     finally:
-        K.kernel_source = real
+        fused_launcher.kernel_source = real
 
 
 # ---------------------------------------------------------------------------------------------

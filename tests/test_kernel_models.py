@@ -1,7 +1,7 @@
 """The fused trust-ratio kernel's 16-byte vector path on the packaged models (issue #10 item 5).
 
 GradientSync starts every gradient view of its buckets at a 16-byte aligned offset
-(``hpclb.sync.gradients.ALIGN_BYTES``), so that the kernel of ``kernels/trust_ratio.cu`` takes its
+(``hpclb.sync.buckets.ALIGN_BYTES``), so that the kernel of ``kernels/trust_ratio.cu`` takes its
 vector path on every chunk even where a layer's size is not a multiple of 16 bytes (MNIST-LSTM's
 10-class head bias, 40 bytes; an odd vocabulary). Here the unchanged kernel runs on CPU tensors
 through the emulator of ``kernels/testing`` (the launcher tests/test_kernel_logic.py uses), driven
@@ -22,7 +22,7 @@ from hpclb.dist import SelfCommunicator
 from hpclb.models import LSTMLanguageModel, MnistLSTM, SmallResNet
 from hpclb.optim import LAMB, LARS
 from hpclb.optim import fused as K
-from hpclb.sync import gradients as parallel
+from hpclb.sync import buckets as parallel
 from hpclb.sync.gradients import GradientSync
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,11 +13,8 @@ from helpers import quick_recipe, train_multi_and_single
 from hpclb.config import resolve
 from hpclb.errors import ModelMismatchError
 from hpclb.models import MnistLSTM
-from hpclb.sync.gradients import (
-    GradientSync,
-    broadcast_parameters,
-    check_model_consistency,
-)
+from hpclb.sync.agree import broadcast_parameters, check_model_consistency
+from hpclb.sync.gradients import GradientSync
 from hpclb.train import loop as train_mod
 from hpclb.train.checkpoint import load_checkpoint
 from hpclb.train.metrics import read_metrics

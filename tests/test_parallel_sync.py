@@ -18,7 +18,8 @@ from torch import nn
 
 from hpclb.errors import ModelMismatchError
 from hpclb.models import MnistLSTM
-from hpclb.sync.gradients import GradientSync, agree_num_steps, check_model_consistency
+from hpclb.sync.agree import agree_num_steps, check_model_consistency
+from hpclb.sync.gradients import GradientSync
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120, method="thread")]
 MODES = ("none", "thread", "nonblocking")

@@ -13,12 +13,9 @@ from hpclb.dist import SelfCommunicator, SideChannel
 from hpclb.dist.testing import ScaledComm
 from hpclb.dist.watchdog import StallWatchdog
 from hpclb.errors import ModelMismatchError
-from hpclb.sync.gradients import (
-    DEFAULT_FUSION_THRESHOLD_BYTES,
-    GradientSync,
-    MiB,
-    agree_num_steps,
-)
+from hpclb.sync.agree import agree_num_steps
+from hpclb.sync.gradients import GradientSync
+from hpclb.sync.options import DEFAULT_FUSION_THRESHOLD_BYTES, MiB
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 MODES = ("none", "thread", "nonblocking")
@@ -230,7 +227,7 @@ def test_watchdog_without_side_channel_reports_and_aborts():
 
 def test_plan_buckets_and_the_scaling_model_fit():
     from hpclb.bench.model import Calibration, comm_time, fit_alpha_beta, workloads
-    from hpclb.sync.gradients import plan_buckets
+    from hpclb.sync.buckets import plan_buckets
     assert plan_buckets([10, 10, 10, 30, 5], fusion_threshold_bytes=25,
                         first_bucket_bytes=12) == [[4], [3], [2, 1], [0]]
     alpha, beta = 3e-6, 1 / 5e9

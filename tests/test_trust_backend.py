@@ -12,6 +12,7 @@ import torch
 from hpclb.bench import shapes
 from hpclb.optim import fused as K
 from hpclb.optim import trust
+from hpclb.optim.fused import trust as fused_trust
 
 
 def test_cpu_tensors_take_the_torch_backend_and_say_so_once(caplog, monkeypatch):
@@ -39,7 +40,8 @@ def test_forced_torch_backend_and_missing_cuda(monkeypatch):
     assert K.fused_for("cuda:0") is None
     monkeypatch.setenv("HPCLB_TRUST_BACKEND", "auto")
     if not torch.cuda.is_available():
-        monkeypatch.setattr(K, "cupy_available", lambda: False)
+        # fused_for (hpclb.optim.fused.trust) is where cupy_available is looked up
+        monkeypatch.setattr(fused_trust, "cupy_available", lambda: False)
         assert K.fused_for("cuda:0") is None
 
 

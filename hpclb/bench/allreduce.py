@@ -25,11 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
-import socket
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,66 +33,17 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hpclb.bench.launch import run_mpi
+from hpclb.bench.measure import Timer, best, busbw, conditions, interleaved, iterations, med
+
+__all__ = ["add_run_arguments", "driver", "main", "summarize_steps", "worker"]
+
 KiB, MiB = 2 ** 10, 2 ** 20
 SIZES_BYTES = [4 * KiB * 4 ** i for i in range(9)]  # 4 KiB ... 256 MiB
 SYNC_WORKLOADS = ("resnet50", "ptb_large", "mnist_lstm")
 MODES = ("none", "thread", "nonblocking")
 THRESHOLDS_BYTES = (4 * MiB, 25 * MiB, 64 * MiB)
 STEP_IMAGE, STEP_BATCH = 32, 16
-
-
-def busbw(nbytes: int, seconds: float, p: int) -> float:
-    """Ring allreduce bus bandwidth in bytes/s (0 for one rank: nothing moves)."""
-    return 0.0 if p == 1 or seconds <= 0 else 2 * (p - 1) / p * nbytes / seconds
-
-
-class Timer:
-    """Per-iteration wall time agreed across ranks: the slowest rank's, so that one number
-    describes the collective. ``comm`` is any Communicator."""
-
-    def __init__(self, comm):
-        self.comm = comm
-
-    def __call__(self, fn: Callable[[], None]) -> float:
-        self.comm.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        return float(self.comm.allreduce_(dt, op="max").item())
-
-
-def iterations(nbytes: int, quick: bool) -> int:
-    base = 3 if nbytes >= 64 * MiB else 5 if nbytes >= 4 * MiB else 20
-    return max(2, base // 2) if quick else base
-
-
-def interleaved(variants: dict[str, Callable[[], None]], timer: Timer, rounds: int,
-                warmup: int = 1, seed: int = 0) -> dict[str, list[float]]:
-    """Run every variant once per round, in an order shuffled each round (the same on every
-    rank: a seeded generator), so no variant always follows the same neighbour; returns the
-    times per variant."""
-    import random
-    for _ in range(warmup):
-        for fn in variants.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    order, rng = list(variants), random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for k in order:
-            times[k].append(timer(variants[k]))
-    return times
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def best(xs: list[float]) -> float:
-    """The fastest round: other processes on a shared machine only ever add time, so the
-    minimum is the closest estimate of a variant's own cost (ratios use it; medians are kept
-    beside them)."""
-    return min(xs)
 
 
 # --------------------------------------------------------------------------- worker parts
@@ -144,8 +90,8 @@ def bench_sync(comm, timer: Timer, quick: bool) -> dict:
                 sync.synchronize()
 
             rounds = iterations(total * 4, quick) + (2 if name == "resnet50" else 0)
-            ts = interleaved({"raw": lambda: comm.allreduce_(flat), "hpclb": hpclb_sync}, timer,
-                             rounds)
+            ts = interleaved({"raw": lambda buf=flat: comm.allreduce_(buf), "hpclb": hpclb_sync},
+                             timer, rounds)
             sync.close()
             t_raw, t_sync = best(ts["raw"]), best(ts["hpclb"])
             paired = med([r / h for r, h in zip(ts["raw"], ts["hpclb"])])
@@ -268,17 +214,6 @@ def bench_horovod(comm, timer: Timer, sizes: list[int], rounds: int, quick: bool
             "horovod_env": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}}
 
 
-def conditions(comm) -> dict:
-    from mpi4py import MPI
-    return {"host": socket.gethostname(), "cpus": os.cpu_count(),
-            "ranks": comm.world_size, "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-            "python": platform.python_version(),
-            "loadavg_start": os.getloadavg(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
 def worker(args) -> int:
     from hpclb.dist import get_communicator
     comm = get_communicator("mpi")
@@ -305,38 +240,6 @@ def worker(args) -> int:
 
 
 # --------------------------------------------------------------------------- driver
-def mpirun() -> str:
-    here = Path(sys.executable).parent / "mpirun"
-    return str(here) if here.exists() else (shutil.which("mpirun") or "mpirun")
-
-
-def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
-            tag: str) -> dict | None:
-    """``mpirun -n np_ python -m module argv`` (the venv's Open MPI; oversubscribing this
-    machine's cores when asked for more ranks than it has, with idle ranks yielding the CPU);
-    returns the JSON the worker wrote to ``out``, or None after printing why it failed."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1")
-    if np_ > (os.cpu_count() or 1):
-        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-    cmd = [mpirun(), "-n", str(np_), "--oversubscribe", "--bind-to", "none",
-           sys.executable, "-m", module, *argv, "--out", str(out)]
-    print(f"[{tag}] mpirun -n {np_} {module} {' '.join(argv)}", flush=True)
-    t0 = time.perf_counter()
-    out.unlink(missing_ok=True)
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        print(f"[{tag}] {np_} ranks: timed out after {timeout_s:.0f} s", flush=True)
-        return None
-    if proc.returncode != 0 or not out.exists():
-        print(f"[{tag}] {np_} ranks failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-              f"{proc.stderr[-3000:]}", flush=True)
-        return None
-    print(f"[{tag}]   done in {time.perf_counter() - t0:.0f} s", flush=True)
-    return json.loads(out.read_text())
-
-
 def launch(np_: int, suite: str, out: Path, args, timeout_s: float) -> dict | None:
     argv = ["worker", "--suite", suite, "--rounds", str(args.rounds), "--max-bytes",
             str(args.max_bytes)] + (["--quick"] if args.quick else [])

@@ -44,6 +44,11 @@ import tempfile
 import time
 from pathlib import Path
 
+__all__ = [
+    "COMPARISONS", "SHARED_NOTE", "TARGET_PERCENT", "VARIANTS", "add_run_arguments",
+    "bench_recipe", "blocks", "compare", "driver", "interleaved_steps", "main", "report",
+    "round_order", "run_stats", "summarize", "worker"]
+
 VARIANTS = {"log50": {"log_every": 50, "noise_scale": False},
             "off": {"log_every": 0, "noise_scale": False},
             "noise": {"log_every": 50, "noise_scale": True}}
@@ -169,7 +174,7 @@ def worker(args) -> int:
     """Inside ``mpirun``: every variant once per round (rotated order); rank 0 writes the runs."""
     import torch
 
-    from hpclb.bench.allreduce import conditions
+    from hpclb.bench.measure import conditions
     from hpclb.config import resolve
     from hpclb.dist import get_communicator
     from hpclb.train.loop import train
@@ -267,7 +272,7 @@ def report(res: dict) -> str:
 
 def driver(args) -> int:
     """``hpclb bench logging``: write the recipe, run the mpirun job, summarize, write JSON."""
-    from hpclb.bench.allreduce import run_mpi
+    from hpclb.bench.launch import run_mpi
 
     if args.rounds < 1 or args.np < 2:
         raise SystemExit("hpclb bench logging: --rounds must be >= 1 and --np >= 2 (the noise "

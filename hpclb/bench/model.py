@@ -43,6 +43,12 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+__all__ = [
+    "ALPHA_LINK_S", "ALPHA_NVLINK_S", "BACKWARD_SHARE", "DEFAULT_FUSION_BYTES", "GPUS_PER_NODE",
+    "LINKS_GBPS", "LINK_EFFICIENCY", "NODES", "NVLINK_BPS", "Calibration", "Workload",
+    "add_arguments", "add_cli", "calibrate", "comm_time", "fit_alpha_beta", "local_check",
+    "main", "n_buckets", "plot", "project", "run", "step_time", "table", "workloads"]
+
 NODES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 LINKS_GBPS = [100, 200, 400]
 GPUS_PER_NODE = 4
@@ -90,7 +96,8 @@ def workloads(gpu: str = "v100") -> dict[str, Workload]:
 
 
 def n_buckets(tensor_bytes: list[int], fusion_bytes: int) -> int:
-    from hpclb.sync.gradients import DEFAULT_FIRST_BUCKET_BYTES, plan_buckets
+    from hpclb.sync.buckets import plan_buckets
+    from hpclb.sync.options import DEFAULT_FIRST_BUCKET_BYTES
     return len(plan_buckets(tensor_bytes, fusion_bytes, DEFAULT_FIRST_BUCKET_BYTES))
 
 
@@ -258,12 +265,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def run(args: argparse.Namespace) -> int:
-    measured = Path(args.measurements) if args.measurements else None
-    cal = calibrate(measured)
-    if args.hidden_fraction is not None:
-        cal.hidden_fraction = args.hidden_fraction
-    rows = project(cal, fusion_bytes=args.fusion_threshold_bytes, fp16=args.fp16)
+def _print_setup(cal: Calibration, args: argparse.Namespace) -> None:
+    """The calibration, the assumptions and the workloads of a projection."""
     print("alpha-beta ring allreduce model (hpclb bench model)")
     print(f"calibration from {cal.source}: alpha_sw = {cal.alpha_sw_s * 1e6:.1f} us per ring "
           f"step, local beta = {1 / cal.beta_local_s_per_byte / 1e9 if cal.beta_local_s_per_byte else float('inf'):.2f} GB/s "
@@ -279,6 +282,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {w.name}: {w.gradient_bytes / 1e6:.1f} MB of gradients in "
               f"{n_buckets(w.tensors, args.fusion_threshold_bytes)} buckets; compute "
               f"{w.compute_s * 1e3:.0f} ms per step at {w.batch_per_gpu} per GPU ({w.source})")
+
+
+def _write_results(out: Path, args: argparse.Namespace, cal: Calibration, rows: list[dict],
+                   key: dict, hvr: dict, measured: Path | None) -> None:
+    """The projection and what it assumed, as JSON at ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"calibration": asdict(cal), "assumptions": {
+        "gpus_per_node": GPUS_PER_NODE, "alpha_link_s": ALPHA_LINK_S,
+        "link_efficiency": LINK_EFFICIENCY, "nvlink_Bps": NVLINK_BPS,
+        "backward_share": BACKWARD_SHARE, "fusion_threshold_bytes": args.fusion_threshold_bytes,
+        "fp16": args.fp16, "workloads": {n: {k: v for k, v in asdict(w).items() if k != "tensors"}
+                                         for n, w in workloads().items()}},
+        "resnet50_256x4_200gbps": key, "horovod_paper_setting": hvr,
+        "local_check": local_check(cal, measured), "projection": rows}, indent=1) + "\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    measured = Path(args.measurements) if args.measurements else None
+    cal = calibrate(measured)
+    if args.hidden_fraction is not None:
+        cal.hidden_fraction = args.hidden_fraction
+    rows = project(cal, fusion_bytes=args.fusion_threshold_bytes, fp16=args.fp16)
+    _print_setup(cal, args)
     for link in LINKS_GBPS:
         print()
         print(table(rows, link, "hierarchical"))
@@ -304,15 +330,7 @@ def run(args: argparse.Namespace) -> int:
           f"{100 * hvr['efficiency_measured_overlap']:.1f}% (measured overlap) / "
           f"{100 * hvr['efficiency_full_overlap']:.1f}% (full overlap); published ~90%")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"calibration": asdict(cal), "assumptions": {
-        "gpus_per_node": GPUS_PER_NODE, "alpha_link_s": ALPHA_LINK_S,
-        "link_efficiency": LINK_EFFICIENCY, "nvlink_Bps": NVLINK_BPS,
-        "backward_share": BACKWARD_SHARE, "fusion_threshold_bytes": args.fusion_threshold_bytes,
-        "fp16": args.fp16, "workloads": {n: {k: v for k, v in asdict(w).items() if k != "tensors"}
-                                         for n, w in workloads().items()}},
-        "resnet50_256x4_200gbps": key, "horovod_paper_setting": hvr,
-        "local_check": local_check(cal, measured), "projection": rows}, indent=1) + "\n")
+    _write_results(out, args, cal, rows, key, hvr, measured)
     drew = plot(rows, out.with_suffix(".png"))
     print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
     return 0

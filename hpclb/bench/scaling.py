@@ -30,7 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hpclb.bench.allreduce import Timer, best, conditions, interleaved, med, run_mpi
+from hpclb.bench.launch import run_mpi
+from hpclb.bench.measure import Timer, best, conditions, interleaved, med
+
+__all__ = [
+    "BATCHES", "IMAGE", "add_common", "add_run_arguments", "batch", "build", "derive", "driver",
+    "efficiencies", "main", "measure", "merge", "plot", "report", "worker"]
 
 # model -> (per-rank batch for weak scaling, global batch for strong scaling)
 BATCHES = {"mnist_lstm": (128, 512), "resnet50": (16, 32)}

@@ -19,6 +19,10 @@ from torch import nn
 from hpclb.models.lstm_lm import LSTMLanguageModel
 from hpclb.models.resnet import BasicBlock, ResNet50
 
+__all__ = [
+    "WORKLOADS", "GNMTShapes", "gradient_shapes", "mnist_lstm", "ptb_large", "resnet18_cifar",
+    "resnet50"]
+
 
 def resnet50(num_classes: int = 1000) -> nn.Module:
     """ImageNet ResNet-50 of :mod:`hpclb.models.resnet` (25,557,032 parameters at 1000 classes)."""
@@ -77,7 +81,3 @@ def gradient_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
     with torch.device("meta"):
         model = WORKLOADS[name]()
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # cached: read-only
-
-
-def num_params(name: str) -> int:
-    return sum(int(torch.Size(s).numel()) for _, s in gradient_shapes(name))

@@ -85,6 +85,19 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
     return _world
 
 
+def current_communicator() -> Communicator:
+    """The communicator :func:`get_communicator` (or :func:`hpclb.init`) made: one per process.
+    Raises RuntimeError naming the fix before there is one."""
+    if _world is None:
+        raise RuntimeError("call hpclb.init() first (it starts the communicator)")
+    return _world
+
+
+def has_communicator() -> bool:
+    """Whether :func:`get_communicator` has made this process's communicator."""
+    return _world is not None
+
+
 def _create(backend: str, device, share_gpu: bool) -> Communicator:
     if backend == "mpi":
         from hpclb.dist.mpi import MPICommunicator
@@ -118,5 +131,5 @@ def _gpu_peers(comm: Communicator, device: str) -> tuple[int, int]:
 
 
 __all__ = ["Communicator", "SelfCommunicator", "Handle", "CompletedHandle", "SideChannel",
-           "get_communicator", "resolve_backend", "backend_available", "launcher_world_size",
+           "get_communicator", "current_communicator", "has_communicator", "resolve_backend", "backend_available", "launcher_world_size",
            "launcher_kind", "BACKENDS", "REDUCE_OPS"]

@@ -12,6 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+__all__ = [
+    "REDUCE_OPS", "Communicator", "CompletedHandle", "Handle", "SideChannel", "check_op",
+    "launcher_kind", "launcher_world_size"]
+
 REDUCE_OPS = ("sum", "max", "min")
 
 
@@ -87,10 +91,6 @@ class Communicator(ABC):
     device: torch.device = torch.device("cpu")
     async_progress: bool = False
     thread_safe: bool = True
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == 0
 
     @abstractmethod
     def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:

@@ -17,6 +17,8 @@ from torch import Tensor
 
 from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
 
+__all__ = ["HorovodCommunicator"]
+
 
 class _HorovodHandle(Handle):
     def __init__(self, hvd, handle, tensor: Tensor):
@@ -128,8 +130,8 @@ class HorovodCommunicator(Communicator):
         if self._side is None:
             from mpi4py import MPI
 
-            from hpclb.dist.mpi import _MPISideChannel
+            from hpclb.dist.mpi import MPISideChannel
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 return None
-            self._side = _MPISideChannel(MPI.COMM_WORLD.Dup(), MPI)
+            self._side = MPISideChannel(MPI.COMM_WORLD.Dup(), MPI)
         return self._side

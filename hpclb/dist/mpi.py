@@ -28,6 +28,10 @@ from torch import Tensor
 from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
 from hpclb.dist.env import launcher_world_size
 
+__all__ = [
+    "CUDA_AWARE_ENV", "SIDE_TAG", "HostStaging", "MPICommunicator", "MPISideChannel",
+    "TorchCudaAPI", "cuda_aware_mpi"]
+
 SIDE_TAG = 0x4C42  # "LB": the watchdog's messages, on a duplicate of COMM_WORLD
 
 
@@ -56,7 +60,7 @@ class _MPIHandle(Handle):
         return self._done
 
 
-class _MPISideChannel(SideChannel):
+class MPISideChannel(SideChannel):
     """Pickled point-to-point messages on a duplicate of COMM_WORLD (never collides with the
     collectives). Needs ``MPI_THREAD_MULTIPLE``: the watchdog thread calls it while another thread
     may be inside a collective."""
@@ -285,7 +289,7 @@ class MPICommunicator(Communicator):
         # A communication thread needs at least SERIALIZED; the watchdog's side channel MULTIPLE.
         self.thread_safe = self.thread_level >= MPI.THREAD_SERIALIZED
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-        self._side: _MPISideChannel | None = None
+        self._side: MPISideChannel | None = None
         self._stagings: dict[torch.device, HostStaging] = {}
         self._cuda_aware: bool | None = None  # decided at the first CUDA tensor
 
@@ -370,5 +374,5 @@ class MPICommunicator(Communicator):
         if self.world_size == 1 or self.thread_level < self._MPI.THREAD_MULTIPLE:
             return None
         if self._side is None:  # Dup is collective: first called by every rank together
-            self._side = _MPISideChannel(self._comm.Dup(), self._MPI)
+            self._side = MPISideChannel(self._comm.Dup(), self._MPI)
         return self._side

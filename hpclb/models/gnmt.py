@@ -18,6 +18,8 @@ import math
 import torch
 from torch import nn
 
+__all__ = ["GNMT", "NormalizedBahdanauAttention"]
+
 
 class NormalizedBahdanauAttention(nn.Module):
     """score(q, k) = g * v/||v|| . tanh(W_q q + W_k k + b) (Wu et al. / Salimans & Kingma norm)."""
@@ -35,6 +37,18 @@ class NormalizedBahdanauAttention(nn.Module):
         e = torch.tanh(self.q(query).unsqueeze(2) + self.k(keys).unsqueeze(1))  # [b, t, s, h]
         scores = (e @ (self.g * self.v / self.v.norm())).masked_fill(~mask[:, None, :], -1e9)
         return torch.softmax(scores, dim=-1) @ keys
+
+
+def _check_beam_args(beam_size, max_len, length_penalty) -> None:
+    """Raise ValueError for a :meth:`GNMT.beam_search` argument out of range."""
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an integer >= 1 (1 = greedy), got {beam_size!r}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
+            not math.isfinite(length_penalty) or length_penalty < 0:
+        raise ValueError(f"length_penalty must be a finite number >= 0 (GNMT's alpha), got "
+                         f"{length_penalty!r}")
 
 
 class GNMT(nn.Module):
@@ -153,14 +167,7 @@ class GNMT(nn.Module):
         Raises ValueError when ``beam_size`` or ``max_len`` is not an integer >= 1, or
         ``length_penalty`` is not a finite number >= 0.
         """
-        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-            raise ValueError(f"beam_size must be an integer >= 1 (1 = greedy), got {beam_size!r}")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
-        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
-                not math.isfinite(length_penalty) or length_penalty < 0:
-            raise ValueError(f"length_penalty must be a finite number >= 0 (GNMT's alpha), got "
-                             f"{length_penalty!r}")
+        _check_beam_args(beam_size, max_len, length_penalty)
         b, k, dev = src.shape[0], beam_size, src.device
         memory = self.encode(src, src_mask).repeat_interleave(k, 0)  # [b * k, s, h]
         mask = src_mask.repeat_interleave(k, 0)

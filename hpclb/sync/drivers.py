@@ -26,6 +26,8 @@ import weakref
 
 from hpclb.dist import Communicator
 
+__all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
+
 
 class BlockingDriver:
     """``overlap="none"``: nothing happens before ``synchronize()``."""

@@ -1,4 +1,4 @@
-"""Gradient synchronisation across ranks, and the start-up checks that make ranks agree.
+"""Gradient synchronisation across ranks.
 
 :class:`GradientSync` packs gradients into buckets of at most ``fusion_threshold_bytes`` bytes
 (the first, reduced first, small), makes every ``p.grad`` a view into its bucket so nothing is
@@ -10,6 +10,8 @@ count) exactly once. Every rank starts the buckets in the same order (bucket ``i
 bucket ``i-1``), which keeps the MPI rule that all ranks enter collectives in the same order; for
 the same reason one communicator carries one GradientSync at a time.
 
+Bucket planning and layout: :mod:`hpclb.sync.buckets`; the start-up checks that make ranks agree
+(model, parameters, buffers, step counts): :mod:`hpclb.sync.agree`.
 Settings: :mod:`hpclb.sync.options` (arguments and ``HPCLB_*`` variables, one place).
 How buckets travel (``overlap=thread|nonblocking|none``): :mod:`hpclb.sync.drivers`; the
 measurements behind the defaults are in ``docs/gradient-sync.md``.
@@ -17,166 +19,21 @@ measurements behind the defaults are in ``docs/gradient-sync.md``.
 from __future__ import annotations
 
 import gc
-import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from hpclb.dist import Communicator
-from hpclb.dist.base import Handle
 from hpclb.dist.watchdog import StallReport, watchdog_for
-from hpclb.errors import ModelMismatchError
+from hpclb.sync.agree import check_sync_agreement
+from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
 from hpclb.sync.drivers import DRIVERS
-from hpclb.sync.options import (
-    COMPRESSIONS,
-    DEFAULT_COMM_POLL_S,
-    DEFAULT_FIRST_BUCKET_BYTES,
-    DEFAULT_FUSION_THRESHOLD_BYTES,
-    DEFAULT_STALL_TIMEOUT_S,
-    OVERLAP_MODES,
-    MiB,
-    SyncOptions,
-)
+from hpclb.sync.options import MiB, SyncOptions
 
-ALIGN_BYTES = 16  # every gradient view starts at a multiple of this many bytes in its bucket
+__all__ = ["GradientSync"]
 
-
-def check_model_consistency(model: nn.Module, comm: Communicator) -> None:
-    """Compare every rank's parameter names, shapes and dtypes with rank 0's.
-
-    Every rank raises the same :class:`ModelMismatchError`, naming the first differing parameter
-    and rank, so no rank is left waiting in a later collective.
-    """
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    _compare_entries(comm.allgather_object(mine), "a different model than rank 0",
-                     "every rank must build the same model from the same config")
-
-
-def _compare_entries(everyone: list[list[tuple]], what: str, fix: str) -> None:
-    ref = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs == ref:
-            continue
-        for i in range(max(len(ref), len(theirs))):
-            a = ref[i] if i < len(ref) else None
-            b = theirs[i] if i < len(theirs) else None
-            if a != b:
-                raise ModelMismatchError(
-                    f"rank {rank} holds {what}: parameter #{i} is {_describe(b)} on rank "
-                    f"{rank} but {_describe(a)} on rank 0; {fix}")
-
-
-def _describe(entry) -> str:
-    if entry is None:
-        return "missing"
-    return " ".join(str(x) if not isinstance(x, tuple) else str(list(x)) for x in entry)
-
-
-@torch.no_grad()
-def broadcast_parameters(module: nn.Module, comm: Communicator, root: int = 0) -> None:
-    """Overwrite every parameter and buffer with rank ``root``'s (one Bcast per tensor)."""
-    if comm.world_size == 1:
-        return
-    for t in list(module.parameters()) + list(module.buffers()):
-        comm.broadcast_(t.data, root=root)
-
-
-@torch.no_grad()
-def average_buffers(module: nn.Module, comm: Communicator) -> None:
-    """Make every floating-point buffer (BatchNorm running mean/var) the mean over ranks, in one
-    allreduce of a flat float32/float64 copy: each rank's statistics come from its own share, so
-    without this the ranks (and the checkpoint vs. a later evaluation) disagree. Integer buffers
-    (``num_batches_tracked``) are equal on every rank already. Collective."""
-    if comm.world_size == 1:
-        return
-    bufs = [b for b in module.buffers() if b.is_floating_point()]
-    if not bufs:
-        return
-    dtype = torch.float64 if any(b.dtype == torch.float64 for b in bufs) else torch.float32
-    flat = torch.cat([b.detach().reshape(-1).to(dtype) for b in bufs])
-    comm.allreduce_(flat)
-    flat.div_(comm.world_size)
-    offset = 0
-    for b in bufs:
-        b.copy_(flat[offset:offset + b.numel()].view_as(b))
-        offset += b.numel()
-
-
-def agree_num_steps(local_steps: int, comm: Communicator, how: str = "min") -> int:
-    """The number of steps every rank runs this epoch when shards are uneven (one allreduce).
-
-    ``how="min"``: every rank stops after the shortest shard's steps (the rest of the longer
-    shards is dropped this epoch). ``how="max"``: every rank runs the longest shard's steps; a
-    rank out of data calls ``optimizer.zero_grad()`` and ``sync.synchronize()`` without a
-    backward, which contributes zeros (the mean still divides by ``world_size``). Raises
-    ValueError for another ``how`` or a negative count.
-    """
-    if how not in ("min", "max"):
-        raise ValueError(f"how={how!r}: use 'min' or 'max'")
-    if local_steps < 0:
-        raise ValueError(f"local_steps={local_steps} must be >= 0")
-    t = torch.tensor([local_steps], dtype=torch.int64)
-    return int(comm.allreduce_(t, op=how).item())
-
-
-def plan_buckets(nbytes: list[int], fusion_threshold_bytes: int,
-                 first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
-                 keys: list | None = None) -> list[list[int]]:
-    """How :class:`GradientSync` packs tensors of ``nbytes`` (bytes each, registration order):
-    lists of indices, in the order the buckets are reduced. Tensors are taken in reverse order
-    (backward produces the last layers' gradients first); a bucket closes before a tensor that
-    would take it past its cap (``first_bucket_bytes`` for the first, ``fusion_threshold_bytes``
-    after) or whose key (dtype, device) differs; a tensor larger than the cap gets its own."""
-    groups: list[list[int]] = []
-    cap, cur, cur_bytes = first_bucket_bytes, [], 0
-    for i in reversed(range(len(nbytes))):
-        if cur and (cur_bytes + nbytes[i] > cap or
-                    (keys is not None and keys[i] != keys[cur[0]])):
-            groups.append(cur)
-            cur, cur_bytes, cap = [], 0, fusion_threshold_bytes
-        cur.append(i)
-        cur_bytes += nbytes[i]
-    if cur:
-        groups.append(cur)
-    return groups
-
-
-@dataclass
-class _Bucket:
-    """Gradients reduced together: ``buffer`` holds them back to back (the params' ``.grad``
-    are views of it); ``comm_buffer`` is what travels (``buffer`` itself, or its fp16/bf16
-    copy)."""
-
-    index: int
-    params: list[nn.Parameter]
-    names: list[str]
-    offsets: list[int]
-    buffer: Tensor
-    comm_buffer: Tensor
-    predivide: bool = False
-    views: list[Tensor] = field(default_factory=list)
-    ready: list[bool] = field(default_factory=list)
-    used: list[bool] = field(default_factory=list)
-    pending: int = 0
-    seq: int = 0
-    handle: Handle | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    launched: bool = False
-    local_sq: Tensor | None = None
-    stream: dict = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    def label(self, n: int, step: int) -> str:
-        return (f"step {step} gradient bucket {self.index + 1}/{n} ({self.nbytes / MiB:.2f} MiB "
-                f"{str(self.comm_buffer.dtype).replace('torch.', '')}, {len(self.params)} "
-                f"tensors from {self.names[0]})")
 
 
 class GradientSync:
@@ -266,17 +123,22 @@ class GradientSync:
         self._hooks = []
         self._driver = None
         if comm.world_size > 1:
-            self._agree()
-            GradientSync._live[id(comm)] = self
-            self._watchdog = watchdog_for(comm)
-            self._watchdog.register_timeout(self.stall_timeout_s)
-            for b in self.buckets:
-                for j, p in enumerate(b.params):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        self._make_hook(b, j)))
-            driver = DRIVERS[self.overlap]
-            self._driver = driver(comm, self.comm_poll_s, owner=self) \
-                if self.overlap == "thread" else driver(comm, self.comm_poll_s)
+            self._start()
+
+    def _start(self) -> None:
+        """World size > 1: agree with the other ranks, then register the hooks and the driver."""
+        comm = self.comm
+        self._agree()
+        GradientSync._live[id(comm)] = self
+        self._watchdog = watchdog_for(comm)
+        self._watchdog.register_timeout(self.stall_timeout_s)
+        for b in self.buckets:
+            for j, p in enumerate(b.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._make_hook(b, j)))
+        driver = DRIVERS[self.overlap]
+        self._driver = driver(comm, self.comm_poll_s, owner=self) \
+            if self.overlap == "thread" else driver(comm, self.comm_poll_s)
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
@@ -319,7 +181,7 @@ class GradientSync:
                 f"close() the first")
 
     @torch.no_grad()
-    def _build_buckets(self) -> list[_Bucket]:
+    def _build_buckets(self) -> list[Bucket]:
         """Reverse registration order (roughly the order backward produces gradients), split
         by device and dtype, each bucket up to its byte cap; views at 16-byte aligned offsets."""
         groups = plan_buckets([p.numel() * p.element_size() for p in self.params],
@@ -327,30 +189,9 @@ class GradientSync:
                               keys=[(p.dtype, p.device) for p in self.params])
         return [self._make_bucket(bi, idx) for bi, idx in enumerate(groups)]
 
-    def _make_bucket(self, bi: int, idx: list[int]) -> _Bucket:
-        ps = [self.params[i] for i in idx]
-        align = max(1, ALIGN_BYTES // ps[0].element_size())
-        offsets, total = [], 0
-        for p in ps:
-            offsets.append(total)
-            total += -(-p.numel() // align) * align
-        buf = torch.zeros(total, dtype=ps[0].dtype, device=ps[0].device)
-        comm_dtype = self.compression if (self.compression is not None and
-                                          ps[0].dtype.is_floating_point) else None
-        cbuf = buf if comm_dtype is None or comm_dtype == buf.dtype else \
-            torch.zeros(total, dtype=comm_dtype, device=buf.device)
-        b = _Bucket(bi, ps, [self.names[i] for i in idx], offsets, buf, cbuf,
-                    predivide=comm_dtype is not None)
-        for p, off in zip(ps, offsets):
-            view = buf[off:off + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-            b.views.append(view)
-        b.ready = [False] * len(ps)
-        b.used = [False] * len(ps)
-        b.pending = len(ps)
-        return b
+    def _make_bucket(self, bi: int, idx: list[int]) -> Bucket:
+        return make_bucket(bi, [self.params[i] for i in idx], [self.names[i] for i in idx],
+                           self.compression)
 
     def _agree(self) -> None:
         """Every rank compares its bucket layout and settings with rank 0's (one allgather)."""
@@ -363,23 +204,10 @@ class GradientSync:
                              "first_bucket_bytes": self.first_bucket_bytes,
                              "overlap": self.overlap, "comm_poll_s": self.comm_poll_s,
                              "track_local_norm": self.track_local_norm}}
-        everyone = self.comm.allgather_object(mine)
-        _compare_entries([e["params"] for e in everyone], "different gradients than rank 0",
-                         "every rank must build the same model and pass the same parameters")
-        for rank, e in enumerate(everyone[1:], start=1):
-            for key, ref in everyone[0]["settings"].items():
-                if e["settings"][key] != ref:
-                    raise ModelMismatchError(
-                        f"GradientSync: rank {rank} has {key}={e['settings'][key]!r} but rank 0 "
-                        f"has {ref!r}; every rank must use the same settings (check $HPCLB_* "
-                        f"environment variables on every node)")
-            if e["buckets"] != everyone[0]["buckets"]:
-                raise ModelMismatchError(
-                    f"GradientSync: rank {rank} packs gradients into buckets of "
-                    f"{e['buckets']} tensors, rank 0 into {everyone[0]['buckets']}")
+        check_sync_agreement(self.comm.allgather_object(mine))
 
     # -- backward ------------------------------------------------------------------------------
-    def _make_hook(self, b: _Bucket, j: int):
+    def _make_hook(self, b: Bucket, j: int):
         owner = weakref.ref(self)  # a strong reference here would keep a dropped sync alive
 
         def hook(p: Tensor) -> None:
@@ -389,7 +217,7 @@ class GradientSync:
         return hook
 
     @torch.no_grad()
-    def _on_grad(self, b: _Bucket, j: int, p: Tensor) -> None:
+    def _on_grad(self, b: Bucket, j: int, p: Tensor) -> None:
         self._adopt(b, j)
         b.used[j] = True
         if self._micro != self.accumulation_steps - 1:
@@ -408,7 +236,7 @@ class GradientSync:
         else:
             self._driver.progress(self.buckets[:self._next])
 
-    def _adopt(self, b: _Bucket, j: int) -> None:
+    def _adopt(self, b: Bucket, j: int) -> None:
         """Make ``p.grad`` the bucket view again if someone replaced it (``set_to_none``)."""
         p, view = b.params[j], b.views[j]
         g = p.grad
@@ -424,7 +252,7 @@ class GradientSync:
             self._launch(self.buckets[self._next])
             self._next += 1
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         if self.track_local_norm:  # this rank's mean gradient, before anything is divided
             b.local_sq = torch.linalg.vector_norm(b.buffer, dtype=torch.float32).square() \
                 / self.accumulation_steps ** 2
@@ -505,7 +333,7 @@ class GradientSync:
                         b.ready[j] = True
                 b.pending = 0
 
-    def _finish_bucket(self, b: _Bucket) -> None:
+    def _finish_bucket(self, b: Bucket) -> None:
         if b.comm_buffer is not b.buffer:
             b.buffer.copy_(b.comm_buffer)
         if not b.predivide:
@@ -524,12 +352,6 @@ class GradientSync:
             return None
         return torch.stack([b.local_sq.to(self.buckets[0].buffer.device)
                             for b in self.buckets]).sum()
-
-    @property
-    def grad_buffers(self) -> list[Tensor]:
-        """The bucket buffers (every gradient lives in one; alignment gaps hold zeros): one
-        norm over these is the global gradient norm without a per-layer loop."""
-        return [b.buffer for b in self.buckets]
 
     def reset_epoch(self) -> int:
         """Start a new accumulation window at an epoch boundary; returns how many micro-batches

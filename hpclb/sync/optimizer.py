@@ -25,9 +25,11 @@ import time
 import torch
 from torch import Tensor, nn
 
-from hpclb.dist import Communicator
+from hpclb.dist import Communicator, current_communicator
 from hpclb.errors import NonFiniteError
 from hpclb.sync.gradients import GradientSync
+
+__all__ = ["DistributedOptimizer"]
 
 
 def _named(model_or_named_parameters) -> list[tuple[str, nn.Parameter]]:
@@ -86,8 +88,7 @@ class DistributedOptimizer:
             raise ValueError(f"max_nonfinite_steps={max_nonfinite_steps!r} must be an int >= 1 "
                              f"(consecutive skipped steps before the run stops)")
         if comm is None:
-            from hpclb.api import communicator
-            comm = communicator()
+            comm = current_communicator()
         named = _named(model_or_named_parameters)
         known = {id(p) for _, p in named}
         for gi, group in enumerate(optimizer.param_groups):

@@ -10,9 +10,14 @@ import math
 import os
 import re
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
+
+__all__ = [
+    "BYTES_FORMS", "COMPRESSIONS", "DEFAULT_COMM_POLL_S", "DEFAULT_FIRST_BUCKET_BYTES",
+    "DEFAULT_FUSION_THRESHOLD_BYTES", "DEFAULT_STALL_TIMEOUT_S", "OVERLAP_MODES",
+    "SMALL_FUSION_BYTES", "MiB", "SyncOptions", "parse_bytes"]
 
 MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
@@ -132,9 +137,6 @@ class SyncOptions:
         if mode == "thread" and not comm.thread_safe:
             mode = "nonblocking"
         return mode
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _as_bytes(field: str, value) -> int:

@@ -18,7 +18,6 @@ login node that may not hold it, so :data:`TRAIN_SET_SIZES` keeps the published 
 """
 from __future__ import annotations
 
-import math
 import re
 import shlex
 from dataclasses import dataclass, field

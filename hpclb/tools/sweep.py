@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from hpclb.config import load_recipe, resolve
 from hpclb.errors import ConfigError

@@ -43,7 +43,7 @@ from hpclb._io import write_json
 from hpclb.config import RunConfig, check_checkpoint_interval
 from hpclb.dist import Communicator
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
-from hpclb.sync.gradients import average_buffers
+from hpclb.sync.agree import average_buffers
 from hpclb.tasks import to_device
 from hpclb.train.metrics import RunLogger
 from hpclb.train.setup import Run, save_checkpoint, setup_run

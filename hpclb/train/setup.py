@@ -31,7 +31,7 @@ from hpclb.models import build_model
 from hpclb.optim import LAMB, LARS
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
-from hpclb.sync.gradients import (
+from hpclb.sync.agree import (
     average_buffers,
     broadcast_parameters,
     check_model_consistency,

@@ -1,0 +1,45 @@
+"""Launching a benchmark's worker under ``mpirun`` (the venv's Open MPI) and reading back the
+JSON it wrote."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["mpirun", "run_mpi"]
+
+
+def mpirun() -> str:
+    here = Path(sys.executable).parent / "mpirun"
+    return str(here) if here.exists() else (shutil.which("mpirun") or "mpirun")
+
+
+def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
+            tag: str) -> dict | None:
+    """``mpirun -n np_ python -m module argv`` (the venv's Open MPI; oversubscribing this
+    machine's cores when asked for more ranks than it has, with idle ranks yielding the CPU);
+    returns the JSON the worker wrote to ``out``, or None after printing why it failed."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    if np_ > (os.cpu_count() or 1):
+        env["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    cmd = [mpirun(), "-n", str(np_), "--oversubscribe", "--bind-to", "none",
+           sys.executable, "-m", module, *argv, "--out", str(out)]
+    print(f"[{tag}] mpirun -n {np_} {module} {' '.join(argv)}", flush=True)
+    t0 = time.perf_counter()
+    out.unlink(missing_ok=True)
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        print(f"[{tag}] {np_} ranks: timed out after {timeout_s:.0f} s", flush=True)
+        return None
+    if proc.returncode != 0 or not out.exists():
+        print(f"[{tag}] {np_} ranks failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+              f"{proc.stderr[-3000:]}", flush=True)
+        return None
+    print(f"[{tag}]   done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return json.loads(out.read_text())

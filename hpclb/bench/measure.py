@@ -1,0 +1,82 @@
+"""Timing shared by the benchmarks: per-iteration times agreed across ranks, variants
+interleaved round by round, the statistics kept (fastest and median round), ring-allreduce bus
+bandwidth, and the conditions a measurement was taken under."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+__all__ = ["Timer", "best", "busbw", "conditions", "interleaved", "iterations", "med"]
+
+MiB = 2 ** 20
+
+
+def busbw(nbytes: int, seconds: float, p: int) -> float:
+    """Ring allreduce bus bandwidth in bytes/s (0 for one rank: nothing moves)."""
+    return 0.0 if p == 1 or seconds <= 0 else 2 * (p - 1) / p * nbytes / seconds
+
+
+class Timer:
+    """Per-iteration wall time agreed across ranks: the slowest rank's, so that one number
+    describes the collective. ``comm`` is any Communicator."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        self.comm.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        return float(self.comm.allreduce_(dt, op="max").item())
+
+
+def iterations(nbytes: int, quick: bool) -> int:
+    base = 3 if nbytes >= 64 * MiB else 5 if nbytes >= 4 * MiB else 20
+    return max(2, base // 2) if quick else base
+
+
+def interleaved(variants: dict[str, Callable[[], None]], timer: Timer, rounds: int,
+                warmup: int = 1, seed: int = 0) -> dict[str, list[float]]:
+    """Run every variant once per round, in an order shuffled each round (the same on every
+    rank: a seeded generator), so no variant always follows the same neighbour; returns the
+    times per variant."""
+    import random
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    order, rng = list(variants), random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for k in order:
+            times[k].append(timer(variants[k]))
+    return times
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def best(xs: list[float]) -> float:
+    """The fastest round: other processes on a shared machine only ever add time, so the
+    minimum is the closest estimate of a variant's own cost (ratios use it; medians are kept
+    beside them)."""
+    return min(xs)
+
+
+def conditions(comm) -> dict:
+    from mpi4py import MPI
+    return {"host": socket.gethostname(), "cpus": os.cpu_count(),
+            "ranks": comm.world_size, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "python": platform.python_version(),
+            "loadavg_start": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -1,0 +1,113 @@
+"""Start-up agreement across ranks: every rank checks its model and settings against rank 0's,
+takes rank 0's parameters, averages its buffers, and agrees on the number of steps. Every check
+raises the same :class:`~hpclb.errors.ModelMismatchError` on every rank, so no rank is left
+waiting in a later collective."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hpclb.dist import Communicator
+from hpclb.errors import ModelMismatchError
+
+__all__ = ["agree_num_steps", "average_buffers", "broadcast_parameters", "check_model_consistency",
+           "check_sync_agreement"]
+
+
+def check_model_consistency(model: nn.Module, comm: Communicator) -> None:
+    """Compare every rank's parameter names, shapes and dtypes with rank 0's.
+
+    Every rank raises the same :class:`ModelMismatchError`, naming the first differing parameter
+    and rank, so no rank is left waiting in a later collective.
+    """
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    _compare_entries(comm.allgather_object(mine), "a different model than rank 0",
+                     "every rank must build the same model from the same config")
+
+
+def _compare_entries(everyone: list[list[tuple]], what: str, fix: str) -> None:
+    """Raise ModelMismatchError naming the first rank and entry (parameter) of ``everyone``
+    (one list of entries per rank) that differs from rank 0's; ``what``/``fix`` word it."""
+    ref = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == ref:
+            continue
+        for i in range(max(len(ref), len(theirs))):
+            a = ref[i] if i < len(ref) else None
+            b = theirs[i] if i < len(theirs) else None
+            if a != b:
+                raise ModelMismatchError(
+                    f"rank {rank} holds {what}: parameter #{i} is {_describe(b)} on rank "
+                    f"{rank} but {_describe(a)} on rank 0; {fix}")
+
+
+def _describe(entry) -> str:
+    if entry is None:
+        return "missing"
+    return " ".join(str(x) if not isinstance(x, tuple) else str(list(x)) for x in entry)
+
+
+@torch.no_grad()
+def broadcast_parameters(module: nn.Module, comm: Communicator, root: int = 0) -> None:
+    """Overwrite every parameter and buffer with rank ``root``'s (one Bcast per tensor)."""
+    if comm.world_size == 1:
+        return
+    for t in list(module.parameters()) + list(module.buffers()):
+        comm.broadcast_(t.data, root=root)
+
+
+@torch.no_grad()
+def average_buffers(module: nn.Module, comm: Communicator) -> None:
+    """Make every floating-point buffer (BatchNorm running mean/var) the mean over ranks, in one
+    allreduce of a flat float32/float64 copy: each rank's statistics come from its own share, so
+    without this the ranks (and the checkpoint vs. a later evaluation) disagree. Integer buffers
+    (``num_batches_tracked``) are equal on every rank already. Collective."""
+    if comm.world_size == 1:
+        return
+    bufs = [b for b in module.buffers() if b.is_floating_point()]
+    if not bufs:
+        return
+    dtype = torch.float64 if any(b.dtype == torch.float64 for b in bufs) else torch.float32
+    flat = torch.cat([b.detach().reshape(-1).to(dtype) for b in bufs])
+    comm.allreduce_(flat)
+    flat.div_(comm.world_size)
+    offset = 0
+    for b in bufs:
+        b.copy_(flat[offset:offset + b.numel()].view_as(b))
+        offset += b.numel()
+
+
+def agree_num_steps(local_steps: int, comm: Communicator, how: str = "min") -> int:
+    """The number of steps every rank runs this epoch when shards are uneven (one allreduce).
+
+    ``how="min"``: every rank stops after the shortest shard's steps (the rest of the longer
+    shards is dropped this epoch). ``how="max"``: every rank runs the longest shard's steps; a
+    rank out of data calls ``optimizer.zero_grad()`` and ``sync.synchronize()`` without a
+    backward, which contributes zeros (the mean still divides by ``world_size``). Raises
+    ValueError for another ``how`` or a negative count.
+    """
+    if how not in ("min", "max"):
+        raise ValueError(f"how={how!r}: use 'min' or 'max'")
+    if local_steps < 0:
+        raise ValueError(f"local_steps={local_steps} must be >= 0")
+    t = torch.tensor([local_steps], dtype=torch.int64)
+    return int(comm.allreduce_(t, op=how).item())
+
+
+def check_sync_agreement(everyone: list[dict]) -> None:
+    """GradientSync's start-up check: ``everyone`` is every rank's ``{"params": [...],
+    "buckets": [...], "settings": {...}}`` (one allgather); raise ModelMismatchError on every
+    rank where one differs from rank 0's."""
+    _compare_entries([e["params"] for e in everyone], "different gradients than rank 0",
+                     "every rank must build the same model and pass the same parameters")
+    for rank, e in enumerate(everyone[1:], start=1):
+        for key, ref in everyone[0]["settings"].items():
+            if e["settings"][key] != ref:
+                raise ModelMismatchError(
+                    f"GradientSync: rank {rank} has {key}={e['settings'][key]!r} but rank 0 "
+                    f"has {ref!r}; every rank must use the same settings (check $HPCLB_* "
+                    f"environment variables on every node)")
+        if e["buckets"] != everyone[0]["buckets"]:
+            raise ModelMismatchError(
+                f"GradientSync: rank {rank} packs gradients into buckets of "
+                f"{e['buckets']} tensors, rank 0 into {everyone[0]['buckets']}")

@@ -204,3 +204,31 @@ def test_warmup_message_names_the_command_line_fixes(tmp_path, mnist_dir):
         resolve(recipe, batch_size=256, epochs=0.1, scaling="linear").schedule(4096)
     assert "--batch-size 256 (--scaling linear)" in str(e.value)
     assert "smaller --batch-size" not in str(e.value) and "--epochs, at least" in str(e.value)
+
+
+# --- help without torch: the parser is built from name lists, each command's only when run --
+
+_HELP_CODE = ("import sys\nfrom hpclb.cli import main\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+              "assert 'torch' not in sys.modules, 'torch was imported'\n")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["advise", "--help"],
+    pytest.param(["train", "--help"], marks=pytest.mark.xfail(strict=True, reason=(
+        "the choices of hpclb train come from modules that import torch at import time: "
+        "hpclb.schedules (SCHEMES; `import torch` at the top), hpclb.config (OPTIMIZERS, "
+        "available_experiments; imports hpclb.schedules and hpclb.models.MODELS, which imports "
+        "torch.nn) and hpclb.dist (BACKENDS; hpclb.dist.base imports torch)"))),
+    pytest.param(["jobs", "render", "--help"], marks=pytest.mark.xfail(strict=True, reason=(
+        "--scaling choices: hpclb.schedules.SCHEMES, and hpclb.schedules imports torch at the "
+        "top (the other choices come from the torch-free hpclb.tools.jobs_spec)"))),
+], ids=" ".join)
+def test_help_does_not_import_torch(argv):
+    """`hpclb --help` and a command's --help print without loading torch (seconds of start-up,
+    and the signal handlers must be in before anything heavy)."""
+    r = subprocess.run([sys.executable, "-c", _HELP_CODE, *argv], capture_output=True,
+                       text=True, timeout=120, env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert "usage: hpclb" in r.stdout

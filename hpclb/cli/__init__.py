@@ -2,7 +2,8 @@
 
 One module per command (``hpclb.cli.<command>``: ``HELP``, ``add_parser(subparsers)``,
 ``run(args) -> int``); what they share is in :mod:`hpclb.cli.common`. Importing this package
-loads the standard library only: :func:`main` installs the preemption signal handlers first, and
+loads the standard library and hpclb's torch-free modules only (:mod:`hpclb.errors`,
+:mod:`hpclb.tools.jobs_spec`): :func:`main` installs the preemption signal handlers first, and
 each command imports what it needs (torch, MPI) when its parser is built or it runs.
 
 Errors: a bad setting (ConfigError) is printed once, by rank 0, and every rank exits with 2; any

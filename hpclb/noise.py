@@ -15,14 +15,18 @@ samples; ``|G_small|^2`` is the mean over ranks of each rank's squared norm) and
 the allreduced gradient (``B_big = B``); with one rank, the accumulation micro-batches play the
 ranks. Both estimates are noisy, so, as in the paper, numerator and denominator are smoothed
 separately with an exponential moving average before dividing.
+
+What a run's measured noise scale means for its batch size (``hpclb advise``) is in
+:mod:`hpclb.tools.advise`.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Any, Iterable
 
 import torch
+
+__all__ = ["Number", "grad_sq_norm", "NoiseScaleEstimator"]
 
 Number = float | torch.Tensor
 
@@ -148,113 +152,3 @@ class NoiseScaleEstimator:
         self._trace = None if state["trace"] is None else torch.tensor(state["trace"], dtype=f64)
         self._history = deque((torch.tensor(h, dtype=f64) for h in state["history"]),
                               maxlen=self.window)
-
-
-def recommend_batch(b_simple: float, base_batch_size: int) -> int:
-    """The largest batch :func:`hpclb advise` recommends for LEGW: the largest ``B0 * 2^j``
-    (``j >= 0``) not above ``b_simple``, so LEGW's ``k`` stays a power of two and the batch
-    stays at or below the estimated critical batch; ``B0`` itself when ``b_simple < B0``.
-    Raises ValueError for a non-positive or non-finite ``b_simple`` or ``B0``."""
-    if not (isinstance(b_simple, (int, float)) and math.isfinite(b_simple) and b_simple > 0):
-        raise ValueError(f"b_simple must be a positive finite number, got {b_simple!r}")
-    if not (isinstance(base_batch_size, int) and base_batch_size > 0):
-        raise ValueError(f"base_batch_size must be a positive integer, got {base_batch_size!r}")
-    batch = base_batch_size
-    while batch * 2 <= b_simple:
-        batch *= 2
-    return batch
-
-
-def advise(run_dir, last: int = 3) -> dict[str, Any]:
-    """What ``hpclb advise RUN_DIR`` prints, from the ``noise`` field of the run's epoch rows
-    (``{"b_simple", "g2", "trace", "b_simple_lo", "b_simple_hi", "n"}``, written by ``hpclb
-    train --noise-scale``) and ``config.json``.
-
-    ``critical_batch``: the median ``b_simple`` over the last ``last`` epochs that have one (the
-    noise scale grows as training goes on, so the late epochs are the ones that bound the batch
-    for a full run); ``critical_lo``/``critical_hi``: the lowest ``b_simple_lo`` and the highest
-    ``b_simple_hi`` of those epochs, each widened to include the epoch's end value. ``recommended_batch``: :func:`recommend_batch` of it (the
-    largest ``B0 * 2^j`` not above it), with the same rule at both ends of the spread.
-    Raises ConfigError (exit 2) when the run has no noise data, naming ``--noise-scale``;
-    FileNotFoundError without metrics.jsonl.
-    """
-    import json
-    from pathlib import Path
-
-    from hpclb.errors import ConfigError
-    from hpclb.train.metrics import finite, read_metrics
-
-    run = Path(run_dir)
-    epochs, _ = read_metrics(run)
-    noisy = [r for r in epochs if isinstance(r.get("noise"), dict)
-             and finite(r["noise"].get("b_simple"))]
-    if not noisy:
-        raise ConfigError(f"{run}: no gradient noise scale in metrics.jsonl (no epoch row with a "
-                          f"finite noise.b_simple); train with `hpclb train ... --noise-scale` "
-                          f"(recipe field noise_scale: true) to measure it")
-    if not (isinstance(last, int) and last >= 1):
-        raise ConfigError(f"--last must be an integer >= 1 (epochs to combine), got {last!r}")
-    cfg_path = run / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"{cfg_path}: missing; advise needs the run's base_batch_size")
-    cfg = json.loads(cfg_path.read_text())
-    b0 = int(cfg["recipe"]["base_batch_size"])
-    tail = noisy[-last:]
-    values = sorted(r["noise"]["b_simple"] for r in tail)
-    mid = len(values) // 2
-    critical = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-    # each epoch's window quantiles, widened to its end value (the estimate rises within an
-    # epoch, so the end value can lie above the window's 90 % quantile)
-    lows = [min(r["noise"]["b_simple"], *([r["noise"]["b_simple_lo"]]
-                                          if finite(r["noise"].get("b_simple_lo")) else []))
-            for r in tail]
-    highs = [max(r["noise"]["b_simple"], *([r["noise"]["b_simple_hi"]]
-                                           if finite(r["noise"].get("b_simple_hi")) else []))
-             for r in tail]
-    lo, hi = (min(lows) if lows else None), (max(highs) if highs else None)
-    pos = lambda x: x is not None and x > 0  # noqa: E731
-    return {"critical_batch": critical, "critical_lo": lo, "critical_hi": hi,
-            "epochs": [r.get("epoch") for r in tail], "base_batch_size": b0,
-            "run_batch_size": cfg.get("global_batch_size"),
-            "recommended_batch": recommend_batch(critical, b0) if critical > 0 else b0,
-            "recommended_lo": recommend_batch(lo, b0) if pos(lo) else None,
-            "recommended_hi": recommend_batch(hi, b0) if pos(hi) else None}
-
-
-def format_advice(a: dict[str, Any]) -> str:
-    """The lines ``hpclb advise`` prints for :func:`advise`'s result."""
-    def g(x):
-        return "?" if x is None else f"{x:.4g}"
-
-    ep = a["epochs"]
-    span = f"epoch {ep[0]}" if len(ep) == 1 else f"epochs {ep[0]}-{ep[-1]}"
-    k = a["recommended_batch"] / a["base_batch_size"]
-    return "\n".join([
-        f"critical_batch {a['critical_batch']:.4g} (B_simple, McCandlish et al. 2018; median of "
-        f"{span}; range {g(a['critical_lo'])} - {g(a['critical_hi'])})",
-        f"recommended_batch {a['recommended_batch']} (LEGW, k = {k:g}: the largest B0 x 2^j not "
-        f"above critical_batch, B0 = {a['base_batch_size']}; {a['recommended_lo'] or '?'} - "
-        f"{a['recommended_hi'] or '?'} over the range)",
-        f"this run's batch: {a['run_batch_size']}"])
-
-
-def _cmd(args) -> int:
-    """``hpclb advise RUN_DIR``: print critical and recommended batch; exit 2 without data."""
-    from hpclb.cli import _error
-    from hpclb.errors import ConfigError
-
-    try:
-        print(format_advice(advise(args.run_dir, last=args.last)))
-    except (ConfigError, FileNotFoundError) as e:
-        _error(str(e))
-        return 2
-    return 0
-
-
-def add_cli(sub) -> None:
-    """Register ``hpclb advise`` on the top-level subparsers ``sub``."""
-    p = sub.add_parser("advise", help="critical batch size (gradient noise scale) of a run "
-                       "trained with --noise-scale, and the largest batch for LEGW")
-    p.add_argument("run_dir", help="a run directory written by hpclb train --noise-scale")
-    p.add_argument("--last", type=int, default=3, help="epochs to combine (default 3)")
-    p.set_defaults(func=_cmd)

@@ -204,3 +204,81 @@ def test_warmup_message_names_the_command_line_fixes(tmp_path, mnist_dir):
         resolve(recipe, batch_size=256, epochs=0.1, scaling="linear").schedule(4096)
     assert "--batch-size 256 (--scaling linear)" in str(e.value)
     assert "smaller --batch-size" not in str(e.value) and "--epochs, at least" in str(e.value)
+
+
+# --- help without torch: the parser is built from name lists, each command's only when run --
+
+_HELP_CODE = ("import sys\nfrom hpclb.cli import main\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+              "assert 'torch' not in sys.modules, 'torch was imported'\n")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["advise", "--help"],
+    pytest.param(["train", "--help"], marks=pytest.mark.xfail(strict=True, reason=(
+        "the choices of hpclb train come from modules that import torch at import time: "
+        "hpclb.schedules (SCHEMES; `import torch` at the top), hpclb.config (OPTIMIZERS, "
+        "available_experiments; imports hpclb.schedules and hpclb.models.MODELS, which imports "
+        "torch.nn) and hpclb.dist (BACKENDS; hpclb.dist.base imports torch)"))),
+    pytest.param(["jobs", "render", "--help"], marks=pytest.mark.xfail(strict=True, reason=(
+        "--scaling choices: hpclb.schedules.SCHEMES, and hpclb.schedules imports torch at the "
+        "top (the other choices come from the torch-free hpclb.tools.jobs_spec)"))),
+], ids=" ".join)
+def test_help_does_not_import_torch(argv):
+    """`hpclb --help` and a command's --help print without loading torch (seconds of start-up,
+    and the signal handlers must be in before anything heavy)."""
+    r = subprocess.run([sys.executable, "-c", _HELP_CODE, *argv], capture_output=True,
+                       text=True, timeout=120, env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert "usage: hpclb" in r.stdout
+
+
+# --- the exit status of an exception (hpclb.errors: exit_code, agreed) --------------------------
+
+class _FakeComm:
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size, self.aborted = rank, world_size, None
+
+    def abort(self, code: int) -> None:
+        self.aborted = code
+
+
+@pytest.mark.parametrize("error,code", [
+    ("ConfigError", 2), ("ModelMismatchError", 2), ("AgreedFailure", 1), ("Diverged", 3)])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_agreed_errors_are_printed_by_rank_0_without_abort(capsys, error, code, rank):
+    from hpclb import errors
+    from hpclb.cli.common import exit_status
+
+    comm = _FakeComm(rank, 2)
+    assert exit_status(getattr(errors, error)("bad thing"), comm) == code
+    assert comm.aborted is None
+    assert capsys.readouterr().err == ("hpclb: error: bad thing\n" if rank == 0 else "")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_other_errors_are_printed_by_their_rank_which_aborts(capsys, monkeypatch, world_size):
+    from hpclb.cli.common import exit_status
+    from hpclb.errors import DataError
+
+    monkeypatch.delenv("HPCLB_TRACEBACK", raising=False)
+    comm = _FakeComm(world_size - 1, world_size)
+    for e in (DataError("truncated"), OSError("disk full")):
+        assert exit_status(e, comm) == 1
+        where = " on rank 1 of 2" if world_size == 2 else ""
+        assert capsys.readouterr().err == f"hpclb: error: {type(e).__name__}{where}: {e}\n"
+        assert comm.aborted == (1 if world_size == 2 else None)
+    monkeypatch.setenv("HPCLB_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        exit_status(KeyError("x"), comm)
+
+
+def test_parser_of_one_command_lists_the_others_by_name():
+    from hpclb.cli import COMMANDS, build_parser
+
+    full, one = build_parser(), build_parser(only="advise")
+    assert full.format_help() == one.format_help()
+    assert one.parse_args(["advise", "run", "--last", "2"]).last == 2
+    assert set(COMMANDS) == {"train", "evaluate", "sweep", "data", "jobs", "bench", "plot",
+                             "scale", "advise"}

@@ -16,7 +16,7 @@ from hpclb import schedules
 from hpclb.cli import main
 from hpclb.config import load_recipe
 from hpclb.errors import JobError
-from hpclb.tools import jobs
+from hpclb.tools import jobs, jobs_spec, jobs_testing
 from hpclb.tools.jobs import JobSpec, render
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,11 +94,11 @@ def test_example_batch_lr_warmup_are_legw_for_its_node_count(rel, sp):
                          ids=[r for r, s in EXAMPLES if s.scheduler == "slurm"])
 def test_slurm_example_directives(rel, sp):
     text = (REPO / "jobs" / rel).read_text()
-    d = jobs.directives(text, "#SBATCH")
+    d = jobs_testing.directives(text, "#SBATCH")
     assert f"--nodes={sp.nodes}" in d
     assert f"--ntasks-per-node={sp.gpus_per_node}" in d
     assert "--gpus-per-task=1" in d and not any(x.startswith("--gpus-per-node") for x in d)
-    assert f"--time={jobs.format_time(jobs.parse_time(sp.time), 'slurm')}" in d
+    assert f"--time={jobs_spec.format_time(jobs_spec.parse_time(sp.time), 'slurm')}" in d
     assert "--partition=gpu" in d and "--account=hpclb" in d
     assert any(re.fullmatch(r"--signal=B:USR2@\d+", x) for x in d)
     assert "--requeue" in d and "--open-mode=append" in d
@@ -120,11 +120,11 @@ def test_slurm_example_directives(rel, sp):
                          ids=[r for r, s in EXAMPLES if s.scheduler == "pbs"])
 def test_pbs_example_directives(rel, sp):
     text = (REPO / "jobs" / rel).read_text()
-    r = jobs.pbs_resources(text)
+    r = jobs_testing.pbs_resources(text)
     G = sp.gpus_per_node
     assert (r["select"], r["ngpus"], r["mpiprocs"]) == (sp.nodes, G, G)
     assert r["ncpus"] == G * 8 and r["ompthreads"] == 8
-    assert r["walltime"] == jobs.parse_time(sp.time) and r["rerunnable"] is True
+    assert r["walltime"] == jobs_spec.parse_time(sp.time) and r["rerunnable"] is True
     assert r["queue"] == "gpu" and r["account"] == "hpclb" and r["place"] == "scatter:excl"
     launch = re.search(rf'^    env --block-signal=TERM mpiexec -n {sp.nodes * G} --host "\$HOSTS" '
                        rf"--map-by ppr:{G}:node (.*)\"\$\{{TRAIN", text, re.M)
@@ -175,9 +175,9 @@ def test_env_modules_launcher_and_outputs():
 def test_cpu_only_nodes_use_tasks_per_node():
     text, plan = render(spec(gpus_per_node=0, tasks_per_node=16, per_gpu_batch=4))
     assert plan.global_batch == 2 * 16 * 4
-    d = jobs.directives(text, "#SBATCH")
+    d = jobs_testing.directives(text, "#SBATCH")
     assert "--ntasks-per-node=16" in d and not any("gpus" in x for x in d)
-    pbs = jobs.pbs_resources(render(spec(scheduler="pbs", gpus_per_node=0, tasks_per_node=16))[0])
+    pbs = jobs_testing.pbs_resources(render(spec(scheduler="pbs", gpus_per_node=0, tasks_per_node=16))[0])
     assert "ngpus" not in pbs and pbs["mpiprocs"] == 16
     argv = train_line(text)  # CPU jobs: the command they always had
     assert "--device" not in argv and flag(argv, "--backend") == "mpi"
@@ -200,7 +200,7 @@ def test_gpu_backend_device_and_binding_choices():
 def test_signals_are_trapped_before_anything_else_runs():
     """The traps come right after `set -uo pipefail`, before cd/module/venv (a TERM there
     used to kill the batch shell: no requeue)."""
-    for sched in jobs.SCHEDULERS:
+    for sched in jobs_spec.SCHEDULERS:
         text = render(spec(scheduler=sched, modules=["cuda"]))[0]
         body = [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
         first = body.index("set -uo pipefail")
@@ -265,11 +265,11 @@ def test_train_set_sizes_table():
 def test_pbs_directive_parser_rejects_bad_lines():
     good = render(spec(scheduler="pbs"))[0]
     with pytest.raises(JobError, match="-r x"):
-        jobs.pbs_resources(good.replace("#PBS -r y", "#PBS -r x"))
+        jobs_testing.pbs_resources(good.replace("#PBS -r y", "#PBS -r x"))
     with pytest.raises(JobError, match="chunk count"):
-        jobs.pbs_resources(good.replace("select=2:", "select=:"))
+        jobs_testing.pbs_resources(good.replace("select=2:", "select=:"))
     with pytest.raises(JobError, match="no walltime"):
-        jobs.pbs_resources(good.replace("#PBS -l walltime", "# -l walltime"))
+        jobs_testing.pbs_resources(good.replace("#PBS -l walltime", "# -l walltime"))
 
 
 # --- command line ----------------------------------------------------------------------------

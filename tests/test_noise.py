@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from hpclb.noise import NoiseScaleEstimator, grad_sq_norm, recommend_batch
+from hpclb.noise import NoiseScaleEstimator, grad_sq_norm
+from hpclb.tools.advise import recommend_batch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,6 +24,8 @@ from hpclb.models import build_model
 from hpclb.tasks import build_task
 from hpclb.train.checkpoint import load_checkpoint
 
+__all__ = ["evaluate_run"]
+
 
 def _decoding_overrides(recipe: dict, beam_size: int | None,
                         length_penalty: float | None) -> dict[str, Any]:

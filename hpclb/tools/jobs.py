@@ -15,27 +15,39 @@ preemption lead time, a warmup longer than training, ...).
 Training-set sizes: the loaders need the data on disk to count it, but a job is rendered on a
 login node that may not hold it, so :data:`TRAIN_SET_SIZES` keeps the published sizes (a recipe's
 ``data.train_samples`` subset wins when it is smaller).
+
+The request itself (:class:`JobSpec`, the choices, time limits, the checks) is in
+:mod:`hpclb.tools.jobs_spec`, which the command line imports without torch; reading rendered
+scripts back (for the tests) is in :mod:`hpclb.tools.jobs_testing`.
 """
 from __future__ import annotations
 
-import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from hpclb import __version__, schedules
-from hpclb.errors import JobError
+from hpclb.config import available_experiments, load_recipe
+from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError, JobError
+from hpclb.extras import require
+from hpclb.plugins import add_search_path, is_plugin
+from hpclb.tasks import load_plugin_data
+from hpclb.tools.jobs_spec import (
+    SCHEDULERS,
+    JobSpec,
+    check_path,
+    format_time,
+    parse_time,
+    validate,
+)
 
-SCHEDULERS = ("slurm", "pbs")
-FABRICS = ("ib", "tcp", "local")
-ALLREDUCE = ("ring", "segmented_ring", "recursive_doubling", "rabenseifner", "auto")
-SLURM_LAUNCHERS = ("srun", "mpirun")
-JOB_BACKENDS = ("mpi", "torch", "horovod")
-# srun --gpu-bind values the templates offer: single:1 = one GPU per task, the closest to its
-# cores; closest = every GPU near the task's cores; none = every rank sees the node's GPUs.
-GPU_BINDS = ("single:1", "closest", "none")
+# JobSpec (hpclb.tools.jobs_spec, torch-free for the command line) is what render takes.
+__all__ = ["BLOCK_SIGNALS", "TRAIN_SET_SIZES", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES",
+           "EXAMPLES", "JobSpec", "Plan", "train_set_size", "default_backend", "plan_for",
+           "interconnect", "render", "example_specs", "write_examples"]
+
 # Each rank starts with the preemption signals blocked until hpclb has its handler in place
 # (hpclb.cli unblocks them); GNU coreutils >= 8.31 (Debian 11+, RHEL 9+).
 BLOCK_SIGNALS = "env --block-signal=USR2 --block-signal=TERM"
@@ -56,30 +68,6 @@ TRAIN_SET_SIZES: dict[str, tuple[int, str, str]] = {
 TOKEN_UNITS = ("tokens",)
 SEQ_LEN_KEYS = ("seq_len", "bptt", "num_steps", "sequence_length")
 
-# Per-rank batch used when --per-gpu-batch is not given: the recipe's own per-GPU batch if it has
-# one (`per_gpu_batch`), else B0 split over one node's ranks (so 1 node runs the recipe at k = 1).
-_PATH_OK = re.compile(r"^[^\s'\";&|<>`\\]+$")
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)$")
-
-
-def parse_time(text: str) -> int:
-    """``[D-]HH:MM:SS`` (SLURM and PBS both accept it) to seconds; JobError otherwise."""
-    m = _TIME.match(str(text).strip())
-    if not m:
-        raise JobError(f"--time {text!r}: write the time limit as HH:MM:SS or D-HH:MM:SS "
-                       f"(e.g. 04:00:00)")
-    d, h, mi, s = (int(g or 0) for g in m.groups())
-    return ((d * 24 + h) * 60 + mi) * 60 + s
-
-
-def format_time(seconds: int, scheduler: str) -> str:
-    """Seconds as the scheduler's time limit: SLURM ``D-HH:MM:SS`` / PBS ``HHH:MM:SS``."""
-    h, rem = divmod(int(seconds), 3600)
-    m, s = divmod(rem, 60)
-    if scheduler == "slurm" and h >= 24:
-        return f"{h // 24}-{h % 24:02d}:{m:02d}:{s:02d}"
-    return f"{h:02d}:{m:02d}:{s:02d}"
-
 
 def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
     """(number of training samples, unit) for a recipe, from :data:`TRAIN_SET_SIZES`.
@@ -90,8 +78,6 @@ def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
     """
     data = recipe.get("data") or {}
     name = data.get("name")
-    from hpclb.plugins import is_plugin
-
     if is_plugin(name):
         return _plugin_train_set_size(recipe, data)
     if name not in TRAIN_SET_SIZES:
@@ -118,9 +104,6 @@ def _plugin_train_set_size(recipe: dict[str, Any], data: dict[str, Any]) -> tupl
     subset = data.get("train_samples")
     if isinstance(subset, int) and subset > 0:
         return subset, "samples"
-    from hpclb.plugins import add_search_path
-    from hpclb.tasks import load_plugin_data
-
     add_search_path(recipe.get("plugin_path", []))
     try:
         return len(load_plugin_data(data, None)[0]), "samples"
@@ -163,44 +146,6 @@ class Plan:
     base_warmup_epochs_str = property(lambda s: _g(s.base_warmup_epochs))
     warmup_epochs_str = property(lambda s: _g(s.warmup_epochs))
     epochs_str = property(lambda s: _g(s.epochs))
-
-
-@dataclass
-class JobSpec:
-    """Everything ``hpclb jobs render`` takes; see :func:`render` and the CLI help."""
-
-    experiment: str
-    scheduler: str
-    nodes: int
-    gpus_per_node: int
-    per_gpu_batch: int | None = None
-    tasks_per_node: int | None = None       # default: gpus_per_node (one rank per GPU), or 1
-    cpus_per_task: int | None = None        # default: 8 with GPUs, 1 without
-    time: str = "04:00:00"
-    partition: str | None = None            # SLURM partition / PBS queue
-    account: str | None = None
-    job_name: str | None = None
-    out: str | None = None                  # run directory (relative to the submit directory)
-    log: str | None = None                  # scheduler's stdout+stderr file (its directory must exist)
-    data_dir: str | None = None
-    venv: str | None = ".venv"
-    modules: list[str] = field(default_factory=list)
-    fabric: str = "ib"
-    allreduce: str = "ring"
-    ucx_net_devices: str | None = None
-    nccl_ib_hca: str | None = None
-    socket_ifname: str | None = None
-    signal_lead: int = 300                  # seconds before the limit the USR2 comes
-    checkpoint_interval: int = 1800         # seconds between periodic checkpoints (0: epochs)
-    launcher: str = "srun"                  # SLURM: srun --mpi=pmix, or the MPI's mpirun
-    scaling: str = "legw"
-    optimizer: str | None = None
-    epochs: float | None = None
-    seed: int = 0
-    exclusive: bool = True
-    backend: str | None = None              # default: torch (NCCL) with GPUs, mpi without
-    device: str | None = None               # hpclb train --device; default cuda with GPUs
-    gpu_bind: str = "single:1"              # SLURM srun --gpu-bind with GPUs (GPU_BINDS)
 
 
 def default_backend(gpus_per_node: int) -> str:
@@ -285,69 +230,6 @@ def interconnect(spec: JobSpec) -> list[tuple[str, str]]:
     return env
 
 
-def _check_path(what: str, value: str | None) -> None:
-    if value is not None and not _PATH_OK.match(value):
-        raise JobError(f"{what} {value!r}: no spaces, quotes or shell operators (it goes into "
-                       f"#SBATCH/#PBS lines unquoted)")
-
-
-def _validate(spec: JobSpec) -> None:
-    if spec.scheduler not in SCHEDULERS:
-        raise JobError(f"--scheduler {spec.scheduler!r}: choose one of {SCHEDULERS}")
-    if not isinstance(spec.nodes, int) or spec.nodes < 1:
-        raise JobError(f"--nodes {spec.nodes}: a job needs at least 1 node")
-    if spec.gpus_per_node < 0:
-        raise JobError(f"--gpus-per-node {spec.gpus_per_node}: must be >= 0 (0 = CPU-only "
-                       f"nodes, then give --tasks-per-node)")
-    if spec.tasks_per_node is not None and spec.tasks_per_node < 1:
-        raise JobError(f"--tasks-per-node {spec.tasks_per_node}: must be >= 1")
-    if spec.gpus_per_node and spec.tasks_per_node not in (None, spec.gpus_per_node):
-        raise JobError(f"--tasks-per-node {spec.tasks_per_node} with --gpus-per-node "
-                       f"{spec.gpus_per_node}: hpclb runs one rank per GPU; drop --tasks-per-node")
-    if spec.per_gpu_batch is not None and spec.per_gpu_batch < 1:
-        raise JobError(f"--per-gpu-batch {spec.per_gpu_batch}: must be >= 1")
-    if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
-        raise JobError(f"--cpus-per-task {spec.cpus_per_task}: must be >= 1")
-    if spec.fabric not in FABRICS:
-        raise JobError(f"--fabric {spec.fabric!r}: choose one of {FABRICS}")
-    if spec.allreduce not in ALLREDUCE:
-        raise JobError(f"--allreduce {spec.allreduce!r}: choose one of {ALLREDUCE}")
-    if spec.backend is not None and spec.backend not in JOB_BACKENDS:
-        raise JobError(f"--backend {spec.backend!r}: choose one of {JOB_BACKENDS}")
-    if spec.device not in (None, "cuda", "cpu"):
-        raise JobError(f"--device {spec.device!r}: choose cuda or cpu")
-    if spec.device == "cuda" and not spec.gpus_per_node:
-        raise JobError("--device cuda with --gpus-per-node 0: ask for GPUs (--gpus-per-node G, "
-                       "one rank per GPU) or drop --device")
-    if spec.gpu_bind not in GPU_BINDS:
-        raise JobError(f"--gpu-bind {spec.gpu_bind!r}: choose one of {GPU_BINDS}")
-    if spec.scheduler == "slurm" and spec.launcher not in SLURM_LAUNCHERS:
-        raise JobError(f"--launcher {spec.launcher!r}: choose one of {SLURM_LAUNCHERS}")
-    limit = parse_time(spec.time)
-    if limit <= 0:
-        raise JobError(f"--time {spec.time}: the time limit must be > 0")
-    if spec.signal_lead < 30:
-        raise JobError(f"--signal-lead {spec.signal_lead}: give the ranks at least 30 s between "
-                       f"the USR2 and the time limit to finish a step and write the checkpoint")
-    if spec.signal_lead >= limit:
-        raise JobError(f"--time {spec.time} ({limit} s) is not longer than --signal-lead "
-                       f"{spec.signal_lead} s: the job would be told to checkpoint before it "
-                       f"starts; give a longer --time or a shorter --signal-lead")
-    if spec.checkpoint_interval < 0:
-        raise JobError(f"--checkpoint-interval {spec.checkpoint_interval}: must be >= 0 "
-                       f"(0 = only at epoch ends and on preemption)")
-    if spec.checkpoint_interval and spec.checkpoint_interval >= limit - spec.signal_lead:
-        raise JobError(f"--time {spec.time} ({limit} s) leaves {limit - spec.signal_lead} s "
-                       f"before the preemption signal, not more than --checkpoint-interval "
-                       f"{spec.checkpoint_interval} s: no periodic checkpoint would ever be "
-                       f"written; give a longer --time or a shorter --checkpoint-interval")
-    for what, value in (("--out", spec.out), ("--log", spec.log), ("--data-dir", spec.data_dir),
-                        ("--venv", spec.venv), ("--partition", spec.partition),
-                        ("--account", spec.account), ("--job-name", spec.job_name),
-                        *(("--module", m) for m in spec.modules)):
-        _check_path(what, value)
-
-
 def _templates_dir() -> Path:
     """jobs/templates of the checkout, else the copy packaged as hpclb/job_templates."""
     repo = Path(__file__).resolve().parents[2] / "jobs" / "templates"
@@ -375,31 +257,8 @@ def _render_args(spec: JobSpec) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def render(spec: JobSpec) -> tuple[str, Plan]:
-    """(script text, plan) for ``spec``; JobError with the fix for anything invalid."""
-    from hpclb.config import load_recipe
-    from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError
-    from hpclb.extras import require
-
-    jinja2 = require("jinja2", "rendering job templates")
-
-    _validate(spec)
-    try:
-        recipe = load_recipe(spec.experiment)
-    except ConfigError as e:
-        raise JobError(str(e)) from e
-    tasks = spec.tasks_per_node or spec.gpus_per_node or 1
-    ranks = spec.nodes * tasks
-    b = spec.per_gpu_batch or int(recipe.get("per_gpu_batch") or
-                                  max(1, recipe["base_batch_size"] // tasks))
-    plan = plan_for(recipe, ranks * b, b, spec.scaling, spec.epochs, spec.optimizer)
-    name = spec.job_name or f"{recipe['name']}-{spec.nodes}n"
-    out = spec.out or f"runs/{recipe['name']}-{spec.nodes}n{tasks}r-b{plan.global_batch}"
-    _check_path("--out", out)
-    _check_path("--job-name", name)
-    cpus = spec.cpus_per_task or (8 if spec.gpus_per_node else 1)
-
-    backend = spec.backend or default_backend(spec.gpus_per_node)
+def _train_argv(spec: JobSpec, plan: Plan, ranks: int, backend: str) -> str:
+    """The ``hpclb train`` line every rank runs."""
     train = ["hpclb", "train", shlex.quote(spec.experiment), "--batch-size",
              str(plan.global_batch), "--scaling", spec.scaling, "--expect-world-size", str(ranks),
              "--backend", backend,
@@ -415,34 +274,68 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
         train += ["--data-dir", '"$HPCLB_DATA"']
     if spec.checkpoint_interval:
         train += ["--checkpoint-interval", str(spec.checkpoint_interval)]
-    env = interconnect(spec)
+    return " ".join(train)
+
+
+def _launch(spec: JobSpec, ranks: int, tasks: int, cpus: int,
+            env: list[tuple[str, str]]) -> str:
+    """The launcher that starts the ranks: srun or mpirun (SLURM), mpiexec (PBS)."""
     if spec.scheduler == "slurm":
         if spec.launcher == "srun":
             launch = (f"srun --mpi=pmix --kill-on-bad-exit=0 --ntasks={ranks} "
                       f"--ntasks-per-node={tasks} --cpus-per-task={cpus}")
             if spec.gpus_per_node:
                 launch += f" --gpus-per-task=1 --gpu-bind={spec.gpu_bind}"
-        else:
-            launch = (f"env --block-signal=TERM mpirun -n {ranks} --map-by ppr:{tasks}:node "
-                      f"--bind-to none")
-    else:
-        forward = ["OMP_NUM_THREADS", "PATH", "VIRTUAL_ENV"]
-        forward += (["LD_LIBRARY_PATH"] if spec.modules else [])
-        forward += (["HPCLB_DATA"] if spec.data_dir else [])
-        forward += [k for k, _ in env if not k.startswith("OMPI_MCA_")]
-        launch = (f'env --block-signal=TERM mpiexec -n {ranks} --host "$HOSTS" '
-                  f'--map-by ppr:{tasks}:node --bind-to none '
-                  + " ".join(f"-x {k}" for k in forward))
-    limit = parse_time(spec.time)
+            return launch
+        return (f"env --block-signal=TERM mpirun -n {ranks} --map-by ppr:{tasks}:node "
+                f"--bind-to none")
+    forward = ["OMP_NUM_THREADS", "PATH", "VIRTUAL_ENV"]
+    forward += (["LD_LIBRARY_PATH"] if spec.modules else [])
+    forward += (["HPCLB_DATA"] if spec.data_dir else [])
+    forward += [k for k, _ in env if not k.startswith("OMPI_MCA_")]
+    return (f'env --block-signal=TERM mpiexec -n {ranks} --host "$HOSTS" '
+            f'--map-by ppr:{tasks}:node --bind-to none '
+            + " ".join(f"-x {k}" for k in forward))
+
+
+def _plan(spec: JobSpec) -> tuple[dict[str, Any], Plan, int]:
+    """(recipe, plan, ranks per node) of a validated ``spec``."""
+    try:
+        recipe = load_recipe(spec.experiment)
+    except ConfigError as e:
+        raise JobError(str(e)) from e
+    tasks = spec.tasks_per_node or spec.gpus_per_node or 1
+    b = spec.per_gpu_batch or int(recipe.get("per_gpu_batch") or
+                                  max(1, recipe["base_batch_size"] // tasks))
+    plan = plan_for(recipe, spec.nodes * tasks * b, b, spec.scaling, spec.epochs,
+                    spec.optimizer)
+    return recipe, plan, tasks
+
+
+def render(spec: JobSpec) -> tuple[str, Plan]:
+    """(script text, plan) for ``spec``; JobError with the fix for anything invalid."""
+    jinja2 = require("jinja2", "rendering job templates")
+
+    validate(spec)
+    recipe, plan, tasks = _plan(spec)
+    ranks = spec.nodes * tasks
+    name = spec.job_name or f"{recipe['name']}-{spec.nodes}n"
+    out = spec.out or f"runs/{recipe['name']}-{spec.nodes}n{tasks}r-b{plan.global_batch}"
+    check_path("--out", out)
+    check_path("--job-name", name)
+    cpus = spec.cpus_per_task or (8 if spec.gpus_per_node else 1)
+    backend = spec.backend or default_backend(spec.gpus_per_node)
+    env = interconnect(spec)
     context = dict(
         job_name=name, experiment=recipe["name"], nodes=spec.nodes, tasks_per_node=tasks,
         gpus_per_node=spec.gpus_per_node, cpus_per_task=cpus,
-        time_limit=format_time(limit, spec.scheduler), partition=spec.partition,
+        time_limit=format_time(parse_time(spec.time), spec.scheduler), partition=spec.partition,
         account=spec.account, exclusive=spec.exclusive, out=out, data_dir=spec.data_dir,
         log=spec.log or (f"{name}-%j.out" if spec.scheduler == "slurm" else f"{name}.log"),
         venv=spec.venv, modules=spec.modules, fabric=spec.fabric, interconnect=env,
         signal_lead=spec.signal_lead, preempted_exit_code=PREEMPTED_EXIT_CODE,
-        train_argv=" ".join(train), launch=launch, block_signals=BLOCK_SIGNALS,
+        train_argv=_train_argv(spec, plan, ranks, backend),
+        launch=_launch(spec, ranks, tasks, cpus, env), block_signals=BLOCK_SIGNALS,
         gpu_bind=spec.gpu_bind, backend=backend, scaling=spec.scaling, plan=plan,
         render_args=_render_args(spec), version=__version__)
     tmpl_name = "slurm.sbatch.j2" if spec.scheduler == "slurm" else "pbs.pbs.j2"
@@ -474,8 +367,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 
 def example_specs() -> list[tuple[str, JobSpec]]:
     """(relative path, spec) of every committed example whose recipe exists."""
-    from hpclb.config import available_experiments
-
     have = set(available_experiments())
     specs = []
     for exp, ex in EXAMPLES.items():
@@ -502,58 +393,3 @@ def write_examples(root: str | Path) -> list[Path]:
         path.chmod(0o755)
         written.append(path)
     return written
-
-
-def directives(text: str, prefix: str) -> list[str]:
-    """The scheduler directives of a script (``#SBATCH`` / ``#PBS`` lines before the first
-    command), each without the prefix: ``["--nodes=16", ...]`` / ``["-l select=...", ...]``."""
-    out = []
-    for line in text.splitlines():
-        s = line.strip()
-        if s.startswith(prefix + " "):
-            out.append(s[len(prefix) + 1:].strip())
-        elif s and not s.startswith("#"):
-            break
-    return out
-
-
-def pbs_resources(text: str) -> dict[str, Any]:
-    """A PBS script's request: {'select': N, 'ncpus', 'ngpus', 'mpiprocs', 'ompthreads' (per
-    chunk), 'walltime' (s), 'rerunnable' (bool), 'place', 'queue', 'account', 'name'};
-    JobError for a directive PBS Pro would reject."""
-    res: dict[str, Any] = {"rerunnable": None}
-    for d in directives(text, "#PBS"):
-        opt, _, val = d.partition(" ")
-        val = val.strip()
-        if opt == "-l":
-            for part in val.split(","):
-                key, _, v = part.partition("=")
-                if key == "select":
-                    chunks = v.split(":")
-                    if not chunks[0].isdigit():
-                        raise JobError(f"#PBS -l select={v}: the chunk count must come first")
-                    res["select"] = int(chunks[0])
-                    for c in chunks[1:]:
-                        k, _, n = c.partition("=")
-                        if not n.isdigit():
-                            raise JobError(f"#PBS -l select: {c!r} is not name=integer")
-                        res[k] = int(n)
-                elif key == "walltime":
-                    res["walltime"] = parse_time(v)
-                elif key == "place":
-                    res["place"] = v
-                else:
-                    raise JobError(f"#PBS -l {key}: not a resource these templates use")
-        elif opt == "-r":
-            if val not in ("y", "n"):
-                raise JobError(f"#PBS -r {val}: must be y or n")
-            res["rerunnable"] = val == "y"
-        elif opt in ("-q", "-A", "-N", "-o", "-j"):
-            res[{"-q": "queue", "-A": "account", "-N": "name", "-o": "output",
-                 "-j": "join"}[opt]] = val
-        else:
-            raise JobError(f"#PBS {opt}: not a directive these templates use")
-    for key in ("select", "ncpus", "mpiprocs", "walltime"):
-        if key not in res:
-            raise JobError(f"PBS script has no {key}")
-    return res

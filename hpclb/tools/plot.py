@@ -10,7 +10,7 @@
   lines where there are some, else the per-epoch rows). Written into the run directory (one
   run) or beside the run directories (several).
 - :func:`plot_sweep`: a sweep's ``<experiment>.json`` (``hpclb sweep``) drawn by
-  :func:`hpclb.tools.sweep.plot` (metric against batch size per scheme with B0 marked, and the LR of
+  :func:`hpclb.tools.sweep_report.plot` (metric against batch size per scheme with B0 marked, and the LR of
   every point), written beside the JSON.
 
 Every figure is drawn with matplotlib's Agg backend (no display needed) and written atomically.
@@ -19,36 +19,20 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from hpclb.config import load_recipe, resolve
-from hpclb.errors import ConfigError
+from hpclb.errors import ConfigError, JobError
 from hpclb.schedules import SCHEMES, Schedule
+from hpclb.tools import sweep_report
+from hpclb.tools.figures import pyplot, save
+from hpclb.tools.jobs import train_set_size
 from hpclb.train.metrics import finite, read_metrics
 
-
-def _pyplot():
-    """matplotlib.pyplot on the Agg backend; MissingExtraError (pip install 'hpclb[experiments]')
-    without matplotlib."""
-    from hpclb.extras import require
-
-    matplotlib = require("matplotlib", "hpclb plot")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    """Write ``fig`` to ``path`` (PNG, through a temporary file) and close it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    _pyplot().close(fig)
-    tmp.replace(path)
-    return path
+__all__ = ["Curve", "sample_steps", "num_train_samples", "schedule_curves", "plot_schedule",
+           "plot_runs", "plot_sweep"]
 
 
 @dataclass(frozen=True)
@@ -91,9 +75,6 @@ def num_train_samples(recipe: dict, num_samples: int | None = None) -> int:
         if not (isinstance(num_samples, int) and num_samples > 0):
             raise ConfigError(f"--num-samples must be a positive integer, got {num_samples!r}")
         return num_samples
-    from hpclb.errors import JobError
-    from hpclb.tools.jobs import train_set_size
-
     try:
         return train_set_size(recipe)[0]
     except JobError as e:
@@ -135,7 +116,7 @@ def plot_schedule(experiment: str, ks: Sequence[float], out: str | Path | None =
     """Draw :func:`schedule_curves` (columns: schemes; rows: LR vs epoch, LR vs step) to ``out``
     (default ``results/schedules/<recipe name>.png``). Returns ``(path, figure, skipped)``; the
     figure is closed but keeps its data (each line's label is :attr:`Curve.label`)."""
-    plt = _pyplot()
+    plt = pyplot("hpclb plot")
     curves, skipped = schedule_curves(experiment, ks, schemes, num_samples=num_samples,
                                       epochs=epochs, optimizer=optimizer)
     if not curves:
@@ -159,7 +140,7 @@ def plot_schedule(experiment: str, ks: Sequence[float], out: str | Path | None =
             ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(out) if out else Path("results/schedules") / f"{name}.png"
-    return _save(fig, path), fig, skipped
+    return save(fig, path), fig, skipped
 
 
 def _run_info(run: Path) -> dict:
@@ -201,53 +182,58 @@ def _series(rows: list[dict], key: str, x_of) -> tuple[list[float], list[float]]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _draw_run(axes, i: int, run: Path) -> tuple[str | None, bool]:
+    """One run's lines (colour ``C<i>``) on the four panels of :func:`plot_runs`; returns
+    (its metric, whether it logged trust ratios)."""
+    ax_loss, ax_metric, ax_lr, ax_trust = axes
+    epochs, steps = read_metrics(run)
+    info = _run_info(run)
+    spe = _steps_per_epoch(info, epochs)
+    color, label = f"C{i % 10}", _label(run, info)
+    by_step = (lambda r: r["step"] / spe) if spe else (lambda r: None)
+    by_epoch = lambda r: r.get("epoch")  # noqa: E731 (the end of epoch e is at x = e)
+    x, y = _series(steps, "loss", by_step)
+    if x:
+        ax_loss.plot(x, y, color=color, lw=0.8, label=label)
+    else:
+        ax_loss.plot(*_series(epochs, "train_loss", by_epoch), color=color, marker="o",
+                     label=label)
+    metric = _metric_of(info, epochs)
+    if metric:
+        ax_metric.plot(*_series(epochs, metric, by_epoch), color=color, marker="o",
+                       label=label)
+    x, y = _series(steps, "lr", by_step)
+    ax_lr.plot(*((x, y) if x else _series(epochs, "lr", by_epoch)), color=color,
+               label=label)
+    x, med = _series(steps, "trust_median", by_step)
+    if x:
+        ax_trust.plot(x, med, color=color, lw=0.8, label=label)
+        lo = _series(steps, "trust_min", by_step)
+        hi = _series(steps, "trust_max", by_step)
+        if lo[0] == x and hi[0] == x:
+            ax_trust.fill_between(x, lo[1], hi[1], color=color, alpha=0.2, lw=0)
+    return metric, bool(x)
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None):
     """Four panels against epochs, one line (colour) per run: training loss (per-step ``loss``
     if logged, else the epoch rows' ``train_loss``), the recipe's target metric (else the first
     ``test_``/``valid_`` key), LR, and trust ratios (median line, min-max band). Default ``out``:
     ``RUN/plot.png`` for one run, ``<parent>/plot-<run>+<run>....png`` beside several. Returns
     ``(path, figure)``. FileNotFoundError for a directory without metrics.jsonl."""
-    plt = _pyplot()
+    plt = pyplot("hpclb plot")
     runs = [Path(r) for r in run_dirs]
     if not runs:
         raise ConfigError("plot runs: give at least one run directory")
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
+    drawn = [_draw_run(axes, i, run) for i, run in enumerate(runs)]
+    metrics = {m for m, _ in drawn if m}
     ax_loss, ax_metric, ax_lr, ax_trust = axes
-    metrics, trust_seen = set(), False
-    for i, run in enumerate(runs):
-        epochs, steps = read_metrics(run)
-        info = _run_info(run)
-        spe = _steps_per_epoch(info, epochs)
-        color, label = f"C{i % 10}", _label(run, info)
-        by_step = (lambda r: r["step"] / spe) if spe else (lambda r: None)
-        by_epoch = lambda r: r.get("epoch")  # noqa: E731: the end of epoch e is at x = e
-        x, y = _series(steps, "loss", by_step)
-        if x:
-            ax_loss.plot(x, y, color=color, lw=0.8, label=label)
-        else:
-            ax_loss.plot(*_series(epochs, "train_loss", by_epoch), color=color, marker="o",
-                         label=label)
-        metric = _metric_of(info, epochs)
-        if metric:
-            metrics.add(metric)
-            ax_metric.plot(*_series(epochs, metric, by_epoch), color=color, marker="o",
-                           label=label)
-        x, y = _series(steps, "lr", by_step)
-        ax_lr.plot(*((x, y) if x else _series(epochs, "lr", by_epoch)), color=color,
-                   label=label)
-        x, med = _series(steps, "trust_median", by_step)
-        if x:
-            trust_seen = True
-            ax_trust.plot(x, med, color=color, lw=0.8, label=label)
-            lo = _series(steps, "trust_min", by_step)
-            hi = _series(steps, "trust_max", by_step)
-            if lo[0] == x and hi[0] == x:
-                ax_trust.fill_between(x, lo[1], hi[1], color=color, alpha=0.2, lw=0)
     ax_loss.set_ylabel("training loss")
     ax_metric.set_ylabel(" / ".join(sorted(metrics)) or "no test metric")
     ax_lr.set_ylabel("learning rate")
     ax_trust.set_ylabel("trust ratio (median, min-max)")
-    if not trust_seen:
+    if not any(t for _, t in drawn):
         ax_trust.text(0.5, 0.5, "no trust ratios logged\n(LARS/LAMB runs with per-step lines)",
                       ha="center", va="center", transform=ax_trust.transAxes, fontsize=8)
     for ax in axes:
@@ -259,16 +245,14 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None):
     if out is None:
         out = runs[0] / "plot.png" if len(runs) == 1 else \
             runs[0].parent / f"plot-{'+'.join(r.name for r in runs)[:150]}.png"
-    return _save(fig, Path(out)), fig
+    return save(fig, Path(out)), fig
 
 
 def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
     """Redraw a sweep's results (``results/sweeps/<experiment>.json``) with
-    :func:`hpclb.tools.sweep.plot` to ``out`` (default: the JSON's path with ``.png``); returns
+    :func:`hpclb.tools.sweep_report.plot` to ``out`` (default: the JSON's path with ``.png``); returns
     ``(path, figure)``. ConfigError when the file is missing, not a sweep's JSON or has no
     rows."""
-    from hpclb.tools import sweep
-
     path = Path(sweep_json)
     if not path.is_file():
         raise ConfigError(f"{path}: no such sweep file (hpclb sweep writes "
@@ -283,55 +267,4 @@ def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
                           f"points with batch_size, scheme, metric)")
     out = Path(out) if out else path.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return out, sweep.plot(rows, out, path.stem, rows[0]["metric_name"])
-
-
-def _cmd(args) -> int:
-    """``hpclb plot schedule|runs|sweep``: print the PNG's path; exit 2 on bad input."""
-    from hpclb.cli import _error
-    from hpclb.errors import MissingExtraError
-
-    try:
-        if args.plot_command == "schedule":
-            path, _, skipped = plot_schedule(args.experiment, args.k, args.out,
-                                             schemes=args.schemes, num_samples=args.num_samples,
-                                             epochs=args.epochs, optimizer=args.optimizer)
-            for why in skipped:
-                print(f"hpclb plot: skipped {why}", file=sys.stderr)
-        elif args.plot_command == "runs":
-            path, _ = plot_runs(args.run_dirs, args.out)
-        else:
-            path, _ = plot_sweep(args.sweep_json, args.out)
-    except MissingExtraError as e:
-        _error(str(e))
-        return 1
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        _error(str(e))
-        return 2
-    print(path)
-    return 0
-
-
-def add_cli(sub) -> None:
-    """Register ``hpclb plot schedule|runs|sweep`` on the top-level subparsers ``sub``."""
-    p = sub.add_parser("plot", help="PNGs: LR schedules of a recipe (LEGW picture), runs' "
-                       "metrics, a sweep's metric vs batch")
-    psub = p.add_subparsers(dest="plot_command", required=True)
-    s = psub.add_parser("schedule", help="LR vs epochs and vs steps for every scheme and k")
-    s.add_argument("experiment", help="recipe name or path to a recipe .yaml")
-    s.add_argument("--k", type=float, nargs="+", default=[1, 8, 64],
-                   help="batch ratios B / B0 (default 1 8 64)")
-    s.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
-    s.add_argument("--epochs", type=float, help="training budget (default: the recipe's)")
-    s.add_argument("--optimizer", help="whose B0 LR (default: the recipe's optimizer)")
-    s.add_argument("--num-samples", type=int, help="training-set size, for data sets "
-                   "hpclb.tools.jobs.TRAIN_SET_SIZES does not know")
-    s.add_argument("--out", help="PNG path (default results/schedules/<experiment>.png)")
-    r = psub.add_parser("runs", help="loss, metric, LR, trust ratios of runs vs epoch")
-    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    r.add_argument("--out", help="PNG path (default RUN_DIR/plot.png, or "
-                   "<parent>/plot-<run>+<run>.png for several)")
-    w = psub.add_parser("sweep", help="a sweep's metric vs batch per scheme, B0 marked")
-    w.add_argument("sweep_json", metavar="SWEEP.json", help="results/sweeps/<experiment>.json")
-    w.add_argument("--out", help="PNG path (default: SWEEP.png beside the JSON)")
-    p.set_defaults(func=_cmd)
+    return out, sweep_report.plot(rows, out, path.stem, rows[0]["metric_name"])

@@ -21,8 +21,13 @@ from typing import Any
 import yaml
 
 from hpclb.config import resolve
-from hpclb.errors import ConfigError
+from hpclb.errors import ConfigError, JobError
 from hpclb.schedules import SCHEMES, Schedule, scale_warmup_epochs
+from hpclb.tools.jobs import render
+from hpclb.tools.jobs_spec import JobSpec
+from hpclb.tools.plot import num_train_samples
+
+__all__ = ["Scaled", "b0_recipe", "describe", "scale_run", "format_changes", "write_job"]
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,6 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
     :data:`hpclb.tools.jobs.TRAIN_SET_SIZES` does not know. ConfigError (nothing written) for a
     directory without config.json, a bad batch or scheme, or a schedule that cannot run at
     ``to_batch`` (e.g. LEGW's warmup longer than training; the message names the fix)."""
-    from hpclb.tools.plot import num_train_samples
-
     run = Path(run_dir)
     cfg = _read_config(run)
     if scaling not in SCHEMES:
@@ -146,9 +149,6 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
     :func:`hpclb.tools.jobs.render`; written to ``out`` (default: the recipe's path with ``.sbatch``
     or ``.pbs``). ConfigError when the batch does not split evenly over the ranks or the job
     cannot be rendered (the message says what to change)."""
-    from hpclb.errors import JobError
-    from hpclb.tools.jobs import JobSpec, render
-
     ranks = nodes * (tasks_per_node or gpus_per_node or 1) if nodes > 0 else 0
     if ranks <= 0 or s.batch % ranks:
         raise ConfigError(f"--to-batch {s.batch} must split evenly over --nodes {nodes} x "
@@ -168,44 +168,3 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
     path.write_text(text)
     path.chmod(0o755)
     return path
-
-
-def _cmd(args) -> int:
-    """``hpclb scale``: write the recipe (and job script), print the changes; exit 2 on bad
-    input."""
-    from hpclb.cli import _error
-
-    if args.scheduler and (args.nodes is None or args.gpus_per_node is None):
-        _error("--scheduler needs --nodes N and --gpus-per-node G (0 with --tasks-per-node "
-               "for CPU-only nodes)")
-        return 2
-    try:
-        s = scale_run(args.run_dir, args.to_batch, scaling=args.scaling, out=args.out,
-                      num_samples=args.num_samples)
-        print(format_changes(s))
-        if args.scheduler:
-            job = write_job(s, args.scheduler, args.nodes, args.gpus_per_node,
-                            tasks_per_node=args.tasks_per_node)
-            print(f"job script ({args.scheduler}, {args.nodes} node(s)): {job}")
-    except ConfigError as e:
-        _error(str(e))
-        return 2
-    return 0
-
-
-def add_cli(sub) -> None:
-    """Register ``hpclb scale`` on the top-level subparsers ``sub``."""
-    p = sub.add_parser("scale", help="write a finished run's recipe for another batch size "
-                       "(LEGW by default) and print what changes")
-    p.add_argument("run_dir", help="a run directory written by hpclb train --out")
-    p.add_argument("--to-batch", type=int, required=True, help="the new global batch (samples)")
-    p.add_argument("--scaling", default="legw", choices=list(SCHEMES))
-    p.add_argument("--out", help="recipe path (default RUN_DIR/recipe-b<B>-<scaling>.yaml)")
-    p.add_argument("--num-samples", type=int, help="training-set size, for data sets "
-                   "hpclb.tools.jobs.TRAIN_SET_SIZES does not know")
-    p.add_argument("--scheduler", choices=("slurm", "pbs"), help="also write a job script "
-                   "beside the recipe")
-    p.add_argument("--nodes", type=int)
-    p.add_argument("--gpus-per-node", type=int, help="one rank per GPU")
-    p.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU-only nodes")
-    p.set_defaults(func=_cmd)

@@ -6,7 +6,7 @@ nothing else (no re-tuning). Points run one after another: in this process for o
 ``mpirun -n N ... hpclb train`` subprocess for ``N > 1``. Each point's run directory is
 ``<runs_dir>/<experiment>/<scheme>-b<B>``; results go to ``<out_dir>/<experiment>.json`` (a list of
 rows), ``.md`` (tables) and ``.png`` (metric vs batch size per scheme; the LR curve of every point,
-one panel per scheme).
+one panel per scheme), written by :mod:`hpclb.tools.sweep_report`.
 
 Resumable: a point whose row is already in the JSON (same epochs, ranks, seed, optimizer) is
 skipped; a point whose run finished but was not recorded is read from its ``summary.json``; a
@@ -28,14 +28,18 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from hpclb.config import load_recipe, resolve
+from hpclb.dist import SelfCommunicator
 from hpclb.errors import ConfigError
-from hpclb.schedules import SCHEMES, Schedule
+from hpclb.schedules import SCHEMES
+from hpclb.tools.sweep_report import write_results
+from hpclb.train.loop import train
 
-ROW_KEYS = ("batch_size", "scheme", "metric_name", "metric", "epochs", "wall_time_s", "steps")
+__all__ = ["metric_of", "run_sweep"]
 
 
 def metric_of(recipe: dict) -> tuple[str, str]:
@@ -93,9 +97,6 @@ def _row(summary: dict, *, batch: int, scheme: str, metric: str, settings: dict,
 
 def _run_in_process(experiment: str, batch: int, scheme: str, settings: dict, run_dir: Path,
                     data_dir: str | None, resume: bool, quiet: bool) -> dict:
-    from hpclb.dist import SelfCommunicator
-    from hpclb.train.loop import train
-
     cfg = resolve(experiment, batch_size=batch, scaling=scheme, optimizer=settings["optimizer"],
                   epochs=settings["epochs"], seed=settings["seed"], data_dir=data_dir,
                   out=str(run_dir), resume=resume)
@@ -131,6 +132,132 @@ def _run_mpi(experiment: str, batch: int, scheme: str, settings: dict, run_dir: 
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def _checked(batch_sizes: Iterable[int], schemes: Iterable[str],
+             ranks: int) -> tuple[list[int], list[str]]:
+    """(sorted distinct batches, schemes without repeats); ConfigError for a bad argument."""
+    batch_sizes = sorted(set(int(b) for b in batch_sizes))
+    schemes = list(dict.fromkeys(schemes))
+    for s in schemes:
+        if s not in SCHEMES:
+            raise ConfigError(f"--schemes: {s!r} is not one of {tuple(SCHEMES)}")
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ConfigError(f"--ranks: must be an integer >= 1 (MPI ranks per point; 1 runs in "
+                          f"this process), got {ranks}")
+    if not batch_sizes or any(b <= 0 or b % ranks for b in batch_sizes):
+        raise ConfigError(f"--batch-sizes: every batch must be a positive multiple of --ranks "
+                          f"{ranks}, got {batch_sizes}")
+    return batch_sizes, schemes
+
+
+@dataclass
+class _Sweep:
+    """One sweep's fixed settings, its files and locks, and how it trains a point."""
+
+    experiment: str
+    recipe: dict
+    settings: dict
+    out_dir: Path
+    runs_dir: Path
+    data_dir: str | None
+    quiet: bool
+    log: Callable[[str], Any]
+
+    def __post_init__(self) -> None:
+        self.name = self.recipe["name"]
+        self.metric, self.mode = metric_of(self.recipe)
+        self.json_path = self.out_dir / f"{self.name}.json"
+        self.results_lock = self.runs_dir / ".results.lock"
+        self.runner = _run_in_process if self.settings["ranks"] == 1 else _run_mpi
+
+    def rows(self) -> list[dict]:
+        with _flock(self.results_lock):
+            return _load_rows(self.json_path)
+
+    def record(self, row: dict) -> None:
+        """Replace the point's row in the results (under the results lock) and rewrite them."""
+        with _flock(self.results_lock):
+            current = [r for r in _load_rows(self.json_path)
+                       if not _same_point(r, row["batch_size"], row["scheme"], self.settings)]
+            write_results(current + [row], self.out_dir, self.name, self.metric, self.mode)
+
+    def point(self, batch: int, scheme: str) -> None:
+        """Record ``(batch, scheme)`` unless done: from its twin at k = 1, else by training it
+        (unless another sweep process holds its lock)."""
+        name, rows = self.name, self.rows()
+        if any(_same_point(r, batch, scheme, self.settings) for r in rows):
+            self.log(f"sweep {name}: B={batch} {scheme}: already recorded, skipped")
+            return
+        twin = next((r for r in rows if batch == self.recipe["base_batch_size"]
+                     and not r.get("error") and _same_point(r, batch, r["scheme"], self.settings)),
+                    None)
+        if twin is not None:  # k = 1: every scheme gives the same schedule, the same run
+            self.record({**twin, "scheme": scheme,
+                         "note": f"k = 1: the same run as {twin['scheme']}"})
+            self.log(f"sweep {name}: B={batch} {scheme}: k = 1, same run as {twin['scheme']}")
+            return
+        with _flock(self.runs_dir / f".{scheme}-b{batch}.lock", block=False) as mine:
+            if not mine:
+                self.log(f"sweep {name}: B={batch} {scheme}: being trained by another sweep "
+                         f"process, skipped")
+                return
+            self._run_point(batch, scheme)
+
+    def _finished_summary(self, run_dir: Path, batch: int, scheme: str) -> dict | None:
+        """The summary.json of this very point's finished run, else None."""
+        path = run_dir / "summary.json"
+        summary = json.loads(path.read_text()) if path.exists() else None
+        st = self.settings
+        if summary is not None and (summary.get("global_batch_size"), summary.get("scaling"),
+                                    summary.get("epochs"), summary.get("world_size"),
+                                    summary.get("seed"), summary.get("optimizer")) != \
+                (batch, scheme, st["epochs"], st["ranks"], st["seed"], st["optimizer"]):
+            return None  # a different run left it there: rerun from scratch
+        return summary
+
+    def _can_resume(self, run_dir: Path, batch: int, scheme: str) -> bool:
+        """True when ``run_dir`` holds a checkpoint of this point; else it is emptied."""
+        st = self.settings
+        resume = (run_dir / "checkpoint.pt").exists() and (run_dir / "config.json").exists()
+        if not resume and run_dir.exists():
+            shutil.rmtree(run_dir)
+        if resume:
+            try:
+                old = json.loads((run_dir / "config.json").read_text())
+                resume = (old.get("global_batch_size"), old.get("scaling"),
+                          old.get("epochs"), old.get("world_size"), old.get("seed")) == \
+                    (batch, scheme, st["epochs"], st["ranks"], st["seed"])
+            except (OSError, ValueError):
+                resume = False
+            if not resume:
+                shutil.rmtree(run_dir)
+        return resume
+
+    def _run_point(self, batch: int, scheme: str) -> None:
+        """Train (or resume, or read back) one point while holding its lock; record its row."""
+        name, metric, st = self.name, self.metric, self.settings
+        run_dir = self.runs_dir / f"{scheme}-b{batch}"
+        summary = self._finished_summary(run_dir, batch, scheme)
+        if summary is None:
+            resume = self._can_resume(run_dir, batch, scheme)
+            self.log(f"sweep {name}: B={batch} {scheme}: {'resuming' if resume else 'training'} "
+                     f"({st['ranks']} rank(s), {st['epochs']:g} epochs) -> {run_dir}")
+            t0 = time.perf_counter()
+            try:
+                summary = self.runner(self.experiment, batch, scheme, st, run_dir,
+                                      self.data_dir, resume, self.quiet)
+            except ConfigError as e:
+                self.log(f"sweep {name}: B={batch} {scheme}: rejected: {e}")
+                self.record({"batch_size": batch, "scheme": scheme, "metric_name": metric,
+                             "metric": None, **st, "wall_time_s": 0.0, "steps": 0,
+                             "time_to_target_s": None, "run_dir": str(run_dir),
+                             "error": str(e)})
+                return
+            self.log(f"sweep {name}: B={batch} {scheme}: {metric} "
+                     f"{summary.get('final_' + metric)} in {time.perf_counter() - t0:.0f} s")
+        self.record(_row(summary, batch=batch, scheme=scheme, metric=metric, settings=st,
+                         run_dir=run_dir))
+
+
 def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
               epochs: float | None = None, ranks: int = 1, seed: int = 0,
               optimizer: str | None = None, data_dir: str | None = None,
@@ -146,230 +273,19 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     RuntimeError when a point crashes (its row is not written; rerun to retry it).
     """
     recipe = load_recipe(experiment)
-    name = recipe["name"]
-    batch_sizes = sorted(set(int(b) for b in batch_sizes))
-    schemes = list(dict.fromkeys(schemes))
-    for s in schemes:
-        if s not in SCHEMES:
-            raise ConfigError(f"--schemes: {s!r} is not one of {tuple(SCHEMES)}")
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        raise ConfigError(f"--ranks: must be an integer >= 1 (MPI ranks per point; 1 runs in "
-                          f"this process), got {ranks}")
-    if not batch_sizes or any(b <= 0 or b % ranks for b in batch_sizes):
-        raise ConfigError(f"--batch-sizes: every batch must be a positive multiple of --ranks "
-                          f"{ranks}, got {batch_sizes}")
+    batch_sizes, schemes = _checked(batch_sizes, schemes, ranks)
     probe = resolve(experiment, optimizer=optimizer, epochs=epochs, seed=seed)  # validates
     settings = {"epochs": probe.epochs, "ranks": ranks, "seed": seed,
                 "optimizer": probe.optimizer}
-    metric, mode = metric_of(recipe)
-    out_dir, runs_dir = Path(out_dir), Path(runs_dir) / name
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{name}.json"
-    results_lock = runs_dir / ".results.lock"
-    runner = _run_in_process if ranks == 1 else _run_mpi
-
-    def record(row: dict) -> None:
-        with _flock(results_lock):
-            current = [r for r in _load_rows(json_path)
-                       if not _same_point(r, row["batch_size"], row["scheme"], settings)]
-            write_results(current + [row], out_dir, name, metric, mode)
-
+    sweep = _Sweep(experiment, recipe, settings, out_dir, Path(runs_dir) / recipe["name"],
+                   data_dir, quiet, log)
     for batch in batch_sizes:
         for scheme in schemes:
-            with _flock(results_lock):
-                rows = _load_rows(json_path)
-            if any(_same_point(r, batch, scheme, settings) for r in rows):
-                log(f"sweep {name}: B={batch} {scheme}: already recorded, skipped")
-                continue
-            twin = next((r for r in rows if batch == recipe["base_batch_size"] and not r.get("error")
-                         and _same_point(r, batch, r["scheme"], settings)), None)
-            if twin is not None:  # k = 1: every scheme gives the same schedule, the same run
-                record({**twin, "scheme": scheme,
-                        "note": f"k = 1: the same run as {twin['scheme']}"})
-                log(f"sweep {name}: B={batch} {scheme}: k = 1, same run as {twin['scheme']}")
-                continue
-            with _flock(runs_dir / f".{scheme}-b{batch}.lock", block=False) as mine:
-                if not mine:
-                    log(f"sweep {name}: B={batch} {scheme}: being trained by another sweep "
-                        f"process, skipped")
-                    continue
-                _run_point(name, experiment, batch, scheme, settings, runs_dir, data_dir, quiet,
-                           runner, metric, record, log)
-    with _flock(results_lock):
-        rows = _load_rows(json_path)
+            sweep.point(batch, scheme)
+    with _flock(sweep.results_lock):
+        rows = _load_rows(sweep.json_path)
         if rows:
-            write_results(rows, out_dir, name, metric, mode)
+            write_results(rows, out_dir, sweep.name, sweep.metric, sweep.mode)
     return rows
-
-
-def _run_point(name, experiment, batch, scheme, settings, runs_dir, data_dir, quiet, runner,
-               metric, record, log) -> None:
-    """Train (or resume, or read back) one point while holding its lock; record its row."""
-    ranks, seed = settings["ranks"], settings["seed"]
-    run_dir = runs_dir / f"{scheme}-b{batch}"
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    if summary is not None and (summary.get("global_batch_size"), summary.get("scaling"),
-                                summary.get("epochs"), summary.get("world_size"),
-                                summary.get("seed"), summary.get("optimizer")) != \
-            (batch, scheme, settings["epochs"], ranks, seed, settings["optimizer"]):
-        summary = None  # a different run left it there: rerun from scratch
-    if summary is None:
-        resume = (run_dir / "checkpoint.pt").exists() and (run_dir / "config.json").exists()
-        if not resume and run_dir.exists():
-            shutil.rmtree(run_dir)
-        if resume:
-            try:
-                old = json.loads((run_dir / "config.json").read_text())
-                resume = (old.get("global_batch_size"), old.get("scaling"),
-                          old.get("epochs"), old.get("world_size"), old.get("seed")) == \
-                    (batch, scheme, settings["epochs"], ranks, seed)
-            except (OSError, ValueError):
-                resume = False
-            if not resume:
-                shutil.rmtree(run_dir)
-        log(f"sweep {name}: B={batch} {scheme}: {'resuming' if resume else 'training'} "
-            f"({ranks} rank(s), {settings['epochs']:g} epochs) -> {run_dir}")
-        t0 = time.perf_counter()
-        try:
-            summary = runner(experiment, batch, scheme, settings, run_dir, data_dir,
-                             resume, quiet)
-        except ConfigError as e:
-            log(f"sweep {name}: B={batch} {scheme}: rejected: {e}")
-            record({"batch_size": batch, "scheme": scheme, "metric_name": metric,
-                    "metric": None, **settings, "wall_time_s": 0.0, "steps": 0,
-                    "time_to_target_s": None, "run_dir": str(run_dir),
-                    "error": str(e)})
-            return
-        log(f"sweep {name}: B={batch} {scheme}: {metric} "
-            f"{summary.get('final_' + metric)} in {time.perf_counter() - t0:.0f} s")
-    record(_row(summary, batch=batch, scheme=scheme, metric=metric, settings=settings,
-                run_dir=run_dir))
-
-
-def _fmt(metric: str, value: float | None) -> str:
-    if value is None:
-        return "—"
-    if "accuracy" in metric:
-        return f"{100 * value:.2f}%"
-    if value >= 1e5:
-        return f"{value:.2e}"
-    return f"{value:.2f}" if value >= 10 else f"{value:.4f}"
-
-
-def markdown_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
-    """The sweep as markdown: final ``metric`` per batch size (rows) and scheme (columns), the
-    gap to the B0 point of the same scheme, and every point's schedule and cost."""
-    schemes = [s for s in SCHEMES if any(r["scheme"] == s for r in rows)]
-    batches = sorted({r["batch_size"] for r in rows})
-    by = {(r["batch_size"], r["scheme"]): r for r in rows}
-    base = min(batches) if batches else None
-    lines = [f"# Sweep: {name}", "",
-             f"Final {metric} ({'higher' if mode == 'max' else 'lower'} is better); in brackets "
-             f"the difference to the smallest batch ({base}) under the same scheme "
-             f"({'percentage points' if 'accuracy' in metric else 'as a ratio'}). — = not run or "
-             f"rejected (see the detail table).", "",
-             "| batch | " + " | ".join(schemes) + " |", "|---:|" + "---:|" * len(schemes)]
-    for b in batches:
-        cells = []
-        for s in schemes:
-            r = by.get((b, s))
-            if r is None or r.get("metric") is None:
-                cells.append("—")
-                continue
-            ref = by.get((base, s))
-            txt = _fmt(metric, r["metric"])
-            if b != base and ref and ref.get("metric") is not None:
-                d = r["metric"] - ref["metric"]
-                txt += f" ({100 * d:+.2f})" if "accuracy" in metric else \
-                    f" (x{r['metric'] / ref['metric']:.3g})" if ref["metric"] else f" ({d:+.3g})"
-            cells.append(txt)
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    lines += ["", "| batch | scheme | k | peak LR | warmup steps (epochs) | steps | epochs | "
-              f"{metric} | best | wall time (s) | time to target (s) | ranks | note |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: (r["batch_size"], list(SCHEMES).index(r["scheme"]))):
-        if r.get("error"):
-            lines.append(f"| {r['batch_size']} | {r['scheme']} | | | | | {r['epochs']:g} | — | | "
-                         f"| | {r['ranks']} | {r['error'].replace('|', '/')} |")
-            continue
-        ttt = r.get("time_to_target_s")
-        lines.append(
-            f"| {r['batch_size']} | {r['scheme']} | {r['batch_ratio_k']:g} | {r['peak_lr']:.4g} | "
-            f"{r['warmup_steps']} ({r['warmup_epochs']:.3g}) | {r['steps']} | {r['epochs']:g} | "
-            f"{_fmt(metric, r['metric'])} | {_fmt(metric, r.get('best_metric'))} | "
-            f"{r['wall_time_s']:.0f} | {'—' if ttt is None else f'{ttt:.0f}'} | {r['ranks']} | "
-            f"{r.get('note') or ''} |")
-    return "\n".join(lines) + "\n"
-
-
-def lr_curve(row: dict, points: int = 400) -> tuple[list[float], list[float]]:
-    """(epochs, LR) of a recorded point, rebuilt from its schedule (a pure function of the step)."""
-    decay = dict(row["decay"])
-    sched = Schedule(peak_lr=row["peak_lr"], warmup_steps=row["warmup_steps"],
-                     total_steps=row["steps"], steps_per_epoch=row["steps_per_epoch"],
-                     decay=decay.pop("name"), decay_params=decay)
-    stride = max(1, row["steps"] // points)
-    steps = list(range(0, row["steps"], stride)) + [row["steps"] - 1]
-    return [s / row["steps_per_epoch"] for s in steps], [sched.lr(s) for s in steps]
-
-
-def plot(rows: list[dict], path: Path, name: str, metric: str):
-    """PNG: the metric vs batch size (log2) per scheme with B0 marked, then one LR-vs-epoch
-    panel per scheme. Returns the (closed) figure."""
-    from hpclb.extras import require
-
-    matplotlib = require("matplotlib", "the sweep plot")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    schemes = [s for s in SCHEMES if any(r["scheme"] == s for r in rows)]
-    fig, axes = plt.subplots(1, 1 + len(schemes), figsize=(4.2 * (1 + len(schemes)), 3.6),
-                             squeeze=False)
-    ax = axes[0][0]
-    scale = 100.0 if "accuracy" in metric else 1.0
-    for s in schemes:
-        pts = sorted((r["batch_size"], r["metric"]) for r in rows
-                     if r["scheme"] == s and r.get("metric") is not None)
-        if pts:
-            ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], marker="o", label=s)
-    for b0 in sorted({round(r["batch_size"] / r["batch_ratio_k"]) for r in rows
-                      if r.get("batch_ratio_k")}):  # the batch the recipe was tuned at
-        ax.axvline(b0, color="gray", ls=":", lw=1.2, label=f"B0 = {b0}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global batch size")
-    ax.set_ylabel(metric + (" (%)" if scale == 100.0 else ""))
-    ax.set_title(f"{name}: final {metric}")
-    ax.grid(alpha=0.3)
-    if ax.get_lines():
-        ax.legend()
-    for ax, s in zip(axes[0][1:], schemes):
-        for r in sorted((r for r in rows if r["scheme"] == s and not r.get("error")),
-                        key=lambda r: r["batch_size"]):
-            x, y = lr_curve(r)
-            ax.plot(x, y, label=f"B={r['batch_size']}")
-        ax.set_yscale("log")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("learning rate")
-        ax.set_title(f"LR schedule: {s}")
-        ax.grid(alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return fig
-
-
-def write_results(rows: list[dict], out_dir: Path, name: str, metric: str, mode: str) -> None:
-    """Write ``<name>.json``, ``.md`` and ``.png`` under ``out_dir`` (each atomically)."""
-    for suffix, text in ((".json", json.dumps(rows, indent=2) + "\n"),
-                         (".md", markdown_table(rows, name, metric, mode))):
-        path = out_dir / f"{name}{suffix}"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-    if rows:
-        plot(rows, out_dir / f"{name}.png", name, metric)

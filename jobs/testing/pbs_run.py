@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hpclb.tools.jobs import pbs_resources
+from hpclb.tools.jobs_testing import pbs_resources
 
 QRERUN = """#!/bin/bash
 # qrerun stub of the PBS emulation: records the request; the emulator reruns the job.

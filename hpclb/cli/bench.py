@@ -1,0 +1,59 @@
+"""``hpclb bench trust-ratio|model|allreduce|scaling|logging``: benchmarks.
+
+The arguments and the drivers are the benchmark modules' own (:mod:`hpclb.bench`); this module
+only registers them.
+"""
+from __future__ import annotations
+
+import argparse
+
+from hpclb.cli.common import error, setup_logging
+from hpclb.errors import EXIT_USAGE
+
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "benchmarks"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
+    from hpclb.bench import allreduce, logging_cost, model, scaling, trust_ratio
+
+    b = subparsers.add_parser("bench", help=HELP)
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    tr = bsub.add_parser("trust-ratio", help="fused per-layer norms + LARS trust ratios vs the "
+                         "torch path and a per-layer loop (ResNet-50, BERT-large shapes)")
+    trust_ratio.add_arguments(tr)
+    tr.set_defaults(func=run)
+    # bench model|allreduce|scaling (gradient sync)
+    m = bsub.add_parser("model", help="alpha-beta ring allreduce model: projected step time "
+                        "and scaling efficiency at 1-1024 nodes x 4 GPUs")
+    model.add_arguments(m)
+    m.set_defaults(func=model.run)
+    a = bsub.add_parser("allreduce", help="allreduce bandwidth, GradientSync, DDP and Horovod "
+                        "step times at 2 and 4 ranks (launches mpirun itself)")
+    allreduce.add_run_arguments(a)
+    a.set_defaults(func=allreduce.driver)
+    s = bsub.add_parser("scaling", help="step time of MNIST-LSTM and ResNet-50 at 1, 2, 4 "
+                        "ranks, weak and strong (launches mpirun itself)")
+    scaling.add_run_arguments(s)
+    s.set_defaults(func=scaling.driver)
+    # bench logging (per-step logging cost, issue #13)
+    lc = bsub.add_parser("logging", help="per-step logging and noise-scale cost: 2-rank "
+                         "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")
+    logging_cost.add_run_arguments(lc)
+    lc.set_defaults(func=logging_cost.driver)
+    return b
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hpclb bench trust-ratio`` (the other benchmarks run their own drivers); 2 for a bad
+    setting."""
+    from hpclb.bench import trust_ratio
+
+    setup_logging(0)
+    try:
+        return trust_ratio.main_args(args)
+    except ValueError as e:
+        error(str(e))
+        return EXIT_USAGE

@@ -1,0 +1,125 @@
+"""What every ``hpclb`` command shares: logging, the error line, the early preemption signals,
+the communicator start-up and the exit status of an exception.
+
+Standard library and :mod:`hpclb.errors` only: ``hpclb.cli`` imports this module before it
+installs the signal handlers, so nothing heavy (torch, numpy, mpi4py) may load here.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from hpclb.errors import EXIT_FAILURE
+
+__all__ = ["PREEMPTIBLE_COMMANDS", "PendingSignal", "command_of", "error", "exit_status",
+           "install_early_signals", "preempted_during_start_up", "setup_logging", "start_comm"]
+
+# Commands whose USR2/TERM means "checkpoint and exit 75" (the job templates requeue on 75).
+PREEMPTIBLE_COMMANDS = ("train", "sweep")
+_SIGNALS = {signal.SIGUSR2, signal.SIGTERM}
+
+
+def setup_logging(rank: int) -> None:
+    """INFO from rank 0, WARNING from the others, on stderr, each line tagged with the rank."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[hpclb{'' if rank == 0 else f' rank {rank}'}] %(message)s",
+                        stream=sys.stderr)
+
+
+def error(msg: str) -> None:
+    """Print ``hpclb: error: msg`` on stderr."""
+    print(f"hpclb: error: {msg}", file=sys.stderr, flush=True)
+
+
+class PendingSignal:
+    """USR2/TERM handler for the whole life of `hpclb train` outside the training loop: the
+    scheduler's signal may come during start-up (imports, data, MPI init) or after the last
+    step; then it must neither kill the rank (a finished run would be reported as failed) nor
+    be lost (the loop's PreemptionFlag takes ``pending`` over and checkpoints at its first step).
+    """
+
+    pending = False
+
+    def __call__(self, _signum, _frame) -> None:
+        self.pending = True
+
+
+_early_signal: PendingSignal | None = None
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command of an ``hpclb`` command line: its first argument that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def install_early_signals(argv: list[str], fresh: bool = True) -> PendingSignal | None:
+    """Catch USR2/TERM from the first instruction of a preemptible command, then unblock them.
+
+    Runs before any heavy import (torch, numpy: seconds of start-up during which the default
+    action would kill the rank with 140/143). The job templates start every rank with USR2 and
+    TERM blocked (``env --block-signal``) so that a signal during interpreter start-up stays
+    pending; it is delivered here, at the unblock, to the handler. Other commands get the
+    default actions, unblocked. ``fresh=False`` keeps the handler main() installed (a flag
+    already set stays set). Returns the handler (None for other commands).
+    """
+    global _early_signal
+    command = command_of(argv)
+    if command in PREEMPTIBLE_COMMANDS:
+        if fresh or _early_signal is None or signal.getsignal(signal.SIGUSR2) is not _early_signal:
+            _early_signal = PendingSignal()
+        for s in _SIGNALS:
+            signal.signal(s, _early_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+    return _early_signal if command in PREEMPTIBLE_COMMANDS else None
+
+
+def preempted_during_start_up(comm, early: PendingSignal) -> bool:
+    """True on every rank when any rank got USR2/TERM before training began (one object
+    allgather, taken by all ranks at the same point of start-up)."""
+    return any(comm.allgather_object(bool(early.pending)))
+
+
+def start_comm(backend: str, device: str = "cpu", share_gpu: bool = False):
+    """The communicator of ``--backend`` on ``device`` (auto|cpu|cuda, bound before MPI/NCCL
+    start) with logging set up for its rank; None (after printing why) when the launcher, the
+    backend or the device do not fit, for the command to exit 2. Rank 0 warns when GPUs are
+    visible but the run uses the CPU."""
+    from hpclb.dist import get_communicator  # heavy (torch): after the signal handlers
+    from hpclb.dist.device import gpus_idle_warning
+
+    try:
+        comm = get_communicator(backend, device=device, share_gpu=share_gpu)
+    except (RuntimeError, ValueError) as e:
+        error(str(e))
+        return None
+    setup_logging(comm.rank)
+    if comm.rank == 0:
+        warning = gpus_idle_warning(comm.device)
+        if warning:
+            logging.getLogger("hpclb").warning(warning)
+    return comm
+
+
+def exit_status(e: Exception, comm) -> int:
+    """Report ``e`` and return the exit status, from the class attributes of
+    :mod:`hpclb.errors` (any other exception: ``exit_code`` 1, not ``agreed``).
+
+    ``agreed`` (every rank raised it together, e.g. a ConfigError: 2, an AgreedFailure: 1):
+    rank 0 prints the message, no rank aborts. Otherwise the failing rank prints
+    ``TypeName on rank r of n: message`` and aborts the whole MPI job (when there are other
+    ranks) so no rank waits forever in a collective; re-raised under ``$HPCLB_TRACEBACK``."""
+    code = getattr(e, "exit_code", EXIT_FAILURE)
+    if getattr(e, "agreed", False):
+        if comm.rank == 0:
+            error(str(e))
+        return code
+    where = f" on rank {comm.rank} of {comm.world_size}" if comm.world_size > 1 else ""
+    error(f"{type(e).__name__}{where}: {e}")
+    if comm.world_size > 1:
+        comm.abort(code)
+    if os.environ.get("HPCLB_TRACEBACK"):
+        raise e
+    return code
+

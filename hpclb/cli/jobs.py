@@ -1,0 +1,143 @@
+"""``hpclb jobs render|examples``: SLURM / PBS job scripts from jobs/templates."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hpclb.cli.common import error
+from hpclb.errors import JobError
+from hpclb.tools.jobs_spec import (
+    ALLREDUCE,
+    DEVICES,
+    FABRICS,
+    GPU_BINDS,
+    JOB_BACKENDS,
+    SCHEDULERS,
+    SLURM_LAUNCHERS,
+    JobSpec,
+)
+
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "render SLURM / PBS job scripts from jobs/templates"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``hpclb jobs render|examples`` on the top-level subparsers."""
+    j = subparsers.add_parser("jobs", help=HELP)
+    jsub = j.add_subparsers(dest="jobs_command", required=True)
+    r = jsub.add_parser("render", help="a batch script for one experiment at N nodes x G GPUs, "
+                        "global batch N*G*b with the LR/warmup of --scaling (LEGW)")
+    _add_allocation(r)
+    _add_run_settings(r)
+    r.set_defaults(func=run)
+    e = jsub.add_parser("examples", help="re-render the committed examples (jobs/slurm, jobs/pbs)")
+    e.add_argument("root", nargs="?", default="jobs")
+    e.set_defaults(func=run)
+    return j
+
+
+def _add_allocation(r: argparse.ArgumentParser) -> None:
+    """What the job asks the scheduler for, and where its files go."""
+    r.add_argument("experiment", help="recipe name or path to a recipe .yaml")
+    r.add_argument("--scheduler", required=True, choices=SCHEDULERS)
+    r.add_argument("--nodes", type=int, required=True)
+    r.add_argument("--gpus-per-node", type=int, required=True,
+                   help="one rank per GPU; 0 for CPU-only nodes (then --tasks-per-node)")
+    r.add_argument("--per-gpu-batch", type=int, help="samples per rank and step (default: the "
+                   "recipe's B0 split over one node's ranks)")
+    r.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU-only nodes")
+    r.add_argument("--cpus-per-task", type=int, help="default 8 with GPUs, 1 without")
+    r.add_argument("--time", default="04:00:00", help="time limit, [D-]HH:MM:SS")
+    r.add_argument("--partition", help="SLURM partition / PBS queue")
+    r.add_argument("--account", help="account to charge")
+    r.add_argument("--job-name")
+    r.add_argument("--out", help="run directory, relative to the submit directory")
+    r.add_argument("--log", help="the scheduler's output file (default <job-name>-%%j.out for "
+                   "SLURM, <job-name>.log for PBS, in the submit directory, which must exist)")
+    r.add_argument("--data-dir", help="data directory on the cluster (exported as HPCLB_DATA)")
+    r.add_argument("--venv", default=".venv", help="virtualenv to activate ('' for none)")
+    r.add_argument("--module", action="append", help="environment module to load (repeatable)")
+    r.add_argument("--fabric", default="ib", choices=FABRICS,
+                   help="ib: UCX/NCCL over InfiniBand; tcp: Ethernet; local: emulated nodes on "
+                   "one host")
+    r.add_argument("--allreduce", default="ring", choices=ALLREDUCE,
+                   help="allreduce algorithm for Open MPI (coll tuned) and NCCL")
+    r.add_argument("--ucx-net-devices", help="default mlx5_0:1 (ib)")
+    r.add_argument("--nccl-ib-hca", help="default mlx5 (ib)")
+    r.add_argument("--socket-ifname", help="bootstrap/TCP interface (default ib0, eth0, lo)")
+
+
+def _add_run_settings(r: argparse.ArgumentParser) -> None:
+    """Preemption, launcher, training and placement settings, and the output file."""
+    from hpclb.schedules import SCHEMES
+
+    r.add_argument("--signal-lead", type=int, default=300, metavar="SECONDS",
+                   help="preemption signal this long before the time limit (SLURM --signal)")
+    r.add_argument("--checkpoint-interval", type=int, default=1800, metavar="SECONDS",
+                   help="periodic checkpoints (0: epoch ends and preemption only)")
+    r.add_argument("--launcher", default="srun", choices=SLURM_LAUNCHERS,
+                   help="SLURM: srun --mpi=pmix, or mpirun over the allocation")
+    r.add_argument("--scaling", default="legw", choices=list(SCHEMES))
+    r.add_argument("--optimizer")
+    r.add_argument("--epochs", type=float)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--shared", action="store_true", help="do not ask for whole nodes")
+    r.add_argument("--backend", choices=JOB_BACKENDS, help="hpclb train --backend (default: "
+                   "torch, i.e. NCCL, with GPUs; mpi on CPU-only nodes)")
+    r.add_argument("--device", choices=DEVICES, help="hpclb train --device (default: "
+                   "cuda with GPUs; none on CPU-only nodes)")
+    r.add_argument("--gpu-bind", default="single:1", choices=GPU_BINDS,
+                   help="SLURM srun --gpu-bind with GPUs: single:1 = one GPU per rank; none = "
+                   "every rank sees the node's GPUs (where cgroups would block NVLink P2P)")
+    r.add_argument("-o", "--output", help="write the script here (default: stdout)")
+
+
+def _spec(args: argparse.Namespace) -> JobSpec:
+    return JobSpec(
+        experiment=args.experiment, scheduler=args.scheduler, nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node, per_gpu_batch=args.per_gpu_batch,
+        tasks_per_node=args.tasks_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
+        partition=args.partition, account=args.account, job_name=args.job_name, out=args.out,
+        log=args.log,
+        data_dir=args.data_dir, venv=args.venv or None, modules=args.module or [],
+        fabric=args.fabric, allreduce=args.allreduce, ucx_net_devices=args.ucx_net_devices,
+        nccl_ib_hca=args.nccl_ib_hca, socket_ifname=args.socket_ifname,
+        signal_lead=args.signal_lead, checkpoint_interval=args.checkpoint_interval,
+        launcher=args.launcher, scaling=args.scaling, optimizer=args.optimizer,
+        epochs=args.epochs, seed=args.seed, exclusive=not args.shared, backend=args.backend,
+        device=args.device, gpu_bind=args.gpu_bind)
+
+
+def _render(args: argparse.Namespace) -> None:
+    """The script on stdout, or written to ``--output`` with a summary line on stderr."""
+    from hpclb.tools.jobs import render
+
+    text, plan = render(_spec(args))
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+        return
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    print(f"{path}: {args.scheduler}, {args.nodes} node(s), global batch {plan.global_batch}, "
+          f"peak LR {plan.peak_lr:.4g}, warmup {plan.warmup_steps} steps "
+          f"({plan.warmup_epochs:.4g} epochs)", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hpclb jobs render|examples``: 0, or 2 for a job that cannot be rendered as asked."""
+    from hpclb.tools.jobs import write_examples
+
+    try:
+        if args.jobs_command == "render":
+            _render(args)
+        else:
+            for path in write_examples(args.root):
+                print(path)
+    except JobError as e:
+        error(str(e))
+        return e.exit_code
+    return 0

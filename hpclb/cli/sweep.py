@@ -1,0 +1,72 @@
+"""``hpclb sweep EXPERIMENT --batch-sizes ...``: a resumable batch-size sweep."""
+from __future__ import annotations
+
+import argparse
+
+from hpclb.cli.common import error, setup_logging
+from hpclb.errors import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    PREEMPTED_EXIT_CODE,
+    ConfigError,
+    DataError,
+    Preempted,
+)
+
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = ("batch-size sweep of one recipe under several scaling schemes (resumable); writes "
+        "results/sweeps/<experiment>.{json,md,png}")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``hpclb sweep`` on the top-level subparsers."""
+    from hpclb.config import OPTIMIZERS
+    from hpclb.schedules import SCHEMES
+
+    w = subparsers.add_parser("sweep", help=HELP)
+    w.add_argument("experiment", help="recipe name or path to a recipe .yaml")
+    w.add_argument("--batch-sizes", required=True, help="comma-separated global batches, e.g. "
+                   "128,1024,8192")
+    w.add_argument("--schemes", default="legw,linear,sqrt,none",
+                   help="comma-separated subset of " + ",".join(SCHEMES))
+    w.add_argument("--epochs", type=float, help="the same budget for every point (default: the "
+                   "recipe's)")
+    w.add_argument("--ranks", type=int, default=1, help="MPI ranks per point (mpirun -n N; 1 runs "
+                   "in this process)")
+    w.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
+    w.add_argument("--out-dir", default="results/sweeps", help="where the tables and plots go")
+    w.add_argument("--runs-dir", default="runs/sweeps", help="run directories of the points")
+    w.add_argument("--verbose", action="store_true", help="print every point's training log")
+    w.set_defaults(func=run)
+    return w
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hpclb sweep``: 0, 2 for bad input, 1 when a point failed, 75 when stopped by a signal."""
+    from hpclb.tools.sweep import run_sweep
+
+    setup_logging(0)
+    try:
+        batches = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
+        return EXIT_USAGE
+    try:
+        run_sweep(args.experiment, batches, [s.strip() for s in args.schemes.split(",") if s.strip()],
+                  epochs=args.epochs, ranks=args.ranks, seed=args.seed, optimizer=args.optimizer,
+                  data_dir=args.data_dir, out_dir=args.out_dir, runs_dir=args.runs_dir,
+                  quiet=not args.verbose, log=lambda m: print(m, flush=True))
+    except ConfigError as e:
+        error(str(e))
+        return EXIT_USAGE
+    except (DataError, RuntimeError) as e:
+        error(f"{type(e).__name__}: {e}")
+        return EXIT_FAILURE
+    except Preempted:
+        error("sweep stopped by a signal; the point in progress is checkpointed: run the same "
+              "command again to resume")
+        return PREEMPTED_EXIT_CODE
+    return 0

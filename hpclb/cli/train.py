@@ -1,0 +1,158 @@
+"""``hpclb train EXPERIMENT``: train one experiment (under mpirun for several ranks)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from hpclb.cli.common import (
+    error,
+    exit_status,
+    install_early_signals,
+    preempted_during_start_up,
+    start_comm,
+)
+from hpclb.errors import (
+    DIVERGED_EXIT_CODE,
+    EXIT_USAGE,
+    PREEMPTED_EXIT_CODE,
+    ConfigError,
+    Diverged,
+    Preempted,
+    RecipeWarning,
+)
+
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "train one experiment (run under mpirun for several ranks)"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``hpclb train`` on the top-level subparsers."""
+    from hpclb.config import OPTIMIZERS, available_experiments
+    from hpclb.dist import BACKENDS
+    from hpclb.schedules import SCHEMES
+
+    t = subparsers.add_parser("train", help=HELP)
+    t.add_argument("experiment", help=f"recipe name ({', '.join(available_experiments())}) or "
+                   "path to a recipe .yaml")
+    t.add_argument("--batch-size", type=int, help="global batch in samples (default: the "
+                   "recipe's B0); split evenly over the ranks")
+    t.add_argument("--scaling", default="legw", choices=list(SCHEMES),
+                   help="how the B0 recipe moves to this batch: legw (sqrt LR, warmup epochs x k), "
+                   "linear (LR x k, fixed warmup), sqrt (fixed warmup), none")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
+    t.add_argument("--lr", type=float, help="override the recipe's peak LR at B0 (for tuning)")
+    t.add_argument("--epochs", type=float, help="default: the recipe's (fractional allowed)")
+    t.add_argument("--accumulation-steps", type=int, metavar="K",
+                   help="gradient accumulation: each rank runs K micro-batches of B / (ranks x K) "
+                   "samples per optimizer step, one allreduce per step; the global batch B (and "
+                   "so LR/warmup scaling) is unchanged (default: the recipe's "
+                   "accumulation_steps, else 1)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
+    t.add_argument("--out", help="run directory (default runs/<experiment>)")
+    t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    t.add_argument("--backend", default="auto", choices=list(BACKENDS),
+                   help="communication backend (auto: mpi when launched by mpirun/srun)")
+    t.add_argument("--expect-world-size", type=int, help="fail unless the job has this many ranks")
+    t.add_argument("--checkpoint-interval", type=float, metavar="SECONDS",
+                   help="also checkpoint mid-epoch every SECONDS of rank 0's wall time (0 or "
+                   "default: at epoch ends and on preemption only)")
+    _add_run_options(t)
+    t.set_defaults(func=run)
+    return t
+
+
+def _add_run_options(t: argparse.ArgumentParser) -> None:
+    """Device, precision, logging and fault-tolerance options of ``hpclb train``."""
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where each rank trains "
+                   "(auto: its local rank's GPU when CUDA is available, else the CPU; default: "
+                   "the recipe's device, else auto)")
+    t.add_argument("--share-gpu", action="store_true", help="allow more ranks than GPUs on a "
+                   "node (ranks share GPUs round-robin; for tests)")
+    t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute precision "
+                   "(autocast; fp16 with a loss scaler; parameters stay fp32; default: the "
+                   "recipe's, else fp32)")
+    t.add_argument("--log-every", type=int, metavar="STEPS", help="a metrics.jsonl step line "
+                   "every STEPS optimizer steps (0: off; default: the recipe's, else 50)")
+    t.add_argument("--noise-scale", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the gradient noise scale B_simple (needs >= 2 ranks; `hpclb "
+                   "advise` reads it)")
+    t.add_argument("--max-nonfinite-steps", type=int, metavar="N", help="stop (exit 3) after N "
+                   "non-finite steps in a row, each skipped (default: the recipe's, else 3)")
+    t.add_argument("--keep-checkpoints", type=int, metavar="K", help="checkpoint generations "
+                   "kept, each verified by SHA-256 (default: the recipe's, else 2)")
+
+
+def _recipe_device(args: argparse.Namespace) -> str:
+    """``--device``, else the recipe's ``device`` field, else auto (a broken recipe is reported
+    by ``resolve`` once the communicator is up)."""
+    if args.device:
+        return args.device
+    try:
+        from hpclb.config import load_recipe
+
+        return load_recipe(args.experiment).get("device", "auto")
+    except Exception:  # noqa: BLE001 (reported with its rank-0 message later)
+        return "auto"
+
+
+def _resolve(args: argparse.Namespace, comm):
+    """The run's RunConfig from the flags, after the checks that need the world size;
+    ConfigError (on every rank alike) for a bad setting."""
+    from hpclb.config import check_checkpoint_interval, check_expect_world_size, resolve
+
+    check_checkpoint_interval(args.checkpoint_interval)
+    check_expect_world_size(args.expect_world_size)
+    if args.expect_world_size is not None and args.expect_world_size != comm.world_size:
+        raise ConfigError(
+            f"--expect-world-size {args.expect_world_size}, but this job has world size "
+            f"{comm.world_size} ({comm.backend} backend); launch it with `mpirun -n "
+            f"{args.expect_world_size}` from the MPI that mpi4py uses (.venv/bin/mpirun)")
+    if comm.rank > 0:  # recipe warnings once, from rank 0
+        warnings.simplefilter("ignore", RecipeWarning)
+    return resolve(args.experiment, batch_size=args.batch_size, scaling=args.scaling,
+                   optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
+                   data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr,
+                   accumulation_steps=args.accumulation_steps, device=args.device,
+                   precision=args.precision, log_every=args.log_every,
+                   noise_scale=args.noise_scale, max_nonfinite_steps=args.max_nonfinite_steps,
+                   keep_checkpoints=args.keep_checkpoints)
+
+
+def _train(args: argparse.Namespace, comm, cfg, early) -> int:
+    """Train ``cfg``; 75 when preempted (before training began, or after the checkpoint), 3
+    when the run diverged."""
+    from hpclb.train.loop import train
+
+    if preempted_during_start_up(comm, early):
+        # no model yet, so no checkpoint to write: exit 75 and let the job requeue (it
+        # resumes from an earlier checkpoint under --out, or starts afresh)
+        print(f"hpclb: rank {comm.rank} of {comm.world_size}: preempted during start-up, "
+              f"before training began; no new checkpoint; exit {PREEMPTED_EXIT_CODE}",
+              file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    try:
+        train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval)
+    except Preempted as p:
+        print(f"hpclb: rank {comm.rank} of {comm.world_size}: preempted after step {p.args[0]}"
+              f", checkpoint saved; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    except Diverged as d:  # raised on every rank together: no abort needed
+        if comm.rank == 0:
+            error(f"diverged: {d}; exit {DIVERGED_EXIT_CODE}")
+        return DIVERGED_EXIT_CODE
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hpclb train``: the exit status (0, 2 bad input, 3 diverged, 75 preempted, 1 failed)."""
+    early = install_early_signals(["train"], fresh=False)  # main() did it; for direct calls
+    comm = start_comm(args.backend, _recipe_device(args), args.share_gpu)
+    if comm is None:
+        return EXIT_USAGE
+    try:
+        return _train(args, comm, _resolve(args, comm), early)
+    except Exception as e:  # ConfigError, DataError, CheckpointError, anything else
+        return exit_status(e, comm)

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpclb.data import data_dir
 from hpclb.data.idx import read_idx
+from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
 
 # Debian dataset-fashion-mnist 0.0~git20200523.55506a9-1, /usr/share/datasets/fashion-mnist

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from hpclb.data import data_dir
 from hpclb.data.idx import read_idx
+from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
 
 FILES = {

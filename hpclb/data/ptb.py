@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hpclb.data import data_dir
+from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
 
 FILES = {

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpclb.data import data_dir
+from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
 
 MODULES = {"en": "engKJV2006eb", "es": "spaRV1909eb"}

@@ -29,7 +29,7 @@ __all__ = ["DEVICES", "LR_WARN_ABOVE", "PRECISIONS", "RECIPE_KEYS", "RUN_SETTING
 RECIPE_KEYS = (
     "name",                # the run's name (runs/<name>, results/sweeps/<name>.*)
     "task",                # classification (default), language_model, seq2seq
-    "data",                # {name: <data set>, ...}: reader options (hpclb/tasks.py)
+    "data",                # {name: <data set>, ...}: reader options (hpclb/data/registry.py)
     "model",               # {name: <model>, ...}: constructor arguments (hpclb/models)
     "base_batch_size",     # B0, the batch the recipe was tuned at
     "epochs",              # training budget (fractional allowed)

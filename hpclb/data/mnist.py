@@ -10,6 +10,8 @@ from hpclb.data.idx import read_idx
 from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
 
+__all__ = ["FILES", "Split", "load_mnist"]
+
 FILES = {
     "train-images": ("train-images-idx3-ubyte", "6bbc9ace898e44ae57da46a324031adb"),
     "train-labels": ("train-labels-idx1-ubyte", "a25bea736e30d166cdddb491f175f624"),

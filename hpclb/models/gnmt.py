@@ -9,7 +9,7 @@ layer (concatenated to its input); residual connections from the third layer on;
 projection of ``[top layer output; context]`` to the target vocabulary.
 
 Decoding: :meth:`GNMT.greedy` and :meth:`GNMT.beam_search` (GNMT's length penalty); the seq2seq
-task (``hpclb/tasks.py``) picks one by the recipe's ``data.beam_size``.
+task (``hpclb/tasks/seq2seq.py``) picks one by the recipe's ``data.beam_size``.
 """
 from __future__ import annotations
 
@@ -17,6 +17,20 @@ import math
 
 import torch
 from torch import nn
+
+__all__ = ["GNMT", "NormalizedBahdanauAttention"]
+
+
+def _check_beam_args(beam_size, max_len, length_penalty) -> None:
+    """:meth:`GNMT.beam_search`'s arguments; ValueError naming the first bad one."""
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an integer >= 1 (1 = greedy), got {beam_size!r}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
+            not math.isfinite(length_penalty) or length_penalty < 0:
+        raise ValueError(f"length_penalty must be a finite number >= 0 (GNMT's alpha), got "
+                         f"{length_penalty!r}")
 
 
 class NormalizedBahdanauAttention(nn.Module):
@@ -153,14 +167,7 @@ class GNMT(nn.Module):
         Raises ValueError when ``beam_size`` or ``max_len`` is not an integer >= 1, or
         ``length_penalty`` is not a finite number >= 0.
         """
-        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-            raise ValueError(f"beam_size must be an integer >= 1 (1 = greedy), got {beam_size!r}")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be an integer >= 1, got {max_len!r}")
-        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) or \
-                not math.isfinite(length_penalty) or length_penalty < 0:
-            raise ValueError(f"length_penalty must be a finite number >= 0 (GNMT's alpha), got "
-                             f"{length_penalty!r}")
+        _check_beam_args(beam_size, max_len, length_penalty)
         b, k, dev = src.shape[0], beam_size, src.device
         memory = self.encode(src, src_mask).repeat_interleave(k, 0)  # [b * k, s, h]
         mask = src_mask.repeat_interleave(k, 0)

@@ -157,3 +157,24 @@ def test_registry_refuses_silent_replacement(registered):
         register_dataset(DataSet("tiny-digits", _tiny_digits, ("classification",)))
     with pytest.raises(ValueError, match="already registered"):
         OPTIMIZERS.register("sgd", _nesterov)
+
+
+def test_config_names_follow_the_registries(registered):
+    import hpclb.config as config
+
+    assert "tiny-digits" in config.DATASETS and "nesterov" in config.OPTIMIZERS
+    assert config.TASKS["classification"][-1] == "tiny-digits"
+    assert config.TASKS["language_model"] == ("ptb",)
+
+
+@pytest.mark.parametrize("name", ["mnist-lstm", "ptb-large", "gnmt", "resnet-50"])
+def test_recipe_spec_round_trip(name):
+    import dataclasses
+
+    raw = load_recipe(name)
+    spec = parse_recipe(name)
+    assert spec.to_dict() == raw and list(spec.to_dict()) == list(raw)
+    assert spec.name == raw["name"] and spec.data.name == raw["data"]["name"]
+    assert spec.optimizer_spec().params == raw["optimizers"][raw["optimizer"]]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "other"

@@ -247,10 +247,10 @@ def check_plugin_data(data: dict, kind: str, where: str) -> None:
     """A plug-in ``data.name``: a classification task, a function taking ``data_dir`` first
     and the data section's other keys as keyword arguments. Imports it (ConfigError why not)."""
     from hpclb.plugins import check_kwargs, load_object, signature_of
-    from hpclb.tasks.plugin import PLUGIN_DATA_RESERVED
+    from hpclb.tasks.plugin import PLUGIN_DATA_RESERVED, plugin_dataset
 
     name = data["name"]
-    require(kind == "classification", f"{where}: data.name",
+    require(kind in plugin_dataset(name).tasks, f"{where}: data.name",
             f"a plug-in data set ({name!r}) feeds a classification task; remove `task: {kind}`")
     try:
         fn = load_object(name, "data.name")

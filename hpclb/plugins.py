@@ -28,6 +28,9 @@ from typing import Any, Callable, Iterable
 
 from hpclb.errors import ConfigError
 
+__all__ = ["Registry", "add_search_path", "check_kwargs", "is_plugin", "load_object",
+           "resolve_ref", "signature_of"]
+
 
 def is_plugin(name: Any) -> bool:
     """Whether a recipe's ``model.name``/``data.name`` is a ``package.module:attribute``."""
@@ -132,3 +135,45 @@ def check_kwargs(fn: Callable, given: Iterable[str], *, what: str, section: str,
     if missing:
         raise ConfigError(f"{section}.{missing[0]}: required by {what} (no default); add "
                           f"`{missing[0]}: <value>` to the recipe's {section} section")
+
+
+def resolve_ref(ref: Any) -> Any:
+    """``ref`` itself, or the object a ``"package.module:attribute"`` string names (imported on
+    use, so that a registry can list names without importing torch). Registries hold either."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class Registry(dict):
+    """Name -> entry of one extension point (data sets, models, optimizers, task kinds).
+
+    A plain dict (``in``, ``sorted()``, iteration in registration order), plus
+    :meth:`register`, which refuses to replace an entry silently, and :meth:`load`, which
+    resolves a ``"package.module:attribute"`` entry (:func:`resolve_ref`)."""
+
+    def __init__(self, what: str, entries: dict | None = None):
+        super().__init__(entries or {})
+        self.what = what
+
+    def register(self, name: str, entry: Any = None, *, replace: bool = False):
+        """Add ``entry`` under ``name`` (ValueError if taken, unless ``replace``). Without
+        ``entry``, a decorator: ``@REGISTRY.register("name")`` registers the decorated object."""
+        if entry is None:
+            return lambda obj: self.register(name, obj, replace=replace)
+        if name in self and not replace:
+            raise ValueError(f"{self.what} {name!r} is already registered; pass replace=True")
+        self[name] = entry
+        return entry
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (no error when absent), e.g. at the end of a test."""
+        self.pop(name, None)
+
+    def load(self, name: str) -> Any:
+        """The entry of ``name`` with a ``module:attr`` string resolved; KeyError if unknown."""
+        return resolve_ref(self[name])

@@ -29,8 +29,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from hpclb.data import data_dir, images, mnist, ptb, translation
+from hpclb.data import images, mnist, ptb, translation
+from hpclb.data.paths import data_dir
+from hpclb.data.registry import DATASETS, fetchable
 from hpclb.errors import DataError
+
+__all__ = ["FETCHERS", "fetch", "fetch_bible_en_es", "fetch_fashion_mnist", "fetch_mnist",
+           "fetch_ptb", "md5sum"]
 
 log = logging.getLogger(__name__)
 
@@ -230,12 +235,12 @@ def fetch_bible_en_es(root: str | Path | None = None) -> Path:
     return dest
 
 
-FETCHERS = {"mnist": fetch_mnist, "ptb": fetch_ptb, "fashion-mnist": fetch_fashion_mnist,
-            "bible-en-es": fetch_bible_en_es}
+# name -> fetcher, of the data sets hpclb.data.registry declares fetchable
+FETCHERS = {name: DATASETS[name].fetcher for name in fetchable()}
 
 
 def fetch(name: str, root: str | Path | None = None) -> Path:
     """Stage data set ``name`` (one of :data:`FETCHERS`). Raises DataError for an unknown name."""
-    if name not in FETCHERS:
-        raise DataError(f"unknown data set {name!r}; choose one of {sorted(FETCHERS)}")
-    return FETCHERS[name](root)
+    if name not in fetchable():
+        raise DataError(f"unknown data set {name!r}; choose one of {sorted(fetchable())}")
+    return DATASETS[name].fetch(root)

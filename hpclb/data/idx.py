@@ -12,6 +12,8 @@ import numpy as np
 
 from hpclb.errors import DataError
 
+__all__ = ["read_idx"]
+
 _DTYPES = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"),
            0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 

@@ -20,9 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpclb.data import data_dir
 from hpclb.data.idx import read_idx
+from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
+
+__all__ = ["CROP_RATIO", "CROP_SCALE", "CROP_TRIES", "FASHION_FILES", "IMAGENET_MEAN",
+           "IMAGENET_STD", "IMAGE_SUFFIXES", "INDEX_NAME", "INDEX_VERSION", "INDEX_WAIT_S",
+           "GreySplit", "ImageFolder", "SyntheticImages", "folder_index", "load_fashion_mnist",
+           "load_imagenet", "random_resized_crop_box", "sample_seed", "train_crop"]
 
 # Debian dataset-fashion-mnist 0.0~git20200523.55506a9-1, /usr/share/datasets/fashion-mnist
 # (Xiao et al. 2017): 60,000 train / 10,000 test 28x28 grey images, 10 classes.

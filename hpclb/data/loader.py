@@ -26,6 +26,9 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+__all__ = ["MAX_DEFAULT_WORKERS", "EpochKeyed", "StepBatchSampler", "StepLoader",
+           "default_num_workers", "ranks_on_this_node"]
+
 MAX_DEFAULT_WORKERS = 4
 _LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE",
                     "PMI_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import torch
 
-from hpclb.data import data_dir
 from hpclb.data.idx import read_idx
+from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
+
+__all__ = ["FILES", "Split", "load_mnist"]
 
 FILES = {
     "train-images": ("train-images-idx3-ubyte", "6bbc9ace898e44ae57da46a324031adb"),

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import torch
 
-from hpclb.data import data_dir
+from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
+
+__all__ = ["EOS", "FILES", "VOCAB_SIZE", "Corpus", "build_vocab", "encode", "load_ptb",
+           "rank_streams", "stream_layout"]
 
 FILES = {
     "train": ("ptb.train.txt", "f26c4b92c5fdc7b3f8c7cdcb991d8420"),

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["GlobalBatchSampler"]
+
 
 def _check_int(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

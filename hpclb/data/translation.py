@@ -13,8 +13,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpclb.data import data_dir
+from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
+
+__all__ = ["BOS", "EOS", "MODULES", "NUM_PAIRS", "PACKAGES", "PAD", "TEST_BOOKS", "UNK",
+           "VALID_BOOKS", "Pair", "bleu", "clean", "load_bible_pairs", "read_sword_pairs",
+           "train_sentencepiece", "write_pairs"]
 
 MODULES = {"en": "engKJV2006eb", "es": "spaRV1909eb"}
 PACKAGES = ("sword-text-kjv", "sword-text-sparv")

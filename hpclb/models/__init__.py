@@ -2,18 +2,37 @@
 
 ``model.name`` is a key of :data:`MODELS` or a plug-in ``package.module:attribute`` naming an
 ``nn.Module`` class or a factory returning one (:mod:`hpclb.plugins`, docs/plugins.md).
+
+:data:`MODELS` holds ``"module:attribute"`` references, so listing the names does not import
+torch; the model classes below are imported on first use (PEP 562). To add a model,
+``MODELS.register("name", "package.module:Class")`` (or the class itself).
 """
 from __future__ import annotations
 
-from torch import nn
+import importlib
 
-from hpclb.models.gnmt import GNMT
-from hpclb.models.lstm_lm import LSTMLanguageModel
-from hpclb.models.mnist_lstm import MnistLSTM
-from hpclb.models.resnet import ResNet50, SmallResNet
+from hpclb.plugins import Registry
 
-MODELS = {"mnist_lstm": MnistLSTM, "lstm_lm": LSTMLanguageModel, "resnet50": ResNet50,
-          "resnet_small": SmallResNet, "gnmt": GNMT}
+__all__ = ["GNMT", "MODELS", "LSTMLanguageModel", "MnistLSTM", "ResNet50", "SmallResNet",
+           "build_model", "model_factory"]
+
+MODELS: Registry = Registry("model", {
+    "mnist_lstm": "hpclb.models.mnist_lstm:MnistLSTM",
+    "lstm_lm": "hpclb.models.lstm_lm:LSTMLanguageModel",
+    "resnet50": "hpclb.models.resnet:ResNet50",
+    "resnet_small": "hpclb.models.resnet:SmallResNet",
+    "gnmt": "hpclb.models.gnmt:GNMT",
+})
+_CLASSES = {"MnistLSTM": "mnist_lstm", "LSTMLanguageModel": "lstm_lm", "ResNet50": "resnet",
+            "SmallResNet": "resnet", "GNMT": "gnmt"}
+
+
+def __getattr__(name: str):
+    if name in _CLASSES:
+        value = getattr(importlib.import_module(f"hpclb.models.{_CLASSES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hpclb.models' has no attribute {name!r}")
 
 
 def model_factory(name: str):
@@ -27,14 +46,16 @@ def model_factory(name: str):
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or name your "
                          f"own as package.module:attribute")
-    return MODELS[name]
+    return MODELS.load(name)
 
 
-def build_model(name: str, **kwargs) -> nn.Module:
-    """Instantiate model ``name`` (see :func:`model_factory`) with ``kwargs``.
+def build_model(name: str, **kwargs):
+    """Instantiate model ``name`` (see :func:`model_factory`) with ``kwargs``: an ``nn.Module``.
 
     Raises ValueError for an unknown name, ConfigError when a plug-in does not import or its
     factory returns something other than an ``nn.Module``."""
+    from torch import nn
+
     model = model_factory(name)(**kwargs)
     if not isinstance(model, nn.Module):
         from hpclb.errors import ConfigError

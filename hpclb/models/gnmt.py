@@ -9,7 +9,7 @@ layer (concatenated to its input); residual connections from the third layer on;
 projection of ``[top layer output; context]`` to the target vocabulary.
 
 Decoding: :meth:`GNMT.greedy` and :meth:`GNMT.beam_search` (GNMT's length penalty); the seq2seq
-task (``hpclb/tasks.py``) picks one by the recipe's ``data.beam_size``.
+task (``hpclb/tasks/seq2seq.py``) picks one by the recipe's ``data.beam_size``.
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+__all__ = ["LSTMLanguageModel"]
+
 
 class LSTMLanguageModel(nn.Module):
     """``forward(x, hidden) -> (logits, hidden)``.

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+__all__ = ["MnistLSTM"]
+
 
 class MnistLSTM(nn.Module):
     """One LSTM layer (``hidden_size`` units, default 128) and a linear head to 10 classes.

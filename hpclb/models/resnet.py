@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+__all__ = ["BasicBlock", "Bottleneck", "ResNet50", "SmallResNet"]
+
 
 def _bn(c: int, zero: bool = False) -> nn.BatchNorm2d:
     bn = nn.BatchNorm2d(c)

@@ -312,12 +312,13 @@ def _summary(run: Run) -> dict:
     from hpclb.dist.device import device_info
 
     cfg, history, sched = run.cfg, run.pos.history, run.schedule
-    target = cfg.recipe.get("target") or {}
-    metric = target.get("metric")
-    mode = target.get("mode") or _better(metric or "")
+    target = cfg.spec.target
+    metric = target.metric if target else None
+    mode = (target.mode if target else None) or _better(metric or "")
+    value = target.value if target and target.value is not None else \
+        (math.inf if mode == "max" else -math.inf)
     reached = [r for r in history if r.get(metric) is not None and
-               (r[metric] >= target.get("value", math.inf) if mode == "max"
-                else r[metric] <= target.get("value", -math.inf))]
+               (r[metric] >= value if mode == "max" else r[metric] <= value)]
     rates = [r["samples_per_s"] for r in history if r.get("samples_per_s")]
     evaluated = [m for m in history[-1] if m.startswith(("valid_", "test_"))]
     task = run.task
@@ -340,7 +341,7 @@ def _summary(run: Run) -> dict:
         "warmup_steps": sched.warmup_steps, "warmup_epochs": sched.warmup_epochs,
         "decay": cfg.recipe["decay"], "seed": cfg.seed, "wall_time_s": run.elapsed_s(),
         "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
-        "target": target or None,
+        "target": cfg.recipe.get("target") or None,
         "time_to_target_s": reached[0]["elapsed_s"] if reached else None,
         "torch": torch.__version__, "host": socket.gethostname(),
     }

@@ -28,7 +28,7 @@ from hpclb.config import RunConfig
 from hpclb.dist import Communicator
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
 from hpclb.models import build_model
-from hpclb.optim import LAMB, LARS
+from hpclb.optim import OPTIMIZERS
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
 from hpclb.sync.agree import (
@@ -138,36 +138,28 @@ class Run:
 
 
 def build_optimizer(name: str, model: nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:
-    """The optimizer ``name`` over ``model``'s named parameters with the recipe's ``params``.
+    """The optimizer ``name`` (:data:`hpclb.optim.OPTIMIZERS`) over ``model``'s named parameters
+    with the recipe's ``params``.
 
-    Raises ConfigError for a hyper-parameter the optimizer does not take or rejects.
+    Raises ConfigError for an unknown optimizer, or a hyper-parameter it does not take or
+    rejects.
     """
-    named = list(model.named_parameters())
-    hp = dict(params)
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {name!r}")
+    builder = OPTIMIZERS.load(name)
     try:
-        if name == "sgd":
-            return torch.optim.SGD(named, **hp)
-        if name == "momentum":
-            hp.setdefault("momentum", 0.9)
-            return torch.optim.SGD(named, **hp)
-        if name == "adam":
-            return torch.optim.Adam(named, **hp)
-        if name == "lars":
-            return LARS(named, **hp)
-        if name == "lamb":
-            return LAMB(named, **hp)
+        return builder(list(model.named_parameters()), **dict(params))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optimizers.{name}: {e}") from e
-    raise ConfigError(f"unknown optimizer {name!r}")
 
 
 def _local_checks(cfg: RunConfig, comm: Communicator):
     """Everything a rank checks before any work: batch split, data, schedule."""
     per_rank = cfg.per_rank_batch_size(comm.world_size)
     micro = cfg.micro_batch_size(comm.world_size)  # B % (W * K): fails before any work
-    data = cfg.recipe["data"]
-    task = build_task(cfg.recipe, cfg.data_dir, train_samples=data.get("train_samples"),
-                      test_samples=data.get("test_samples"))
+    data = cfg.spec.data
+    task = build_task(cfg.spec, cfg.data_dir, train_samples=data.train_samples,
+                      test_samples=data.test_samples)
     return per_rank, micro, task, cfg.schedule(task.num_train_samples)
 
 
@@ -254,8 +246,7 @@ def _load_decided(cfg: RunConfig, comm: Communicator, path: str | None, held):
 
 def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (then broadcast)
-    model = build_model(cfg.recipe["model"]["name"], **task.model_kwargs,
-                        **{k: v for k, v in cfg.recipe["model"].items() if k != "name"})
+    model = build_model(cfg.spec.model.name, **task.model_kwargs, **cfg.spec.model.kwargs)
     model = model.to(device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -295,7 +286,7 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_pa
     inner = build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
     optimizer = DistributedOptimizer(inner, model, comm=comm,
                                      accumulation_steps=cfg.accumulation_steps,
-                                     grad_clip_norm=cfg.recipe.get("grad_clip_norm"),
+                                     grad_clip_norm=cfg.spec.grad_clip_norm,
                                      max_nonfinite_steps=cfg.max_nonfinite_steps, scaler=scaler,
                                      track_local_norm=cfg.noise_scale and comm.world_size > 1)
     scheduler = ScheduleLR(inner, sched)

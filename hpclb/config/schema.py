@@ -1,0 +1,406 @@
+"""Field checks of a recipe: types, ranges with units, and names checked against the registries
+(:data:`hpclb.data.registry.DATASETS`, :data:`hpclb.models.MODELS`,
+:data:`hpclb.optim.OPTIMIZERS`, :data:`hpclb.tasks.registry.TASKS`).
+
+Every problem is a :class:`ConfigError` whose message names the field and the fix; a valid value
+outside its sensible range is a :class:`RecipeWarning`.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import warnings
+from typing import Any
+
+from hpclb.data.registry import DATASETS
+from hpclb.errors import ConfigError, RecipeWarning
+from hpclb.models import MODELS
+from hpclb.optim import OPTIMIZERS
+from hpclb.tasks.registry import TASKS, datasets_of
+
+__all__ = ["DEVICES", "LR_WARN_ABOVE", "PRECISIONS", "RECIPE_KEYS", "RUN_SETTINGS",
+           "check_builtin_data", "check_lr", "check_model", "check_plugin_data",
+           "check_run_setting", "check_sample_counts", "check_settings", "check_types",
+           "did_you_mean", "number", "positive_int", "positive_number", "require",
+           "warn"]
+
+# Every top-level recipe field the code reads; any other key is a typo and is rejected.
+RECIPE_KEYS = (
+    "name",                # the run's name (runs/<name>, results/sweeps/<name>.*)
+    "task",                # classification (default), language_model, seq2seq
+    "data",                # {name: <data set>, ...}: reader options (hpclb/data/registry.py)
+    "model",               # {name: <model>, ...}: constructor arguments (hpclb/models)
+    "base_batch_size",     # B0, the batch the recipe was tuned at
+    "epochs",              # training budget (fractional allowed)
+    "warmup_epochs",       # W0 at B0
+    "decay",               # {name: <decay>, ...} (hpclb/schedules.py)
+    "optimizer",           # the default optimizer, a key of optimizers
+    "optimizers",          # {<optimizer>: {lr: ..., <hyper-parameter>: ...}, ...}
+    "grad_clip_norm",      # null or > 0
+    "accumulation_steps",  # micro-batches per optimizer step (default 1)
+    "target",              # {metric, value, mode}: time-to-target (train) and sweep metric
+    "tuning",              # free text: how the B0 hyper-parameters were tuned
+    "per_gpu_batch",       # hpclb jobs render's default per-rank batch
+    "plugin_path",         # extra directories (relative to the recipe) to import plug-ins from
+    "device",              # auto (default), cpu, cuda
+    "precision",           # fp32 (default), bf16, fp16
+    "log_every",           # steps between progress lines (default 50; 0: off)
+    "noise_scale",         # measure the gradient noise scale (default false)
+    "max_nonfinite_steps",  # consecutive skipped non-finite steps before the run stops (3)
+    "keep_checkpoints",    # checkpoint generations kept (default 2)
+)
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LR_WARN_ABOVE = 1e3  # a B0 peak LR above this is almost surely a typo (diverges at once)
+
+
+def _int_at_least(low: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+# Run settings a recipe may set and the command line may override: recipe field -> (default,
+# command-line flag, test, what a valid value is, with its unit).
+RUN_SETTINGS = {
+    "device": ("auto", "--device", lambda v: v in DEVICES,
+               f"one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible, else cpu)"),
+    "precision": ("fp32", "--precision", lambda v: v in PRECISIONS,
+                  f"one of {', '.join(PRECISIONS)} (the compute dtype of the forward and "
+                  f"backward passes; bf16/fp16 need a GPU that has them)"),
+    "log_every": (50, "--log-every", _int_at_least(0),
+                  "an integer >= 0 (optimizer steps between progress lines; 0: off)"),
+    "noise_scale": (False, "--noise-scale", lambda v: isinstance(v, bool),
+                    "true or false (measure the gradient noise scale B_simple)"),
+    "max_nonfinite_steps": (3, "--max-nonfinite-steps", _int_at_least(1),
+                            "an integer >= 1 (consecutive optimizer steps with a non-finite "
+                            "loss or gradient, each skipped, before the run stops)"),
+    "keep_checkpoints": (2, "--keep-checkpoints", _int_at_least(1),
+                         "an integer >= 1 (checkpoint generations kept in the run directory; "
+                         "the newest is used on --resume, older ones if it is damaged)"),
+}
+# Above these a value is accepted with a RecipeWarning: (limit, why it is odd).
+_RUN_SETTING_WARN = {
+    "max_nonfinite_steps": (100, "a run with that many non-finite steps in a row has diverged"),
+    "keep_checkpoints": (100, "each generation is a full model + optimizer copy on disk"),
+}
+
+
+def did_you_mean(word: Any, choices) -> str:
+    match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def require(cond: bool, field: str, problem: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: {problem}")
+
+
+def number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def positive_number(value: Any) -> bool:
+    return number(value) and value > 0
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_types(recipe: dict, where: str) -> None:
+    """Unknown top-level keys, and fields of the wrong type, before anything reads them."""
+    _check_keys(recipe, where)
+    _check_sections(recipe, where)
+    _check_budget(recipe, where)
+    _check_optimizer_sections(recipe, where)
+    _check_target(recipe.get("target"), where)
+    tuning = recipe.get("tuning")
+    require(tuning is None or isinstance(tuning, str), f"{where}: tuning",
+            f"must be text (how the B0 hyper-parameters were tuned), got {tuning!r}")
+    per_gpu = recipe.get("per_gpu_batch")
+    require(per_gpu is None or positive_int(per_gpu), f"{where}: per_gpu_batch",
+            f"must be a positive integer (hpclb jobs render's default per-rank batch) or "
+            f"absent, got {per_gpu!r}")
+
+
+def _check_keys(recipe: dict, where: str) -> None:
+    """Every key a recipe field, the required ones present, and a usable ``name``."""
+    for key in recipe:
+        require(key in RECIPE_KEYS, f"{where}: {key}",
+                f"not a recipe field{did_you_mean(key, RECIPE_KEYS)}; the fields are "
+                f"{', '.join(RECIPE_KEYS)} (see hpclb/experiments/mnist_lstm.yaml)")
+    for key in ("name", "data", "model", "base_batch_size", "epochs", "warmup_epochs", "decay",
+                "optimizer", "optimizers"):
+        require(key in recipe, f"{where}: {key}", "missing; see hpclb/experiments/mnist_lstm.yaml")
+    name = recipe["name"]
+    require(isinstance(name, str) and name.strip() != "" and "/" not in name, f"{where}: name",
+            f"must be a non-empty string without '/' (the run's name: runs/<name>), got {name!r}")
+
+
+def _check_sections(recipe: dict, where: str) -> None:
+    """``data``, ``model`` and ``decay`` are mappings with a string ``name``; ``task`` a kind."""
+    for key, example in (("data", "data: {name: mnist}"),
+                         ("model", "model: {name: mnist_lstm, hidden_size: 128}"),
+                         ("decay", "decay: {name: poly, power: 2.0}")):
+        value = recipe[key]
+        require(isinstance(value, dict) and "name" in value, f"{where}: {key}",
+                f"must be a mapping with a name, e.g. `{example}`, got {value!r}")
+        require(isinstance(value["name"], str), f"{where}: {key}.name",
+                f"must be a string, e.g. `{example}`, got {value['name']!r}")
+    kind = recipe.get("task", "classification")
+    require(isinstance(kind, str) and kind in TASKS, f"{where}: task",
+            f"{kind!r} is not one of {tuple(TASKS)}")
+
+
+def _check_budget(recipe: dict, where: str) -> None:
+    """``base_batch_size``, ``epochs`` and ``warmup_epochs``."""
+    b0 = recipe["base_batch_size"]
+    require(positive_int(b0), f"{where}: base_batch_size",
+            f"must be a positive integer (the global batch the recipe was tuned at), got {b0!r}")
+    epochs = recipe["epochs"]
+    require(positive_number(epochs), f"{where}: epochs",
+            f"must be a finite number > 0 (fractional allowed), got {epochs!r}")
+    w0 = recipe["warmup_epochs"]
+    require(number(w0) and w0 >= 0, f"{where}: warmup_epochs",
+            f"must be a finite number >= 0 (warmup at base_batch_size, in epochs), got {w0!r}")
+
+
+def _check_optimizer_sections(recipe: dict, where: str) -> None:
+    """``optimizers`` maps registered optimizers to mappings; ``optimizer`` is one of them."""
+    opts = recipe["optimizers"]
+    require(isinstance(opts, dict) and opts, f"{where}: optimizers",
+            f"must be a mapping of optimizer to hyper-parameters, e.g. `optimizers: {{adam: "
+            f"{{lr: 0.002}}}}`, got {opts!r}")
+    known = tuple(OPTIMIZERS)
+    for opt, hp in opts.items():
+        require(opt in OPTIMIZERS, f"{where}: optimizers.{opt}",
+                f"not one of {known}{did_you_mean(opt, known)}")
+        require(isinstance(hp, dict), f"{where}: optimizers.{opt}",
+                f"must be a mapping of hyper-parameters with at least lr, e.g. `optimizers: "
+                f"{{{opt}: {{lr: {hp if positive_number(hp) else 0.002}}}}}`, got {hp!r}")
+    default = recipe["optimizer"]
+    require(isinstance(default, str) and default in opts, f"{where}: optimizer",
+            f"the default optimizer must be one of the recipe's optimizers "
+            f"{sorted(map(str, opts))}, got {default!r}")
+
+
+def _check_target(target: Any, where: str) -> None:
+    if target is None:
+        return
+    require(isinstance(target, dict), f"{where}: target",
+            f"must be a mapping, e.g. `target: {{metric: test_accuracy, value: 0.98}}`, "
+            f"got {target!r}")
+    for key in target:
+        require(key in ("metric", "value", "mode"), f"{where}: target.{key}",
+                f"not a target field{did_you_mean(key, ('metric', 'value', 'mode'))}; "
+                f"it takes metric, value and mode")
+    require(isinstance(target.get("metric", ""), str), f"{where}: target.metric",
+            f"must be a metric name such as test_accuracy, got {target.get('metric')!r}")
+    require("value" not in target or number(target["value"]), f"{where}: target.value",
+            f"must be a finite number, got {target.get('value')!r}")
+    require(target.get("mode") in (None, "max", "min"), f"{where}: target.mode",
+            f"must be max or min, got {target.get('mode')!r}")
+
+
+def check_model(model: dict, kind: str, where: str) -> None:
+    """A registered ``model.name`` (or a plug-in). The model's keys other than ``name`` must be arguments of its constructor (a built-in
+    model or a plug-in class/factory) that the task does not set itself, and every argument
+    without a default must be given. Imports a plug-in (ConfigError saying why it fails)."""
+    from torch import nn
+
+    from hpclb.models import model_factory
+    from hpclb.plugins import check_kwargs, is_plugin
+
+    name = model["name"]
+    if not is_plugin(name):
+        require(name in MODELS, f"{where}: model.name",
+                f"{name!r} is not one of {sorted(MODELS)}{did_you_mean(name, MODELS)} and not a "
+                f"plug-in package.module:attribute")
+    factory = model_factory(name)
+    if is_plugin(name) and inspect.isclass(factory) and not issubclass(factory, nn.Module):
+        raise ConfigError(f"{where}: model.name: {name!r} is the class {factory.__name__}, not "
+                          f"a torch.nn.Module subclass (or a function returning a model)")
+    from_data = TASKS[kind].model_args  # set by the task (Task.model_kwargs)
+    for key in model:
+        require(key not in from_data, f"{where}: model.{key}",
+                f"set from the data by the {kind} task; remove it")
+    try:
+        check_kwargs(factory, [k for k in model if k != "name"], what=f"model {name}",
+                     section="model", provided=from_data)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def check_sample_counts(data: dict, where: str) -> None:
+    """``data.train_samples`` / ``data.test_samples``: absent or positive integers."""
+    for key in ("train_samples", "test_samples"):
+        n = data.get(key)
+        require(n is None or positive_int(n), f"{where}: data.{key}",
+                f"must be a positive integer (the first N samples: a smoke-run subset) or "
+                f"absent, got {n!r}")
+
+
+def check_plugin_data(data: dict, kind: str, where: str) -> None:
+    """A plug-in ``data.name``: a classification task, a function taking ``data_dir`` first
+    and the data section's other keys as keyword arguments. Imports it (ConfigError why not)."""
+    from hpclb.plugins import check_kwargs, load_object, signature_of
+    from hpclb.tasks.plugin import PLUGIN_DATA_RESERVED, plugin_dataset
+
+    name = data["name"]
+    require(kind in plugin_dataset(name).tasks, f"{where}: data.name",
+            f"a plug-in data set ({name!r}) feeds a classification task; remove `task: {kind}`")
+    try:
+        fn = load_object(name, "data.name")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+    params, var_kw = signature_of(fn)
+    require(bool(params) and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            f"{where}: data.name", f"{name!r} must take the data directory (a str) as its "
+            f"first argument: def {name.split(':')[1]}(data_dir, **kwargs) -> (train, test)")
+    kwargs = [k for k in data if k not in PLUGIN_DATA_RESERVED]
+    try:
+        check_kwargs(fn, kwargs, what=f"data function {name}", section="data",
+                     provided=[params[0].name])
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def check_builtin_data(data: dict, kind: str, where: str) -> None:
+    """A registered ``data.name`` that a ``kind`` task reads, and the options its reader takes."""
+    names = tuple(DATASETS)
+    require(data["name"] in DATASETS, f"{where}: data.name",
+            f"{data['name']!r} is not one of {names}{did_you_mean(data['name'], names)} "
+            f"and not a plug-in package.module:function")
+    require(data["name"] in datasets_of(kind), f"{where}: data.name",
+            f"a {kind} task reads one of {datasets_of(kind)}, not {data['name']!r}")
+    _KIND_DATA_CHECKS.get(kind, lambda data, where: None)(data, where)
+    options = DATASETS[data["name"]].options
+    if "augment" in data:
+        aug = data["augment"]
+        require(isinstance(aug, bool), f"{where}: data.augment",
+                f"must be true or false (random-resized crop + horizontal flip of the imagenet "
+                f"training split; default true), got {aug!r}")
+        require("augment" in options, f"{where}: data.augment",
+                f"only the {_readers_of('augment')} reader augments its training split; remove "
+                f"the field for data.name {data['name']!r}")
+    if "num_workers" in data:
+        n = data["num_workers"]
+        require(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+                f"{where}: data.num_workers",
+                f"must be an integer >= 0 (DataLoader worker processes per rank that decode the "
+                f"training images; 0: in the training thread; default min(4, CPUs per rank)), "
+                f"got {n!r}")
+        require("num_workers" in options, f"{where}: data.num_workers",
+                f"only the {_readers_of('num_workers')} reader (image files) uses loader "
+                f"workers; {data['name']!r} is read from memory: remove the field")
+
+
+def _readers_of(option: str) -> str:
+    """The data sets whose reader takes ``option``, for messages (``imagenet``)."""
+    return "/".join(n for n, ds in DATASETS.items() if option in ds.options)
+
+
+def _check_lm_data(data: dict, where: str) -> None:
+    for key in ("bptt", "eval_streams"):
+        n = data.get(key, 10)
+        unit = "tokens per BPTT window" if key == "bptt" else "evaluation token streams"
+        require(positive_int(n), f"{where}: data.{key}",
+                f"must be a positive integer ({unit}), got {n!r}")
+
+
+def _check_seq2seq_data(data: dict, where: str) -> None:
+    for key in ("source", "target"):
+        require(data.get(key, "en" if key == "source" else "es") in ("en", "es"),
+                f"{where}: data.{key}", "must be en or es")
+    for key, unit in (("vocab_size", "SentencePiece pieces per language"),
+                      ("max_length", "pieces per sentence"), ("eval_samples", "sentence pairs")):
+        n = data.get(key, 10)
+        require(positive_int(n), f"{where}: data.{key}",
+                f"must be a positive integer ({unit}), got {n!r}")
+    beam = data.get("beam_size", 1)
+    require(positive_int(beam), f"{where}: data.beam_size", f"must be an integer >= 1 "
+            f"(1: greedy decoding; GNMT decodes with 10), got {beam!r}")
+    alpha = data.get("length_penalty", 0.6)
+    require(number(alpha) and alpha >= 0, f"{where}: data.length_penalty",
+            f"must be a number >= 0 (alpha of GNMT's ((5 + length) / 6) ** alpha; 0: none, "
+            f"default 0.6), got {alpha!r}")
+
+
+# task kind -> checks of the data-section options that kind reads
+_KIND_DATA_CHECKS = {"language_model": _check_lm_data, "seq2seq": _check_seq2seq_data}
+
+
+def warn(message: str) -> None:
+    """A :class:`RecipeWarning` (a valid value outside its sensible range)."""
+    warnings.warn(message, RecipeWarning, stacklevel=3)
+
+
+def check_lr(lr: Any, field: str) -> None:
+    require(positive_number(lr), field, f"must be a positive learning rate (the peak LR at "
+            f"base_batch_size, per optimizer step), got {lr!r}")
+    if lr > LR_WARN_ABOVE:
+        warn(f"{field}: learning rate {lr:g} is above {LR_WARN_ABOVE:g}; such a run diverges "
+              f"at once with every optimizer here (LARS/LAMB scale it by the trust ratio, not "
+              f"down to a sane step): is it a typo?")
+
+
+# optimizer hyper-parameter -> (test, what a valid value is)
+_HYPER_PARAMETERS = {
+    "momentum": (lambda v: number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "weight_decay": (lambda v: number(v) and v >= 0, "a number >= 0 (L2 coefficient, per step "
+                     "scaled by the LR)"),
+    "eps": (lambda v: number(v) and v > 0, "a number > 0 (added to a denominator; 0 gives "
+            "0/0 = NaN where a gradient entry is 0)"),
+    "trust_coefficient": (lambda v: number(v) and v > 0, "a number > 0 (LARS's eta)"),
+    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and
+              all(number(b) and 0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. "
+              "[0.9, 0.999]"),
+}
+
+
+def _check_optimizers(recipe: dict, where: str) -> None:
+    for name, hp in recipe["optimizers"].items():
+        check_lr(hp.get("lr"), f"{where}: optimizers.{name}.lr")
+        for key, (ok, valid) in _HYPER_PARAMETERS.items():
+            require(key not in hp or ok(hp[key]), f"{where}: optimizers.{name}.{key}",
+                    f"must be {valid}, got {hp.get(key)!r}")
+        wd = hp.get("weight_decay", 0)
+        if number(wd) and wd >= 1:
+            warn(f"{where}: optimizers.{name}.weight_decay {wd:g} is >= 1: it shrinks the "
+                  f"weights faster than the gradient moves them (typical: 1e-4 .. 0.1)")
+
+
+def check_run_setting(key: str, value: Any, where: str) -> Any:
+    """``value`` of run setting ``key`` (:data:`RUN_SETTINGS`), ``where`` naming its source."""
+    _default, _flag, ok, valid = RUN_SETTINGS[key]
+    require(ok(value), where, f"must be {valid}, got {value!r}")
+    if key in _RUN_SETTING_WARN and value > _RUN_SETTING_WARN[key][0]:
+        warn(f"{where}: {value} is above {_RUN_SETTING_WARN[key][0]}: "
+              f"{_RUN_SETTING_WARN[key][1]}")
+    return value
+
+
+def check_settings(recipe: dict, where: str) -> None:
+    """Numeric training settings: ranges, with units in the messages."""
+    w0, epochs = recipe["warmup_epochs"], recipe["epochs"]
+    require(w0 < epochs, f"{where}: warmup_epochs",
+            f"{w0:g} epochs of warmup (at base_batch_size) is not shorter than training "
+            f"(epochs: {epochs:g}); shorten warmup_epochs or train more epochs")
+    _check_optimizers(recipe, where)
+    clip = recipe.get("grad_clip_norm")
+    require(clip is None or positive_number(clip), f"{where}: grad_clip_norm",
+            f"must be null or > 0 (the largest global L2 norm of the averaged gradient), got "
+            f"{clip!r}")
+    acc = recipe.get("accumulation_steps", 1)
+    require(positive_int(acc), f"{where}: accumulation_steps", f"must be an integer >= 1 "
+            f"(micro-batches per optimizer step; 1: no accumulation), got {acc!r}")
+    target = recipe.get("target") or {}
+    if "accuracy" in str(target.get("metric", "")) and "value" in target:
+        require(0 <= target["value"] <= 1, f"{where}: target.value",
+                f"{target['value']!r}: an accuracy is a fraction in [0, 1] (0.98 for 98%)")
+    for key in RUN_SETTINGS:
+        if key in recipe:
+            check_run_setting(key, recipe[key], f"{where}: {key} (or {RUN_SETTINGS[key][1]})")

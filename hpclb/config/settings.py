@@ -1,0 +1,216 @@
+"""Run settings: a recipe plus the command line, resolved into a :class:`RunConfig`.
+
+Every problem is a :class:`ConfigError` naming the command-line flag (and the recipe field it
+overrides); the checks are pure functions of the command line and the recipe file, so every
+rank raises the same error.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import cached_property
+
+from hpclb import schedules
+from hpclb.config.recipe import load_recipe
+from hpclb.config.schema import (
+    RUN_SETTINGS,
+    check_lr,
+    check_run_setting,
+    positive_int,
+    positive_number,
+    require,
+)
+from hpclb.errors import ConfigError
+from hpclb.optim import OPTIMIZERS
+from hpclb.tasks.registry import TASKS
+from hpclb.tasks.spec import Recipe
+
+__all__ = ["RunConfig", "check_checkpoint_interval", "check_expect_world_size", "resolve"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run, fully resolved: the recipe plus command-line choices, transferred to the global
+    batch by ``scaling``. All batch sizes in samples; ``epochs`` may be fractional.
+
+    ``device`` (auto|cpu|cuda), ``precision`` (fp32|bf16|fp16), ``log_every`` (optimizer
+    steps between progress lines; 0: off), ``noise_scale`` (measure the gradient noise scale),
+    ``max_nonfinite_steps`` (consecutive skipped non-finite steps before the run stops) and
+    ``keep_checkpoints`` (checkpoint generations kept): command line, else recipe, else the
+    defaults of :data:`RUN_SETTINGS`."""
+
+    experiment: str
+    recipe: dict
+    global_batch_size: int
+    scaling: str
+    optimizer: str
+    optimizer_params: dict
+    epochs: float
+    seed: int
+    data_dir: str | None
+    out: str
+    resume: bool
+    lr: float | None = None
+    accumulation_steps: int = 1
+    device: str = "auto"
+    precision: str = "fp32"
+    log_every: int = 50
+    noise_scale: bool = False
+    max_nonfinite_steps: int = 3
+    keep_checkpoints: int = 2
+
+    @cached_property
+    def spec(self) -> Recipe:
+        """:attr:`recipe` parsed (:class:`~hpclb.tasks.spec.Recipe`); ``recipe`` stays the
+        mapping written to config.json and checkpoints."""
+        return Recipe.from_dict(self.recipe)
+
+    @property
+    def base_batch_size(self) -> int:
+        return int(self.spec.base_batch_size)
+
+    @property
+    def base_lr(self) -> float:
+        return float(self.lr if self.lr is not None else self.optimizer_params["lr"])
+
+    def per_rank_batch_size(self, world_size: int) -> int:
+        """``global_batch_size / world_size``; ConfigError if it does not divide."""
+        if self.global_batch_size % world_size:
+            raise ConfigError(
+                f"--batch-size {self.global_batch_size} (the global batch) is not divisible by "
+                f"the world size {world_size}; choose a multiple of {world_size} or change the "
+                f"number of ranks")
+        return self.global_batch_size // world_size
+
+    def micro_batch_size(self, world_size: int) -> int:
+        """Samples per micro-batch, ``global_batch_size / (world_size * accumulation_steps)``:
+        each rank runs ``accumulation_steps`` of them per optimizer step. ConfigError if it does
+        not divide."""
+        k = self.accumulation_steps
+        if k == 1:
+            return self.per_rank_batch_size(world_size)
+        if self.global_batch_size % (world_size * k):
+            n = world_size * k
+            raise ConfigError(
+                f"--batch-size {self.global_batch_size} (the global batch) is not divisible by "
+                f"the world size {world_size} x --accumulation-steps {k} = {n} (each rank runs "
+                f"{k} micro-batches of B / {n} samples); choose a --batch-size that is a "
+                f"multiple of {n}, or another --accumulation-steps (recipe field "
+                f"accumulation_steps)")
+        return self.global_batch_size // (world_size * k)
+
+    def schedule(self, num_samples: int) -> schedules.Schedule:
+        """The LR schedule of this run on a training set of ``num_samples`` samples.
+
+        Raises ConfigError when the global batch is larger than the training set or the
+        warmup is not shorter than training, naming the command-line fixes."""
+        b = self.global_batch_size
+        if b > num_samples:
+            unit = TASKS[self.spec.task].sample_unit
+            raise ConfigError(
+                f"--batch-size {b}: the global batch is larger than the training set "
+                f"({num_samples} {unit} of {self.spec.data.name}), so every step would "
+                f"see the whole set while the LR and warmup were scaled for k = B / B0 = "
+                f"{b / self.base_batch_size:g}; use --batch-size {num_samples} or less")
+        try:
+            return schedules.Schedule.from_recipe(
+                base_lr=self.base_lr, base_batch_size=self.base_batch_size,
+                base_warmup_epochs=float(self.spec.warmup_epochs),
+                global_batch_size=b, num_samples=num_samples,
+                epochs=self.epochs, scheme=self.scaling, decay=self.spec.decay.name,
+                decay_params=dict(self.spec.decay.params))
+        except schedules.WarmupTooLong as e:
+            fixes = [f"train more epochs (--epochs, at least {e.min_epochs:g} for this batch)"]
+            if schedules.SCHEMES[self.scaling][1] == "legw":
+                fixes.append("use a smaller --batch-size (LEGW's warmup, warmup_epochs x k "
+                             "epochs, grows with the batch)")
+            fixes.append("shorten the recipe's warmup_epochs")
+            raise ConfigError(
+                f"schedule: {e.problem} at --batch-size {b} (--scaling {self.scaling}); "
+                f"{', '.join(fixes[:-1])}, or {fixes[-1]}") from e
+        except ValueError as e:
+            raise ConfigError(f"schedule: {e}") from e
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_checkpoint_interval(seconds: float | None) -> float | None:
+    """``--checkpoint-interval``: None or 0 (off) or a number of seconds > 0; ConfigError for a
+    negative value or nan (which would checkpoint at every step or never)."""
+    if seconds is not None and not (isinstance(seconds, (int, float)) and
+                                    not isinstance(seconds, bool) and seconds >= 0):
+        raise ConfigError(f"--checkpoint-interval {seconds}: must be a number of seconds >= 0 "
+                          f"(0: off, checkpoints at epoch ends and on preemption only; e.g. "
+                          f"1800 for every half hour)")
+    return seconds
+
+
+def check_expect_world_size(n: int | None) -> int | None:
+    """``--expect-world-size``: None or an integer >= 1; ConfigError otherwise."""
+    if n is not None and not positive_int(n):
+        raise ConfigError(f"--expect-world-size {n}: must be an integer >= 1 (the number of "
+                          f"ranks, as in `mpirun -n N`), or leave it out")
+    return n
+
+
+def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "legw",
+            optimizer: str | None = None, epochs: float | None = None, seed: int = 0,
+            data_dir: str | None = None, out: str | None = None, resume: bool = False,
+            lr: float | None = None, accumulation_steps: int | None = None,
+            device: str | None = None, precision: str | None = None,
+            log_every: int | None = None, noise_scale: bool | None = None,
+            max_nonfinite_steps: int | None = None,
+            keep_checkpoints: int | None = None) -> RunConfig:
+    """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
+
+    ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``accumulation_steps``
+    overrides the recipe's ``accumulation_steps`` (default 1): micro-batches per optimizer step;
+    the global batch (the unit of the scaling rules) does not change. ``device``,
+    ``precision``, ``log_every``, ``noise_scale``, ``max_nonfinite_steps`` and
+    ``keep_checkpoints`` override the recipe fields of the same name (defaults in
+    :data:`RUN_SETTINGS`). Raises ConfigError naming the bad field and its command-line flag;
+    warns (:class:`RecipeWarning`) for valid values outside their sensible range.
+    """
+    recipe = load_recipe(experiment)
+    spec = Recipe.from_dict(recipe)
+    require(scaling in schedules.SCHEMES, "--scaling",
+            f"{scaling!r} is not one of {tuple(schedules.SCHEMES)}")
+    batch = spec.base_batch_size if batch_size is None else batch_size
+    require(isinstance(batch, int) and batch > 0, "--batch-size",
+            f"must be a positive integer (the global batch in samples), got {batch}")
+    opt = optimizer or spec.optimizer
+    require(opt in OPTIMIZERS, "--optimizer", f"{opt!r} is not one of {tuple(OPTIMIZERS)}")
+    require(opt in spec.optimizers, "--optimizer",
+            f"the recipe {spec.name} has no tuned hyper-parameters for {opt!r}; add "
+            f"optimizers.{opt} to it or choose one of {sorted(spec.optimizers)}")
+    n_epochs = spec.epochs if epochs is None else epochs
+    require(positive_number(n_epochs), "--epochs",
+            f"must be a finite number > 0, got {n_epochs}")
+    require(lr is None or positive_number(lr), "--lr",
+            f"must be a positive number, got {lr}")
+    if lr is not None:
+        check_lr(lr, "--lr")
+    require(isinstance(seed, int) and seed >= 0, "--seed", f"must be >= 0, got {seed}")
+    acc = spec.accumulation_steps if accumulation_steps is None else accumulation_steps
+    require(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1,
+            "--accumulation-steps", f"must be an integer >= 1 (micro-batches per optimizer "
+            f"step; 1: no accumulation), got {acc!r}")
+    given = {"device": device, "precision": precision, "log_every": log_every,
+             "noise_scale": noise_scale, "max_nonfinite_steps": max_nonfinite_steps,
+             "keep_checkpoints": keep_checkpoints}
+    settings = {key: _setting(spec, key, value) for key, value in given.items()}
+    return RunConfig(experiment=spec.name, recipe=recipe, global_batch_size=batch,
+                     scaling=scaling, optimizer=opt,
+                     optimizer_params=dict(spec.optimizers[opt].params),
+                     epochs=float(n_epochs), seed=seed, data_dir=data_dir,
+                     out=out or f"runs/{spec.name}", resume=resume, lr=lr,
+                     accumulation_steps=acc, **settings)
+
+
+def _setting(spec: Recipe, key: str, value):
+    """Run setting ``key``: the command line's ``value`` (checked), else the recipe's, else
+    the default of :data:`RUN_SETTINGS`."""
+    if value is not None:
+        return check_run_setting(key, value, f"{RUN_SETTINGS[key][1]} (recipe field {key})")
+    recipe_value = getattr(spec, key)
+    return RUN_SETTINGS[key][0] if recipe_value is None else recipe_value

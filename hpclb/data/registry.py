@@ -1,0 +1,144 @@
+"""The data sets hpclb knows, by name: the one place a data set is declared.
+
+Each :class:`DataSet` names its reader, its fetcher (``hpclb data fetch``), its published
+training-set size (``hpclb jobs``), and the task kinds that read it (:mod:`hpclb.tasks`). Readers
+and fetchers are ``"package.module:attribute"`` strings or functions that import torch only when
+called, so this module (and ``hpclb --help``) loads without torch.
+
+A reader is called as ``loader(root, data)``: ``root`` the data directory given on the command
+line (None: :func:`~hpclb.data.paths.data_dir`'s default), ``data`` the recipe's data section
+(a :class:`~hpclb.tasks.spec.DataSpec` or a dict: ``data.get(key, default)``). It returns what
+its task kind reads: ``(train, test)`` splits for ``classification`` (each with ``len()``,
+``subset(n)``, ``batch(indices) -> (x, y)``), a :class:`~hpclb.data.ptb.Corpus` for
+``language_model``, ``{"train": [...], "test": [...]}`` sentence pairs for ``seq2seq``.
+
+To add a data set, call :func:`register_dataset` (see tests/test_registry.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hpclb.data.paths import data_dir
+from hpclb.errors import DataError
+from hpclb.plugins import Registry, is_plugin, resolve_ref
+
+__all__ = ["DATASETS", "DataSet", "data_dir", "dataset", "fetchable", "register_dataset",
+           "train_set_sizes"]
+
+
+@dataclass(frozen=True)
+class DataSet:
+    """One data set. ``train_size`` (in ``unit``: images, tokens, sentence pairs) and ``source``
+    are the published numbers ``hpclb jobs`` plans with on a login node that may not hold the
+    data; None when unknown. ``options``: data-section keys only this data set's reader takes
+    (other data sets reject them). ``fetcher(root) -> Path`` stages it, None: not fetchable."""
+
+    name: str
+    loader: Callable | str
+    tasks: tuple[str, ...]
+    train_size: int | None = None
+    unit: str = "samples"
+    source: str = ""
+    fetcher: Callable | str | None = None
+    options: tuple[str, ...] = ()
+
+    def load(self, root, data) -> Any:
+        """What the reader returns for data section ``data`` read from ``root``."""
+        return resolve_ref(self.loader)(root, data)
+
+    def fetch(self, root=None):
+        if self.fetcher is None:
+            raise DataError(f"data set {self.name!r} cannot be fetched; choose one of "
+                            f"{sorted(fetchable())}")
+        return resolve_ref(self.fetcher)(root)
+
+
+DATASETS: Registry = Registry("data set")
+
+
+def register_dataset(ds: DataSet, *, replace: bool = False) -> DataSet:
+    """Add ``ds`` to :data:`DATASETS` (ValueError if its name is taken, unless ``replace``)."""
+    return DATASETS.register(ds.name, ds, replace=replace)
+
+
+def _mnist(root, data):
+    from hpclb.data.mnist import load_mnist
+
+    return load_mnist(root)
+
+
+def _fashion_mnist(root, data):
+    from hpclb.data.images import load_fashion_mnist
+
+    return load_fashion_mnist(root)
+
+
+def _imagenet(root, data):
+    from hpclb.data.images import load_imagenet
+
+    return load_imagenet(root, augment=data.get("augment", True))
+
+
+def _synthetic(root, data):  # throughput runs: ImageNet-sized random images
+    from hpclb.data.images import SyntheticImages
+
+    return SyntheticImages(1_281_167, seed=0), SyntheticImages(50_000, seed=1)
+
+
+def _ptb(root, data):
+    from hpclb.data.ptb import load_ptb
+
+    return load_ptb(root)
+
+
+def _bible_pairs(root, data):
+    from hpclb.data.translation import load_bible_pairs
+
+    splits = load_bible_pairs(root)
+    src, tgt = data.get("source", "en"), data.get("target", "es")
+    return {k: [(getattr(p, src), getattr(p, tgt)) for p in v] for k, v in splits.items()}
+
+
+for _ds in (
+    DataSet("mnist", _mnist, ("classification",), 60_000, "images", "MNIST train split",
+            "hpclb.data.fetch:fetch_mnist"),
+    DataSet("fashion-mnist", _fashion_mnist, ("classification",), 60_000, "images",
+            "Fashion-MNIST train split", "hpclb.data.fetch:fetch_fashion_mnist"),
+    DataSet("imagenet", _imagenet, ("classification",), 1_281_167, "images",
+            "ILSVRC-2012 train split", options=("augment", "num_workers")),
+    DataSet("synthetic", _synthetic, ("classification",), 1_281_167, "images",
+            "synthetic ImageNet stand-in, same size"),
+    DataSet("ptb", _ptb, ("language_model",), 929_589, "tokens",
+            "Penn Treebank ptb.train.txt incl. <eos> (Mikolov)", "hpclb.data.fetch:fetch_ptb"),
+    DataSet("bible-en-es", _bible_pairs, ("seq2seq",), 30_319, "sentence pairs",
+            "train split of the KJV / RV 1909 verse pairs as hpclb's loader makes it "
+            "(max_length 80)", "hpclb.data.fetch:fetch_bible_en_es"),
+):
+    register_dataset(_ds)
+
+
+def _plugin(name: str) -> DataSet:
+    """A plug-in data function (``package.module:function``, :mod:`hpclb.plugins`) as a
+    classification data set, read by :func:`hpclb.tasks.plugin.load_plugin_data`."""
+    return DataSet(name, "hpclb.tasks.plugin:load_plugin_data", ("classification",))
+
+
+def dataset(name: str) -> DataSet:
+    """The registered data set ``name``, or a plug-in one; DataError for an unknown name."""
+    if is_plugin(name):
+        return _plugin(name)
+    if name not in DATASETS:
+        raise DataError(f"unknown data set {name!r}")
+    return DATASETS[name]
+
+
+def fetchable() -> list[str]:
+    """Names of the data sets ``hpclb data fetch`` stages."""
+    return [n for n, ds in DATASETS.items() if ds.fetcher is not None]
+
+
+def train_set_sizes() -> dict[str, tuple[int, str, str]]:
+    """Data set -> (training-set size, unit, source) for those whose size is known."""
+    return {n: (ds.train_size, ds.unit, ds.source) for n, ds in DATASETS.items()
+            if ds.train_size is not None}

@@ -1,0 +1,171 @@
+"""A recipe parsed once into frozen dataclasses: what the code reads instead of ``recipe["..."]``.
+
+:func:`hpclb.config.load_recipe` validates the YAML (every message names the field);
+:meth:`Recipe.from_dict` then turns the validated mapping into a :class:`Recipe`. Parsing is
+lenient (absent fields get their defaults) so that a partial mapping, such as
+``{"data": {"name": "imagenet"}}``, still builds a task. :meth:`Recipe.to_dict` gives back the
+mapping as read, key order included, for what is written to disk (``config.json``, checkpoints).
+No torch here.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+__all__ = ["DataSpec", "ModelSpec", "OptimizerSpec", "Recipe", "ScheduleSpec", "TargetSpec",
+           "as_recipe"]
+
+
+
+def _section(value: Any) -> tuple[str, Mapping[str, Any]]:
+    """``(name, the other keys)`` of a ``{name: ..., ...}`` section (a copy)."""
+    value = dict(value or {})
+    return value.pop("name", ""), value
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """The ``data`` section: ``name`` (a registered data set or a plug-in
+    ``package.module:function``) and the reader's ``options`` (every other key)."""
+
+    name: str = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping | None) -> DataSpec:
+        return cls(*_section(data))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Option ``key`` (``name`` too), else ``default``; as ``dict.get`` on the section."""
+        return self.name if key == "name" else self.options.get(key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key == "name" or key in self.options
+
+    @property
+    def train_samples(self) -> int | None:
+        """The first N training samples only (a smoke-run subset); None: all."""
+        return self.options.get("train_samples")
+
+    @property
+    def test_samples(self) -> int | None:
+        return self.options.get("test_samples")
+
+    def kwargs(self, exclude=()) -> dict[str, Any]:
+        """The options, less ``exclude``, as keyword arguments."""
+        return {k: v for k, v in self.options.items() if k not in exclude}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The ``model`` section: ``name`` and its constructor's keyword arguments ``kwargs``."""
+
+    name: str = ""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, model: Mapping | None) -> ModelSpec:
+        return cls(*_section(model))
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The ``decay`` section: the LR decay ``name`` and its ``params`` (hpclb/schedules.py)."""
+
+    name: str = ""
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, decay: Mapping | None) -> ScheduleSpec:
+        return cls(*_section(decay))
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One entry of ``optimizers``: the optimizer ``name`` and its hyper-parameters at B0."""
+
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def lr(self) -> float:
+        return self.params["lr"]
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """The ``target`` section: time-to-target metric, value and mode (None: not given)."""
+
+    metric: str | None = None
+    value: float | None = None
+    mode: str | None = None
+
+    @classmethod
+    def from_dict(cls, target: Mapping | None) -> TargetSpec | None:
+        if target is None:
+            return None
+        return cls(**{k: v for k, v in dict(target).items() if k in ("metric", "value", "mode")})
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe (hpclb/experiments/*.yaml). Run settings absent from it are None here (their
+    defaults are :data:`hpclb.config.RUN_SETTINGS`'); ``raw`` is the mapping as read. Frozen:
+    treat the mappings inside as read-only too (they are copies of the recipe's)."""
+
+    name: str = ""
+    task: str = "classification"
+    data: DataSpec = DataSpec()
+    model: ModelSpec = ModelSpec()
+    base_batch_size: int | None = None
+    epochs: float | None = None
+    warmup_epochs: float | None = None
+    decay: ScheduleSpec = ScheduleSpec()
+    optimizer: str | None = None
+    optimizers: Mapping[str, OptimizerSpec] = field(default_factory=dict)
+    grad_clip_norm: float | None = None
+    accumulation_steps: int = 1
+    target: TargetSpec | None = None
+    tuning: str | None = None
+    per_gpu_batch: int | None = None
+    plugin_path: tuple[str, ...] = ()
+    device: str | None = None
+    precision: str | None = None
+    log_every: int | None = None
+    noise_scale: bool | None = None
+    max_nonfinite_steps: int | None = None
+    keep_checkpoints: int | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, recipe: Mapping) -> Recipe:
+        """Parse a (validated, or partial) recipe mapping; ``raw`` keeps a deep copy of it."""
+        r = dict(recipe)
+        sections = {"data": DataSpec.from_dict(r.pop("data", None)),
+                    "model": ModelSpec.from_dict(r.pop("model", None)),
+                    "decay": ScheduleSpec.from_dict(r.pop("decay", None)),
+                    "target": TargetSpec.from_dict(r.pop("target", None)),
+                    "plugin_path": tuple(r.pop("plugin_path", None) or ()),
+                    "optimizers": {k: OptimizerSpec(k, dict(v)) for k, v in
+                                   (r.pop("optimizers", None) or {}).items()}}
+        known = {f.name for f in fields(cls)} - set(sections) - {"raw"}
+        r = {k: v for k, v in r.items() if k in known}
+        if r.get("task") is None:
+            r.pop("task", None)
+        if r.get("accumulation_steps") is None:
+            r.pop("accumulation_steps", None)
+        return cls(**r, **sections, raw=copy.deepcopy(dict(recipe)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe mapping as read (a deep copy: the caller may change it)."""
+        return copy.deepcopy(dict(self.raw))
+
+    def optimizer_spec(self, name: str | None = None) -> OptimizerSpec:
+        """The hyper-parameters of optimizer ``name`` (default: the recipe's ``optimizer``)."""
+        return self.optimizers[name or self.optimizer]
+
+
+def as_recipe(recipe: Recipe | Mapping) -> Recipe:
+    """``recipe`` as a :class:`Recipe` (a mapping, e.g. a run's config.json, is parsed)."""
+    return recipe if isinstance(recipe, Recipe) else Recipe.from_dict(recipe)

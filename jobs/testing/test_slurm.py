@@ -29,6 +29,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
 
+from joblog import resumes, startups  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
 
 from hpclb import jobs  # noqa: E402
@@ -206,7 +207,10 @@ def test_rendered_script_runs_a_2_rank_mnist_lstm_job(cluster, workdir, mnist_ok
     assert (s["global_batch_size"], s["per_rank_batch_size"], s["steps"]) == (256, 128, 48)
     assert s["peak_lr"] == pytest.approx(2e-3 * 2 ** 0.5) and s["warmup_steps"] == 8
     assert s["final_test_accuracy"] > 0.2
-    assert "hpclb mnist-lstm: 2 rank(s) [mpi], global batch 256 = 2 x 128" in log
+    # the log tells the user it ran once, on 2 ranks, at global batch 256
+    started = startups(log, "mnist-lstm")
+    assert [(s.world_size, s.global_batch) for s in started] == [(2, 256)], log
+    assert started[0].per_rank_batch in (None, 128), started[0].line
     assert "training exited with 0" in log and "requeue" not in log.split("training exited")[1]
 
 
@@ -240,8 +244,11 @@ def test_usr2_checkpoints_requeues_and_resumes_bit_for_bit(cluster, workdir, mni
     assert f"preempted: checkpoint of step {step}" in log
     assert "training exited with 75" in log and f"requeueing {cut}" in log
     assert re.search(rf"\[job\] \S+ {cut} restart 1 on", log), log
-    m = re.search(r"resumed from cut/checkpoint.pt at epoch (\d+) step (\d+)", log)
-    assert m and int(m.group(2)) == step, log
+    # one resume, from a checkpoint of this run, at the step both ranks stopped after
+    resumed = resumes(log)
+    assert [r.step for r in resumed] == [step], log
+    assert resumed[0].inside(workdir / "cut", workdir), resumed[0].line
+    assert [s.world_size for s in startups(log, "mnist-lstm")] == [2, 2], log
     assert log.rstrip().endswith("training exited with 0")
     a = torch.load(workdir / "ref" / "checkpoint.pt", weights_only=True)
     b = torch.load(workdir / "cut" / "checkpoint.pt", weights_only=True)
@@ -292,10 +299,15 @@ def test_time_limit_signal_requeues_until_done(cluster, workdir, mnist_ok):
     assert restarts <= log.count("got USR2: asking the ranks to checkpoint") <= restarts + 1, log
     steps = re.findall(r"rank (\d) of 2: preempted after step (\d+)", log)
     assert len(steps) == 2 * restarts, log
+    stopped = []
     for i in range(restarts):
         (r0, s0), (r1, s1) = sorted(steps[2 * i:2 * i + 2])
         assert (r0, r1, s0) == ("0", "1", s1), log
-        assert f"resumed from tl/checkpoint.pt at epoch" in log and f"step {s0}\n" in log
+        stopped.append(int(s0))
+    # each attempt resumed, from a checkpoint of this run, at the step the previous one stopped
+    resumed = resumes(log)
+    assert [r.step for r in resumed] == stopped, log
+    assert all(r.inside(workdir / "tl", workdir) for r in resumed), log
     assert log.rstrip().endswith("training exited with 0")
     a = torch.load(workdir / "tlref" / "checkpoint.pt", weights_only=True)
     b = torch.load(workdir / "tl" / "checkpoint.pt", weights_only=True)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
 
 import pbs_run  # noqa: E402
+from joblog import resumes, startups  # noqa: E402
 
 from hpclb.tools import jobs  # noqa: E402
 
@@ -51,7 +52,9 @@ def test_walltime_term_checkpoints_reruns_and_resumes_bit_for_bit(tmp_path):
     ref = pbs_run.run(render_quick(ref_dir, epochs=8), ref_dir, env=ENV)
     assert [(a.returncode, a.walltime_hit) for a in ref] == [(0, False)]
     ref_log = (ref_dir / "pbsq.log").read_text()
-    assert "hpclb mnist-lstm: 2 rank(s) [mpi], global batch 256 = 2 x 128" in ref_log
+    started = startups(ref_log, "mnist-lstm")  # one run, on 2 ranks, at global batch 256
+    assert [(s.world_size, s.global_batch) for s in started] == [(2, 256)], ref_log
+    assert started[0].per_rank_batch in (None, 128), started[0].line
     # the walltime comes during epoch 3 of the first run and epoch 6 of the second
     def walltime_reached(run: int, log: str) -> bool:
         return run < 2 and log.count(f"epoch {3 * run + 2:3d}/8") > 0
@@ -65,10 +68,15 @@ def test_walltime_term_checkpoints_reruns_and_resumes_bit_for_bit(tmp_path):
     assert log.count("got TERM: asking the ranks to checkpoint") == n_cut
     stops = re.findall(r"rank (\d) of 2: preempted after step (\d+)", log)
     assert len(stops) == 2 * n_cut, log
+    stopped = []
     for i in range(n_cut):  # both ranks stopped after the same step, then the rerun resumed it
         (r0, s0), (r1, s1) = sorted(stops[2 * i:2 * i + 2])
         assert (r0, r1) == ("0", "1") and s0 == s1, log
-        assert f"resumed from run/checkpoint.pt at epoch" in log and f" step {s0}\n" in log
+        stopped.append(int(s0))
+    resumed = resumes(log)  # each rerun from a checkpoint of this run, at the step it stopped
+    assert [r.step for r in resumed] == stopped, log
+    assert all(r.inside(cut_dir / "run", cut_dir) for r in resumed), log
+    assert [s.world_size for s in startups(log, "mnist-lstm")] == [2] * (n_cut + 1), log
     assert log.count("asking PBS to rerun 4242.pbs-emu") == n_cut
     assert log.rstrip().endswith("training exited with 0")
     a = torch.load(ref_dir / "run" / "checkpoint.pt", weights_only=True)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpclb.dist import Communicator, current_communicator, get_communicator, has_communicator
+from hpclb.dist.base import Communicator
+from hpclb.dist.world import current_communicator, get_communicator, has_communicator
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
 
@@ -32,7 +33,7 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     otherwise), ``mpi``, ``torch``, ``horovod`` or ``self``. ``device``: ``auto`` (this rank's
     GPU, ``cuda:<local_rank % visible GPUs>``, when CUDA is available, else the CPU), ``cpu`` or
     ``cuda``; ``share_gpu`` allows more ranks than GPUs on a node. Returns the
-    :class:`~hpclb.dist.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
+    :class:`~hpclb.dist.base.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
     calling it again returns the same one. Raises ConfigError (a ValueError) when the launcher
     and backend do not fit, or the device cannot be had.
     """
@@ -42,7 +43,7 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
 
 
 def communicator() -> Communicator:
-    """The communicator :func:`init` made (the one :func:`hpclb.dist.get_communicator` holds).
+    """The communicator :func:`init` made (the one :func:`hpclb.dist.world.get_communicator` holds).
     Raises RuntimeError naming the fix before init."""
     return current_communicator()
 

@@ -22,7 +22,7 @@ def mnist_dir() -> Path:
 @pytest.fixture(scope="session")
 def comm():
     """The world communicator (mpi under mpirun, else self); checks HPCLB_EXPECT_WORLD_SIZE."""
-    from hpclb.dist import get_communicator
+    from hpclb.dist.world import get_communicator
 
     c = get_communicator("auto")
     expected = os.environ.get("HPCLB_EXPECT_WORLD_SIZE")

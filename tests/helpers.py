@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 
 from hpclb.config import load_recipe, resolve
-from hpclb.dist import SelfCommunicator
+from hpclb.dist.local import SelfCommunicator
 from hpclb.train import loop as train_mod
 
 

@@ -214,16 +214,9 @@ _HELP_CODE = ("import sys\nfrom hpclb.cli import main\ntry:\n    main(sys.argv[1
 
 
 @pytest.mark.parametrize("argv", [
-    ["--help"],
-    ["advise", "--help"],
-    pytest.param(["train", "--help"], marks=pytest.mark.xfail(strict=True, reason=(
-        "the choices of hpclb train come from modules that import torch at import time: "
-        "hpclb.schedules (SCHEMES; `import torch` at the top), hpclb.config (OPTIMIZERS, "
-        "available_experiments; imports hpclb.schedules and hpclb.models.MODELS, which imports "
-        "torch.nn) and hpclb.dist (BACKENDS; hpclb.dist.base imports torch)"))),
-    pytest.param(["jobs", "render", "--help"], marks=pytest.mark.xfail(strict=True, reason=(
-        "--scaling choices: hpclb.schedules.SCHEMES, and hpclb.schedules imports torch at the "
-        "top (the other choices come from the torch-free hpclb.tools.jobs_spec)"))),
+    ["--help"], ["advise", "--help"], ["train", "--help"], ["jobs", "render", "--help"],
+    ["data", "fetch", "--help"], ["evaluate", "--help"], ["sweep", "--help"],
+    ["scale", "--help"], ["plot", "runs", "--help"], ["jobs", "examples", "--help"],
 ], ids=" ".join)
 def test_help_does_not_import_torch(argv):
     """`hpclb --help` and a command's --help print without loading torch (seconds of start-up,

@@ -9,14 +9,11 @@ import pytest
 import torch
 from conftest import all_ranks_ok
 
-from hpclb.dist import (
-    BACKENDS,
-    SelfCommunicator,
-    get_communicator,
-    launcher_kind,
-    resolve_backend,
-)
+from hpclb.dist.env import launcher_kind
+from hpclb.dist.local import SelfCommunicator
+from hpclb.dist.registry import BACKENDS, resolve_backend
 from hpclb.dist.testing import assert_all
+from hpclb.dist.world import get_communicator
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16)
 LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD", "SLURM_STEP_ID",
@@ -178,7 +175,7 @@ def test_gradient_sync_over_gloo_equals_over_mpi(comm):
 
 
 def test_get_communicator_refuses_a_second_backend(no_launcher):
-    import hpclb.dist as hc
+    import hpclb.dist.world as hc
     saved = hc._world
     try:
         hc._world = SelfCommunicator()

@@ -141,24 +141,24 @@ class _NodeComm:
         return self._everyone
 
 
-def test_gpu_peers_per_task_binding_is_not_sharing(env):
+def testgpu_peers_per_task_binding_is_not_sharing(env):
     import socket
 
-    from hpclb.dist import _gpu_peers
+    from hpclb.dist.world import gpu_peers
     host = socket.gethostname()
     # srun --gpus-per-task=1: rank 2 of 4 on this node sees only its own GPU
     env.setenv("CUDA_VISIBLE_DEVICES", "2")
     everyone = [(host, str(i)) for i in range(4)] + [("other", "0")]
-    assert _gpu_peers(_NodeComm(2, 2, 4, everyone), "cuda") == (0, 1)
+    assert gpu_peers(_NodeComm(2, 2, 4, everyone), "cuda") == (0, 1)
     # mpirun: all four see the same GPUs: the node-local rank and size
     env.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     same = [(host, "0,1")] * 4
-    assert _gpu_peers(_NodeComm(3, 3, 4, same), "cuda") == (3, 4)
-    assert _gpu_peers(_NodeComm(3, 3, 4, same), "cpu") == (3, 4)  # no collective for cpu
+    assert gpu_peers(_NodeComm(3, 3, 4, same), "cuda") == (3, 4)
+    assert gpu_peers(_NodeComm(3, 3, 4, same), "cpu") == (3, 4)  # no collective for cpu
 
 
 def test_get_communicator_sets_the_device_and_checks_the_launcher(env):
-    import hpclb.dist as hc
+    import hpclb.dist.world as hc
     for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD", "SLURM_STEP_ID",
               "HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR"):
         env.delenv(v, raising=False)

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from hpclb.config import load_recipe, resolve
-from hpclb.dist import SelfCommunicator
+from hpclb.dist.local import SelfCommunicator
 from hpclb.train.loop import train_step
 from hpclb.train.setup import setup_run
 from tests.conftest import REPO

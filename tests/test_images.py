@@ -22,7 +22,7 @@ from hpclb.data.images import (
     sample_seed,
     train_crop,
 )
-from hpclb.dist import SelfCommunicator
+from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError, DataError
 from hpclb.models import ResNet50, SmallResNet
 from hpclb.tasks import ClassificationTask, build_task

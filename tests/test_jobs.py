@@ -256,7 +256,7 @@ def test_train_set_sizes_table():
         == 929_588 // 20
     with pytest.raises(JobError, match="seq_len"):
         jobs.train_set_size({"name": "x", "data": {"name": "ptb"}})
-    with pytest.raises(JobError, match="TRAIN_SET_SIZES"):
+    with pytest.raises(JobError, match="data-set registry"):
         jobs.train_set_size({"name": "x", "data": {"name": "cifar"}})
     assert jobs.train_set_size({"name": "x", "data": {"name": "mnist", "train_samples": 4096}}) \
         == (4096, "images")

@@ -5,7 +5,7 @@ import torch
 from helpers import quick_recipe
 
 from hpclb.config import resolve
-from hpclb.dist import SelfCommunicator
+from hpclb.dist.local import SelfCommunicator
 from hpclb.train import loop as train_mod
 from hpclb.train.checkpoint import CheckpointStore, load_checkpoint
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hpclb
-from hpclb.dist import SelfCommunicator
+from hpclb.dist.local import SelfCommunicator
 from hpclb.dist.testing import ScaledComm
 from tests.conftest import REPO
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hpclb.dist import SelfCommunicator, SideChannel
+from hpclb.dist.base import SideChannel
+from hpclb.dist.local import SelfCommunicator
 from hpclb.dist.testing import ScaledComm
 from hpclb.dist.watchdog import StallWatchdog
 from hpclb.errors import ModelMismatchError

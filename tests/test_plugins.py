@@ -20,7 +20,7 @@ from conftest import REPO, all_ranks_ok
 from helpers import train_multi_and_single
 
 from hpclb.config import load_recipe, resolve
-from hpclb.dist import SelfCommunicator
+from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.models import build_model
 from hpclb.tasks import DatasetSplit, build_task

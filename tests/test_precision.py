@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hpclb.config import resolve
-from hpclb.dist import SelfCommunicator
+from hpclb.dist.local import SelfCommunicator
 from hpclb.train import loop as train_mod
 from hpclb.train import setup as run_mod
 from hpclb.train.checkpoint import load_checkpoint

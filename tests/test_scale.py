@@ -12,7 +12,7 @@ from hpclb.tools.scale import scale_run, write_job
 from hpclb.train.metrics import RunLogger
 
 pytestmark = pytest.mark.timeout(120)
-N = 60_000  # MNIST training images: hpclb.tools.jobs.TRAIN_SET_SIZES
+N = 60_000  # MNIST training images: hpclb.data.registry
 ETA0, W0, B0 = 2e-3, 0.25, 128  # the packaged mnist-lstm recipe (adam)
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hpclb.dist import SideChannel
+from hpclb.dist.base import SideChannel
 from hpclb.dist.testing import ScaledComm
 from hpclb.dist.watchdog import HISTORY, StallWatchdog
 

@@ -215,7 +215,7 @@ def bench_horovod(comm, timer: Timer, sizes: list[int], rounds: int, quick: bool
 
 
 def worker(args) -> int:
-    from hpclb.dist import get_communicator
+    from hpclb.dist.world import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
     timer = Timer(comm)

@@ -176,7 +176,7 @@ def worker(args) -> int:
 
     from hpclb.bench.measure import conditions
     from hpclb.config import resolve
-    from hpclb.dist import get_communicator
+    from hpclb.dist.world import get_communicator
     from hpclb.train.loop import train
 
     comm = get_communicator("mpi")

@@ -128,7 +128,7 @@ def merge(a: dict | None, b: dict | None) -> dict | None:
 
 
 def worker(args) -> int:
-    from hpclb.dist import get_communicator
+    from hpclb.dist.world import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
     timer = Timer(comm)

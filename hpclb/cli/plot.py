@@ -27,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--epochs", type=float, help="training budget (default: the recipe's)")
     s.add_argument("--optimizer", help="whose B0 LR (default: the recipe's optimizer)")
     s.add_argument("--num-samples", type=int, help="training-set size, for data sets "
-                   "hpclb.tools.jobs.TRAIN_SET_SIZES does not know")
+                   "the data-set registry (hpclb.data.registry) has no size for")
     s.add_argument("--out", help="PNG path (default results/schedules/<experiment>.png)")
     r = psub.add_parser("runs", help="loss, metric, LR, trust ratios of runs vs epoch")
     r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

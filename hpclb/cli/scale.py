@@ -23,7 +23,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--scaling", default="legw", choices=list(SCHEMES))
     p.add_argument("--out", help="recipe path (default RUN_DIR/recipe-b<B>-<scaling>.yaml)")
     p.add_argument("--num-samples", type=int, help="training-set size, for data sets "
-                   "hpclb.tools.jobs.TRAIN_SET_SIZES does not know")
+                   "the data-set registry (hpclb.data.registry) has no size for")
     p.add_argument("--scheduler", choices=SCHEDULERS, help="also write a job script "
                    "beside the recipe")
     p.add_argument("--nodes", type=int)

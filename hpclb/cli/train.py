@@ -30,7 +30,7 @@ HELP = "train one experiment (run under mpirun for several ranks)"
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb train`` on the top-level subparsers."""
     from hpclb.config import OPTIMIZERS, available_experiments
-    from hpclb.dist import BACKENDS
+    from hpclb.dist.registry import BACKENDS
     from hpclb.schedules import SCHEMES
 
     t = subparsers.add_parser("train", help=HELP)

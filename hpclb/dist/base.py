@@ -92,6 +92,13 @@ class Communicator(ABC):
     async_progress: bool = False
     thread_safe: bool = True
 
+    @classmethod
+    def create(cls, device: str | torch.device = "auto", share_gpu: bool = False) -> Communicator:
+        """Start this backend for the process (the registry's way to build one): ``device`` is
+        the device asked for (a name, or the one already bound from the launcher's local rank),
+        ``share_gpu`` whether ranks may share a GPU. Backends that take neither ignore them."""
+        return cls()
+
     @abstractmethod
     def allreduce_(self, tensor: Tensor, op: str = "sum") -> Tensor:
         """Reduce ``tensor`` (contiguous; any shape; fp16/bf16/fp32/fp64/int) across ranks, in

@@ -54,6 +54,15 @@ class HorovodCommunicator(Communicator):
     backend = "horovod"
     async_progress = True
 
+    @classmethod
+    def create(cls, device: str | torch.device = "auto",
+               share_gpu: bool = False) -> HorovodCommunicator:
+        """Start Horovod on ``device``; RuntimeError when horovod.torch cannot be imported."""
+        try:
+            return cls(device=device)
+        except ImportError as e:
+            raise RuntimeError(str(e)) from e
+
     def __init__(self, device: str | torch.device | None = None) -> None:
         try:
             import horovod.torch as hvd

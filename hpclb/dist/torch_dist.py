@@ -139,6 +139,12 @@ class TorchCommunicator(Communicator):
     backend = "torch"
     async_progress = True
 
+    @classmethod
+    def create(cls, device: str | torch.device = "auto",
+               share_gpu: bool = False) -> TorchCommunicator:
+        """Start torch.distributed on ``device`` (NCCL for CUDA unless ranks share a GPU)."""
+        return cls(device=device, share_gpu=share_gpu)
+
     def __init__(self, device: str | torch.device | None = None, *,
                  share_gpu: bool = False) -> None:
         import torch.distributed as dist

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hpclb.dist import Communicator
+from hpclb.dist.base import Communicator
 from hpclb.errors import ModelMismatchError
 
 __all__ = ["agree_num_steps", "average_buffers", "broadcast_parameters", "check_model_consistency",

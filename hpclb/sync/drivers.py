@@ -24,7 +24,7 @@ import queue
 import threading
 import weakref
 
-from hpclb.dist import Communicator
+from hpclb.dist.base import Communicator
 
 __all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
 

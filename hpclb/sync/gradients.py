@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from hpclb.dist import Communicator
+from hpclb.dist.base import Communicator
 from hpclb.dist.watchdog import StallReport, watchdog_for
 from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets

@@ -25,7 +25,8 @@ import time
 import torch
 from torch import Tensor, nn
 
-from hpclb.dist import Communicator, current_communicator
+from hpclb.dist.base import Communicator
+from hpclb.dist.world import current_communicator
 from hpclb.errors import NonFiniteError
 from hpclb.sync.gradients import GradientSync
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hpclb.dist import Communicator
+from hpclb.dist.base import Communicator
 
 __all__ = ["EVAL_BATCH_SIZE", "DatasetSplit", "Task", "device_of", "to_device"]
 

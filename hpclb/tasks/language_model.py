@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hpclb.data.ptb import Corpus
-from hpclb.dist import Communicator
+from hpclb.dist.base import Communicator
 from hpclb.tasks.base import Task, device_of
 
 __all__ = ["LanguageModelTask"]

@@ -13,7 +13,7 @@ batch larger than the training set, a time limit shorter than the checkpoint int
 preemption lead time, a warmup longer than training, ...).
 
 Training-set sizes: the loaders need the data on disk to count it, but a job is rendered on a
-login node that may not hold it, so :data:`TRAIN_SET_SIZES` keeps the published sizes (a recipe's
+login node that may not hold it, so the data-set registry (:func:`hpclb.data.registry.train_set_sizes`) keeps the published sizes (a recipe's
 ``data.train_samples`` subset wins when it is smaller).
 
 The request itself (:class:`JobSpec`, the choices, time limits, the checks) is in
@@ -42,9 +42,10 @@ from hpclb.tools.jobs_spec import (
     parse_time,
     validate,
 )
+from hpclb.data.registry import train_set_sizes
 
 # JobSpec (hpclb.tools.jobs_spec, torch-free for the command line) is what render takes.
-__all__ = ["BLOCK_SIGNALS", "TRAIN_SET_SIZES", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES",
+__all__ = ["BLOCK_SIGNALS", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES",
            "EXAMPLES", "JobSpec", "Plan", "train_set_size", "default_backend", "plan_for",
            "interconnect", "render", "example_specs", "write_examples"]
 
@@ -52,25 +53,16 @@ __all__ = ["BLOCK_SIGNALS", "TRAIN_SET_SIZES", "TOKEN_UNITS", "SEQ_LEN_KEYS", "E
 # (hpclb.cli unblocks them); GNU coreutils >= 8.31 (Debian 11+, RHEL 9+).
 BLOCK_SIGNALS = "env --block-signal=USR2 --block-signal=TERM"
 
-# Training-set sizes in the unit the loader counts one sample in (the denominator of an epoch).
-# name: (size, unit, note). Word-level LMs count tokens; their loaders cut the token stream into
-# sequences of `seq_len` tokens, so one sample is one sequence (see :func:`train_set_size`).
-TRAIN_SET_SIZES: dict[str, tuple[int, str, str]] = {
-    "mnist": (60_000, "images", "MNIST train split"),
-    "fashion-mnist": (60_000, "images", "Fashion-MNIST train split"),
-    "imagenet": (1_281_167, "images", "ILSVRC-2012 train split"),
-    "synthetic": (1_281_167, "images", "synthetic ImageNet stand-in, same size"),
-    "ptb": (929_589, "tokens", "Penn Treebank ptb.train.txt incl. <eos> (Mikolov)"),
-    "wmt16-de-en": (4_500_000, "sentence pairs", "WMT16 de-en as used by GNMT, about 4.5 M"),
-    "bible-en-es": (30_319, "sentence pairs", "train split of the KJV / RV 1909 verse pairs as "
-                    "hpclb's loader makes it (max_length 80)"),
-}
+# Training-set sizes, in the unit the loader counts one sample in (the denominator of an epoch),
+# come from the data-set registry (hpclb.data.registry). Word-level LMs count tokens; their
+# loaders cut the token stream into sequences of `seq_len` tokens, so one sample is one sequence
+# (see :func:`train_set_size`).
 TOKEN_UNITS = ("tokens",)
 SEQ_LEN_KEYS = ("seq_len", "bptt", "num_steps", "sequence_length")
 
 
 def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
-    """(number of training samples, unit) for a recipe, from :data:`TRAIN_SET_SIZES`.
+    """(number of training samples, unit) for a recipe, from the data-set registry (:func:`hpclb.data.registry.train_set_sizes`).
 
     Token-counted sets are turned into sequences of the recipe's ``data.seq_len`` (or ``bptt``,
     ``num_steps``; also looked up under ``model``). ``data.train_samples`` (a smoke-run subset)
@@ -80,11 +72,12 @@ def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
     name = data.get("name")
     if is_plugin(name):
         return _plugin_train_set_size(recipe, data)
-    if name not in TRAIN_SET_SIZES:
-        raise JobError(f"data set {name!r} of recipe {recipe.get('name')!r} is not in "
-                       f"hpclb.tools.jobs.TRAIN_SET_SIZES ({', '.join(TRAIN_SET_SIZES)}); add its "
-                       f"training-set size there")
-    size, unit, _ = TRAIN_SET_SIZES[name]
+    sizes = train_set_sizes()
+    if name not in sizes:
+        raise JobError(f"data set {name!r} of recipe {recipe.get('name')!r} has no training-set "
+                       f"size in the data-set registry ({', '.join(sizes)}); register it with "
+                       f"hpclb.data.registry.register_dataset(..., train_size=, unit=)")
+    size, unit, _ = sizes[name]
     if unit in TOKEN_UNITS:
         model = recipe.get("model") or {}
         seq = next((src[k] for src in (data, model) for k in SEQ_LEN_KEYS if k in src), None)

@@ -91,7 +91,7 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
     (default ``RUN_DIR/recipe-b<B>-<scaling>.yaml``) and return what changed.
 
     ``num_samples``: the training-set size, needed only for data sets that
-    :data:`hpclb.tools.jobs.TRAIN_SET_SIZES` does not know. ConfigError (nothing written) for a
+    the data-set registry has no size for. ConfigError (nothing written) for a
     directory without config.json, a bad batch or scheme, or a schedule that cannot run at
     ``to_batch`` (e.g. LEGW's warmup longer than training; the message names the fix)."""
     run = Path(run_dir)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hpclb.config import load_recipe, resolve
-from hpclb.dist import SelfCommunicator
+from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES
 from hpclb.tools.sweep_report import write_results

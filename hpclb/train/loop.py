@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from hpclb._io import write_json
 from hpclb.config import RunConfig, check_checkpoint_interval
-from hpclb.dist import Communicator
+from hpclb.dist.base import Communicator
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
 from hpclb.sync.agree import average_buffers
 from hpclb.tasks import to_device

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hpclb.config import RunConfig
-from hpclb.dist import Communicator
+from hpclb.dist.base import Communicator
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
 from hpclb.models import build_model
 from hpclb.optim import OPTIMIZERS

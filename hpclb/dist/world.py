@@ -1,0 +1,88 @@
+"""This process's communicator: created once by :func:`get_communicator` for the backend asked
+for, with this rank's device bound before MPI/NCCL initialise; :func:`current_communicator`
+returns it to the library (``hpclb.init``, ``DistributedOptimizer``)."""
+from __future__ import annotations
+
+import os
+import socket
+
+from hpclb.dist.base import Communicator
+from hpclb.dist.device import select_device
+from hpclb.dist.env import env_local_rank
+from hpclb.dist.registry import backend_class, resolve_backend
+from hpclb.errors import ConfigError
+
+__all__ = ["get_communicator", "current_communicator", "has_communicator", "gpu_peers"]
+
+_world: Communicator | None = None
+
+
+def get_communicator(backend: str = "auto", *, device: str = "auto",
+                     share_gpu: bool = False) -> Communicator:
+    """The process's communicator (created once), with ``comm.device`` the device this rank
+    trains on.
+
+    backend: see :func:`resolve_backend`. device: ``auto`` (cuda when a GPU is visible),
+    ``cpu`` or ``cuda``; share_gpu: allow more ranks than GPUs on a node (tests on one GPU).
+    Where the launcher sets a node-local rank (:func:`hpclb.dist.device.env_local_rank`) the GPU is
+    bound *before* MPI/NCCL initialise; afterwards the communicator's node-local rank (MPI's
+    shared-memory split) must agree with the launcher's, and the device is chosen among the
+    ranks of the node that see the same GPUs (so per-task GPU binding, one GPU per rank, is
+    not "sharing"). One process without a launcher is local rank 0.
+
+    Raises ValueError for an unknown backend name; ConfigError (a ValueError) for a bad
+    ``device``, ``cuda`` without CUDA, more ranks than GPUs without ``share_gpu``, or a
+    launcher local rank that disagrees with the communicator's; RuntimeError when the
+    backend's library is not installed, on a launch that does not match the library in use, or
+    when a communicator of another backend already exists in this process.
+    """
+    global _world
+    backend = resolve_backend(backend)
+    if _world is not None:
+        if _world.backend != backend:
+            raise RuntimeError(f"communicator already created with backend {_world.backend!r}")
+        return _world
+    env_rank = env_local_rank()
+    early = None
+    if env_rank is not None:  # bind the GPU before MPI/NCCL open a CUDA context
+        early = select_device(device, env_rank, 1)
+    comm = backend_class(backend).create(early if early is not None else device, share_gpu)
+    if env_rank is not None and comm.local_rank != env_rank:
+        raise ConfigError(
+            f"the launcher says this process is node-local rank {env_rank} but the {backend} "
+            f"backend finds node-local rank {comm.local_rank} (of {comm.local_size}): the "
+            f"launcher's variables were inherited or exported by hand; launch with one "
+            f"launcher (mpirun, srun or torchrun) and unset stale SLURM_LOCALID/LOCAL_RANK")
+    local_rank, local_size = gpu_peers(comm, device)
+    comm.device = select_device(device, local_rank, local_size, share_gpu=share_gpu)
+    _world = comm
+    return _world
+
+
+def current_communicator() -> Communicator:
+    """The communicator :func:`get_communicator` (or :func:`hpclb.init`) made: one per process.
+    Raises RuntimeError naming the fix before there is one."""
+    if _world is None:
+        raise RuntimeError("call hpclb.init() first (it starts the communicator)")
+    return _world
+
+
+def has_communicator() -> bool:
+    """Whether :func:`get_communicator` has made this process's communicator."""
+    return _world is not None
+
+
+def gpu_peers(comm: Communicator, device: str) -> tuple[int, int]:
+    """``(index, count)`` of this rank among the ranks of its node that see the same GPUs
+    (same host and ``CUDA_VISIBLE_DEVICES``): the node-local rank and size, except under
+    per-task GPU binding (srun ``--gpus-per-task``), where each rank sees its own GPU(s). One
+    allgather unless the device is ``cpu`` or the world is one rank."""
+    if device == "cpu" or comm.world_size == 1:
+        return comm.local_rank, comm.local_size
+    me = (socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    everyone = comm.allgather_object(me)
+    node = [v for v in everyone if v[0] == me[0]]
+    if len(node) != comm.local_size or len(set(node)) == 1:
+        return comm.local_rank, comm.local_size
+    same = [r for r, v in enumerate(everyone) if v == me]
+    return same.index(comm.rank), len(same)

@@ -13,8 +13,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "REDUCE_OPS", "Communicator", "CompletedHandle", "Handle", "SideChannel", "check_op",
-    "launcher_kind", "launcher_world_size"]
+    "REDUCE_OPS", "Communicator", "CompletedHandle", "Handle", "SideChannel", "check_op"]
 
 REDUCE_OPS = ("sum", "max", "min")
 

@@ -13,7 +13,8 @@ batch larger than the training set, a time limit shorter than the checkpoint int
 preemption lead time, a warmup longer than training, ...).
 
 Training-set sizes: the loaders need the data on disk to count it, but a job is rendered on a
-login node that may not hold it, so the data-set registry (:func:`hpclb.data.registry.train_set_sizes`) keeps the published sizes (a recipe's
+login node that may not hold it, so the data-set registry
+(:func:`hpclb.data.registry.train_set_sizes`) keeps the published sizes (a recipe's
 ``data.train_samples`` subset wins when it is smaller).
 
 The request itself (:class:`JobSpec`, the choices, time limits, the checks) is in
@@ -30,6 +31,7 @@ from typing import Any
 
 from hpclb import __version__, schedules
 from hpclb.config import available_experiments, load_recipe
+from hpclb.data.registry import train_set_sizes
 from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError, JobError
 from hpclb.extras import require
 from hpclb.plugins import add_search_path, is_plugin
@@ -42,7 +44,6 @@ from hpclb.tools.jobs_spec import (
     parse_time,
     validate,
 )
-from hpclb.data.registry import train_set_sizes
 
 # JobSpec (hpclb.tools.jobs_spec, torch-free for the command line) is what render takes.
 __all__ = ["BLOCK_SIGNALS", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES",
@@ -62,7 +63,8 @@ SEQ_LEN_KEYS = ("seq_len", "bptt", "num_steps", "sequence_length")
 
 
 def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
-    """(number of training samples, unit) for a recipe, from the data-set registry (:func:`hpclb.data.registry.train_set_sizes`).
+    """(number of training samples, unit) for a recipe, from the data-set registry
+    (:func:`hpclb.data.registry.train_set_sizes`).
 
     Token-counted sets are turned into sequences of the recipe's ``data.seq_len`` (or ``bptt``,
     ``num_steps``; also looked up under ``model``). ``data.train_samples`` (a smoke-run subset)
@@ -156,8 +158,8 @@ def plan_for(recipe: dict[str, Any], global_batch: int, per_rank_batch: int, sca
     if global_batch > n:
         raise JobError(f"the global batch {global_batch} is larger than the training set "
                        f"({n} {unit} of {recipe['data']['name']}): use fewer nodes or GPUs or a "
-                       f"smaller --per-gpu-batch (at most {n // max(1, global_batch // per_rank_batch)}"
-                       f" per rank at this size)")
+                       f"smaller --per-gpu-batch (at most "
+                       f"{n // max(1, global_batch // per_rank_batch)} per rank at this size)")
     opt = optimizer or recipe["optimizer"]
     if opt not in recipe.get("optimizers", {}):
         raise JobError(f"--optimizer {opt}: the recipe {recipe['name']} has no tuned "

@@ -47,7 +47,7 @@ class JobSpec:
     account: str | None = None
     job_name: str | None = None
     out: str | None = None                  # run directory (relative to the submit directory)
-    log: str | None = None                  # scheduler's stdout+stderr file (its directory must exist)
+    log: str | None = None                  # scheduler's stdout+stderr (its directory must exist)
     data_dir: str | None = None
     venv: str | None = ".venv"
     modules: list[str] = field(default_factory=list)

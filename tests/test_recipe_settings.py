@@ -130,3 +130,14 @@ def test_bad_run_setting_names_flag_and_recipe_field(tmp_path, key, bad, message
         load_recipe(quick_recipe(tmp_path, **{key: bad}))
     with pytest.raises(ConfigError, match=rf"^{flag} \(recipe field {key}\): {message}"):
         resolve(quick_recipe(tmp_path), **{key: bad})
+
+
+def test_metric_direction_is_decided_in_one_place():
+    from hpclb.tasks.spec import metric_mode
+    from hpclb.tools.sweep import metric_of
+
+    assert [metric_mode(m) for m in ("test_loss", "valid_perplexity", "top1_error",
+                                     "test_accuracy", "test_bleu")] == ["min"] * 3 + ["max"] * 2
+    assert metric_of({"target": {"metric": "valid_perplexity"}}) == ("valid_perplexity", "min")
+    assert metric_of({"target": {"metric": "valid_perplexity", "mode": "max"}})[1] == "max"
+    assert metric_of({}) == ("test_accuracy", "max")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 __all__ = ["DataSpec", "ModelSpec", "OptimizerSpec", "Recipe", "ScheduleSpec", "TargetSpec",
-           "as_recipe"]
+           "as_recipe", "LOWER_IS_BETTER", "metric_mode"]
 
 
 
@@ -106,6 +106,17 @@ class TargetSpec:
         if target is None:
             return None
         return cls(**{k: v for k, v in dict(target).items() if k in ("metric", "value", "mode")})
+
+
+#: words in a metric's name that make lower better; any other metric (accuracy, BLEU) is maximised
+LOWER_IS_BETTER = ("loss", "perplexity", "error")
+
+
+def metric_mode(metric: str) -> str:
+    """``"min"`` for a metric whose name holds one of :data:`LOWER_IS_BETTER` (losses,
+    perplexities, error rates), else ``"max"`` (accuracy, top-1, BLEU). The one place that says
+    which way a metric improves; a recipe's ``target.mode`` overrides it for its target."""
+    return "min" if any(w in metric for w in LOWER_IS_BETTER) else "max"
 
 
 @dataclass(frozen=True)

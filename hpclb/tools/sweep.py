@@ -36,6 +36,7 @@ from hpclb.config import load_recipe, resolve
 from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES
+from hpclb.tasks.spec import metric_mode
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
 
@@ -48,8 +49,7 @@ def metric_of(recipe: dict) -> tuple[str, str]:
     ``target.mode`` says otherwise."""
     target = recipe.get("target") or {}
     name = target.get("metric", "test_accuracy")
-    lower = any(w in name for w in ("perplexity", "loss", "error"))
-    return name, target.get("mode", "min" if lower else "max")
+    return name, target.get("mode", metric_mode(name))
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from hpclb.dist.base import Communicator
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
 from hpclb.sync.agree import average_buffers
 from hpclb.tasks import to_device
+from hpclb.tasks.spec import metric_mode
 from hpclb.train.metrics import RunLogger
 from hpclb.train.setup import Run, save_checkpoint, setup_run
 from hpclb.train.steplog import StepLog
@@ -85,11 +86,6 @@ class PreemptionFlag:
     def restore(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
-
-
-def _better(metric: str) -> str:
-    """``"min"`` for losses, perplexities and errors, else ``"max"`` (accuracy, BLEU)."""
-    return "min" if any(w in metric for w in ("loss", "perplexity", "error")) else "max"
 
 
 def _show(metric: str, value: float) -> str:
@@ -314,7 +310,7 @@ def _summary(run: Run) -> dict:
     cfg, history, sched = run.cfg, run.pos.history, run.schedule
     target = cfg.spec.target
     metric = target.metric if target else None
-    mode = (target.mode if target else None) or _better(metric or "")
+    mode = (target.mode if target else None) or metric_mode(metric or "")
     value = target.value if target and target.value is not None else \
         (math.inf if mode == "max" else -math.inf)
     reached = [r for r in history if r.get(metric) is not None and
@@ -326,7 +322,7 @@ def _summary(run: Run) -> dict:
         "experiment": cfg.experiment, "task": task.kind,
         **({"decoding": task.decoding} if task.decoding else {}),
         **{f"final_{m}": history[-1][m] for m in evaluated},
-        **{f"best_{m}": (max if _better(m) == "max" else min)(r[m] for r in history)
+        **{f"best_{m}": (max if metric_mode(m) == "max" else min)(r[m] for r in history)
            for m in evaluated},
         "metric_name": metric, "global_batch_size": cfg.global_batch_size,
         "per_rank_batch_size": run.per_rank_batch,

@@ -25,6 +25,10 @@ from hpclb.dist.world import current_communicator, get_communicator, has_communi
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
 
+__all__ = ["init", "communicator", "broadcast_parameters", "broadcast_optimizer_state", "legw",
+           "linear_scaling", "sqrt_scaling", "no_scaling", "shard_loader", "share_weight",
+           "mean_over_ranks"]
+
 
 def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False) -> Communicator:
     """Start (or return) this process's communicator and bind its device.

@@ -11,6 +11,8 @@ from types import ModuleType
 
 from hpclb.errors import MissingExtraError
 
+__all__ = ["OPTIONAL", "require"]
+
 #: top-level module -> (distribution name, extra that installs it)
 OPTIONAL: dict[str, tuple[str, str]] = {
     "jinja2": ("jinja2", "experiments"),

@@ -39,6 +39,10 @@ from typing import Mapping, Sequence
 
 from hpclb.errors import WarmupTooLong
 
+__all__ = ["SCALING_RULES", "WARMUP_RULES", "DECAYS", "SCHEMES", "steps_per_epoch", "batch_ratio",
+           "scale_lr", "scale_warmup_epochs", "warmup_steps_for", "warmup_factor", "decay_factor",
+           "validate_decay", "Schedule"]
+
 SCALING_RULES = ("none", "linear", "sqrt")
 WARMUP_RULES = ("legw", "fixed", "none")
 DECAYS = ("constant", "poly", "exponential", "multistep", "cosine")

@@ -17,6 +17,9 @@ import torch
 
 from hpclb.errors import ConfigError
 
+__all__ = ["DEVICES", "select_device", "visible_gpus", "device_info", "gpus_idle_warning",
+           "bind_local_gpu"]
+
 DEVICES = ("auto", "cpu", "cuda")
 
 def _check_requested(requested: str) -> None:

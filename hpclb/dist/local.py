@@ -8,6 +8,8 @@ from torch import Tensor
 
 from hpclb.dist.base import Communicator, check_op
 
+__all__ = ["SelfCommunicator"]
+
 
 class SelfCommunicator(Communicator):
     """World of one rank (used when not launched under MPI)."""

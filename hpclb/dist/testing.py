@@ -12,6 +12,8 @@ from torch import Tensor
 
 from hpclb.dist.base import Communicator, SideChannel, check_op
 
+__all__ = ["assert_all", "ScaledComm"]
+
 
 def assert_all(comm: Communicator, ok: bool, detail: str = "") -> None:
     """Raise AssertionError on every rank unless ``ok`` holds on every rank (one allgather).

@@ -33,6 +33,8 @@ from hpclb.dist.env import (
     torchrun_started,
 )
 
+__all__ = ["STORE_TIMEOUT_S", "TorchCommunicator"]
+
 STORE_TIMEOUT_S = 300.0
 
 

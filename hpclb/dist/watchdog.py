@@ -35,6 +35,9 @@ from typing import Callable, Iterator
 
 from hpclb.dist.base import Communicator
 
+__all__ = ["DEFAULT_POLL_S", "HISTORY", "StallReport", "print_report", "StallWatchdog",
+           "watchdog_for"]
+
 DEFAULT_POLL_S = 1.0
 HISTORY = 1024  # labels of this many recent collectives, to compare with the peers'
 

@@ -30,6 +30,8 @@ from torch import Tensor
 from hpclb.optim import fused as kernels
 from hpclb.optim.trust import check_trust_clamp
 
+__all__ = ["check_range", "check_eps", "LayerwiseOptimizer", "clamp_row", "select_"]
+
 log = logging.getLogger(__name__)
 
 

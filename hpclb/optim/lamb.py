@@ -32,6 +32,8 @@ from hpclb.optim import fused as kernels
 from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
 from hpclb.optim.trust import lamb_trust_ratios
 
+__all__ = ["lamb_direction", "LAMB"]
+
 
 def lamb_direction(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                    exp_avg_sqs: Sequence[Tensor], *, step: int, beta1: float, beta2: float,

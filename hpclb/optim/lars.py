@@ -30,6 +30,8 @@ from hpclb.optim import fused as kernels
 from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
 from hpclb.optim.trust import lars_trust_ratios
 
+__all__ = ["lars_update_", "LARS"]
+
 
 def lars_update_(params: Sequence[Tensor], grads: Sequence[Tensor],
                  momentum_buffers: Sequence[Tensor], step_sizes: Tensor,

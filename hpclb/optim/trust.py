@@ -34,6 +34,9 @@ from torch import Tensor
 
 from hpclb.optim import fused as kernels
 
+__all__ = ["TrustClamp", "backend_for", "fused_backend", "layer_norms", "clamp_bounds",
+           "check_trust_clamp", "lars_trust_ratios", "lamb_trust_ratios"]
+
 log = logging.getLogger(__name__)
 _announced: set[str] = set()
 

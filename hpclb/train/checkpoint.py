@@ -30,6 +30,9 @@ import torch
 from hpclb._io import fsync_dir, sha256_file, write_atomic
 from hpclb.errors import CheckpointError
 
+__all__ = ["SIDECAR_SUFFIX", "LATEST_NAME", "GENERATIONS_DIR", "sidecar_path",
+           "save_checkpoint", "verify_checkpoint", "load_checkpoint", "Loaded", "CheckpointStore"]
+
 log = logging.getLogger(__name__)
 
 SIDECAR_SUFFIX = ".sha256"

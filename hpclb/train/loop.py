@@ -50,6 +50,8 @@ from hpclb.train.metrics import RunLogger
 from hpclb.train.setup import Run, save_checkpoint, setup_run
 from hpclb.train.steplog import StepLog
 
+__all__ = ["EXPLODED_LOSS_FACTOR", "PreemptionFlag", "train_step", "train"]
+
 # An epoch's training loss this many times step 1's (both finite, > 0) is a divergence: a
 # cross-entropy that starts at ln(classes) never legitimately grows a hundredfold.
 EXPLODED_LOSS_FACTOR = 1e2

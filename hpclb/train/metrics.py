@@ -31,6 +31,9 @@ from typing import Any, Iterable, Mapping
 
 from hpclb._io import json_lines, write_text_atomic
 
+__all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "TENSORBOARD_HINT", "STEP_TAGS",
+           "tensorboard_tag", "RunLogger", "read_metrics", "finite"]
+
 log = logging.getLogger("hpclb")
 
 METRICS_FILE = "metrics.jsonl"

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+__all__ = ["rank_seed", "seed_rank", "rng_state", "set_rng_state", "resume_rank_rng"]
+
 log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1

@@ -41,6 +41,9 @@ from hpclb.tasks import Task, build_task
 from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
 
+__all__ = ["LOCK_NAME", "PRECISIONS", "agreed", "Position", "Run", "build_optimizer",
+           "setup_run", "save_checkpoint"]
+
 log = logging.getLogger(__name__)
 LOCK_NAME = ".hpclb.lock"
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -23,6 +23,8 @@ import torch
 
 from hpclb.noise import NoiseScaleEstimator
 
+__all__ = ["StepLog"]
+
 
 class StepLog:
     """Owned by :func:`hpclb.train.loop.train`; ``after_step`` after each step, ``epoch_fields`` and

@@ -26,22 +26,12 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from hpclb.dist.env import local_size
+
 __all__ = ["MAX_DEFAULT_WORKERS", "EpochKeyed", "StepBatchSampler", "StepLoader",
-           "default_num_workers", "ranks_on_this_node"]
+           "default_num_workers"]
 
 MAX_DEFAULT_WORKERS = 4
-_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE",
-                    "PMI_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
-
-
-def ranks_on_this_node() -> int:
-    """Ranks sharing this node, from the launcher's environment (Open MPI, MPICH/Hydra,
-    torchrun, PMI, MVAPICH); 1 when none says."""
-    for var in _LOCAL_SIZE_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
 
 
 def default_num_workers() -> int:
@@ -51,7 +41,7 @@ def default_num_workers() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpus = cpus or 1
     if cpus >= (os.cpu_count() or cpus):  # not bound per rank: share the node's CPUs
-        cpus //= ranks_on_this_node()
+        cpus //= local_size()
     return min(MAX_DEFAULT_WORKERS, cpus) if cpus > 1 else 0
 
 

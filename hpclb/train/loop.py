@@ -69,7 +69,7 @@ class PreemptionFlag:
         self.checkpoint_due = False
         self.checkpoint_now = False
         self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
-        # a signal the CLI recorded before the loop began (hpclb.cli._PendingSignal) counts
+        # a signal the CLI recorded before the loop began (hpclb.cli.common.PendingSignal) counts
         self.requested = self.requested or any(getattr(h, "pending", False)
                                                for h in self._previous.values())
 

@@ -2,7 +2,7 @@
 not in Debian 12, not on PyPI).
 
 What PBS Pro does and this reproduces:
-- the directives are read first (:func:`hpclb.tools.jobs.pbs_resources`: select, ncpus, ngpus,
+- the directives are read first (:func:`hpclb.tools.jobs_testing.pbs_resources`: select, ncpus, ngpus,
   mpiprocs, walltime, -r), and a script PBS would reject is not run;
 - ``$PBS_NODEFILE`` lists each chunk's host once per ``mpiprocs`` (here: this host, so a
   1-chunk script gets ``mpiprocs`` lines), ``PBS_O_WORKDIR`` is the submit directory,

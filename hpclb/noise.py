@@ -34,8 +34,8 @@ Number = float | torch.Tensor
 def grad_sq_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Squared L2 norm ``sum_i |t_i|^2`` of several tensors (e.g. the ``.grad`` of every
     parameter), as a 0-d float64 tensor on their device; no host synchronisation. The norm is
-    computed in the tensors' dtype (``torch.nn.utils.get_total_norm``), then squared in float64. Tensors that
-    are None are skipped; an empty list gives 0."""
+    computed in the tensors' dtype (``torch.nn.utils.get_total_norm``), then squared in float64.
+    Tensors that are None are skipped; an empty list gives 0."""
     ts = [t for t in tensors if t is not None]
     if not ts:
         return torch.zeros((), dtype=torch.float64)

@@ -160,6 +160,11 @@ def bench_steps(comm, timer: Timer, rounds: int, with_ddp: bool) -> dict:
 
 
 def summarize_steps(times: dict[str, list[float]], p: int) -> dict:
+    """The ResNet-50 step benchmark summarized from each variant's round times (seconds) at ``p``
+    ranks: fastest and median step per variant, samples/s (``STEP_BATCH * p`` / fastest step) and,
+    when the blocking and an overlapped hpclb variant were timed, the fastest overlap mode and the
+    share of the exposed communication it hides (None when blocking exposes less than 5% of the
+    compute time)."""
     t = {k: best(v) for k, v in times.items()}
     res = {"model": f"resnet50 (10 classes), {STEP_IMAGE}x{STEP_IMAGE} inputs, "
                     f"{STEP_BATCH} samples per rank, SGD momentum",
@@ -215,6 +220,9 @@ def bench_horovod(comm, timer: Timer, sizes: list[int], rounds: int, quick: bool
 
 
 def worker(args) -> int:
+    """One rank of the ``mpirun`` job (``python -m hpclb.bench.allreduce worker``): the ``main``
+    suite (raw mpi4py and Gloo Allreduce, GradientSync, step times with DDP) or the ``horovod``
+    suite; rank 0 writes the results and the conditions to ``args.out`` as JSON. Returns 0."""
     from hpclb.dist.world import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
@@ -327,6 +335,10 @@ def plot(runs: dict, path: Path) -> bool:
 
 
 def driver(args) -> int:
+    """``hpclb bench allreduce``: one ``mpirun`` job per rank count in ``args.np`` (and a Horovod
+    job where Horovod imports; with ``--reuse`` the last run's per-job files instead), then the
+    headline ratios, their targets and the runs to ``args.out`` as JSON with a PNG beside it, and
+    the report printed. Returns 0; a job that failed is None in ``runs``."""
     out = Path(args.out)
     tmp = out.parent / ".bench_allreduce"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -415,6 +427,8 @@ def add_run_arguments(r: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hpclb.bench.allreduce run|worker``: parses ``argv`` (default ``sys.argv[1:]``)
+    and runs the driver or one worker; returns its exit status."""
     p = argparse.ArgumentParser(prog="python -m hpclb.bench.allreduce", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -14,6 +14,8 @@ __all__ = ["mpirun", "run_mpi"]
 
 
 def mpirun() -> str:
+    """The ``mpirun`` beside the running interpreter (the venv's Open MPI), else the one on
+    ``PATH``, else the bare name."""
     here = Path(sys.executable).parent / "mpirun"
     return str(here) if here.exists() else (shutil.which("mpirun") or "mpirun")
 

@@ -256,6 +256,9 @@ def summarize(raw: dict, setup: dict) -> dict:
 
 
 def report(res: dict) -> str:
+    """The comparisons of :func:`summarize` as text: per comparison the step-interleaved cost (%),
+    the logging code's direct cost, the whole runs' cost with its per-round ratios, and whether
+    logging meets the target."""
     lines = []
     for key, c in res["comparisons"].items():
         per = " ".join(f"{x:.3f}" for x in c["run_ratio_per_round"])
@@ -318,6 +321,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hpclb.bench.logging_cost run|worker``: parses ``argv`` (default ``sys.argv[1:]``)
+    and runs the driver or the worker; returns its exit status."""
     p = argparse.ArgumentParser(prog="python -m hpclb.bench.logging_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

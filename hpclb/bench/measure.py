@@ -38,6 +38,8 @@ class Timer:
 
 
 def iterations(nbytes: int, quick: bool) -> int:
+    """Timed rounds for an allreduce of ``nbytes`` bytes: 3 from 64 MiB, 5 from 4 MiB, 20 below;
+    with ``quick`` half of that, at least 2."""
     base = 3 if nbytes >= 64 * MiB else 5 if nbytes >= 4 * MiB else 20
     return max(2, base // 2) if quick else base
 
@@ -61,6 +63,7 @@ def interleaved(variants: dict[str, Callable[[], None]], timer: Timer, rounds: i
 
 
 def med(xs: list[float]) -> float:
+    """The median of the round times ``xs`` (seconds); StatisticsError when ``xs`` is empty."""
     return statistics.median(xs)
 
 
@@ -72,6 +75,9 @@ def best(xs: list[float]) -> float:
 
 
 def conditions(comm) -> dict:
+    """What a measurement ran under, for its JSON: host, CPU count, ranks, torch version and
+    threads, the MPI library (first line of its version string), Python version, the 1/5/15-minute
+    load averages at the start and the local date and time."""
     from mpi4py import MPI
     return {"host": socket.gethostname(), "cpus": os.cpu_count(),
             "ranks": comm.world_size, "torch": torch.__version__,

@@ -62,6 +62,9 @@ DEFAULT_FUSION_BYTES = 25 * 2 ** 20
 
 @dataclass
 class Workload:
+    """A projected workload: its fp32 gradient bytes, the bytes of each gradient tensor
+    (registration order), the assumed seconds of one GPU's step at ``batch_per_gpu`` and the source
+    of that assumption."""
     name: str
     gradient_bytes: int
     tensors: list[int]          # bytes per gradient tensor (registration order)
@@ -96,6 +99,9 @@ def workloads(gpu: str = "v100") -> dict[str, Workload]:
 
 
 def n_buckets(tensor_bytes: list[int], fusion_bytes: int) -> int:
+    """How many buckets GradientSync makes of gradient tensors of ``tensor_bytes`` (bytes each,
+    registration order) at fusion threshold ``fusion_bytes``
+    (:func:`hpclb.sync.buckets.plan_buckets` with the default first bucket)."""
     from hpclb.sync.buckets import plan_buckets
     from hpclb.sync.options import DEFAULT_FIRST_BUCKET_BYTES
     return len(plan_buckets(tensor_bytes, fusion_bytes, DEFAULT_FIRST_BUCKET_BYTES))
@@ -125,6 +131,10 @@ def fit_alpha_beta(points: list[tuple[int, int, float]]) -> tuple[float, float]:
 
 @dataclass
 class Calibration:
+    """What the model takes from measurements: ``alpha_sw_s`` (seconds per ring step),
+    ``beta_local_s_per_byte`` (this machine's seconds per byte), ``sync_efficiency`` and
+    ``hidden_fraction`` (both in [0, 1]), their source, and the number of fitted points with the
+    fit's median relative error."""
     alpha_sw_s: float
     beta_local_s_per_byte: float
     sync_efficiency: float
@@ -160,6 +170,9 @@ def calibrate(path: Path | None) -> Calibration:
 
 def comm_time(w: Workload, nodes: int, link_gbps: float, cal: Calibration, fusion_bytes: int,
               topology: str, fp16: bool = False) -> float:
+    """Modeled seconds of one step's gradient allreduce for ``w`` on ``nodes`` nodes of
+    GPUS_PER_NODE GPUs with ``link_gbps`` Gb/s per node: the flat ring (``topology="flat"``; 0 on
+    one GPU) or else the hierarchical one of the module docstring; ``fp16`` halves the bytes."""
     n = w.gradient_bytes / (2 if fp16 else 1)
     p = nodes * GPUS_PER_NODE
     B = n_buckets(w.tensors, fusion_bytes)
@@ -178,6 +191,8 @@ def comm_time(w: Workload, nodes: int, link_gbps: float, cal: Calibration, fusio
 
 
 def step_time(w: Workload, t_comm: float, hidden_fraction: float) -> float:
+    """Modeled seconds per step: compute + ``t_comm`` - the hidden part (``hidden_fraction`` of
+    ``t_comm``, at most the backward share of the compute time)."""
     hidden = min(hidden_fraction * t_comm, BACKWARD_SHARE * w.compute_s)
     return w.compute_s + t_comm - hidden
 
@@ -185,6 +200,9 @@ def step_time(w: Workload, t_comm: float, hidden_fraction: float) -> float:
 def project(cal: Calibration, gpu: str = "v100", fusion_bytes: int = DEFAULT_FUSION_BYTES,
             nodes: list[int] = NODES, links: list[float] = LINKS_GBPS,
             fp16: bool = False) -> list[dict]:
+    """The projection: one row per workload (:func:`workloads` of ``gpu``), link speed (Gb/s),
+    topology (hierarchical, flat) and node count, with ``comm_s``, ``compute_s`` and, with the
+    measured and with full overlap, step time (s) and efficiency (``compute_s`` / step time)."""
     rows = []
     for w in workloads(gpu).values():
         for link in links:
@@ -219,6 +237,8 @@ def local_check(cal: Calibration, path: Path | None) -> list[dict]:
 
 
 def table(rows: list[dict], link: float, topo: str) -> str:
+    """:func:`project` rows for one link speed (Gb/s) and topology as text: per node count, each
+    workload's efficiency in percent with the measured / full overlap."""
     names = sorted({r["workload"] for r in rows})
     head = f"{'nodes':>6s} {'GPUs':>6s} " + " ".join(f"{n + ' eff':>22s}" for n in names)
     lines = [f"link {link:g} Gb/s, {topo} ring; efficiency with measured overlap / full overlap",
@@ -235,6 +255,9 @@ def table(rows: list[dict], link: float, topo: str) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
+    """Efficiency (%) against GPUs of the hierarchical rows of :func:`project`, one panel per
+    workload and a line per link speed and overlap, as a PNG at ``path``; False (nothing drawn)
+    without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -268,8 +291,10 @@ def plot(rows: list[dict], path: Path) -> bool:
 def _print_setup(cal: Calibration, args: argparse.Namespace) -> None:
     """The calibration, the assumptions and the workloads of a projection."""
     print("alpha-beta ring allreduce model (hpclb bench model)")
+    local_gbs = (1 / cal.beta_local_s_per_byte / 1e9 if cal.beta_local_s_per_byte
+                 else float("inf"))
     print(f"calibration from {cal.source}: alpha_sw = {cal.alpha_sw_s * 1e6:.1f} us per ring "
-          f"step, local beta = {1 / cal.beta_local_s_per_byte / 1e9 if cal.beta_local_s_per_byte else float('inf'):.2f} GB/s "
+          f"step, local beta = {local_gbs:.2f} GB/s "
           f"(shared memory; not projected), fit over {cal.fit_points} points, median "
           f"relative error {100 * cal.fit_rel_error_median:.0f}%; hpclb sync efficiency vs raw "
           f"{cal.sync_efficiency:.2f}; measured hidden fraction {cal.hidden_fraction:.2f}")
@@ -299,6 +324,10 @@ def _write_results(out: Path, args: argparse.Namespace, cal: Calibration, rows: 
 
 
 def run(args: argparse.Namespace) -> int:
+    """``hpclb bench model``: calibrates from ``args.measurements`` (stated defaults when missing),
+    prints the setup, the efficiency tables per link speed, ResNet-50 at 1024 GPUs and the Horovod
+    paper's setting, writes the JSON to ``args.out`` and a PNG beside it; returns 0. ValueError when
+    the measurements hold fewer than two usable points."""
     measured = Path(args.measurements) if args.measurements else None
     cal = calibrate(measured)
     if args.hidden_fraction is not None:
@@ -337,6 +366,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``hpclb bench model``: the measurements to calibrate from, the output JSON, the
+    fusion threshold (bytes), an override of the hidden fraction, fp16 gradients."""
     p.add_argument("--measurements", default="results/bench_allreduce.json",
                    help="bench_allreduce.json to calibrate from (default: %(default)s)")
     p.add_argument("--out", default="results/bench_model.json")
@@ -364,6 +395,8 @@ def add_cli(bsub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hpclb.bench.model``: parses ``argv`` (default ``sys.argv[1:]``) and runs
+    :func:`run`; returns its exit status."""
     p = argparse.ArgumentParser(prog="python -m hpclb.bench.model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

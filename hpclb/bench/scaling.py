@@ -43,6 +43,9 @@ IMAGE = 32
 
 
 def build(name: str):
+    """Workload ``name`` of :data:`hpclb.bench.workloads.WORKLOADS` (ResNet-50 with 10 classes),
+    initialized from seed 0, and its SGD optimizer (lr 0.01, momentum 0.9) as ``(model,
+    optimizer)``; KeyError for an unknown name."""
     from hpclb.bench.workloads import WORKLOADS
     torch.manual_seed(0)
     model = WORKLOADS[name]() if name != "resnet50" else WORKLOADS[name](num_classes=10)
@@ -50,6 +53,8 @@ def build(name: str):
 
 
 def batch(name: str, n: int, rank: int):
+    """A random batch of ``n`` samples seeded by ``rank``: float32 inputs ``[n, 28, 28]`` for
+    ``mnist_lstm``, else ``[n, 3, IMAGE, IMAGE]``, and int64 labels ``[n]`` in 0-9."""
     g = torch.Generator().manual_seed(rank)
     if name == "mnist_lstm":
         x = torch.randn(n, 28, 28, generator=g)
@@ -59,6 +64,10 @@ def batch(name: str, n: int, rank: int):
 
 
 def measure(comm, timer: Timer, name: str, per_rank: int, rounds: int) -> dict:
+    """Model ``name`` at ``per_rank`` samples per rank, ``rounds`` interleaved rounds of compute
+    only, blocking and overlapped GradientSync steps and the sync alone (seconds, slowest rank);
+    returns :func:`derive` of them with the batch sizes, ranks, overlap mode, buckets and gradient
+    bytes."""
     from hpclb.sync.gradients import GradientSync
     x, y = batch(name, per_rank, comm.rank)
     variants, syncs = {}, []
@@ -128,6 +137,9 @@ def merge(a: dict | None, b: dict | None) -> dict | None:
 
 
 def worker(args) -> int:
+    """One rank of an ``mpirun`` job (``python -m hpclb.bench.scaling worker``): weak and strong
+    :func:`measure` of each of ``args.models``; rank 0 writes them with the conditions to
+    ``args.out`` as JSON. Returns 0."""
     from hpclb.dist.world import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
@@ -174,6 +186,8 @@ def efficiencies(runs: dict[int, dict]) -> dict:
 
 
 def report(table: dict) -> str:
+    """The :func:`efficiencies` table as text: a line per model/mode and rank count (seconds,
+    samples/s, efficiency, hidden fraction or ``-``)."""
     lines = [f"{'model/mode':20s} {'ranks':>5s} {'step s':>8s} {'samples/s':>10s} {'eff':>6s} "
              f"{'compute s':>9s} {'comm s':>8s} {'exposed s':>9s} {'hidden':>7s}"]
     for key, rows in table.items():
@@ -187,6 +201,8 @@ def report(table: dict) -> str:
 
 
 def plot(table: dict, path: Path) -> bool:
+    """Stacked bars per model/mode and rank count of compute, exposed and hidden communication
+    (seconds per step), as a PNG at ``path``; False (nothing drawn) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -216,6 +232,10 @@ def plot(table: dict, path: Path) -> bool:
 
 
 def driver(args) -> int:
+    """``hpclb bench scaling``: ``args.repeat`` passes of one ``mpirun`` job per rank count in
+    ``args.np`` (rounds pooled across passes), then the efficiency table and the runs to
+    ``args.out`` as JSON with a PNG beside it, and the table printed. Returns 0, or 1 when a job
+    failed."""
     out = Path(args.out)
     tmp = out.parent / ".bench_scaling"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -241,6 +261,8 @@ def driver(args) -> int:
 
 
 def add_common(s: argparse.ArgumentParser) -> None:
+    """Options of both the driver and the worker: the output JSON, timed rounds per variant, the
+    models."""
     s.add_argument("--out", default="results/bench_scaling.json")
     s.add_argument("--rounds", type=int, default=5, help="timed rounds per variant")
     s.add_argument("--models", nargs="+", default=list(BATCHES), choices=list(BATCHES))
@@ -256,6 +278,8 @@ def add_run_arguments(r: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hpclb.bench.scaling run|worker``: parses ``argv`` (default ``sys.argv[1:]``) and
+    runs the driver or one worker; returns its exit status."""
     p = argparse.ArgumentParser(prog="python -m hpclb.bench.scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -51,15 +51,21 @@ def _backend(name: str) -> Iterator[None]:
             os.environ["HPCLB_TRUST_BACKEND"] = before
 
 
-def make_tensors(shapes, device, dtype, seed: int = 0) -> tuple[list, list]:
+def _make_tensors(shapes, device, dtype, seed: int = 0) -> tuple[list, list]:
+    """Random weights and gradients (the gradients scaled by 1e-2) of the ``(name, shape)`` list
+    ``shapes``: drawn in float32 on ``device`` from a generator seeded with ``seed``, then cast to
+    ``dtype``; returns ``(weights, gradients)``."""
     g = torch.Generator(device=device).manual_seed(seed)
-    ws = [torch.randn(s, generator=g, device=device, dtype=torch.float32).to(dtype) for _, s in shapes]
+    ws = [torch.randn(s, generator=g, device=device, dtype=torch.float32).to(dtype)
+          for _, s in shapes]
     gs = [torch.randn(s, generator=g, device=device, dtype=torch.float32).mul_(1e-2).to(dtype)
           for _, s in shapes]
     return ws, gs
 
 
-def adapt_flags(shapes) -> list[bool]:
+def _adapt_flags(shapes) -> list[bool]:
+    """Which layers LARS adapts: True for a parameter of two or more dimensions, False for biases
+    and other vectors."""
     return [len(s) >= 2 for _, s in shapes]
 
 
@@ -82,7 +88,9 @@ def foreach_ratios(ws, gs, adapt):
                                  adapt=adapt)
 
 
-def time_cpu(fn: Callable, repeat: int, warmup: int) -> float:
+def _time_cpu(fn: Callable, repeat: int, warmup: int) -> float:
+    """Median wall time of ``fn()`` in milliseconds over ``repeat`` calls after ``warmup`` untimed
+    ones."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -93,7 +101,9 @@ def time_cpu(fn: Callable, repeat: int, warmup: int) -> float:
     return statistics.median(ts)
 
 
-def time_cuda(fn: Callable, repeat: int, warmup: int) -> float:
+def _time_cuda(fn: Callable, repeat: int, warmup: int) -> float:
+    """Median time of ``fn()`` in milliseconds by CUDA events over ``repeat`` calls, after
+    ``warmup`` untimed ones and a device synchronisation."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -112,16 +122,19 @@ def copy_bandwidth_gbs(device, nbytes: int = 1 << 30, repeat: int = 20) -> float
     """Measured device-to-device copy bandwidth, GB/s (1e9 B/s), read + write counted."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    ms = time_cuda(lambda: dst.copy_(src), repeat, 3)
+    ms = _time_cuda(lambda: dst.copy_(src), repeat, 3)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def bench_cpu(name, shapes, dtype, repeat, warmup) -> dict:
-    ws, gs = make_tensors(shapes, "cpu", dtype)
-    adapt = adapt_flags(shapes)
+def _bench_cpu(name, shapes, dtype, repeat, warmup) -> dict:
+    """CPU timings of one parameter set: the torch path and the per-layer loop (ms), bytes read
+    (weights + gradients), tensor and parameter counts, GB/s and speed-up; asserts that both give
+    the same ratios."""
+    ws, gs = _make_tensors(shapes, "cpu", dtype)
+    adapt = _adapt_flags(shapes)
     nbytes = sum(w.numel() * w.element_size() * 2 for w in ws)
-    torch_ms = time_cpu(lambda: foreach_ratios(ws, gs, adapt), repeat, warmup)
-    loop_ms = time_cpu(lambda: loop_ratios(ws, gs, adapt), repeat, warmup)
+    torch_ms = _time_cpu(lambda: foreach_ratios(ws, gs, adapt), repeat, warmup)
+    loop_ms = _time_cpu(lambda: loop_ratios(ws, gs, adapt), repeat, warmup)
     # both give the same ratios (a sanity check, not a test)
     ref = torch.tensor(loop_ratios(ws, gs, adapt))
     assert torch.allclose(foreach_ratios(ws, gs, adapt)[0], ref, rtol=1e-4)
@@ -130,7 +143,11 @@ def bench_cpu(name, shapes, dtype, repeat, warmup) -> dict:
                 speedup_vs_loop=loop_ms / torch_ms)
 
 
-def bench_gpu(name, shapes, dtype, repeat, warmup, copy_gbs) -> dict:
+def _bench_gpu(name, shapes, dtype, repeat, warmup, copy_gbs) -> dict:
+    """GPU timings of one parameter set on the current CUDA device: fused kernel, torch path and
+    per-layer loop (ms), a LARS step fused and on the torch path (ms), GB/s, the fraction of
+    ``copy_gbs`` (GB/s) the fused kernel reaches and its largest relative difference from the torch
+    path's ratios. RuntimeError when the fused kernel is unavailable."""
     from hpclb.optim import LARS
     from hpclb.optim import fused as kernels
 
@@ -139,17 +156,17 @@ def bench_gpu(name, shapes, dtype, repeat, warmup, copy_gbs) -> dict:
     if fused is None:
         raise RuntimeError("the fused kernel is unavailable (CuPy missing or "
                            "HPCLB_TRUST_BACKEND=torch)")
-    ws, gs = make_tensors(shapes, dev, dtype)
-    adapt = adapt_flags(shapes)
+    ws, gs = _make_tensors(shapes, dev, dtype)
+    adapt = _adapt_flags(shapes)
     nbytes = sum(w.numel() * w.element_size() * 2 for w in ws)
 
     def run_fused():
         return fused.lars_ratios(ws, gs, trust_coefficient=ETA, weight_decay=WD, eps=EPS,
                                  adapt=adapt)
 
-    fused_ms = time_cuda(run_fused, repeat, warmup)
-    foreach_ms = time_cuda(lambda: foreach_ratios(ws, gs, adapt), repeat, warmup)
-    loop_ms = time_cuda(lambda: loop_ratios(ws, gs, adapt), max(3, repeat // 4), 1)
+    fused_ms = _time_cuda(run_fused, repeat, warmup)
+    foreach_ms = _time_cuda(lambda: foreach_ratios(ws, gs, adapt), repeat, warmup)
+    loop_ms = _time_cuda(lambda: loop_ratios(ws, gs, adapt), max(3, repeat // 4), 1)
     r_fused, r_torch = run_fused().ratio, foreach_ratios(ws, gs, adapt)[0]
     max_rel = float(((r_fused - r_torch).abs() / r_torch.abs().clamp_min(1e-30)).max())
 
@@ -160,7 +177,7 @@ def bench_gpu(name, shapes, dtype, repeat, warmup, copy_gbs) -> dict:
     for backend in ("cupy", "torch"):
         opt = LARS(params, lr=0.1)
         with _backend("auto" if backend == "cupy" else "torch"):
-            step_ms[backend] = time_cuda(opt.step, max(3, repeat // 2), 2)
+            step_ms[backend] = _time_cuda(opt.step, max(3, repeat // 2), 2)
     del params
     fused_gbs = nbytes / fused_ms / 1e6
     return dict(n_tensors=len(ws), n_params=sum(w.numel() for w in ws), bytes_moved=nbytes,
@@ -172,7 +189,9 @@ def bench_gpu(name, shapes, dtype, repeat, warmup, copy_gbs) -> dict:
                 max_rel_diff_fused_vs_torch=max_rel)
 
 
-def format_table(result: dict) -> str:
+def _format_table(result: dict) -> str:
+    """The result of :func:`run` as a text table: the CPU and GPU rows measured, or why the GPU was
+    not measured."""
     lines = []
     if "cpu" in result:
         c = result["cpu"]
@@ -205,6 +224,10 @@ def format_table(result: dict) -> str:
 
 def run(sets: list[str], *, dtype: str = "float32", repeat: int = 5, warmup: int = 1,
         cpu: bool = True, gpu: bool = True, gpu_repeat: int = 20) -> dict:
+    """Times the parameter sets ``sets`` of :data:`hpclb.bench.shapes.SETS` in ``dtype`` (a key of
+    ``DTYPES``): on the CPU (``repeat`` timed runs after ``warmup``) and, with CUDA and CuPy, on the
+    GPU (``gpu_repeat`` runs); returns the result described in the module docstring (``gpu_skipped``
+    says why the GPU was not measured). ValueError for an unknown set."""
     unknown = [s for s in sets if s not in SETS]
     if unknown:
         raise ValueError(f"unknown parameter sets {unknown}; known: {sorted(SETS)}")
@@ -214,7 +237,7 @@ def run(sets: list[str], *, dtype: str = "float32", repeat: int = 5, warmup: int
                         eta=ETA, weight_decay=WD, eps=EPS)
     if cpu:
         result["cpu"] = dict(threads=torch.get_num_threads(), sets={
-            s: bench_cpu(s, SETS[s], dt, repeat, warmup) for s in sets})
+            s: _bench_cpu(s, SETS[s], dt, repeat, warmup) for s in sets})
     if gpu:
         from hpclb.optim import fused as kernels
 
@@ -228,7 +251,7 @@ def run(sets: list[str], *, dtype: str = "float32", repeat: int = 5, warmup: int
 
             result["gpu"] = dict(device=torch.cuda.get_device_name(), cupy=cupy.__version__,
                                  copy_bandwidth_gb_s=copy_gbs, sets={
-                                     s: bench_gpu(s, SETS[s], dt, gpu_repeat, 3, copy_gbs)
+                                     s: _bench_gpu(s, SETS[s], dt, gpu_repeat, 3, copy_gbs)
                                      for s in sets})
             for s, v in result["gpu"]["sets"].items():   # the issue's flat keys too
                 result["gpu"][s] = {k: v[k] for k in ("fused_ms", "foreach_ms", "loop_ms",
@@ -237,6 +260,8 @@ def run(sets: list[str], *, dtype: str = "float32", repeat: int = 5, warmup: int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``hpclb bench trust-ratio``: parameter sets, dtype, CPU and GPU repeats, warm-up
+    runs, skipping either device, the output JSON."""
     p.add_argument("--sets", default="resnet50,bert_large",
                    help=f"comma-separated parameter sets ({', '.join(SETS)})")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
@@ -249,10 +274,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(args: argparse.Namespace) -> int:
+    """Runs the benchmark with parsed options, prints the table and writes the JSON to ``args.out``
+    when given; returns 0. ValueError for an unknown parameter set."""
     result = run([s for s in args.sets.split(",") if s], dtype=args.dtype, repeat=args.repeat,
                  warmup=args.warmup, cpu=not args.no_cpu, gpu=not args.no_gpu,
                  gpu_repeat=args.gpu_repeat)
-    print(format_table(result))
+    print(_format_table(result))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -262,6 +289,8 @@ def main_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hpclb.bench.trust_ratio``: parses ``argv`` (default ``sys.argv[1:]``) and runs
+    :func:`main_args`; returns its exit status."""
     p = argparse.ArgumentParser(prog="python -m hpclb.bench.trust_ratio", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

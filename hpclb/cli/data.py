@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 
 from hpclb.cli.common import error, setup_logging
-from hpclb.errors import DataError
 from hpclb.data.registry import fetchable
+from hpclb.errors import DataError
 
 __all__ = ["HELP", "add_parser", "run"]
 

@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
         return EXIT_USAGE
     try:
-        run_sweep(args.experiment, batches, [s.strip() for s in args.schemes.split(",") if s.strip()],
+        schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+        run_sweep(args.experiment, batches, schemes,
                   epochs=args.epochs, ranks=args.ranks, seed=args.seed, optimizer=args.optimizer,
                   data_dir=args.data_dir, out_dir=args.out_dir, runs_dir=args.runs_dir,
                   quiet=not args.verbose, log=lambda m: print(m, flush=True))

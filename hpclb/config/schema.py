@@ -87,11 +87,14 @@ _RUN_SETTING_WARN = {
 
 
 def did_you_mean(word: Any, choices) -> str:
+    """A suffix for an error message naming the entry of ``choices`` closest to ``word`` (difflib):
+    ``" (did you mean 'x'?)"``, or an empty string when none is close."""
     match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def require(cond: bool, field: str, problem: str) -> None:
+    """Raises ConfigError ``"<field>: <problem>"`` unless ``cond``."""
     if not cond:
         raise ConfigError(f"{field}: {problem}")
 
@@ -103,10 +106,12 @@ def number(value: Any) -> bool:
 
 
 def positive_number(value: Any) -> bool:
+    """A finite int or float > 0 (not a bool)."""
     return number(value) and value > 0
 
 
 def positive_int(value: Any) -> bool:
+    """An int > 0 (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -206,9 +211,10 @@ def _check_target(target: Any, where: str) -> None:
 
 
 def check_model(model: dict, kind: str, where: str) -> None:
-    """A registered ``model.name`` (or a plug-in). The model's keys other than ``name`` must be arguments of its constructor (a built-in
-    model or a plug-in class/factory) that the task does not set itself, and every argument
-    without a default must be given. Imports a plug-in (ConfigError saying why it fails)."""
+    """A registered ``model.name`` (or a plug-in). The model's keys other than ``name`` must be
+    arguments of its constructor (a built-in model or a plug-in class/factory) that the task does
+    not set itself, and every argument without a default must be given. Imports a plug-in
+    (ConfigError saying why it fails)."""
     from torch import nn
 
     from hpclb.models import model_factory
@@ -339,6 +345,8 @@ def warn(message: str) -> None:
 
 
 def check_lr(lr: Any, field: str) -> None:
+    """ConfigError naming ``field`` unless ``lr`` is a positive finite number; a RecipeWarning above
+    ``LR_WARN_ABOVE``."""
     require(positive_number(lr), field, f"must be a positive learning rate (the peak LR at "
             f"base_batch_size, per optimizer step), got {lr!r}")
     if lr > LR_WARN_ABOVE:

@@ -1,4 +1,5 @@
-"""How a gradient bucket travels: one driver per overlap mode of :class:`hpclb.sync.gradients.GradientSync`.
+"""How a gradient bucket travels: one driver per overlap mode of
+:class:`hpclb.sync.gradients.GradientSync`.
 
 A driver has three moments: ``launch(bucket)`` (from the backward hook that completed the
 bucket), ``progress(buckets)`` (from later hooks, to let a non-blocking collective advance) and

@@ -2,9 +2,9 @@
 
 :class:`DistributedOptimizer` wraps any ``torch.optim.Optimizer``. Its ``step()`` does, in order:
 
-1. wait for the gradient allreduce (:class:`~hpclb.sync.gradients.GradientSync`: fused buckets started
-   during backward); on the first ``K - 1`` micro-batches of an accumulation window it returns
-   ``False`` without stepping;
+1. wait for the gradient allreduce (:class:`~hpclb.sync.gradients.GradientSync`: fused buckets
+   started during backward); on the first ``K - 1`` micro-batches of an accumulation window it
+   returns ``False`` without stepping;
 2. unscale the fp16 loss scale (when a ``torch.amp.GradScaler`` is given);
 3. the global gradient norm (one fused norm over all gradients, on the device) and the
    non-finite guard: a non-finite norm skips the step on every rank together (the averaged
@@ -62,8 +62,8 @@ class DistributedOptimizer:
         scaler: a ``torch.amp.GradScaler`` for fp16 (the caller scales the loss with
             ``scaler.scale(loss).backward()``; ``step()`` unscales before the norm, clipping and
             trust ratios, and updates the scale).
-        **sync_options: passed to :class:`~hpclb.sync.gradients.GradientSync` (fusion_threshold_bytes,
-            overlap, compression, stall_timeout_s, track_local_norm, ...).
+        **sync_options: passed to :class:`~hpclb.sync.gradients.GradientSync`
+            (fusion_threshold_bytes, overlap, compression, stall_timeout_s, track_local_norm, ...).
 
     Attributes after each ``step()``: ``grad_norm`` (0-d float32 device tensor, the averaged
     gradient's global L2 norm before clipping), ``steps`` (optimizer steps taken or skipped),
@@ -82,7 +82,8 @@ class DistributedOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        if grad_clip_norm is not None and not (grad_clip_norm > 0 and math.isfinite(grad_clip_norm)):
+        if grad_clip_norm is not None and not (grad_clip_norm > 0
+                                               and math.isfinite(grad_clip_norm)):
             raise ValueError(f"grad_clip_norm={grad_clip_norm!r} must be None or a positive norm")
         if isinstance(max_nonfinite_steps, bool) or not isinstance(max_nonfinite_steps, int) \
                 or max_nonfinite_steps < 1:

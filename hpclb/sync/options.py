@@ -1,5 +1,5 @@
-"""The settings of :class:`hpclb.sync.gradients.GradientSync`, read from arguments and the environment in
-one place and validated with their units.
+"""The settings of :class:`hpclb.sync.gradients.GradientSync`, read from arguments and the
+environment in one place and validated with their units.
 
 Every setting may come from an argument or from an ``HPCLB_*`` environment variable (the argument
 wins); :meth:`SyncOptions.resolve` returns them checked. Units are in the names: bytes and seconds.
@@ -32,7 +32,8 @@ SMALL_FUSION_BYTES = 1024
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
-BYTES_FORMS = "an integer number of bytes (26214400) or a number with a unit: 25MiB, 64MB, 1GiB, 512KiB"
+BYTES_FORMS = ("an integer number of bytes (26214400) or a number with a unit: 25MiB, 64MB, "
+               "1GiB, 512KiB")
 
 
 def parse_bytes(raw: str) -> int:

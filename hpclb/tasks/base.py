@@ -35,6 +35,7 @@ EVAL_BATCH_SIZE = 2000
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter; the CPU for a model without parameters."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 

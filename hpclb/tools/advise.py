@@ -42,8 +42,9 @@ def advise(run_dir, last: int = 3) -> dict[str, Any]:
     ``critical_batch``: the median ``b_simple`` over the last ``last`` epochs that have one (the
     noise scale grows as training goes on, so the late epochs are the ones that bound the batch
     for a full run); ``critical_lo``/``critical_hi``: the lowest ``b_simple_lo`` and the highest
-    ``b_simple_hi`` of those epochs, each widened to include the epoch's end value. ``recommended_batch``: :func:`recommend_batch` of it (the
-    largest ``B0 * 2^j`` not above it), with the same rule at both ends of the spread.
+    ``b_simple_hi`` of those epochs, each widened to include the epoch's end value.
+    ``recommended_batch``: :func:`recommend_batch` of it (the largest ``B0 * 2^j`` not above it),
+    with the same rule at both ends of the spread.
     Raises ConfigError (exit 2) when the run has no noise data, naming ``--noise-scale``;
     FileNotFoundError without metrics.jsonl.
     """

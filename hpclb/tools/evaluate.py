@@ -34,7 +34,8 @@ def _decoding_overrides(recipe: dict, beam_size: int | None,
     if beam_size is None and length_penalty is None:
         return data
     if recipe.get("task") != "seq2seq":
-        raise ConfigError(f"--beam-size / --length-penalty: the run is a {recipe.get('task', 'classification')} "
+        task = recipe.get("task", "classification")
+        raise ConfigError(f"--beam-size / --length-penalty: the run is a {task} "
                           f"run; decoding options apply to seq2seq runs only (drop them)")
     if beam_size is not None:
         if beam_size < 1:

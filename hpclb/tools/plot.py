@@ -10,8 +10,8 @@
   lines where there are some, else the per-epoch rows). Written into the run directory (one
   run) or beside the run directories (several).
 - :func:`plot_sweep`: a sweep's ``<experiment>.json`` (``hpclb sweep``) drawn by
-  :func:`hpclb.tools.sweep_report.plot` (metric against batch size per scheme with B0 marked, and the LR of
-  every point), written beside the JSON.
+  :func:`hpclb.tools.sweep_report.plot` (metric against batch size per scheme with B0 marked, and
+  the LR of every point), written beside the JSON.
 
 Every figure is drawn with matplotlib's Agg backend (no display needed) and written atomically.
 """
@@ -250,9 +250,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None):
 
 def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
     """Redraw a sweep's results (``results/sweeps/<experiment>.json``) with
-    :func:`hpclb.tools.sweep_report.plot` to ``out`` (default: the JSON's path with ``.png``); returns
-    ``(path, figure)``. ConfigError when the file is missing, not a sweep's JSON or has no
-    rows."""
+    :func:`hpclb.tools.sweep_report.plot` to ``out`` (default: the JSON's path with ``.png``);
+    returns ``(path, figure)``. ConfigError when the file is missing, not a sweep's JSON or has
+    no rows."""
     path = Path(sweep_json)
     if not path.is_file():
         raise ConfigError(f"{path}: no such sweep file (hpclb sweep writes "

@@ -46,7 +46,7 @@ from pathlib import Path
 __all__ = [
     "ALPHA_LINK_S", "ALPHA_NVLINK_S", "BACKWARD_SHARE", "DEFAULT_FUSION_BYTES", "GPUS_PER_NODE",
     "LINKS_GBPS", "LINK_EFFICIENCY", "NODES", "NVLINK_BPS", "Calibration", "Workload",
-    "add_arguments", "add_cli", "calibrate", "comm_time", "fit_alpha_beta", "local_check",
+    "add_arguments", "calibrate", "comm_time", "fit_alpha_beta", "local_check",
     "main", "n_buckets", "plot", "project", "run", "step_time", "table", "workloads"]
 
 NODES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -375,23 +375,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden-fraction", type=float,
                    help="override the measured share of communication hidden by overlap")
     p.add_argument("--fp16", action="store_true", help="fp16-compressed gradients")
-
-
-def add_cli(bsub) -> None:
-    """Register ``hpclb bench model|allreduce|scaling`` on the ``bench`` subparsers."""
-    m = bsub.add_parser("model", help="alpha-beta ring allreduce model: projected step time "
-                        "and scaling efficiency at 1-1024 nodes x 4 GPUs")
-    add_arguments(m)
-    m.set_defaults(func=run)
-    from hpclb.bench import allreduce, scaling
-    a = bsub.add_parser("allreduce", help="allreduce bandwidth, GradientSync, DDP and Horovod "
-                        "step times at 2 and 4 ranks (launches mpirun itself)")
-    allreduce.add_run_arguments(a)
-    a.set_defaults(func=allreduce.driver)
-    s = bsub.add_parser("scaling", help="step time of MNIST-LSTM and ResNet-50 at 1, 2, 4 "
-                        "ranks, weak and strong (launches mpirun itself)")
-    scaling.add_run_arguments(s)
-    s.set_defaults(func=scaling.driver)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,8 +210,9 @@ PY
 SHARE_PY='
 import sys, torch
 from torch import nn
-from hpclb.dist import get_communicator
-from hpclb.sync.gradients import GradientSync, broadcast_parameters
+from hpclb.dist.world import get_communicator
+from hpclb.sync.agree import broadcast_parameters
+from hpclb.sync.gradients import GradientSync
 comm = get_communicator(sys.argv[1])
 dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 torch.manual_seed(comm.rank)  # different initial weights: the broadcast must fix them
@@ -257,7 +258,7 @@ phase_share() {
 
 STREAM_PY='
 import sys, torch
-from hpclb.dist import get_communicator
+from hpclb.dist.world import get_communicator
 comm = get_communicator("mpi")
 torch.cuda.set_device(0)
 n = 1 << 20

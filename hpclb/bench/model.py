@@ -71,6 +71,7 @@ class Workload:
     compute_s: float            # one GPU's forward+backward+update at batch_per_gpu
     batch_per_gpu: str
     source: str
+    ready_fraction: list[float] | None = None   # measured backward profile, one per tensor
 
 
 def workloads(gpu: str = "v100") -> dict[str, Workload]:
@@ -94,7 +95,14 @@ def workloads(gpu: str = "v100") -> dict[str, Workload]:
     if gpu == "p100-horovod":  # the Horovod paper's setting (Sergeev & Del Balso 2018)
         spec = {"resnet50": (64 / 220, "64 images", "P100 fp32 ~220 img/s, batch 64 per GPU "
                              "(Horovod paper's setting)")}
-    return {n: Workload(n, sum(tensors(n)), tensors(n), c, b, src)
+    def profile(name):
+        from hpclb.bench.backward_profile import load_ready_fractions
+        try:
+            return load_ready_fractions(name)
+        except KeyError:
+            return None
+
+    return {n: Workload(n, sum(tensors(n)), tensors(n), c, b, src, profile(n))
             for n, (c, b, src) in spec.items()}
 
 
@@ -129,12 +137,66 @@ def fit_alpha_beta(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     return a, b
 
 
+def _lstsq_rel(rows: list[tuple[list[float], float]]) -> list[float]:
+    """Least squares of t = sum(c_k x_k) over ``(x, t)`` rows, each weighted by 1/t."""
+    import numpy as np
+    A = np.array([[x / t for x in xs] for xs, t in rows])
+    c = np.linalg.lstsq(A, np.ones(len(rows)), rcond=None)[0]
+    return [max(0.0, float(v)) for v in c]
+
+
+@dataclass
+class LocalFit:
+    """The ring formula as this machine runs it: ``alpha_s`` per ring step, ``beta_cache`` /
+    ``beta_memory`` seconds per byte below / above ``break_bytes`` (the message size where the
+    measured bandwidth falls off a cliff: buffers leave the cache), and the whole time
+    stretched by ``max(1, p / cpus)`` when more ranks than cores share the machine (each rank
+    copies and reduces its share on a core of its own only while ``p <= cpus``)."""
+    alpha_s: float
+    beta_cache: float
+    beta_memory: float
+    break_bytes: int
+    cpus: int
+
+    def time_s(self, nbytes: float, p: int) -> float:
+        beta = self.beta_cache if nbytes <= self.break_bytes else self.beta_memory
+        return max(1.0, p / self.cpus) * (2 * (p - 1) * self.alpha_s +
+                                          2 * (p - 1) / p * nbytes * beta)
+
+
+def fit_local(points: list[tuple[int, int, float]], cpus: int) -> LocalFit:
+    """:class:`LocalFit` of (n bytes, p ranks, t seconds) points measured on ``cpus`` cores:
+    relative least squares for each candidate break (every measured size), the one with the
+    smallest median relative error kept. Raises ValueError for fewer than four points."""
+    pts = [(n, p, t) for n, p, t in points if p > 1 and t > 0]
+    if len(pts) < 4:
+        raise ValueError("need at least four measured points at >= 2 ranks to calibrate")
+    best = None
+    for brk in sorted({n for n, _, _ in pts}):
+        rows = [([max(1.0, p / cpus) * 2 * (p - 1)] +
+                 [max(1.0, p / cpus) * 2 * (p - 1) / p * n * (n <= brk),
+                  max(1.0, p / cpus) * 2 * (p - 1) / p * n * (n > brk)], t) for n, p, t in pts]
+        a, bc, bm = _lstsq_rel(rows)
+        fit = LocalFit(a, bc, bm or bc, brk, cpus)
+        err = _median_error(pts, fit.time_s)
+        if best is None or err < best[0]:
+            best = (err, fit)
+    return best[1]
+
+
+def _median_error(pts: list[tuple[int, int, float]], model) -> float:
+    """Median of |model(n, p) - t| / t over the points."""
+    errs = sorted(abs(model(n, p) - t) / t for n, p, t in pts)
+    return errs[len(errs) // 2]
+
+
 @dataclass
 class Calibration:
     """What the model takes from measurements: ``alpha_sw_s`` (seconds per ring step),
-    ``beta_local_s_per_byte`` (this machine's seconds per byte), ``sync_efficiency`` and
-    ``hidden_fraction`` (both in [0, 1]), their source, and the number of fitted points with the
-    fit's median relative error."""
+    ``beta_local_s_per_byte`` (this machine's seconds per byte, cache-resident messages),
+    ``sync_efficiency`` and ``hidden_fraction`` (both in [0, 1]), their source, the number of
+    fitted points with the fit's median relative error (:func:`fit_local`), the plain alpha-beta
+    fit's median error for comparison, and the local fit itself."""
     alpha_sw_s: float
     beta_local_s_per_byte: float
     sync_efficiency: float
@@ -142,6 +204,20 @@ class Calibration:
     source: str
     fit_points: int
     fit_rel_error_median: float
+    fit_rel_error_median_alpha_beta: float = float("nan")
+    local_fit: dict | None = None
+
+
+def _measured_points(res: dict) -> tuple[list[tuple[int, int, float]], int]:
+    """(bytes, ranks, fastest seconds) of every raw Allreduce in a bench_allreduce.json, and
+    the machine's core count (its ``conditions.cpus``)."""
+    pts, cpus = [], 0
+    for key, run in res.get("runs", {}).items():
+        if run and run.get("raw_mpi") and key.startswith("np"):
+            p = run["conditions"]["ranks"]
+            cpus = cpus or int(run["conditions"].get("cpus") or 0)
+            pts += [(q["bytes"], p, q.get("time_min_s", q["time_s"])) for q in run["raw_mpi"]]
+    return pts, cpus or max(p for _, p, _ in pts)
 
 
 def calibrate(path: Path | None) -> Calibration:
@@ -150,44 +226,48 @@ def calibrate(path: Path | None) -> Calibration:
         return Calibration(10e-6, 1 / 5e9, 0.95, 0.5, "defaults (no measurements: run make "
                            "bench-allreduce)", 0, float("nan"))
     res = json.loads(path.read_text())
-    pts = []
-    for key, run in res.get("runs", {}).items():
-        if run and run.get("raw_mpi") and key.startswith("np"):
-            p = run["conditions"]["ranks"]
-            pts += [(q["bytes"], p, q.get("time_min_s", q["time_s"])) for q in run["raw_mpi"]]
+    pts, cpus = _measured_points(res)
+    fit = fit_local(pts, cpus)
     a, b = fit_alpha_beta(pts)
-    errs = sorted(abs(2 * (p - 1) * a + 2 * (p - 1) / p * n * b - t) / t for n, p, t in pts
-                  if p > 1)
-    if a > 1e-4:
-        print(f"warning: fitted alpha {a * 1e6:.0f} us per ring step: the measurements were "
-              f"taken on a busy machine (scheduling delays, not MPI); rerun make bench-allreduce "
-              f"when it is quieter", file=sys.stderr)
+    plain = _median_error(pts, lambda n, p: 2 * (p - 1) * a + 2 * (p - 1) / p * n * b)
+    if fit.alpha_s > 1e-4:
+        print(f"warning: fitted alpha {fit.alpha_s * 1e6:.0f} us per ring step: the "
+              f"measurements were taken on a busy machine (scheduling delays, not MPI); rerun "
+              f"make bench-allreduce when it is quieter", file=sys.stderr)
     eff = min(1.0, res.get("hpclb_vs_raw_allreduce") or 0.95)
     hid = res.get("overlap_hidden_fraction")
     hid = 0.0 if hid is None else max(0.0, min(1.0, hid))
-    return Calibration(a, b, eff, hid, str(path), len(pts), errs[len(errs) // 2])
+    return Calibration(fit.alpha_s, fit.beta_cache, eff, hid, str(path), len(pts),
+                       _median_error(pts, fit.time_s), plain, asdict(fit))
+
+
+def allreduce_time(nbytes: float, nodes: int, link_gbps: float, cal: Calibration,
+                   topology: str) -> float:
+    """Modeled seconds of one allreduce of ``nbytes`` (one bucket) on ``nodes`` nodes of
+    GPUS_PER_NODE GPUs with ``link_gbps`` Gb/s per node: the flat ring (``topology="flat"``; 0
+    on one GPU) or else the hierarchical one of the module docstring."""
+    n, p = nbytes / cal.sync_efficiency, nodes * GPUS_PER_NODE
+    alpha = ALPHA_LINK_S + cal.alpha_sw_s
+    beta = 8 / (LINK_EFFICIENCY * link_gbps * 1e9)
+    if topology == "flat":
+        return 0.0 if p == 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
+    g = GPUS_PER_NODE
+    intra = 2 * (g - 1) * ALPHA_NVLINK_S + 2 * (g - 1) / g * n / NVLINK_BPS
+    return intra + (0.0 if nodes == 1 else 2 * (nodes - 1) * alpha +
+                    2 * (nodes - 1) / nodes * n * beta)
 
 
 def comm_time(w: Workload, nodes: int, link_gbps: float, cal: Calibration, fusion_bytes: int,
               topology: str, fp16: bool = False) -> float:
-    """Modeled seconds of one step's gradient allreduce for ``w`` on ``nodes`` nodes of
-    GPUS_PER_NODE GPUs with ``link_gbps`` Gb/s per node: the flat ring (``topology="flat"``; 0 on
-    one GPU) or else the hierarchical one of the module docstring; ``fp16`` halves the bytes."""
-    n = w.gradient_bytes / (2 if fp16 else 1)
-    p = nodes * GPUS_PER_NODE
-    B = n_buckets(w.tensors, fusion_bytes)
-    alpha = ALPHA_LINK_S + cal.alpha_sw_s
-    beta = 8 / (LINK_EFFICIENCY * link_gbps * 1e9)
-    if topology == "flat":
-        if p == 1:
-            return 0.0
-        return B * 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta / cal.sync_efficiency
-    intra = B * 2 * (GPUS_PER_NODE - 1) * ALPHA_NVLINK_S + \
-        2 * (GPUS_PER_NODE - 1) / GPUS_PER_NODE * n / NVLINK_BPS / cal.sync_efficiency
-    if nodes == 1:
-        return intra
-    inter = B * 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * n * beta / cal.sync_efficiency
-    return intra + inter
+    """Modeled seconds of one step's gradient allreduce for ``w`` (:func:`allreduce_time` of
+    every bucket of :func:`hpclb.sync.buckets.plan_buckets`, back to back); ``fp16`` halves the
+    bytes."""
+    from hpclb.sync.buckets import plan_buckets
+    from hpclb.sync.options import DEFAULT_FIRST_BUCKET_BYTES
+    scale = 0.5 if fp16 else 1.0
+    return sum(allreduce_time(scale * sum(w.tensors[i] for i in g), nodes, link_gbps, cal,
+                              topology)
+               for g in plan_buckets(w.tensors, fusion_bytes, DEFAULT_FIRST_BUCKET_BYTES))
 
 
 def step_time(w: Workload, t_comm: float, hidden_fraction: float) -> float:
@@ -195,6 +275,23 @@ def step_time(w: Workload, t_comm: float, hidden_fraction: float) -> float:
     ``t_comm``, at most the backward share of the compute time)."""
     hidden = min(hidden_fraction * t_comm, BACKWARD_SHARE * w.compute_s)
     return w.compute_s + t_comm - hidden
+
+
+def schedule_step_time(w: Workload, nodes: int, link_gbps: float, cal: Calibration,
+                       fusion_bytes: int, topology: str = "hierarchical",
+                       fp16: bool = False) -> float | None:
+    """Modeled seconds per step with hpclb's schedule (:mod:`hpclb.bench.schedule`): each bucket
+    released when backward (the measured profile, scaled to ``BACKWARD_SHARE`` of the compute
+    time) has finished its last gradient, reduced after the previous one in
+    :func:`allreduce_time`; the step ends with compute or with the last bucket. None without a
+    backward profile for ``w``."""
+    from hpclb.bench.schedule import bucket_schedule, pipeline_end
+    if w.ready_fraction is None:
+        return None
+    buckets = bucket_schedule(w.tensors, w.ready_fraction, w.compute_s, BACKWARD_SHARE,
+                              fusion_bytes, 0.5 if fp16 else 1.0)
+    end = pipeline_end(buckets, lambda n: allreduce_time(n, nodes, link_gbps, cal, topology))
+    return max(w.compute_s, end)
 
 
 def project(cal: Calibration, gpu: str = "v100", fusion_bytes: int = DEFAULT_FUSION_BYTES,
@@ -216,41 +313,42 @@ def project(cal: Calibration, gpu: str = "v100", fusion_bytes: int = DEFAULT_FUS
                         t = step_time(w, tc, h)
                         row[f"step_s_{label}"] = t
                         row[f"efficiency_{label}"] = w.compute_s / t
+                    t = schedule_step_time(w, N, link, cal, fusion_bytes, topo, fp16)
+                    row["step_s_schedule"] = t
+                    row["efficiency_schedule"] = None if t is None else w.compute_s / t
                     rows.append(row)
     return rows
 
 
 def local_check(cal: Calibration, path: Path | None) -> list[dict]:
-    """How well the fitted alpha/beta reproduce this machine's raw Allreduce times."""
-    if path is None or not path.exists():
+    """How well the fitted model (:func:`fit_local`) reproduces this machine's raw Allreduce
+    times: one row per measured point with ``measured_s`` and ``model_s``."""
+    if path is None or not path.exists() or cal.local_fit is None:
         return []
-    out = []
-    for key, run in json.loads(path.read_text()).get("runs", {}).items():
-        if run and run.get("raw_mpi") and key.startswith("np"):
-            p = run["conditions"]["ranks"]
-            for q in run["raw_mpi"]:
-                t = q.get("time_min_s", q["time_s"])
-                m = 2 * (p - 1) * cal.alpha_sw_s + 2 * (p - 1) / p * q["bytes"] * \
-                    cal.beta_local_s_per_byte
-                out.append({"ranks": p, "bytes": q["bytes"], "measured_s": t, "model_s": m})
-    return out
+    fit = LocalFit(**cal.local_fit)
+    pts, _ = _measured_points(json.loads(path.read_text()))
+    return [{"ranks": p, "bytes": n, "measured_s": t, "model_s": fit.time_s(n, p)}
+            for n, p, t in pts]
 
 
 def table(rows: list[dict], link: float, topo: str) -> str:
     """:func:`project` rows for one link speed (Gb/s) and topology as text: per node count, each
     workload's efficiency in percent with the measured / full overlap."""
     names = sorted({r["workload"] for r in rows})
-    head = f"{'nodes':>6s} {'GPUs':>6s} " + " ".join(f"{n + ' eff':>22s}" for n in names)
-    lines = [f"link {link:g} Gb/s, {topo} ring; efficiency with measured overlap / full overlap",
+    head = f"{'nodes':>6s} {'GPUs':>6s} " + " ".join(f"{n + ' eff':>26s}" for n in names)
+    lines = [f"link {link:g} Gb/s, {topo} ring; efficiency with measured overlap / full overlap "
+             f"/ hpclb's bucket schedule over the measured backward profile",
              head]
     for N in sorted({r["nodes"] for r in rows}):
         cells = []
         for n in names:
             r = next(r for r in rows if r["workload"] == n and r["nodes"] == N and
                      r["link_gbps"] == link and r["topology"] == topo)
-            cells.append(f"{100 * r['efficiency_measured_overlap']:9.1f}% /"
-                         f"{100 * r['efficiency_full_overlap']:6.1f}%   ")
-        lines.append(f"{N:6d} {N * GPUS_PER_NODE:6d} " + " ".join(f"{c:>22s}" for c in cells))
+            sched = r.get("efficiency_schedule")
+            cells.append(f"{100 * r['efficiency_measured_overlap']:5.1f}% /"
+                         f"{100 * r['efficiency_full_overlap']:6.1f}% /" +
+                         (f"{100 * sched:6.1f}%" if sched is not None else "     - "))
+        lines.append(f"{N:6d} {N * GPUS_PER_NODE:6d} " + " ".join(f"{c:>26s}" for c in cells))
     return "\n".join(lines)
 
 

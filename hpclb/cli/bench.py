@@ -17,7 +17,7 @@ HELP = "benchmarks"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
-    from hpclb.bench import allreduce, logging_cost, model, scaling, trust_ratio
+    from hpclb.bench import allreduce, logging_cost, projection, scaling, trust_ratio
 
     b = subparsers.add_parser("bench", help=HELP)
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -28,8 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     # bench model|allreduce|scaling (gradient sync)
     m = bsub.add_parser("model", help="alpha-beta ring allreduce model: projected step time "
                         "and scaling efficiency at 1-1024 nodes x 4 GPUs")
-    model.add_arguments(m)
-    m.set_defaults(func=model.run)
+    projection.add_arguments(m)
+    m.set_defaults(func=projection.run)
     a = bsub.add_parser("allreduce", help="allreduce bandwidth, GradientSync, DDP and Horovod "
                         "step times at 2 and 4 ranks (launches mpirun itself)")
     allreduce.add_run_arguments(a)

@@ -10,10 +10,13 @@ GradientSync reduces a step's gradients in B buckets, so the step pays the alpha
 
 Calibration from ``results/bench_allreduce.json`` (``make bench-allreduce``):
 
-* ``alpha_sw``, ``beta_local``: least-squares fit of the formula to the raw mpi4py Allreduce
-  points measured at 2 and 4 ranks (relative error weighted). ``alpha_sw`` is the software cost
-  of one ring step, which stays on a cluster; ``beta_local`` is this machine's shared memory and
-  is reported, not projected.
+* ``alpha_sw``, ``beta_local``: :func:`fit_local`, the formula as this machine runs it, fitted
+  to the raw mpi4py Allreduce points measured at 2 and 4 ranks (relative error weighted): two
+  bandwidth regimes (cache-resident messages and larger ones, the break fitted among the
+  measured sizes) and the whole time stretched by ``p / cpus`` when ranks outnumber the cores
+  (4 ranks on 2 cores). ``alpha_sw`` is the software cost of one ring step, which stays on a
+  cluster; ``beta_local`` is this machine's shared memory and is reported, not projected. The
+  plain two-parameter fit (:func:`fit_alpha_beta`) is reported beside it.
 * ``sync_efficiency``: hpclb's bucketed sync of ResNet-50 gradients / raw Allreduce of one buffer
   of the same size (``hpclb_vs_raw_allreduce``), capped at 1.
 * ``hidden_fraction``: the measured share of communication hidden behind backward
@@ -30,6 +33,9 @@ Projection for N nodes of 4 GPUs each, ``p = 4 N`` ranks, link speed L Gb/s per 
                 T_comm = B * [2 (N-1) alpha + 2*3 alpha_nvlink]
                          + [2 (N-1)/N * n * beta + 2 * 3/4 * n / bw_nvlink] / sync_efficiency
     T_step = T_compute + T_comm - min(h * T_comm, backward share (2/3) * T_compute)
+    with hpclb's schedule (:func:`schedule_step_time`, :mod:`hpclb.bench.schedule`): each
+    bucket's allreduce starts when backward has produced its last gradient (the measured
+    backward profile) and the previous bucket is done; T_step = max(T_compute, last end)
     efficiency(N) = T_step(1 GPU) / T_step(N)      (weak scaling: fixed batch per GPU)
 
 Compute times per GPU step are assumptions (printed with their sources), not measurements.
@@ -45,9 +51,10 @@ from pathlib import Path
 
 __all__ = [
     "ALPHA_LINK_S", "ALPHA_NVLINK_S", "BACKWARD_SHARE", "DEFAULT_FUSION_BYTES", "GPUS_PER_NODE",
-    "LINKS_GBPS", "LINK_EFFICIENCY", "NODES", "NVLINK_BPS", "Calibration", "Workload",
-    "add_arguments", "calibrate", "comm_time", "fit_alpha_beta", "local_check",
-    "main", "n_buckets", "plot", "project", "run", "step_time", "table", "workloads"]
+    "LINKS_GBPS", "LINK_EFFICIENCY", "NODES", "NVLINK_BPS", "Calibration", "LocalFit", "Workload",
+    "add_arguments", "allreduce_time", "calibrate", "comm_time", "fit_alpha_beta", "fit_local",
+    "local_check", "main", "n_buckets", "plot", "project", "run", "schedule_step_time",
+    "step_time", "table", "workloads"]
 
 NODES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 LINKS_GBPS = [100, 200, 400]

@@ -18,8 +18,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpclb.bench import model
-from hpclb.bench.model import (BACKWARD_SHARE, GPUS_PER_NODE, LINK_EFFICIENCY, Calibration,
-                               Workload, schedule_step_time, workloads)
+from hpclb.bench.model import (
+    BACKWARD_SHARE,
+    GPUS_PER_NODE,
+    LINK_EFFICIENCY,
+    Calibration,
+    Workload,
+    schedule_step_time,
+    workloads,
+)
 from hpclb.bench.schedule import bucket_schedule
 from hpclb.bench.simulate import SimSetting, SimulatorMissing, require, simulate_many
 

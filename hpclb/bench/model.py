@@ -249,13 +249,15 @@ def calibrate(path: Path | None) -> Calibration:
 
 
 def allreduce_time(nbytes: float, nodes: int, link_gbps: float, cal: Calibration,
-                   topology: str) -> float:
+                   topology: str, link_load: int = 1) -> float:
     """Modeled seconds of one allreduce of ``nbytes`` (one bucket) on ``nodes`` nodes of
     GPUS_PER_NODE GPUs with ``link_gbps`` Gb/s per node: the flat ring (``topology="flat"``; 0
-    on one GPU) or else the hierarchical one of the module docstring."""
+    on one GPU) or else the hierarchical one of the module docstring. ``link_load``: the most
+    ring flows that share one network link (:func:`hpclb.bench.fattree.ring_link_load`; 1 on
+    an uncontended network): the ring runs at the busiest link's share of its bandwidth."""
     n, p = nbytes / cal.sync_efficiency, nodes * GPUS_PER_NODE
     alpha = ALPHA_LINK_S + cal.alpha_sw_s
-    beta = 8 / (LINK_EFFICIENCY * link_gbps * 1e9)
+    beta = 8 * link_load / (LINK_EFFICIENCY * link_gbps * 1e9)
     if topology == "flat":
         return 0.0 if p == 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
     g = GPUS_PER_NODE
@@ -286,18 +288,21 @@ def step_time(w: Workload, t_comm: float, hidden_fraction: float) -> float:
 
 def schedule_step_time(w: Workload, nodes: int, link_gbps: float, cal: Calibration,
                        fusion_bytes: int, topology: str = "hierarchical",
-                       fp16: bool = False) -> float | None:
+                       fp16: bool = False, link_load: int = 1,
+                       first_bucket_bytes: int | None = None) -> float | None:
     """Modeled seconds per step with hpclb's schedule (:mod:`hpclb.bench.schedule`): each bucket
     released when backward (the measured profile, scaled to ``BACKWARD_SHARE`` of the compute
     time) has finished its last gradient, reduced after the previous one in
     :func:`allreduce_time`; the step ends with compute or with the last bucket. None without a
-    backward profile for ``w``."""
+    backward profile for ``w``; ``link_load`` as in :func:`allreduce_time`; ``first_bucket_bytes``
+    as in :func:`hpclb.bench.schedule.bucket_schedule`."""
     from hpclb.bench.schedule import bucket_schedule, pipeline_end
     if w.ready_fraction is None:
         return None
     buckets = bucket_schedule(w.tensors, w.ready_fraction, w.compute_s, BACKWARD_SHARE,
-                              fusion_bytes, 0.5 if fp16 else 1.0)
-    end = pipeline_end(buckets, lambda n: allreduce_time(n, nodes, link_gbps, cal, topology))
+                              fusion_bytes, 0.5 if fp16 else 1.0, first_bucket_bytes)
+    end = pipeline_end(buckets, lambda n: allreduce_time(n, nodes, link_gbps, cal, topology,
+                                                         link_load))
     return max(w.compute_s, end)
 
 

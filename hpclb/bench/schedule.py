@@ -18,12 +18,15 @@ __all__ = ["bucket_schedule", "pipeline_end"]
 
 def bucket_schedule(tensor_bytes: list[int], ready_fraction: list[float], compute_s: float,
                     backward_share: float, fusion_bytes: int,
-                    wire_bytes_per_byte: float = 1.0) -> list[list[float]]:
+                    wire_bytes_per_byte: float = 1.0,
+                    first_bucket_bytes: int | None = None) -> list[list[float]]:
     """``[[bytes on the wire, ready_s], ...]`` per bucket in reduction order: ``tensor_bytes``
     (bytes per gradient tensor, registration order) packed at ``fusion_bytes``, ready moments
     from ``ready_fraction`` (one per tensor, in [0, 1] of the backward) scaled to a backward of
     ``backward_share * compute_s`` seconds that ends at ``compute_s``; ``wire_bytes_per_byte``:
-    0.5 for fp16 compression. Raises ValueError when the two lists differ in length."""
+    0.5 for fp16 compression; ``first_bucket_bytes``: hpclb's small first bucket unless given
+    (Horovod has none: pass ``fusion_bytes``). Raises ValueError when the two lists differ in
+    length."""
     from hpclb.sync.buckets import plan_buckets
     from hpclb.sync.options import DEFAULT_FIRST_BUCKET_BYTES
     if len(tensor_bytes) != len(ready_fraction):
@@ -34,7 +37,8 @@ def bucket_schedule(tensor_bytes: list[int], ready_fraction: list[float], comput
     backward_s = backward_share * compute_s
     return [[wire_bytes_per_byte * sum(tensor_bytes[i] for i in group),
              backward_start + backward_s * max(ready_fraction[i] for i in group)]
-            for group in plan_buckets(tensor_bytes, fusion_bytes, DEFAULT_FIRST_BUCKET_BYTES)]
+            for group in plan_buckets(tensor_bytes, fusion_bytes,
+                                      first_bucket_bytes or DEFAULT_FIRST_BUCKET_BYTES)]
 
 
 def pipeline_end(buckets: list[list[float]], allreduce_s: Callable[[float], float]) -> float:

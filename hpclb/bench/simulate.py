@@ -6,8 +6,8 @@ been validated against packet-level simulation and real networks (Velho et al., 
 This module gives it hpclb's exact schedule and lets it time the communication:
 
 * **Platform**: ``nodes`` hosts on a two-level fat tree (SimGrid's ``FAT_TREE`` cluster,
-  D-mod-k routing): leaf switches of up to 32 nodes, as many spine switches as a leaf has nodes
-  (full bisection). Every link runs at ``link_gbps`` x ``link_efficiency`` with ``hop_latency_s``
+  D-mod-k routing, :mod:`hpclb.bench.fattree`): leaf switches of up to 32 nodes, as many spine
+  switches as a leaf has nodes (full bisection); the job's nodes contiguous or scattered. Every link runs at ``link_gbps`` x ``link_efficiency`` with ``hop_latency_s``
   per link, full duplex (``SPLITDUPLEX``); network model ``CM02`` (plain max-min sharing; the
   default ``LV08`` carries TCP-calibrated factors that do not describe InfiniBand or RoCE).
 * **Schedule**: the buckets of :func:`hpclb.sync.buckets.plan_buckets` in the order GradientSync
@@ -43,8 +43,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["DIST_PACKAGES", "INSTALL_HINT", "LEAF_NODES", "SimSetting", "SimulatorMissing",
-           "available", "require", "simulate", "simulate_many"]
+from hpclb.bench.fattree import LEAF_NODES, host_order
+
+__all__ = ["DIST_PACKAGES", "INSTALL_HINT", "SimSetting", "SimulatorMissing", "available",
+           "require", "simulate", "simulate_many"]
 
 #: where Debian's python3-simgrid lives; HPCLB_SIMGRID_PATH names another directory
 DIST_PACKAGES = os.environ.get("HPCLB_SIMGRID_PATH", "/usr/lib/python3/dist-packages")
@@ -52,7 +54,6 @@ INSTALL_HINT = ("SimGrid is not importable: install Debian's python3-simgrid (3.
                 "`make install-simgrid` (root: apt-get install -y python3-simgrid), or set "
                 f"HPCLB_SIMGRID_PATH to the directory holding simgrid's module (looked in "
                 f"{DIST_PACKAGES})")
-LEAF_NODES = 32
 
 
 class SimulatorMissing(RuntimeError):
@@ -94,7 +95,9 @@ class SimSetting:
     GPU, ready_s from the step's start), the step's ``compute_s`` (s), ``nodes`` of
     ``gpus_per_node``, links of ``link_gbps`` (Gb/s) at ``link_efficiency``, ``hop_latency_s``
     per link, ``alpha_sw_s`` (s per ring-step message), NVLink ``nvlink_Bps`` (bytes/s per GPU)
-    and ``alpha_nvlink_s``, and at most ``max_messages`` messages per node per bucket."""
+    and ``alpha_nvlink_s``, at most ``max_messages`` messages per node per bucket, and the
+    nodes' ``placement`` on the fat tree (:func:`hpclb.bench.fattree.host_order`, ``seed``);
+    ``topology`` ``hierarchical`` or ``flat`` (one ring over all GPUs, NCCL 2's in 2017)."""
     buckets: list[list[float]]
     compute_s: float
     nodes: int
@@ -105,7 +108,10 @@ class SimSetting:
     gpus_per_node: int = 4
     nvlink_Bps: float = 150e9
     alpha_nvlink_s: float = 2e-6
-    max_messages: int = 16
+    max_messages: int = 8
+    placement: str = "contiguous"
+    seed: int = 0
+    topology: str = "hierarchical"
 
 
 def _platform_xml(s: SimSetting) -> str:
@@ -127,24 +133,28 @@ def _groups(steps: int, max_messages: int) -> list[int]:
     return [steps // m + (1 if i < steps % m else 0) for i in range(m)]
 
 
-def _node_actor(sg, s: SimSetting, rank: int, done: list[float]) -> None:
+def _node_actor(sg, s: SimSetting, rank: int, order: list[int], done: list[float]) -> None:
     """Node ``rank``: every bucket in order: wait until it is ready, reduce-scatter inside the
-    node, the ring across the nodes, allgather inside the node."""
+    node, the ring across the nodes, allgather inside the node (``flat``: one ring over every
+    GPU, whose ``2 (N g - 1)`` steps each send ``1 / (N g)`` of the bucket across each node
+    boundary; its hops inside a node are faster than the NIC and run within the step)."""
     N, g = s.nodes, s.gpus_per_node
+    flat = s.topology == "flat"
+    ring = N * g if flat else N     # ring members; a flat ring crosses each node boundary once
     nxt = sg.Mailbox.by_name(f"ring-{(rank + 1) % N}")
     mine = sg.Mailbox.by_name(f"ring-{rank}")
-    same_leaf = rank // LEAF_NODES == ((rank + 1) % N) // LEAF_NODES
-    route_lat = (2 if same_leaf or N <= LEAF_NODES else 4) * s.hop_latency_s
+    same_leaf = order[rank] // LEAF_NODES == order[(rank + 1) % N] // LEAF_NODES
+    route_lat = (2 if same_leaf else 4) * s.hop_latency_s
     for nbytes, ready in s.buckets:
         now = sg.Engine.clock
         if ready > now:
             sg.this_actor.sleep_for(ready - now)
-        intra = (g - 1) * s.alpha_nvlink_s + (g - 1) / g * nbytes / s.nvlink_Bps
+        intra = 0.0 if flat else (g - 1) * s.alpha_nvlink_s + (g - 1) / g * nbytes / s.nvlink_Bps
         sg.this_actor.sleep_for(intra)
         if N > 1:
-            for k in _groups(2 * (N - 1), s.max_messages):
+            for k in _groups(2 * (ring - 1), s.max_messages):
                 sg.this_actor.sleep_for(k * s.alpha_sw_s + (k - 1) * route_lat)
-                out = nxt.put_async(k, max(1, round(k * nbytes / N)))
+                out = nxt.put_async(k, max(1, round(k * nbytes / ring)))
                 mine.get()
                 out.wait()
         sg.this_actor.sleep_for(intra)
@@ -165,10 +175,11 @@ def _run(s: SimSetting) -> dict:
         e.load_platform(f.name)
     finally:
         os.unlink(f.name)
-    done = [0.0] * s.nodes
+    done, order = [0.0] * s.nodes, host_order(s.nodes, s.placement, s.seed)
     hosts = sorted(e.all_hosts, key=lambda h: int(h.name.split("-")[1]))
     for rank in range(s.nodes):
-        sg.Actor.create(f"node-{rank}", hosts[rank], _node_actor, sg, s, rank, done)
+        sg.Actor.create(f"node-{rank}", hosts[order[rank]], _node_actor, sg, s, rank, order,
+                        done)
     e.run()
     comm_end = max(done)
     step = max(s.compute_s, comm_end)

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hpclb.bench import model
+from hpclb.bench.fattree import PLACEMENTS, host_order, ring_link_load
 from hpclb.bench.model import (
     BACKWARD_SHARE,
     GPUS_PER_NODE,
@@ -27,7 +28,6 @@ from hpclb.bench.model import (
     schedule_step_time,
     workloads,
 )
-from hpclb.bench.fattree import PLACEMENTS, host_order, ring_link_load
 from hpclb.bench.schedule import bucket_schedule
 from hpclb.bench.simulate import SimSetting, SimulatorMissing, require, simulate_many
 
@@ -119,6 +119,18 @@ def horovod_check(cal: Calibration, fusion_bytes: int) -> dict:
     return out
 
 
+_CURVES = [
+    ("hidden_fraction_efficiency", dict(color="grey", marker="x", linestyle=":"),
+     "closed form, one hidden fraction (before)"),
+    ("closed_efficiency", dict(color="C0", marker="o"), "closed form, hpclb schedule"),
+    ("sim_efficiency", dict(color="C1", marker="s", linestyle="--", fillstyle="none"),
+     "SimGrid replay"),
+    ("scattered_closed_efficiency", dict(color="C2", marker="o"),
+     "closed form, scattered nodes (busiest link)"),
+    ("scattered_sim_efficiency", dict(color="C3", marker="s", linestyle="--", fillstyle="none"),
+     "SimGrid replay, scattered nodes")]
+
+
 def plot_compare(rows: list[dict], path: Path) -> bool:
     """Efficiency (%) against GPUs, closed form and simulation, one panel per workload, as a
     PNG at ``path``; False (nothing drawn) without matplotlib."""
@@ -133,10 +145,9 @@ def plot_compare(rows: list[dict], path: Path) -> bool:
     for ax, name in zip(axes[0], names):
         pts = [r for r in rows if r["workload"] == name]
         gpus = [r["gpus"] for r in pts]
-        ax.plot(gpus, [100 * r["closed_efficiency"] for r in pts], marker="o",
-                label="closed form (hpclb schedule)")
-        ax.plot(gpus, [100 * r["sim_efficiency"] for r in pts], marker="s", linestyle="--",
-                label="SimGrid replay")
+        for key, style, label in _CURVES:
+            if key in pts[0]:
+                ax.plot(gpus, [100 * r[key] for r in pts], label=label, **style)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 105)
         ax.set_xlabel(f"GPUs ({GPUS_PER_NODE} per node), {pts[0]['link_gbps']:g} Gb/s fat tree")

@@ -9,7 +9,8 @@ This module gives it hpclb's exact schedule and lets it time the communication:
   D-mod-k routing, :mod:`hpclb.bench.fattree`): leaf switches of up to 32 nodes, as many spine
   switches as a leaf has nodes (full bisection); the job's nodes contiguous or scattered. Every
   link runs at ``link_gbps`` x ``link_efficiency`` with ``hop_latency_s`` per link, full duplex
-  (``SPLITDUPLEX``); network model ``CM02`` (plain max-min sharing; the default ``LV08`` carries TCP-calibrated factors that do not describe InfiniBand or RoCE).
+  (``SPLITDUPLEX``); network model ``CM02`` (plain max-min sharing; the default ``LV08``
+  carries TCP-calibrated factors that do not describe InfiniBand or RoCE).
 * **Schedule**: the buckets of :func:`hpclb.sync.buckets.plan_buckets` in the order GradientSync
   reduces them, each released at the moment its last gradient is ready (``ready_s``, from the
   backward profile, :mod:`hpclb.bench.schedule`), reduced one after another (hpclb's

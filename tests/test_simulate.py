@@ -161,3 +161,15 @@ def test_simulate_without_simgrid_exits_2_with_the_install_hint(tmp_path):
     assert "make install-simgrid" in out.stderr and "apt-get install -y python3-simgrid" in \
         out.stderr
     assert not (tmp_path / "m.json").exists()   # nothing ran before the check
+
+
+def test_simulate_refuses_bad_node_counts(tmp_path, capsys):
+    import argparse
+
+    from hpclb.bench import projection
+    p = argparse.ArgumentParser()
+    projection.add_arguments(p)
+    args = p.parse_args(["--simulate", "--sim-nodes", "16", "0", "--out", str(tmp_path / "m")])
+    assert projection.run(args) == 2
+    assert "--sim-nodes 16 0: node counts must be 1..4096" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()

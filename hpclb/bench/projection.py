@@ -202,8 +202,13 @@ def run(args: argparse.Namespace) -> int:
     """``hpclb bench model [--simulate]``: the closed form (:func:`hpclb.bench.model.run`); with
     ``--simulate`` first checks SimGrid imports (else prints how to install it and returns 2),
     then validates on the Horovod setting, prints the comparison and writes ``args.sim_out``
-    (JSON) and a PNG beside it. Returns 1 when the Horovod check misses by more than 10 points."""
+    (JSON) and a PNG beside it. Returns 2 for node counts outside 1..4096, 1 when the Horovod
+    check misses by more than 10 points."""
     if args.simulate:
+        if any(n < 1 or n > 4096 for n in args.sim_nodes):
+            print(f"error: --sim-nodes {' '.join(map(str, args.sim_nodes))}: node counts must "
+                  f"be 1..4096 (default {' '.join(map(str, SIM_NODES))})", file=sys.stderr)
+            return 2
         try:
             require()
         except SimulatorMissing as e:

@@ -135,16 +135,20 @@ bench-scaling: install
 	$(PY) -m hpclb bench scaling --np 1 2 4 --out results/bench_scaling.json
 
 # The closed form beside its SimGrid replay (docs/projection.md); SimGrid from install-simgrid.
-bench-model: install
+bench-model: install install-simgrid
 	$(PY) -m hpclb bench model --measurements results/bench_allreduce.json --simulate
 
 # Debian's python3-simgrid 3.32 (the PyPI package is a source build); hpclb imports it from
-# /usr/lib/python3/dist-packages (HPCLB_SIMGRID_PATH names another place). Root + apt-get.
+# /usr/lib/python3/dist-packages (HPCLB_SIMGRID_PATH names another place). Root + apt-get,
+# skipped when SimGrid already imports.
+SIMGRID_CHECK := import sys; sys.path.append('/usr/lib/python3/dist-packages'); import simgrid; \
+    print('simgrid', simgrid.simgrid_version)
 .PHONY: install-simgrid
 install-simgrid:
-	@test "$$(id -u)" = 0 || { echo "error: install-simgrid runs apt-get: run it as root (or install python3-simgrid yourself)"; exit 1; }
-	apt-get install -y python3-simgrid || { apt-get update && apt-get install -y python3-simgrid; }
-	$(PYTHON) -c "import sys; sys.path.append('/usr/lib/python3/dist-packages'); import simgrid; print('simgrid', simgrid.simgrid_version)"
+	@$(PYTHON) -c "$(SIMGRID_CHECK)" 2>/dev/null || { \
+	    test "$$(id -u)" = 0 || { echo "error: install-simgrid runs apt-get: run it as root (or install Debian's python3-simgrid yourself)"; exit 1; }; \
+	    apt-get install -y python3-simgrid || { apt-get update && apt-get install -y python3-simgrid; }; \
+	    $(PYTHON) -c "$(SIMGRID_CHECK)"; }
 
 # Fused trust-ratio kernel benchmark: CPU part always, GPU part where CUDA + CuPy are present.
 .PHONY: bench-kernel

@@ -406,7 +406,8 @@ def _print_setup(cal: Calibration, args: argparse.Namespace) -> None:
     print(f"calibration from {cal.source}: alpha_sw = {cal.alpha_sw_s * 1e6:.1f} us per ring "
           f"step, local beta = {local_gbs:.2f} GB/s "
           f"(shared memory; not projected), fit over {cal.fit_points} points, median "
-          f"relative error {100 * cal.fit_rel_error_median:.0f}%; hpclb sync efficiency vs raw "
+          f"relative error {100 * cal.fit_rel_error_median:.0f}% (plain alpha-beta fit: "
+          f"{100 * cal.fit_rel_error_median_alpha_beta:.0f}%); hpclb sync efficiency vs raw "
           f"{cal.sync_efficiency:.2f}; measured hidden fraction {cal.hidden_fraction:.2f}")
     print(f"assumptions: {GPUS_PER_NODE} GPUs per node; alpha_link {ALPHA_LINK_S * 1e6:g} us; "
           f"links at {100 * LINK_EFFICIENCY:.0f}% of line rate; NVLink {NVLINK_BPS / 1e9:g} GB/s "

@@ -27,7 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tr.set_defaults(func=run)
     # bench model|allreduce|scaling (gradient sync)
     m = bsub.add_parser("model", help="alpha-beta ring allreduce model: projected step time "
-                        "and scaling efficiency at 1-1024 nodes x 4 GPUs")
+                        "and scaling efficiency at 1-1024 nodes x 4 GPUs; --simulate: checked "
+                        "by a SimGrid replay of the sync schedule")
     projection.add_arguments(m)
     m.set_defaults(func=projection.run)
     a = bsub.add_parser("allreduce", help="allreduce bandwidth, GradientSync, DDP and Horovod "

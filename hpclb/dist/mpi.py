@@ -27,6 +27,7 @@ from torch import Tensor
 
 from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
 from hpclb.dist.env import launcher_world_size
+from hpclb.dist.streams import TorchCudaAPI
 
 __all__ = [
     "CUDA_AWARE_ENV", "SIDE_TAG", "HostStaging", "MPICommunicator", "MPISideChannel",
@@ -131,36 +132,6 @@ def cuda_aware_mpi(MPI=None) -> bool:
         except Exception:  # noqa: BLE001 - NotImplementedError / MPI.Exception by build
             pass
     return bool(_ctypes_cuda_support())
-
-
-class TorchCudaAPI:
-    """The CUDA stream/event/copy operations :class:`HostStaging` needs, for one device (tests
-    pass a stand-in with the same methods)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def new_stream(self):
-        return torch.cuda.Stream(self.device)
-
-    def new_event(self):
-        return torch.cuda.Event()
-
-    def current_stream(self):
-        return torch.cuda.current_stream(self.device)
-
-    def pinned(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
-
-    def copy(self, dst: Tensor, src: Tensor, stream) -> None:
-        """``dst.copy_(src)`` enqueued on ``stream`` (asynchronous for pinned host memory)."""
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-
-    def record_stream(self, tensor: Tensor, stream) -> None:
-        """Tell the caching allocator ``stream`` uses ``tensor`` (no early reuse of its
-        memory)."""
-        tensor.record_stream(stream)
 
 
 class HostStaging:

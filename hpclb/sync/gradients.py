@@ -137,7 +137,8 @@ class GradientSync:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     self._make_hook(b, j)))
         driver = DRIVERS[self.overlap]
-        self._driver = driver(comm, self.comm_poll_s, owner=self) \
+        self._driver = driver(comm, self.comm_poll_s, owner=self,
+                              device=self.buckets[0].buffer.device if self.buckets else None) \
             if self.overlap == "thread" else driver(comm, self.comm_poll_s)
 
     # -- construction -------------------------------------------------------------------------

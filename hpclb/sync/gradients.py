@@ -130,6 +130,7 @@ class GradientSync:
         comm = self.comm
         self._agree()
         GradientSync._live[id(comm)] = self
+        comm.register_buckets([b.comm_buffer for b in self.buckets])
         self._watchdog = watchdog_for(comm)
         self._watchdog.register_timeout(self.stall_timeout_s)
         for b in self.buckets:
@@ -379,6 +380,7 @@ class GradientSync:
                 p._hpclb_sync = None
         if GradientSync._live.get(id(self.comm)) is self:
             del GradientSync._live[id(self.comm)]
+            self.comm.register_buckets([])
         if self._driver is not None:
             self._driver.close()
 

@@ -61,6 +61,22 @@ def _ptr(t: "Tensor | None") -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _addresses(lists: Sequence[Sequence["Tensor | None"] | None]) -> tuple | None:
+    """Every tensor's address, list by list (None for a missing list, 0 for a missing tensor):
+    the cache key of the checks and tables; None when a tensor has no address (sparse)."""
+    try:
+        return tuple(None if ts is None else tuple([0 if t is None else t.data_ptr()
+                                                    for t in ts]) for ts in lists)
+    except RuntimeError:
+        return None
+
+
+def _remember(cache: OrderedDict, key: tuple, value: Any) -> None:
+    cache[key] = value
+    while len(cache) > _TABLE_CACHE_SIZE:
+        cache.popitem(last=False)
+
+
 def _u64(x: int) -> np.uint64:
     return np.uint64(x)
 
@@ -87,9 +103,17 @@ class FusedTrust:
     Methods never synchronise with the host.
 
     ``counters``: ``launches``, ``chunks`` and ``vector_chunks`` (chunks on the 16-byte vector
-    path) summed over launches, and ``vector_launches`` (launches whose every chunk was
-    vectorised). Tables and their scratch space are cached per stream
-    (``launcher.stream_key()``, 0 for a launcher without streams).
+    path) summed over launches, ``vector_launches`` (launches whose every chunk was
+    vectorised), ``validations`` (full checks of the tensors, :meth:`why_not`) and ``tables``
+    (descriptor tables built and uploaded, :meth:`table`).
+
+    Caching: a step passes the same tensors every time (parameters, bucket views, optimizer
+    state), so the checks and the table are done once per *tensor set*, keyed by every tensor's
+    address (``data_ptr``, in list order; one cheap call per tensor), the layer flags and rows,
+    and the stream (``launcher.stream_key()``, 0 for a launcher without streams): tables and
+    their scratch space are per stream. A new tensor set (a model moved, cast or rebuilt, a
+    ``set_to_none`` gradient at a new address) is checked and tabled again. Not seen: an
+    in-place metadata change that keeps every address (``resize_``, ``t_()`` on a parameter).
     """
 
     def __init__(self, launcher: Any, *, chunk_size: int = DEFAULT_CHUNK,
@@ -103,15 +127,29 @@ class FusedTrust:
         self.chunk_size = int(chunk_size)
         self.block = int(block)
         self._layouts: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._tables: OrderedDict[bytes, Table] = OrderedDict()
-        self.counters = {"launches": 0, "vector_launches": 0, "chunks": 0, "vector_chunks": 0}
+        self._tables: OrderedDict[tuple, Table] = OrderedDict()
+        self._valid: OrderedDict[tuple, None] = OrderedDict()
+        self.counters = {"launches": 0, "vector_launches": 0, "chunks": 0, "vector_chunks": 0,
+                         "validations": 0, "tables": 0}
 
     # -- checks and tables ----------------------------------------------------------------------
     def why_not(self, *lists: Sequence["Tensor | None"],
                 names: Sequence[str] | None = None) -> str | None:
         """None when the kernel takes these layer-aligned lists (weights first): every tensor on
         this device, dense, contiguous, fp32/fp16/bf16, each layer's tensors of one numel and
-        dtype. Otherwise the first reason, naming the layer (``names[i]`` or its index)."""
+        dtype. Otherwise the first reason, naming the layer (``names[i]`` or its index).
+        A tensor set found fit is remembered (class docstring): checked once, not per step."""
+        key = _addresses(lists)
+        if key is not None and key in self._valid:
+            self._valid.move_to_end(key)
+            return None
+        self.counters["validations"] += 1
+        reason = self._check(lists, names)
+        if reason is None and key is not None:
+            _remember(self._valid, key, None)
+        return reason
+
+    def _check(self, lists, names) -> str | None:
         import torch
 
         first = lists[0] if lists else ()
@@ -148,7 +186,23 @@ class FusedTrust:
     def table(self, w: Sequence["Tensor"], g: Sequence["Tensor | None"] | None = None,
               m: Sequence["Tensor"] | None = None, v: Sequence["Tensor"] | None = None, *,
               adapt: Sequence[bool] | None = None, rows: Sequence[int] | None = None) -> Table:
-        """The cached device table for these tensors (built and uploaded on a miss)."""
+        """The cached device table for these tensors (checked, built and uploaded on a miss;
+        see the class docstring for the key). Raises ValueError when the kernel cannot take
+        them (:meth:`why_not`) or the lists' lengths differ."""
+        stream = int(getattr(self.launcher, "stream_key", lambda: 0)())
+        key = (_addresses((w, g, m, v)), None if adapt is None else tuple(adapt),
+               None if rows is None else tuple(rows), stream, self.chunk_size)
+        tab = self._tables.get(key) if key[0] is not None else None
+        if tab is not None:
+            self._tables.move_to_end(key)
+            return tab
+        tab = self._build_table(w, g, m, v, adapt, rows, stream)
+        self.counters["tables"] += 1
+        if key[0] is not None:
+            _remember(self._tables, key, tab)
+        return tab
+
+    def _build_table(self, w, g, m, v, adapt, rows, stream: int) -> Table:
         n = len(w)
         for name, other in (("g", g), ("m", m), ("v", v)):
             if other is not None and len(other) != n:
@@ -180,17 +234,7 @@ class FusedTrust:
                                      f"{t.dtype})")
             desc[:, slot] = np.fromiter((_ptr(t) for t in ts), dtype=np.uint64,
                                         count=n).view(np.int64)
-        stream = int(getattr(self.launcher, "stream_key", lambda: 0)())
-        key = desc.tobytes() + np.int64(self.chunk_size).tobytes() + np.int64(stream).tobytes()
-        tab = self._tables.get(key)
-        if tab is None:
-            tab = Table(desc, chunk_tensor, self.device, self.chunk_size, stream)
-            self._tables[key] = tab
-            while len(self._tables) > _TABLE_CACHE_SIZE:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(key)
-        return tab
+        return Table(desc, chunk_tensor, self.device, self.chunk_size, stream)
 
     def _upload_hp(self, hp: "np.ndarray | Tensor") -> "Tensor":
         import torch

@@ -51,8 +51,9 @@ def select_device(requested: str, local_rank: int, local_size: int, *, share_gpu
     requested: ``auto`` (cuda when a GPU is visible, else cpu), ``cpu`` or ``cuda``.
     local_rank, local_size: this rank's index and the number of ranks on its node that see the
     same GPUs. share_gpu: allow more ranks than visible GPUs (ranks then share GPUs round robin;
-    for tests on one GPU); ``$HPCLB_SHARE_GPU=1`` allows it too (:func:`share_gpu_requested`). device_count, cuda_available: fake a GPU node in tests (then
-    ``torch.cuda.set_device`` is not called); default torch's answers (``CUDA_VISIBLE_DEVICES``
+    for tests on one GPU); ``$HPCLB_SHARE_GPU=1`` allows it too (:func:`share_gpu_requested`).
+    device_count, cuda_available: fake a GPU node in tests (then ``torch.cuda.set_device`` is
+    not called); default torch's answers (``CUDA_VISIBLE_DEVICES``
     honoured).
 
     Returns ``torch.device("cpu")`` or ``torch.device("cuda", local_rank % visible_gpus)``.

@@ -3,13 +3,14 @@ which devices get it (:func:`fused_for`, :func:`use_fused`)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from hpclb.optim.fused.launcher import CupyLauncher, cupy_available
+from hpclb.optim.fused.launcher import CUPY_CACHE_ENV, CupyLauncher, cupy_available
 from hpclb.optim.fused.layout import (
     D_FIRST,
     D_G,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # torch is imported lazily so kernels/testing can run this un
 __all__ = ["FusedTrust", "TrustResult", "fused_for", "use_fused"]
 
 _TABLE_CACHE_SIZE = 8
+log = logging.getLogger(__name__)
 
 
 class TrustResult(NamedTuple):
@@ -273,7 +275,7 @@ class FusedTrust:
                res: TrustResult) -> None:
         self._count(kernel, tab)
         block = self._block(kernel)
-        self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block), block, (
+        self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block, kernel), block, (
             _u64(tab.desc.data_ptr()), _u64(tab.chunk_tensor.data_ptr()),
             np.int32(tab.n_chunks), np.int32(self.chunk_size), _u64(hp.data_ptr()),
             np.int32(mode), _u64(tab.partials.data_ptr()), _u64(tab.tickets.data_ptr()),
@@ -283,7 +285,7 @@ class FusedTrust:
     def _pass2(self, kernel: str, tab: Table, hp: "Tensor", res: TrustResult) -> None:
         self._count(kernel, tab)
         block = self._block(kernel)
-        self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block), block, (
+        self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block, kernel), block, (
             _u64(tab.desc.data_ptr()), _u64(tab.chunk_tensor.data_ptr()),
             np.int32(tab.n_chunks), np.int32(self.chunk_size), _u64(hp.data_ptr()),
             _u64(res.ratio.data_ptr()), _u64(res.w_norm.data_ptr()),
@@ -400,13 +402,16 @@ class FusedTrust:
 # ---------------------------------------------------------------------------------------------
 
 _FUSED: dict[str, FusedTrust] = {}
+_REFUSED: dict[str, str] = {}  # device -> why CuPy's kernel could not be had (warned once)
 _OVERRIDES: dict[str, FusedTrust] = {}
 
 
 def fused_for(device: "torch.device | str") -> FusedTrust | None:
     """The FusedTrust serving ``device``: an installed override (tests), else CuPy's for a CUDA
-    device when CuPy imports; None means the torch path. Respects ``HPCLB_TRUST_BACKEND=torch``.
-    """
+    device when CuPy imports and the kernel compiles (compiled here, on first use); None means
+    the torch path. Respects ``HPCLB_TRUST_BACKEND=torch``. When CuPy cannot write its kernel
+    cache (an ``OSError``: read-only ``$CUPY_CACHE_DIR``) it warns once and returns None from
+    then on; a compile error raises KernelCompileError."""
     import torch
 
     device = torch.device(device)
@@ -420,9 +425,18 @@ def fused_for(device: "torch.device | str") -> FusedTrust | None:
         key = str(device)
     hit = _FUSED.get(key)
     if hit is None:
-        if not cupy_available():
+        if key in _REFUSED or not cupy_available():
             return None
-        hit = _FUSED[key] = FusedTrust(CupyLauncher(device))
+        launcher = CupyLauncher(device)
+        try:
+            launcher.module()  # compile now, so that a failure to cache falls back here, once
+        except OSError as e:
+            _REFUSED[key] = str(e)
+            log.warning("fused trust-ratio kernel unavailable on %s: CuPy could not use its "
+                        "kernel cache (%s); set %s to a writable directory. The torch path "
+                        "runs instead.", device, e, CUPY_CACHE_ENV)
+            return None
+        hit = _FUSED[key] = FusedTrust(launcher)
     return hit
 
 

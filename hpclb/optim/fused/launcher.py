@@ -138,10 +138,10 @@ class CupyLauncher:
             self._resident[key] = resident_blocks_per_sm(
                 attrs["num_regs"], min(block, attrs["max_threads_per_block"]),
                 attrs["shared_size_bytes"],
-                regs_per_sm=dev["MaxRegistersPerMultiprocessor"],
-                max_threads_per_sm=dev["MaxThreadsPerMultiProcessor"],
+                regs_per_sm=dev.get("MaxRegistersPerMultiprocessor", 65536),
+                max_threads_per_sm=dev.get("MaxThreadsPerMultiProcessor", 2048),
                 max_blocks_per_sm=dev.get("MaxBlocksPerMultiprocessor", 32),
-                smem_per_sm=dev["MaxSharedMemoryPerMultiprocessor"])
+                smem_per_sm=dev.get("MaxSharedMemoryPerMultiprocessor", 233472))
         return self._resident[key]
 
     def grid_for(self, n_chunks: int, block: int, kernel: str | None = None) -> int:

@@ -103,6 +103,7 @@ def test_pinned_buffers_are_reused_per_bucket():
     staging = HostStaging(api)
     s = FakeStream("compute", log)
     a, b = torch.ones(100), torch.ones(50, dtype=torch.float16)
+    staging.keep([a, b])  # the gradient buckets
     first = staging.to_host(a, s)
     for _ in range(3):
         assert staging.to_host(a, s) is first
@@ -114,6 +115,26 @@ def test_pinned_buffers_are_reused_per_bucket():
     staging.to_host(a, s)
     copies = [e for e in log if e[0] == "copy"]
     assert copies[-2:] == [("copy", "h2d", "copy"), ("copy", "d2h", "copy")]
+    assert staging.cached_bytes == 100 * 4 + 50 * 2
+
+
+def test_tensors_not_kept_get_transient_buffers_and_the_cache_stays_bounded():
+    """A parameter broadcast stages every parameter once: none of them may stay pinned."""
+    api = FakeCudaAPI([])
+    staging = HostStaging(api)
+    s = FakeStream("compute", api.log)
+    grads = torch.ones(64)
+    staging.keep([grads])
+    params = [torch.full((1000 + i,), float(i)) for i in range(20)]
+    for p in params:
+        host = staging.to_host(p, s)
+        assert torch.equal(host, p)
+        staging.to_device(host, p, s)
+    assert staging.cached_bytes == 0 and len(api.pinned_buffers) == 20
+    first = staging.to_host(grads, s)
+    assert staging.to_host(grads, s) is first and staging.cached_bytes == 64 * 4
+    staging.keep([])  # the GradientSync closed: its buffers go too
+    assert staging.cached_bytes == 0
 
 
 def test_handle_finishes_once():
@@ -219,6 +240,35 @@ def test_staged_collectives_reduce_and_order_by_the_passed_stream(comm, monkeypa
     if len(api.pinned_buffers) != 6:  # one per bucket: 4 dtypes, the iallreduce, broadcast
         bad.append(f"{len(api.pinned_buffers)} pinned buffers")
     all_ranks_ok(c, not bad, "; ".join(bad))
+
+
+@pytest.mark.mpi
+def test_broadcast_parameters_pins_no_model_and_buckets_keep_theirs(comm, monkeypatch):
+    from hpclb.sync.agree import broadcast_parameters
+    c = _mpi_comm(comm)
+    api = _as_device(monkeypatch, c, [], allow_current=True)
+    torch.manual_seed(c.rank)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    if c.world_size > 1:
+        broadcast_parameters(model, c)
+    else:  # one process: broadcast_parameters returns at once; its calls, one by one
+        for p in model.parameters():
+            c.broadcast_(p.data, root=0)
+    stager = c._stager(torch.device("cpu"))
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    ok = stager.cached_bytes == 0 and len(api.pinned_buffers) == 4
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    ok = ok and all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    bucket = torch.ones(1000)
+    c.register_buckets([bucket])
+    for _ in range(3):
+        c.allreduce_(bucket)
+    ok = ok and stager.cached_bytes == 4000 and len(api.pinned_buffers) == 5
+    c.register_buckets([])
+    all_ranks_ok(c, ok and stager.cached_bytes == 0,
+                 f"cached {stager.cached_bytes} of a {nbytes}-byte model, "
+                 f"{len(api.pinned_buffers)} pinned")
 
 
 @pytest.mark.mpi

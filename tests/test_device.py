@@ -144,7 +144,9 @@ class _NodeComm:
 def testgpu_peers_per_task_binding_is_not_sharing(env):
     import socket
 
+    import hpclb.dist.world as hw
     from hpclb.dist.world import gpu_peers
+    env.setattr(hw, "visible_gpu_uuids", lambda: None)  # a torch without UUIDs: the strings
     host = socket.gethostname()
     # srun --gpus-per-task=1: rank 2 of 4 on this node sees only its own GPU
     env.setenv("CUDA_VISIBLE_DEVICES", "2")
@@ -155,6 +157,99 @@ def testgpu_peers_per_task_binding_is_not_sharing(env):
     same = [(host, "0,1")] * 4
     assert gpu_peers(_NodeComm(3, 3, 4, same), "cuda") == (3, 4)
     assert gpu_peers(_NodeComm(3, 3, 4, same), "cpu") == (3, 4)  # no collective for cpu
+
+
+class _Props:
+    def __init__(self, uuid):
+        self.uuid = uuid
+
+
+def _fake_gpus(env, uuids):
+    """torch sees these GPUs (by UUID): a faked driver answer."""
+    env.setattr(torch.cuda, "is_available", lambda: True)
+    env.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    env.setattr(torch.cuda, "get_device_properties", lambda i: _Props(uuids[i]))
+
+
+def test_gpu_peers_tell_gpus_apart_by_uuid_under_cgroup_binding(env):
+    """A site that confines each task to its GPU by cgroup shows CUDA_VISIBLE_DEVICES=0 to
+    every task: the strings agree, the GPUs differ. By UUID each rank is alone on its GPU (the
+    old string comparison made it 2 ranks on 1 GPU: an error without --share-gpu)."""
+    import socket
+
+    from hpclb.dist.world import gpu_peers
+    host = socket.gethostname()
+    env.setenv("CUDA_VISIBLE_DEVICES", "0")
+    _fake_gpus(env, ["aaaa-1"])
+    everyone = [(host, ("GPU-aaaa-1",)), (host, ("GPU-bbbb-2",))]
+    assert gpu_peers(_NodeComm(0, 0, 2, everyone), "cuda") == (0, 1)
+    assert fake_node(*gpu_peers(_NodeComm(0, 0, 2, everyone), "cuda"), 1) == \
+        torch.device("cuda", 0)
+    # two ranks really on one GPU (same UUID): they are the node's 2 ranks, which need sharing
+    same = [(host, ("GPU-aaaa-1",))] * 2
+    assert gpu_peers(_NodeComm(1, 1, 2, same), "cuda") == (1, 2)
+    with pytest.raises(ConfigError, match="2 ranks on this node but 1 visible"):
+        fake_node(1, 2, 1)
+
+
+def test_visible_gpu_uuids_from_the_device_properties(env):
+    from hpclb.dist.device import visible_gpu_uuids
+    _fake_gpus(env, ["0a1b", "2c3d"])
+    assert visible_gpu_uuids() == ("GPU-0a1b", "GPU-2c3d")
+    env.setattr(torch.cuda, "is_available", lambda: False)
+    assert visible_gpu_uuids() == ()
+
+
+@pytest.mark.parametrize("value, ok", [("1", True), ("0", False), ("", False), (None, False)])
+def test_hpclb_share_gpu_lets_two_ranks_share_one_gpu(env, value, ok):
+    """The two-rank scripts of the GPU check set HPCLB_SHARE_GPU=1 and call get_communicator
+    without share_gpu: one visible GPU, two ranks on the node."""
+    if value is not None:
+        env.setenv("HPCLB_SHARE_GPU", value)
+    else:
+        env.delenv("HPCLB_SHARE_GPU", raising=False)
+    if ok:
+        assert [fake_node(r, 2, 1) for r in range(2)] == [torch.device("cuda", 0)] * 2
+    else:
+        with pytest.raises(ConfigError, match="HPCLB_SHARE_GPU=1"):
+            fake_node(1, 2, 1)
+    assert fake_node(1, 2, 1, share_gpu=True) == torch.device("cuda", 0)  # the flag still works
+
+
+def test_bad_hpclb_share_gpu_names_the_variable(env):
+    env.setenv("HPCLB_SHARE_GPU", "yes")
+    with pytest.raises(ConfigError, match=r"HPCLB_SHARE_GPU='yes': use 1"):
+        fake_node(0, 1, 1)
+
+
+def test_get_communicator_honours_hpclb_share_gpu(env):
+    """Through get_communicator: a backend whose node holds 2 ranks, 1 faked GPU."""
+    import hpclb.dist.world as hc
+
+    class TwoOnANode(_NodeComm):
+        backend = "self"
+        created_with = None
+
+        @classmethod
+        def create(cls, device, share_gpu):
+            cls.created_with = share_gpu
+            return cls(1, 1, 2, [None, None])
+
+    bound = []
+    _fake_gpus(env, ["aaaa"])
+    env.setattr(torch.cuda, "set_device", bound.append)
+    env.setattr(hc, "backend_class", lambda name: TwoOnANode)
+    env.setattr(hc, "gpu_peers", lambda comm, device: (1, 2))
+    env.setattr(hc, "_world", None)
+    env.setenv("HPCLB_SHARE_GPU", "1")
+    c = hc.get_communicator("self", device="cuda")
+    assert c.device == torch.device("cuda", 0) and bound == [torch.device("cuda", 0)]
+    assert TwoOnANode.created_with is True  # the backend learns it too (torch: Gloo for CUDA)
+    env.setattr(hc, "_world", None)
+    env.setenv("HPCLB_SHARE_GPU", "0")
+    with pytest.raises(ConfigError, match="2 ranks on this node but 1 visible"):
+        hc.get_communicator("self", device="cuda")
+    env.setattr(hc, "_world", None)
 
 
 def test_get_communicator_sets_the_device_and_checks_the_launcher(env):

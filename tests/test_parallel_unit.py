@@ -300,3 +300,23 @@ def test_gradient_views_start_16_byte_aligned(dtype):
             assert torch.equal(p.grad, q.grad)
     finally:
         sync.close()
+
+
+def test_buckets_are_registered_with_the_communicator_while_the_sync_lives():
+    """The communicator keeps staging buffers for the gradient buckets only (others are
+    transient), so GradientSync names them on start and withdraws them on close."""
+    class Recording(ScaledComm):
+        def __init__(self):
+            super().__init__(2)
+            self.registered = []
+
+        def register_buckets(self, tensors):
+            self.registered.append([t.data_ptr() for t in tensors])
+
+    comm = Recording()
+    sync = GradientSync(net().named_parameters(), comm, fusion_threshold_bytes=100_000,
+                        first_bucket_bytes=1_000)
+    assert comm.registered == [[b.comm_buffer.data_ptr() for b in sync.buckets]]
+    assert len(sync.buckets) > 1
+    sync.close()
+    assert comm.registered[-1] == []

@@ -29,9 +29,20 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from hpclb.dist.env import local_size
 
 __all__ = ["MAX_DEFAULT_WORKERS", "EpochKeyed", "StepBatchSampler", "StepLoader",
-           "default_num_workers"]
+           "default_num_workers", "pin_batch"]
 
 MAX_DEFAULT_WORKERS = 4
+
+
+def pin_batch(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (CPU) in page-locked memory, contiguous, for a ``non_blocking`` copy to a GPU.
+
+    A strided view is made contiguous first: ``pin_memory()`` pins a view's whole storage span
+    (a PTB window ``x[rows, s]``, ``[b, bptt]`` of streams ``T`` tokens long, would pin about
+    ``b * T`` tokens, the rank's whole share) and the copy to the GPU of a non-contiguous tensor
+    goes through a pageable contiguous copy, which is synchronous. Needs a CUDA build of torch.
+    """
+    return tensor.contiguous().pin_memory()
 
 
 def default_num_workers() -> int:

@@ -150,6 +150,12 @@ class Communicator(ABC):
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now with exit status ``code`` (does not return)."""
 
+    def register_buckets(self, tensors: list[Tensor]) -> None:
+        """The gradient buckets (device tensors reduced every step at fixed addresses) of the one
+        GradientSync this communicator carries, replacing any earlier set (``[]`` on close).
+        Backends that stage device memory through host buffers keep a pinned buffer for each
+        of these and use transient ones for any other tensor; the others ignore it."""
+
     def side_channel(self) -> SideChannel | None:
         """The out-of-band channel for the stall watchdog, or None where there is none (one
         process, or an MPI without ``MPI_THREAD_MULTIPLE``). Created on first use by a call

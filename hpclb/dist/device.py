@@ -5,8 +5,10 @@ what is visible: torch counts only those). The node-local rank comes from the la
 environment (:func:`env_local_rank`) so the device can be bound *before* MPI/NCCL initialise
 (a CUDA-aware MPI or NCCL otherwise opens a context on GPU 0 from every rank); the
 communicator's own node-local split confirms it afterwards (``hpclb.dist.world.get_communicator``).
-More ranks than GPUs on a node is an error unless sharing is asked for (``--share-gpu``).
-See docs/gpus.md.
+More ranks than GPUs on a node is an error unless sharing is asked for (``--share-gpu``, or
+``HPCLB_SHARE_GPU=1`` in the environment: :func:`share_gpu_requested`). GPUs are told apart by
+UUID (:func:`visible_gpu_uuids`), not by ``CUDA_VISIBLE_DEVICES``, which is "0" in every task
+of a site that confines each task to its GPU by cgroup. See docs/gpus.md.
 """
 from __future__ import annotations
 
@@ -17,10 +19,23 @@ import torch
 
 from hpclb.errors import ConfigError
 
-__all__ = ["DEVICES", "select_device", "visible_gpus", "device_info", "gpus_idle_warning",
-           "bind_local_gpu"]
+__all__ = ["DEVICES", "SHARE_GPU_ENV", "select_device", "visible_gpus", "device_info",
+           "gpus_idle_warning", "bind_local_gpu", "share_gpu_requested", "visible_gpu_uuids"]
 
 DEVICES = ("auto", "cpu", "cuda")
+SHARE_GPU_ENV = "HPCLB_SHARE_GPU"
+
+
+def share_gpu_requested(share_gpu: bool = False) -> bool:
+    """Whether ranks may share GPUs: ``share_gpu`` (``--share-gpu``, the ``share_gpu=``
+    argument) or ``$HPCLB_SHARE_GPU`` = 1 (for scripts that call :func:`get_communicator`
+    themselves; unset, empty or 0: no). Raises ConfigError naming the variable for any other
+    value."""
+    raw = os.environ.get(SHARE_GPU_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{SHARE_GPU_ENV}={raw!r}: use 1 (ranks of a node may share GPUs, "
+                          f"as --share-gpu), 0 or leave it unset")
+    return bool(share_gpu) or raw == "1"
 
 def _check_requested(requested: str) -> None:
     if requested not in DEVICES:
@@ -36,17 +51,19 @@ def select_device(requested: str, local_rank: int, local_size: int, *, share_gpu
     requested: ``auto`` (cuda when a GPU is visible, else cpu), ``cpu`` or ``cuda``.
     local_rank, local_size: this rank's index and the number of ranks on its node that see the
     same GPUs. share_gpu: allow more ranks than visible GPUs (ranks then share GPUs round robin;
-    for tests on one GPU). device_count, cuda_available: fake a GPU node in tests (then
-    ``torch.cuda.set_device`` is not called); default torch's answers (``CUDA_VISIBLE_DEVICES``
+    for tests on one GPU); ``$HPCLB_SHARE_GPU=1`` allows it too (:func:`share_gpu_requested`).
+    device_count, cuda_available: fake a GPU node in tests (then ``torch.cuda.set_device`` is
+    not called); default torch's answers (``CUDA_VISIBLE_DEVICES``
     honoured).
 
     Returns ``torch.device("cpu")`` or ``torch.device("cuda", local_rank % visible_gpus)``.
     Raises ConfigError for an unknown ``requested`` (naming ``--device``), ``cuda`` without a
     CUDA build or without visible GPUs (naming the fix), a negative local rank, or
     ``local_size`` greater than the visible GPUs without ``share_gpu`` (naming
-    ``--share-gpu``).
+    ``--share-gpu``), or a bad ``$HPCLB_SHARE_GPU``.
     """
     _check_requested(requested)
+    share_gpu = share_gpu_requested(share_gpu)
     if local_rank < 0 or local_size < 1:
         raise ConfigError(f"local_rank {local_rank} / local_size {local_size}: the node-local "
                           f"rank must be >= 0 and the node's rank count >= 1")
@@ -69,8 +86,8 @@ def select_device(requested: str, local_rank: int, local_size: int, *, share_gpu
     if local_size > n and not share_gpu:
         raise ConfigError(
             f"{local_size} ranks on this node but {n} visible GPU(s): launch at most {n} "
-            f"rank(s) per node, or pass --share-gpu to let ranks share GPUs (tests only: "
-            f"they then contend for one GPU's memory and compute)")
+            f"rank(s) per node, or pass --share-gpu (or set {SHARE_GPU_ENV}=1) to let ranks "
+            f"share GPUs (tests only: they then contend for one GPU's memory and compute)")
     device = torch.device("cuda", local_rank % n)
     if not faked:
         torch.cuda.set_device(device)
@@ -98,6 +115,20 @@ def _host_memory_bytes() -> int | None:
 def visible_gpus() -> int:
     """GPUs this process can use (0 without CUDA; ``CUDA_VISIBLE_DEVICES`` honoured)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def visible_gpu_uuids() -> tuple[str, ...] | None:
+    """The UUIDs (``GPU-xxxxxxxx-...``, as ``nvidia-smi -L`` prints them) of the GPUs this
+    process sees, in torch's order: ``()`` without CUDA; None where torch cannot tell (a build
+    without ``uuid`` in its device properties). Queries device properties only: no CUDA context
+    is created."""
+    if not torch.cuda.is_available():
+        return ()
+    try:
+        return tuple(f"GPU-{torch.cuda.get_device_properties(i).uuid}"
+                     for i in range(torch.cuda.device_count()))
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def device_info(device: torch.device | str) -> dict:

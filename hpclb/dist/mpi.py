@@ -27,6 +27,7 @@ from torch import Tensor
 
 from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
 from hpclb.dist.env import launcher_world_size
+from hpclb.dist.streams import TorchCudaAPI
 
 __all__ = [
     "CUDA_AWARE_ENV", "SIDE_TAG", "HostStaging", "MPICommunicator", "MPISideChannel",
@@ -133,36 +134,6 @@ def cuda_aware_mpi(MPI=None) -> bool:
     return bool(_ctypes_cuda_support())
 
 
-class TorchCudaAPI:
-    """The CUDA stream/event/copy operations :class:`HostStaging` needs, for one device (tests
-    pass a stand-in with the same methods)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def new_stream(self):
-        return torch.cuda.Stream(self.device)
-
-    def new_event(self):
-        return torch.cuda.Event()
-
-    def current_stream(self):
-        return torch.cuda.current_stream(self.device)
-
-    def pinned(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
-
-    def copy(self, dst: Tensor, src: Tensor, stream) -> None:
-        """``dst.copy_(src)`` enqueued on ``stream`` (asynchronous for pinned host memory)."""
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-
-    def record_stream(self, tensor: Tensor, stream) -> None:
-        """Tell the caching allocator ``stream`` uses ``tensor`` (no early reuse of its
-        memory)."""
-        tensor.record_stream(stream)
-
-
 class HostStaging:
     """Pinned host buffers for CUDA buckets, and the stream ordering around them, for an MPI
     that cannot read device memory.
@@ -171,20 +142,45 @@ class HostStaging:
     gradients, passed explicitly) is waited on by the copy stream, which then copies the bucket
     into its pinned buffer; the host waits for that copy only (not for the whole device).
     ``to_device(host, tensor, consumer)``: the copy back runs on the copy stream and
-    ``consumer`` (the optimizer's stream) waits on an event recorded after it. Buffers are
-    keyed by the device tensor's address, dtype and size, so each bucket reuses one buffer;
-    the copy stream orders a bucket's next device->host copy after its last host->device copy.
-    ``api``: a :class:`TorchCudaAPI` (tests: a stand-in recording calls).
+    ``consumer`` (the optimizer's) waits on an event recorded after it.
+
+    Buffers: the tensors named by :meth:`keep` (the gradient buckets, which travel every step at
+    fixed addresses) each keep one pinned buffer, keyed by address, dtype and size; the copy
+    stream orders a bucket's next device->host copy after its last host->device copy. Any other
+    tensor (a parameter broadcast, a metrics vector) gets a transient pinned buffer, dropped
+    once its collective has finished (torch's pinned-memory cache reuses it; a copy still
+    reading it holds it), so one-off collectives pin at most their largest tensor, not a
+    model's worth of memory per rank. ``api``: a
+    :class:`~hpclb.dist.streams.TorchCudaAPI` (tests: a stand-in recording calls).
     """
 
     def __init__(self, api):
         self.api = api
         self.copy_stream = api.new_stream()
+        self._kept: set[tuple] = set()
         self._buffers: dict[tuple, Tensor] = {}
 
+    @staticmethod
+    def _key(tensor: Tensor) -> tuple:
+        return tensor.data_ptr(), tensor.dtype, tensor.numel()
+
+    def keep(self, tensors: list[Tensor]) -> None:
+        """Keep one pinned buffer for each of ``tensors`` (replacing the previous set; buffers
+        of tensors no longer named are released)."""
+        self._kept = {self._key(t) for t in tensors}
+        self._buffers = {k: v for k, v in self._buffers.items() if k in self._kept}
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of pinned host memory held between collectives."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
     def buffer(self, tensor: Tensor) -> Tensor:
-        """The pinned host buffer of ``tensor``'s bucket (1-D, same dtype and numel)."""
-        key = (tensor.data_ptr(), tensor.dtype, tensor.numel())
+        """A pinned host buffer for ``tensor`` (1-D, same dtype and numel): its own, kept, for
+        a tensor named by :meth:`keep`; else a new one."""
+        key = self._key(tensor)
+        if key not in self._kept:
+            return self.api.pinned(tensor.numel(), tensor.dtype)
         if key not in self._buffers:
             self._buffers[key] = self.api.pinned(tensor.numel(), tensor.dtype)
         return self._buffers[key]
@@ -292,6 +288,16 @@ class MPICommunicator(Communicator):
         self._side: MPISideChannel | None = None
         self._stagings: dict[torch.device, HostStaging] = {}
         self._cuda_aware: bool | None = None  # decided at the first CUDA tensor
+
+    def register_buckets(self, tensors: list[Tensor]) -> None:
+        """See :meth:`Communicator.register_buckets`: CUDA buckets staged through the host each
+        keep one pinned buffer; every other tensor is staged through a transient one."""
+        by_device: dict[torch.device, list[Tensor]] = {d: [] for d in self._stagings}
+        for t in tensors:
+            if self._is_device_tensor(t):
+                by_device.setdefault(t.device, []).append(t)
+        for device, ts in by_device.items():
+            self._stager(device).keep(ts)
 
     def _stager(self, device: torch.device) -> HostStaging:
         """The device's :class:`HostStaging` (one copy stream and buffer set per device)."""

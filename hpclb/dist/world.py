@@ -7,7 +7,7 @@ import os
 import socket
 
 from hpclb.dist.base import Communicator
-from hpclb.dist.device import select_device
+from hpclb.dist.device import select_device, share_gpu_requested, visible_gpu_uuids
 from hpclb.dist.env import env_local_rank
 from hpclb.dist.registry import backend_class, resolve_backend
 from hpclb.errors import ConfigError
@@ -23,7 +23,8 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
     trains on.
 
     backend: see :func:`resolve_backend`. device: ``auto`` (cuda when a GPU is visible),
-    ``cpu`` or ``cuda``; share_gpu: allow more ranks than GPUs on a node (tests on one GPU).
+    ``cpu`` or ``cuda``; share_gpu: allow more ranks than GPUs on a node (tests on one GPU;
+    ``$HPCLB_SHARE_GPU=1`` allows it as well, for scripts: :func:`share_gpu_requested`).
     Where the launcher sets a node-local rank (:func:`hpclb.dist.device.env_local_rank`) the GPU is
     bound *before* MPI/NCCL initialise; afterwards the communicator's node-local rank (MPI's
     shared-memory split) must agree with the launcher's, and the device is chosen among the
@@ -32,12 +33,14 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
 
     Raises ValueError for an unknown backend name; ConfigError (a ValueError) for a bad
     ``device``, ``cuda`` without CUDA, more ranks than GPUs without ``share_gpu``, or a
-    launcher local rank that disagrees with the communicator's; RuntimeError when the
+    launcher local rank that disagrees with the communicator's, or a bad ``$HPCLB_SHARE_GPU``;
+    RuntimeError when the
     backend's library is not installed, on a launch that does not match the library in use, or
     when a communicator of another backend already exists in this process.
     """
     global _world
     backend = resolve_backend(backend)
+    share_gpu = share_gpu_requested(share_gpu)
     if _world is not None:
         if _world.backend != backend:
             raise RuntimeError(f"communicator already created with backend {_world.backend!r}")
@@ -74,12 +77,16 @@ def has_communicator() -> bool:
 
 def gpu_peers(comm: Communicator, device: str) -> tuple[int, int]:
     """``(index, count)`` of this rank among the ranks of its node that see the same GPUs
-    (same host and ``CUDA_VISIBLE_DEVICES``): the node-local rank and size, except under
-    per-task GPU binding (srun ``--gpus-per-task``), where each rank sees its own GPU(s). One
-    allgather unless the device is ``cpu`` or the world is one rank."""
+    (same host and the same GPU UUIDs, :func:`visible_gpu_uuids`; ``CUDA_VISIBLE_DEVICES``
+    where torch cannot tell UUIDs): the node-local rank and size, except under per-task GPU
+    binding (srun ``--gpus-per-task``, or a cgroup per task that shows every task its GPU as
+    "0"), where each rank sees its own GPU(s). One allgather unless the device is ``cpu`` or
+    the world is one rank."""
     if device == "cpu" or comm.world_size == 1:
         return comm.local_rank, comm.local_size
-    me = (socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    gpus = visible_gpu_uuids()
+    me = (socket.gethostname(), gpus if gpus is not None
+          else os.environ.get("CUDA_VISIBLE_DEVICES"))
     everyone = comm.allgather_object(me)
     node = [v for v in everyone if v[0] == me[0]]
     if len(node) != comm.local_size or len(set(node)) == 1:

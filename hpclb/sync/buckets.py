@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +64,8 @@ class Bucket:
     launched: bool = False
     local_sq: Tensor | None = None
     stream: dict = field(default_factory=dict)
+    ready_event: Any = None      # CUDA event recorded by the hook once the bucket is complete
+    reduced_event: Any = None    # CUDA event recorded after the collective (thread overlap)
 
     @property
     def nbytes(self) -> int:

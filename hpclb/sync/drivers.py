@@ -18,14 +18,26 @@ collectives in the same order (a blocking collective never matches a non-blockin
     sleeping in between, while backward runs (Open MPI spins inside a blocking call and would take
     the core from backward), and blocks in ``wait()`` once ``synchronize()`` waits. The default for
     MPI, which advances a non-blocking collective only inside MPI calls.
+
+    CUDA buckets: the thread first makes the gradients' device current (else its first CUDA call
+    opens a context on GPU 0, from every rank of a multi-GPU node). The hook records a CUDA event
+    on the training stream *when the bucket is complete*; the thread hands the backend a side
+    stream that waits on that event only, so the backend's copy or collective does not also wait
+    for the backward kernels enqueued between the hook and the moment the thread dequeues the
+    bucket. After the collective the thread records an event on the side stream, and ``wait()``
+    orders the training thread's current stream (the optimizer's) after it.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import weakref
+from typing import Any
+
+import torch
 
 from hpclb.dist.base import Communicator
+from hpclb.dist.streams import TorchCudaAPI
 
 __all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
 
@@ -73,26 +85,47 @@ class NonblockingDriver(BlockingDriver):
 
 class ThreadDriver(BlockingDriver):
     """``overlap="thread"``: a daemon thread runs the collectives in bucket order. ``owner`` is
-    the object whose garbage collection stops the thread (the GradientSync)."""
+    the object whose garbage collection stops the thread (the GradientSync). ``device``: the
+    gradients' device; for a CUDA device the thread binds it and buckets are ordered by events
+    (module docstring) through ``api`` (default :class:`~hpclb.dist.streams.TorchCudaAPI`;
+    tests pass a stand-in)."""
 
-    def __init__(self, comm: Communicator, poll_s: float, owner=None):
+    def __init__(self, comm: Communicator, poll_s: float, owner=None, *,
+                 device: torch.device | None = None, api: Any = None):
         super().__init__(comm)
+        if api is None and device is not None and torch.device(device).type == "cuda":
+            api = TorchCudaAPI(torch.device(device))
+        self.api = api
+        self._side = api.new_stream() if api is not None else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._main_waiting = threading.Event()
-        self._thread = threading.Thread(target=_comm_loop, name="hpclb-comm", daemon=True,
-                                        args=(self._queue, comm, self._main_waiting, poll_s))
+        self._thread = threading.Thread(
+            target=_comm_loop, name="hpclb-comm", daemon=True,
+            args=(self._queue, comm, self._main_waiting, poll_s, api, self._side))
         self._thread.start()
         if owner is not None:
             weakref.finalize(owner, self._queue.put, None)
 
+    def _on_device(self, b) -> bool:
+        return self.api is not None and b.comm_buffer.device == self.api.device
+
     def launch(self, b) -> None:
         b.done.clear()
-        b.stream = _stream_of(b)  # captured on the training thread, whose stream made the grads
+        b.reduced_event = None
+        if self._on_device(b):  # recorded now, in the hook: after this bucket's last gradient
+            b.ready_event = self.api.new_event()
+            b.ready_event.record(self.api.current_stream())
+            b.stream = {"stream": self._side}
+        else:
+            b.ready_event, b.stream = None, _stream_of(b)
         self._queue.put(b)
 
     def wait(self, b) -> None:
         self._main_waiting.set()
         b.done.wait()
+        if b.reduced_event is not None:  # the optimizer's stream reads the result after it
+            self.api.current_stream().wait_event(b.reduced_event)
+            b.reduced_event = None
 
     def end_step(self) -> None:
         self._main_waiting.clear()
@@ -118,15 +151,19 @@ DRIVERS = {"none": BlockingDriver, "nonblocking": NonblockingDriver, "thread": T
 
 
 def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading.Event,
-               poll_s: float) -> None:
+               poll_s: float, api: Any = None, side: Any = None) -> None:
     """The communication thread: the only thread that runs gradient collectives while it lives.
     An error is stored on the bucket and raised by ``synchronize()`` on the main thread."""
+    if api is not None:
+        api.bind_thread()
     h = None
     while True:
         b = q.get()
         if b is None:
             return
         try:
+            if b.ready_event is not None:
+                side.wait_event(b.ready_event)
             if comm.async_progress or poll_s <= 0:
                 comm.allreduce_(b.comm_buffer, **b.stream)
             else:
@@ -134,6 +171,9 @@ def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading
                 while not main_waiting.is_set() and not h.test():
                     main_waiting.wait(poll_s)
                 h.wait()
+            if b.ready_event is not None:
+                b.reduced_event = api.new_event()
+                b.reduced_event.record(side)
         except BaseException as e:  # reported by synchronize() on the main thread
             b.error = e
         finally:

@@ -130,6 +130,7 @@ class GradientSync:
         comm = self.comm
         self._agree()
         GradientSync._live[id(comm)] = self
+        comm.register_buckets([b.comm_buffer for b in self.buckets])
         self._watchdog = watchdog_for(comm)
         self._watchdog.register_timeout(self.stall_timeout_s)
         for b in self.buckets:
@@ -137,7 +138,8 @@ class GradientSync:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     self._make_hook(b, j)))
         driver = DRIVERS[self.overlap]
-        self._driver = driver(comm, self.comm_poll_s, owner=self) \
+        self._driver = driver(comm, self.comm_poll_s, owner=self,
+                              device=self.buckets[0].buffer.device if self.buckets else None) \
             if self.overlap == "thread" else driver(comm, self.comm_poll_s)
 
     # -- construction -------------------------------------------------------------------------
@@ -378,6 +380,7 @@ class GradientSync:
                 p._hpclb_sync = None
         if GradientSync._live.get(id(self.comm)) is self:
             del GradientSync._live[id(self.comm)]
+            self.comm.register_buckets([])
         if self._driver is not None:
             self._driver.close()
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hpclb.data.loader import pin_batch
 from hpclb.dist.base import Communicator
 
 __all__ = ["EVAL_BATCH_SIZE", "DatasetSplit", "Task", "device_of", "to_device"]
@@ -47,7 +48,7 @@ def to_device(batch, device: torch.device):
         if batch.device == device:
             return batch
         if device.type == "cuda" and batch.device.type == "cpu":
-            return batch.pin_memory().to(device, non_blocking=True)
+            return pin_batch(batch).to(device, non_blocking=True)
         return batch.to(device)
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_device(b, device) for b in batch)

@@ -147,7 +147,7 @@ class EmulatorLauncher:
     def stream_key(self) -> int:
         return self.stream
 
-    def grid_for(self, n_chunks: int, block: int) -> int:
+    def grid_for(self, n_chunks: int, block: int, kernel: str | None = None) -> int:
         return max(1, n_chunks if self.max_grid is None else min(n_chunks, self.max_grid))
 
     def launch(self, name: str, grid: int, block: int, args: Sequence) -> None:

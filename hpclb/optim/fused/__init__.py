@@ -10,12 +10,12 @@ asks for the fused path; it is the ``gpu`` extra (``pip install -e '.[gpu]'``), 
 Scheme (NVIDIA apex's multi_tensor_apply / multi_tensor_l2norm design, written anew): every
 tensor is cut into chunks of ``chunk_size`` elements; a table in device memory holds, per tensor,
 its pointers (w, g, m, v), numel, first chunk, dtype, exclusion flag and hyper-parameter row, and
-a second table maps every chunk to its tensor; the table is built once per parameter list (keyed
-by pointers, sizes, dtypes, flags, rows and the current stream, so that two streams never
-share one table's scratch space) and cached. Pass 1 (one launch) writes per-chunk partial sums of
-squares and finalises each tensor in the block that completes it; pass 2 (one launch) applies
-the LARS momentum update or the LAMB update, leaving a layer whose norms are not finite (and its
-optimizer state) untouched. See the .cu file for formulas.
+a second table maps every chunk to its tensor; the tensors are checked and the table is built
+once per tensor set (keyed by the tensors' addresses, flags, rows and the current stream, so
+that two streams never share one table's scratch space) and cached. Pass 1 (one launch)
+writes per-chunk partial sums of squares and finalises each tensor in the block that completes
+it; pass 2 (one launch) applies the LARS momentum update or the LAMB update, leaving a layer
+whose norms are not finite (and its optimizer state) untouched. See the .cu file for formulas.
 
 Every launch is counted in :attr:`FusedTrust.counters`, with how many of its chunks take the
 kernel's 16-byte vector path (the kernel's own alignment rule, evaluated on the host from the

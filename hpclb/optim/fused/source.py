@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["KERNELS", "KERNELS_DIR", "KERNEL_PATH", "NVRTC_OPTIONS", "PACKAGE_KERNELS_DIR",
-           "REPO_KERNELS_DIR", "kernel_source"]
+__all__ = ["CUPY_APPENDED_OPTIONS", "KERNELS", "KERNELS_DIR", "KERNEL_PATH", "NVRTC_OPTIONS",
+           "PACKAGE_KERNELS_DIR", "REPO_KERNELS_DIR", "kernel_source"]
 
 #: Where the .cu source is looked for, in order: $HPCLB_KERNELS_DIR, the installed package's copy
 #: (``hpclb/_kernels/``, put there by setup.py when a wheel is built), the repository's
@@ -17,8 +17,13 @@ KERNELS_DIR = Path(os.environ.get("HPCLB_KERNELS_DIR")
                    or next((d for d in (PACKAGE_KERNELS_DIR, REPO_KERNELS_DIR)
                             if (d / "trust_ratio.cu").is_file()), REPO_KERNELS_DIR))
 KERNEL_PATH = KERNELS_DIR / "trust_ratio.cu"
-#: NVRTC options hpclb hands CuPy (CuPy adds the architecture); the compile gate uses them too.
-NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17",)
+#: What CuPy appends to every NVRTC compile (``cupy.cuda.compiler``: ``-ftz=true``, denormal
+#: fp32 results flushed to zero); NVRTC honours the last occurrence of an option.
+CUPY_APPENDED_OPTIONS: tuple[str, ...] = ("-ftz=true",)
+#: NVRTC options hpclb hands CuPy (CuPy adds the architecture), stating what CuPy appends, so that
+#: the compile gate (:func:`hpclb.optim.fused.nvrtc.nvrtc_compile`'s default) compiles the
+#: binary that runs.
+NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", *CUPY_APPENDED_OPTIONS)
 #: kernel name -> the most threads per block its __launch_bounds__ allows
 KERNELS: dict[str, int] = {"hl_norms_pass1": 1024, "hl_lars_apply": 1024,
                            "hl_lamb_pass1": 512, "hl_lamb_apply": 512}

@@ -3,13 +3,14 @@ which devices get it (:func:`fused_for`, :func:`use_fused`)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from hpclb.optim.fused.launcher import CupyLauncher, cupy_available
+from hpclb.optim.fused.launcher import CUPY_CACHE_ENV, CupyLauncher, cupy_available
 from hpclb.optim.fused.layout import (
     D_FIRST,
     D_G,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # torch is imported lazily so kernels/testing can run this un
 __all__ = ["FusedTrust", "TrustResult", "fused_for", "use_fused"]
 
 _TABLE_CACHE_SIZE = 8
+log = logging.getLogger(__name__)
 
 
 class TrustResult(NamedTuple):
@@ -59,6 +61,22 @@ class TrustResult(NamedTuple):
 
 def _ptr(t: "Tensor | None") -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _addresses(lists: Sequence[Sequence["Tensor | None"] | None]) -> tuple | None:
+    """Every tensor's address, list by list (None for a missing list, 0 for a missing tensor):
+    the cache key of the checks and tables; None when a tensor has no address (sparse)."""
+    try:
+        return tuple(None if ts is None else tuple([0 if t is None else t.data_ptr()
+                                                    for t in ts]) for ts in lists)
+    except RuntimeError:
+        return None
+
+
+def _remember(cache: OrderedDict, key: tuple, value: Any) -> None:
+    cache[key] = value
+    while len(cache) > _TABLE_CACHE_SIZE:
+        cache.popitem(last=False)
 
 
 def _u64(x: int) -> np.uint64:
@@ -87,9 +105,17 @@ class FusedTrust:
     Methods never synchronise with the host.
 
     ``counters``: ``launches``, ``chunks`` and ``vector_chunks`` (chunks on the 16-byte vector
-    path) summed over launches, and ``vector_launches`` (launches whose every chunk was
-    vectorised). Tables and their scratch space are cached per stream
-    (``launcher.stream_key()``, 0 for a launcher without streams).
+    path) summed over launches, ``vector_launches`` (launches whose every chunk was
+    vectorised), ``validations`` (full checks of the tensors, :meth:`why_not`) and ``tables``
+    (descriptor tables built and uploaded, :meth:`table`).
+
+    Caching: a step passes the same tensors every time (parameters, bucket views, optimizer
+    state), so the checks and the table are done once per *tensor set*, keyed by every tensor's
+    address (``data_ptr``, in list order; one cheap call per tensor), the layer flags and rows,
+    and the stream (``launcher.stream_key()``, 0 for a launcher without streams): tables and
+    their scratch space are per stream. A new tensor set (a model moved, cast or rebuilt, a
+    ``set_to_none`` gradient at a new address) is checked and tabled again. Not seen: an
+    in-place metadata change that keeps every address (``resize_``, ``t_()`` on a parameter).
     """
 
     def __init__(self, launcher: Any, *, chunk_size: int = DEFAULT_CHUNK,
@@ -103,15 +129,29 @@ class FusedTrust:
         self.chunk_size = int(chunk_size)
         self.block = int(block)
         self._layouts: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._tables: OrderedDict[bytes, Table] = OrderedDict()
-        self.counters = {"launches": 0, "vector_launches": 0, "chunks": 0, "vector_chunks": 0}
+        self._tables: OrderedDict[tuple, Table] = OrderedDict()
+        self._valid: OrderedDict[tuple, None] = OrderedDict()
+        self.counters = {"launches": 0, "vector_launches": 0, "chunks": 0, "vector_chunks": 0,
+                         "validations": 0, "tables": 0}
 
     # -- checks and tables ----------------------------------------------------------------------
     def why_not(self, *lists: Sequence["Tensor | None"],
                 names: Sequence[str] | None = None) -> str | None:
         """None when the kernel takes these layer-aligned lists (weights first): every tensor on
         this device, dense, contiguous, fp32/fp16/bf16, each layer's tensors of one numel and
-        dtype. Otherwise the first reason, naming the layer (``names[i]`` or its index)."""
+        dtype. Otherwise the first reason, naming the layer (``names[i]`` or its index).
+        A tensor set found fit is remembered (class docstring): checked once, not per step."""
+        key = _addresses(lists)
+        if key is not None and key in self._valid:
+            self._valid.move_to_end(key)
+            return None
+        self.counters["validations"] += 1
+        reason = self._check(lists, names)
+        if reason is None and key is not None:
+            _remember(self._valid, key, None)
+        return reason
+
+    def _check(self, lists, names) -> str | None:
         import torch
 
         first = lists[0] if lists else ()
@@ -148,7 +188,23 @@ class FusedTrust:
     def table(self, w: Sequence["Tensor"], g: Sequence["Tensor | None"] | None = None,
               m: Sequence["Tensor"] | None = None, v: Sequence["Tensor"] | None = None, *,
               adapt: Sequence[bool] | None = None, rows: Sequence[int] | None = None) -> Table:
-        """The cached device table for these tensors (built and uploaded on a miss)."""
+        """The cached device table for these tensors (checked, built and uploaded on a miss;
+        see the class docstring for the key). Raises ValueError when the kernel cannot take
+        them (:meth:`why_not`) or the lists' lengths differ."""
+        stream = int(getattr(self.launcher, "stream_key", lambda: 0)())
+        key = (_addresses((w, g, m, v)), None if adapt is None else tuple(adapt),
+               None if rows is None else tuple(rows), stream, self.chunk_size)
+        tab = self._tables.get(key) if key[0] is not None else None
+        if tab is not None:
+            self._tables.move_to_end(key)
+            return tab
+        tab = self._build_table(w, g, m, v, adapt, rows, stream)
+        self.counters["tables"] += 1
+        if key[0] is not None:
+            _remember(self._tables, key, tab)
+        return tab
+
+    def _build_table(self, w, g, m, v, adapt, rows, stream: int) -> Table:
         n = len(w)
         for name, other in (("g", g), ("m", m), ("v", v)):
             if other is not None and len(other) != n:
@@ -180,17 +236,7 @@ class FusedTrust:
                                      f"{t.dtype})")
             desc[:, slot] = np.fromiter((_ptr(t) for t in ts), dtype=np.uint64,
                                         count=n).view(np.int64)
-        stream = int(getattr(self.launcher, "stream_key", lambda: 0)())
-        key = desc.tobytes() + np.int64(self.chunk_size).tobytes() + np.int64(stream).tobytes()
-        tab = self._tables.get(key)
-        if tab is None:
-            tab = Table(desc, chunk_tensor, self.device, self.chunk_size, stream)
-            self._tables[key] = tab
-            while len(self._tables) > _TABLE_CACHE_SIZE:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(key)
-        return tab
+        return Table(desc, chunk_tensor, self.device, self.chunk_size, stream)
 
     def _upload_hp(self, hp: "np.ndarray | Tensor") -> "Tensor":
         import torch
@@ -229,7 +275,7 @@ class FusedTrust:
                res: TrustResult) -> None:
         self._count(kernel, tab)
         block = self._block(kernel)
-        self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block), block, (
+        self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block, kernel), block, (
             _u64(tab.desc.data_ptr()), _u64(tab.chunk_tensor.data_ptr()),
             np.int32(tab.n_chunks), np.int32(self.chunk_size), _u64(hp.data_ptr()),
             np.int32(mode), _u64(tab.partials.data_ptr()), _u64(tab.tickets.data_ptr()),
@@ -239,7 +285,7 @@ class FusedTrust:
     def _pass2(self, kernel: str, tab: Table, hp: "Tensor", res: TrustResult) -> None:
         self._count(kernel, tab)
         block = self._block(kernel)
-        self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block), block, (
+        self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block, kernel), block, (
             _u64(tab.desc.data_ptr()), _u64(tab.chunk_tensor.data_ptr()),
             np.int32(tab.n_chunks), np.int32(self.chunk_size), _u64(hp.data_ptr()),
             _u64(res.ratio.data_ptr()), _u64(res.w_norm.data_ptr()),
@@ -356,13 +402,16 @@ class FusedTrust:
 # ---------------------------------------------------------------------------------------------
 
 _FUSED: dict[str, FusedTrust] = {}
+_REFUSED: dict[str, str] = {}  # device -> why CuPy's kernel could not be had (warned once)
 _OVERRIDES: dict[str, FusedTrust] = {}
 
 
 def fused_for(device: "torch.device | str") -> FusedTrust | None:
     """The FusedTrust serving ``device``: an installed override (tests), else CuPy's for a CUDA
-    device when CuPy imports; None means the torch path. Respects ``HPCLB_TRUST_BACKEND=torch``.
-    """
+    device when CuPy imports and the kernel compiles (compiled here, on first use); None means
+    the torch path. Respects ``HPCLB_TRUST_BACKEND=torch``. When CuPy cannot write its kernel
+    cache (an ``OSError``: read-only ``$CUPY_CACHE_DIR``) it warns once and returns None from
+    then on; a compile error raises KernelCompileError."""
     import torch
 
     device = torch.device(device)
@@ -376,9 +425,18 @@ def fused_for(device: "torch.device | str") -> FusedTrust | None:
         key = str(device)
     hit = _FUSED.get(key)
     if hit is None:
-        if not cupy_available():
+        if key in _REFUSED or not cupy_available():
             return None
-        hit = _FUSED[key] = FusedTrust(CupyLauncher(device))
+        launcher = CupyLauncher(device)
+        try:
+            launcher.module()  # compile now, so that a failure to cache falls back here, once
+        except OSError as e:
+            _REFUSED[key] = str(e)
+            log.warning("fused trust-ratio kernel unavailable on %s: CuPy could not use its "
+                        "kernel cache (%s); set %s to a writable directory. The torch path "
+                        "runs instead.", device, e, CUPY_CACHE_ENV)
+            return None
+        hit = _FUSED[key] = FusedTrust(launcher)
     return hit
 
 

@@ -21,16 +21,20 @@ import torch
 from torch import nn
 
 from hpclb.dist.base import Communicator
+from hpclb.dist.watchdog import install_abort_on_exception
 from hpclb.dist.world import current_communicator, get_communicator, has_communicator
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
+from hpclb.sync.options import LIBRARY_STALL_ABORT_S, set_default_stall_abort_s
 
 __all__ = ["init", "communicator", "broadcast_parameters", "broadcast_optimizer_state", "legw",
            "linear_scaling", "sqrt_scaling", "no_scaling", "shard_loader", "share_weight",
            "mean_over_ranks"]
 
 
-def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False) -> Communicator:
+def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False,
+         abort_on_exception: bool = True,
+         stall_abort_s: float | None = LIBRARY_STALL_ABORT_S) -> Communicator:
     """Start (or return) this process's communicator and bind its device.
 
     ``backend``: ``auto`` (MPI under mpirun/srun, torch.distributed under torchrun, one process
@@ -40,10 +44,22 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     :class:`~hpclb.dist.base.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
     calling it again returns the same one. Raises ConfigError (a ValueError) when the launcher
     and backend do not fit, or the device cannot be had.
+
+    No rank waits forever (world size > 1): ``abort_on_exception`` installs ``sys.excepthook``
+    and ``threading.excepthook`` so that an uncaught exception on one rank prints the rank and
+    the exception on stderr and ends every rank (``MPI_Abort``, exit status 1); opt out with
+    ``False`` or ``$HPCLB_ABORT_ON_EXCEPTION=0``. ``stall_abort_s`` (seconds, default 300; None:
+    never) ends the job when a gradient allreduce has waited that long (a rank that left the
+    loop or skipped a step); ``$HPCLB_STALL_ABORT_S`` and a ``DistributedOptimizer``'s own
+    ``stall_abort_s=`` take precedence.
     """
+    set_default_stall_abort_s(stall_abort_s)
     if not has_communicator():
         get_communicator(backend, device=device, share_gpu=share_gpu)
-    return current_communicator()
+    comm = current_communicator()
+    if abort_on_exception:
+        install_abort_on_exception(comm)
+    return comm
 
 
 def communicator() -> Communicator:

@@ -15,6 +15,7 @@ Source of the schedules: You et al., *Large-Batch Training for LSTM and Beyond*,
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -96,18 +97,31 @@ def _schedule(optimizer, scheme: str, *, base_batch_size: int, batch_size: int, 
               epochs: float, base_warmup_epochs: float, decay: str, decay_params: dict | None,
               base_lr: float | None) -> ScheduleLR:
     inner = getattr(optimizer, "optimizer", optimizer)
-    lrs = {g.get("initial_lr", g["lr"]) for g in inner.param_groups}
     if base_lr is None:
-        if len(lrs) != 1:
-            raise ValueError(f"the optimizer's parameter groups have different LRs {sorted(lrs)}; "
-                             f"pass base_lr= and set per-group 'lr_scale' factors instead")
-        base_lr = lrs.pop()
+        base_lr = _base_lr_of(inner)
     sched = Schedule.from_recipe(base_lr=base_lr, base_batch_size=base_batch_size,
                                  base_warmup_epochs=base_warmup_epochs,
                                  global_batch_size=batch_size, num_samples=num_samples,
                                  epochs=epochs, scheme=scheme, decay=decay,
                                  decay_params=decay_params)
-    return ScheduleLR(inner, sched)
+    updates = (lambda: optimizer.steps) if inner is not optimizer else None
+    return ScheduleLR(inner, sched, updates=updates)
+
+
+def _base_lr_of(inner: torch.optim.Optimizer) -> float:
+    """eta0 from the groups' ``initial_lr`` (set by a scheduler), else their ``lr``; warns when
+    it has to guess from the ``lr`` of an optimizer that has state (a loaded or stepped one,
+    whose ``lr`` may be a scheduled value, not eta0)."""
+    lrs = {g.get("initial_lr", g["lr"]) for g in inner.param_groups}
+    if len(lrs) != 1:
+        raise ValueError(f"the optimizer's parameter groups have different LRs {sorted(lrs)}; "
+                         f"pass base_lr= and set per-group 'lr_scale' factors instead")
+    if len(inner.state) and any("initial_lr" not in g for g in inner.param_groups):
+        warnings.warn(f"taking the base LR eta0 = {next(iter(lrs)):g} from the optimizer's "
+                      f"current 'lr', but the optimizer has state (loaded or stepped): that lr "
+                      f"may be a scheduled value. Pass base_lr=, or load the scheduler's "
+                      f"state_dict (it keeps the peak LR)", UserWarning, stacklevel=4)
+    return lrs.pop()
 
 
 def _scheduler_factory(scheme: str):

@@ -13,7 +13,6 @@ from torch import nn
 import hpclb
 from hpclb.dist.testing import assert_all
 from hpclb.errors import ModelMismatchError
-from hpclb.sync.contracts import GradientsTouchedError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120, method="thread")]
 
@@ -86,7 +85,7 @@ def test_ddp_clip_idiom_is_refused_or_exact_in_every_overlap_mode(comm, overlap)
             if comm.world_size == 1:
                 assert opt.step() is True
                 continue
-            with pytest.raises(GradientsTouchedError) as err:
+            with pytest.raises(RuntimeError, match="changed between backward") as err:
                 opt.step()
             assert "grad_clip_norm=" in str(err.value) and "synchronize()" in str(err.value)
             break

@@ -92,8 +92,9 @@ class SyncOptions:
         """Arguments, else ``$HPCLB_FUSION_THRESHOLD_BYTES``, ``$HPCLB_OVERLAP``,
         ``$HPCLB_COMPRESSION``, ``$HPCLB_STALL_TIMEOUT_S``, ``$HPCLB_STALL_ABORT_S``,
         ``$HPCLB_COMM_POLL_S``, else the defaults (``stall_abort_s``: the default
-        :func:`set_default_stall_abort_s` set, at least ``stall_timeout_s``, else never). Raises ValueError naming the setting and
-        its unit; warns (UserWarning) for a fusion threshold under 1 KiB."""
+        :func:`set_default_stall_abort_s` set, at least ``stall_timeout_s``, else never).
+        Raises ValueError naming the setting and its unit; warns (UserWarning) for a fusion
+        threshold under 1 KiB."""
         opts = cls(
             fusion_threshold_bytes=_as_bytes("fusion_threshold_bytes", fusion_threshold_bytes
                                              if fusion_threshold_bytes is not None else

@@ -106,7 +106,7 @@ def _schedule(optimizer, scheme: str, *, base_batch_size: int, batch_size: int, 
                                  epochs=epochs, scheme=scheme, decay=decay,
                                  decay_params=decay_params)
     updates = (lambda: optimizer.steps) if inner is not optimizer else None
-    return ScheduleLR(inner, sched, updates=updates)
+    return ScheduleLR(inner, sched, updates=updates, keep_peak_lr=True)
 
 
 def _base_lr_of(inner: torch.optim.Optimizer) -> float:

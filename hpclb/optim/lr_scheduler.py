@@ -30,15 +30,18 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
     optimizer update whatever loop calls it (e.g. after every micro-batch of an accumulation
     window), never ``accumulation_steps`` times too fast.
 
-    Its ``state_dict`` holds the step and the schedule's ``peak_lr`` (its base LR, as torch's
-    ``LambdaLR`` keeps ``base_lrs``); :meth:`load_state_dict` restores both and sets the groups'
+    Its ``state_dict`` holds the step, and with ``keep_peak_lr`` (the library's schedulers,
+    :func:`hpclb.legw` ...) the schedule's ``peak_lr`` (its base LR, as torch's ``LambdaLR``
+    keeps ``base_lrs``; ``hpclb train`` rebuilds it from the recipe instead);
+    :meth:`load_state_dict` restores both and sets the groups'
     LRs (and ``get_last_lr()``) to that step's, so a resumed run uses the restored step's LR at
     the saved peak, not step 0's nor one guessed from a loaded optimizer's current LR.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule,
-                 updates: Callable[[], int] | None = None):
+                 updates: Callable[[], int] | None = None, keep_peak_lr: bool = False):
         self.schedule = schedule
+        self.keep_peak_lr = keep_peak_lr
         self._updates = updates
         self._seen = updates() if updates is not None else None
         super().__init__(optimizer)
@@ -57,7 +60,10 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
         super().step(epoch)
 
     def state_dict(self) -> dict:
-        return {"last_epoch": self.last_epoch, "peak_lr": self.schedule.peak_lr}
+        state = {"last_epoch": self.last_epoch}
+        if self.keep_peak_lr:
+            state["peak_lr"] = self.schedule.peak_lr
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the global step and peak LR from :meth:`state_dict`: ``{"last_epoch": int

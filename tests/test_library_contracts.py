@@ -194,6 +194,39 @@ def test_a_net_frozen_after_construction_stays_put(comm, make):
     _same_everywhere(comm, _flat(model), "frozen net")
 
 
+class _Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.a, self.b = nn.Linear(6, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x, use_a: bool, use_b: bool):
+        h = self.trunk(x)
+        return h + (self.a(h) if use_a else 0) + (self.b(h) if use_b else 0)
+
+
+def test_parameters_without_a_gradient_on_every_rank_stay_put_with_find_unused(comm):
+    """find_unused_parameters=True (DDP's): branch a, unused everywhere after step 0, is left
+    by momentum and weight decay; branch b, used on rank 0 only, is averaged on every rank."""
+    model = _Branches()
+    opt = hpclb.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01), model,
+        comm=comm, find_unused_parameters=True)
+    try:
+        for s in range(4):
+            if s == 1:
+                a_before = _flat(model.a).clone()
+            opt.zero_grad()
+            x, y = _shard(comm, s)
+            _loss(lambda v: model(v, use_a=s == 0, use_b=comm.rank == 0), x, y).backward()
+            assert opt.step() is True
+    finally:
+        opt.close()
+    moved = (_flat(model.a) - a_before).abs().max().item()
+    assert_all(comm, moved == 0.0, f"unused branch moved by {moved}")
+    _same_everywhere(comm, _flat(model), "branches")
+
+
 def test_unfrozen_or_added_parameters_are_refused_then_averaged_after_refresh(comm):
     """Before: a backbone unfrozen later, or a head added with add_param_group, stayed local
     (ranks 1e-2 apart after 2-3 steps)."""

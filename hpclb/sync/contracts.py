@@ -44,11 +44,13 @@ class GradGuard:
     the final one: world size > 1 or accumulation > 1.
     """
 
-    def __init__(self, sync, active: bool):
+    def __init__(self, sync, active: bool, track_used: bool = False):
         self.sync = sync
+        self.active = active
         self._versions: dict[int, tuple[nn.Parameter, str, torch.Tensor, int]] = {}
+        self.used: set[int] = set()  # ids of parameters with a gradient in this window
         self._hooks = []
-        if not active:
+        if not (active or track_used):
             return
         for b in sync.buckets:
             for p, name in zip(b.params, b.names):
@@ -56,6 +58,9 @@ class GradGuard:
 
     def _hook(self, name: str):
         def hook(p) -> None:
+            self.used.add(id(p))
+            if not self.active:
+                return
             g = p.grad
             if g is not None and g._base is not None:  # the bucket view: alias it
                 p.grad = g = g.data
@@ -81,6 +86,18 @@ class GradGuard:
     def clear(self) -> None:
         """Forget the recorded versions (after a step, after ``zero_grad()``)."""
         self._versions.clear()
+
+    def drop_unused(self, params: list[nn.Parameter], comm) -> None:
+        """After a window's allreduce: ``grad = None`` for every parameter that got no gradient
+        on any rank in the window (one allreduce (max) of a flag per parameter), as DDP's
+        ``find_unused_parameters`` leaves them; then start a new window."""
+        flags = torch.tensor([id(p) in self.used for p in params], dtype=torch.uint8)
+        if comm.world_size > 1 and len(flags):
+            comm.allreduce_(flags, op="max")
+        for p, used in zip(params, flags.tolist()):
+            if not used:
+                p.grad = None
+        self.used.clear()
 
     def close(self) -> None:
         for h in self._hooks:
@@ -157,6 +174,8 @@ class SynchronizeMixin:
         self.sync_wait_s += time.perf_counter() - t0
         if self._synchronized:
             drop_frozen_grads(self.params)
+            if self.find_unused_parameters:
+                self._guard.drop_unused(self.params, self.comm)
         return self._synchronized
 
     def _take_synchronized(self) -> bool:

@@ -67,6 +67,10 @@ class DistributedOptimizer(SynchronizeMixin):
             compared by fingerprint (:func:`~hpclb.sync.agree.verify_replicas`); replicas that
             differ get rank 0's values with a UserWarning naming the first differing tensor
             (True, default) or raise ModelMismatchError on every rank (False).
+        find_unused_parameters: as DDP's: after each allreduce, parameters that got no gradient
+            on any rank in the window get ``grad = None`` (not updated, as in plain torch), at
+            the cost of one allreduce of a byte per parameter per step. False (default): they
+            are reduced as zeros (momentum and weight decay still move them).
         **sync_options: passed to :class:`~hpclb.sync.gradients.GradientSync`
             (fusion_threshold_bytes, overlap, compression, stall_timeout_s, track_local_norm, ...).
 
@@ -84,7 +88,7 @@ class DistributedOptimizer(SynchronizeMixin):
                  comm: Communicator | None = None, accumulation_steps: int = 1,
                  grad_clip_norm: float | None = None, max_nonfinite_steps: int = 3,
                  scaler: "torch.amp.GradScaler | None" = None, broadcast_mismatch: bool = True,
-                 **sync_options):
+                 find_unused_parameters: bool = False, **sync_options):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -112,6 +116,7 @@ class DistributedOptimizer(SynchronizeMixin):
                                                                 nn.Module) else named,
                         comm, broadcast=broadcast_mismatch)
         self._named = named
+        self.find_unused_parameters = bool(find_unused_parameters)
         self._sync_kwargs = dict(accumulation_steps=accumulation_steps, **sync_options)
         self._build_sync()
         self.grad_clip_norm = grad_clip_norm
@@ -131,7 +136,8 @@ class DistributedOptimizer(SynchronizeMixin):
         self._names_by_id = {id(p): n for n, p in self._named}
         self.sync = GradientSync(trainable, self.comm, **self._sync_kwargs)
         self._guard = GradGuard(self.sync, self.comm.world_size > 1
-                                or self.sync.accumulation_steps > 1)
+                                or self.sync.accumulation_steps > 1,
+                                track_used=self.find_unused_parameters)
 
     # the torch.optim.Optimizer surface LR schedulers and user code read
     @property

@@ -3,7 +3,8 @@
 SIGUSR2/SIGTERM (sent by SLURM/PBS before preempting) -> every rank agrees at the next step ->
 rank 0 saves a verified checkpoint generation -> every rank exits 75 (requeue) -> the next run
 with the same --out resumes: model, optimizer, LR schedule and every rank's RNG streams, so the
-result is the uninterrupted run's. Also shows hpclb.evaluate over a test set split across ranks.
+result is the uninterrupted run's. Also shows the collectives (hpclb.allreduce, allgather) and
+hpclb.evaluate over a test set split across ranks.
 
 Run: mpirun -n 2 python examples/preemptible.py --out run1     (again to resume)
      --signal-at N sends SIGUSR2 to the last rank after step N (to try it out).
@@ -55,6 +56,11 @@ for epoch in range(start // steps_per_epoch, EPOCHS):
         if step == args.signal_at and comm.rank == comm.world_size - 1:
             os.kill(os.getpid(), signal.SIGUSR2)  # what the batch system would send
         ckpt.step_done(step)  # agreed flag; on a signal: checkpoint, exit 75         # hpclb
+    last = hpclb.allreduce(loss.detach())  # the collectives: allreduce (mean), allgather, ...
+    shares = hpclb.allgather(torch.tensor([len(y)]))
+    if comm.rank == 0:
+        print(f"epoch {epoch}: last step's loss {last.item():.4f} (shares {shares.tolist()})",
+              file=sys.stderr)
 ckpt.close()
 metrics = hpclb.evaluate(model, test, lambda out, y: {                               # hpclb
     "accuracy": (out.argmax(1) == y).float(), "loss": F.cross_entropy(out, y, reduction="none")})

@@ -80,6 +80,12 @@ class DistributedOptimizer(SynchronizeMixin):
     waiting for the allreduce, all steps: the communication that backward did not hide),
     ``sync`` (the GradientSync).
 
+    The contract with the caller (``docs/library.md``; :mod:`hpclb.sync.contracts`): ``p.grad``
+    is final only after :meth:`synchronize` (or inside ``step()``); changing it in place before
+    that makes ``step()`` raise; ``zero_grad()`` is a no-op inside an accumulation window;
+    parameters frozen at a step are not updated; a parameter set that grows needs
+    :meth:`refresh_parameters` (or :meth:`add_param_group`).
+
     Raises ValueError when the optimizer updates a parameter that is not in
     ``model_or_named_parameters`` (its gradient would never be averaged) or for a bad setting.
     """

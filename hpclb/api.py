@@ -15,22 +15,28 @@ Source of the schedules: You et al., *Large-Batch Training for LSTM and Beyond*,
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from hpclb.dist.base import Communicator
+from hpclb.dist.watchdog import install_abort_on_exception
 from hpclb.dist.world import current_communicator, get_communicator, has_communicator
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
+from hpclb.sync.options import LIBRARY_STALL_ABORT_S, set_default_stall_abort_s
 
 __all__ = ["init", "communicator", "broadcast_parameters", "broadcast_optimizer_state", "legw",
            "linear_scaling", "sqrt_scaling", "no_scaling", "shard_loader", "share_weight",
-           "mean_over_ranks"]
+           "mean_over_ranks", "allreduce", "allgather", "broadcast", "broadcast_object",
+           "barrier", "evaluate"]
 
 
-def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False) -> Communicator:
+def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False,
+         abort_on_exception: bool = True,
+         stall_abort_s: float | None = LIBRARY_STALL_ABORT_S) -> Communicator:
     """Start (or return) this process's communicator and bind its device.
 
     ``backend``: ``auto`` (MPI under mpirun/srun, torch.distributed under torchrun, one process
@@ -40,10 +46,22 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     :class:`~hpclb.dist.base.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
     calling it again returns the same one. Raises ConfigError (a ValueError) when the launcher
     and backend do not fit, or the device cannot be had.
+
+    No rank waits forever (world size > 1): ``abort_on_exception`` installs ``sys.excepthook``
+    and ``threading.excepthook`` so that an uncaught exception on one rank prints the rank and
+    the exception on stderr and ends every rank (``MPI_Abort``, exit status 1); opt out with
+    ``False`` or ``$HPCLB_ABORT_ON_EXCEPTION=0``. ``stall_abort_s`` (seconds, default 300; None:
+    never) ends the job when a gradient allreduce has waited that long (a rank that left the
+    loop or skipped a step); ``$HPCLB_STALL_ABORT_S`` and a ``DistributedOptimizer``'s own
+    ``stall_abort_s=`` take precedence.
     """
+    set_default_stall_abort_s(stall_abort_s)
     if not has_communicator():
         get_communicator(backend, device=device, share_gpu=share_gpu)
-    return current_communicator()
+    comm = current_communicator()
+    if abort_on_exception:
+        install_abort_on_exception(comm)
+    return comm
 
 
 def communicator() -> Communicator:
@@ -80,18 +98,31 @@ def _schedule(optimizer, scheme: str, *, base_batch_size: int, batch_size: int, 
               epochs: float, base_warmup_epochs: float, decay: str, decay_params: dict | None,
               base_lr: float | None) -> ScheduleLR:
     inner = getattr(optimizer, "optimizer", optimizer)
-    lrs = {g.get("initial_lr", g["lr"]) for g in inner.param_groups}
     if base_lr is None:
-        if len(lrs) != 1:
-            raise ValueError(f"the optimizer's parameter groups have different LRs {sorted(lrs)}; "
-                             f"pass base_lr= and set per-group 'lr_scale' factors instead")
-        base_lr = lrs.pop()
+        base_lr = _base_lr_of(inner)
     sched = Schedule.from_recipe(base_lr=base_lr, base_batch_size=base_batch_size,
                                  base_warmup_epochs=base_warmup_epochs,
                                  global_batch_size=batch_size, num_samples=num_samples,
                                  epochs=epochs, scheme=scheme, decay=decay,
                                  decay_params=decay_params)
-    return ScheduleLR(inner, sched)
+    updates = (lambda: optimizer.steps) if inner is not optimizer else None
+    return ScheduleLR(inner, sched, updates=updates, keep_peak_lr=True)
+
+
+def _base_lr_of(inner: torch.optim.Optimizer) -> float:
+    """eta0 from the groups' ``initial_lr`` (set by a scheduler), else their ``lr``; warns when
+    it has to guess from the ``lr`` of an optimizer that has state (a loaded or stepped one,
+    whose ``lr`` may be a scheduled value, not eta0)."""
+    lrs = {g.get("initial_lr", g["lr"]) for g in inner.param_groups}
+    if len(lrs) != 1:
+        raise ValueError(f"the optimizer's parameter groups have different LRs {sorted(lrs)}; "
+                         f"pass base_lr= and set per-group 'lr_scale' factors instead")
+    if len(inner.state) and any("initial_lr" not in g for g in inner.param_groups):
+        warnings.warn(f"taking the base LR eta0 = {next(iter(lrs)):g} from the optimizer's "
+                      f"current 'lr', but the optimizer has state (loaded or stepped): that lr "
+                      f"may be a scheduled value. Pass base_lr=, or load the scheduler's "
+                      f"state_dict (it keeps the peak LR)", UserWarning, stacklevel=4)
+    return lrs.pop()
 
 
 def _scheduler_factory(scheme: str):
@@ -205,3 +236,99 @@ def mean_over_ranks(value, comm: Communicator | None = None, weight: float = 1.0
     if t[1].item() == 0:
         raise ValueError("mean_over_ranks: every rank passed weight 0")
     return (t[0] / t[1]).item()
+
+
+# -- collectives (every rank calls each one, in the same order) -----------------------------------
+
+def allreduce(tensor: torch.Tensor, op: str = "mean", comm: Communicator | None = None
+              ) -> torch.Tensor:
+    """A new tensor: ``tensor`` reduced over ranks with ``op`` (``mean`` (default, as Horovod's
+    ``hvd.allreduce``), ``sum``, ``max``, ``min``); same shape, dtype and device on every rank.
+    ``tensor`` is left as it is. Raises ValueError for another ``op`` (before communicating)."""
+    if op not in ("mean", "sum", "max", "min"):
+        raise ValueError(f"allreduce op={op!r}: use 'mean', 'sum', 'max' or 'min'")
+    comm = comm or communicator()
+    out = tensor.detach().clone()
+    if comm.world_size > 1:
+        comm.allreduce_(out, op="sum" if op == "mean" else op)
+    if op == "mean":
+        out = out / comm.world_size if out.is_floating_point() else out // comm.world_size
+    return out
+
+
+def allgather(tensor: torch.Tensor, comm: Communicator | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0 in rank order (``[sum of dim-0 sizes,
+    ...]``; the other dims must agree), on this rank's device. Travels as a pickled CPU copy:
+    for metrics and small tensors, not for gradients."""
+    comm = comm or communicator()
+    parts = comm.allgather_object(tensor.detach().cpu())
+    return torch.cat([p.reshape(-1, *tensor.shape[1:]) for p in parts]).to(tensor.device)
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0, comm: Communicator | None = None
+              ) -> torch.Tensor:
+    """Overwrite ``tensor`` in place with rank ``root``'s (same shape and dtype on every rank);
+    returns it."""
+    comm = comm or communicator()
+    if comm.world_size > 1:
+        comm.broadcast_(tensor.data, root=root)
+    return tensor
+
+
+def broadcast_object(obj: Any, root: int = 0, comm: Communicator | None = None) -> Any:
+    """Rank ``root``'s picklable ``obj`` on every rank (e.g. a decision made on rank 0)."""
+    comm = comm or communicator()
+    return comm.broadcast_object(obj, root) if comm.world_size > 1 else obj
+
+
+def barrier(comm: Communicator | None = None) -> None:
+    """Return when every rank has entered."""
+    comm = comm or communicator()
+    if comm.world_size > 1:
+        comm.barrier()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, metrics, *, batch_size: int = 256,
+             comm: Communicator | None = None, **loader_kwargs: Any) -> dict[str, float]:
+    """Means of per-sample metrics over a whole data set split across ranks: every sample
+    exactly once (rank ``r`` takes samples ``r, r + world_size, ...``; no padding, unlike
+    ``DistributedSampler``), the same dict on every rank.
+
+    ``metrics(outputs, targets) -> {name: tensor [n]}``: per-sample values of a batch (e.g.
+    ``(outputs.argmax(1) == targets).float()`` or ``F.cross_entropy(outputs, targets,
+    reduction="none")``); ``dataset`` yields ``(input, target)``; inputs go to ``comm.device``.
+    The model runs in eval mode under ``no_grad`` (its mode is restored). One allreduce of
+    float64 sums. Raises ValueError when the data set is empty.
+    """
+    comm = comm or communicator()
+    shard = torch.utils.data.Subset(dataset, range(comm.rank, len(dataset), comm.world_size))
+    loader = torch.utils.data.DataLoader(shard, batch_size=batch_size, **loader_kwargs)
+    was_training = model.training
+    model.eval()
+    names, sums = None, None
+    try:
+        for x, y in loader:
+            values = metrics(model(x.to(comm.device)), y.to(comm.device))
+            names = names or sorted(values)
+            batch = torch.stack([values[k].detach().double().sum().cpu() for k in names])
+            sums = batch if sums is None else sums + batch
+    finally:
+        model.train(was_training)
+    return _reduce_sums(names, sums, len(shard), comm)
+
+
+def _reduce_sums(names, sums, count: int, comm: Communicator) -> dict[str, float]:
+    """Metric means over every rank's ``count`` samples (a rank with an empty shard has
+    ``names`` None and learns them from the others)."""
+    everyone = comm.allgather_object(names) if comm.world_size > 1 else [names]
+    names = next((n for n in everyone if n), None)
+    if names is None:
+        raise ValueError("evaluate: the data set is empty on every rank")
+    t = torch.zeros(len(names) + 1, dtype=torch.float64)
+    if sums is not None:
+        t[:-1] = sums
+    t[-1] = count
+    if comm.world_size > 1:
+        comm.allreduce_(t)
+    return {k: (t[i] / t[-1]).item() for i, k in enumerate(names)}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import sys
 import threading
 import time
@@ -35,7 +36,8 @@ from typing import Callable, Iterator
 
 from hpclb.dist.base import Communicator
 
-__all__ = ["DEFAULT_POLL_S", "HISTORY", "StallReport", "print_report", "StallWatchdog",
+__all__ = ["ABORT_ON_EXCEPTION_ENV", "DEFAULT_POLL_S", "HISTORY", "StallReport",
+           "install_abort_on_exception", "print_report", "StallWatchdog",
            "watchdog_for"]
 
 DEFAULT_POLL_S = 1.0
@@ -307,3 +309,44 @@ def watchdog_for(comm: Communicator) -> StallWatchdog:
             wd = _watchdogs[comm] = StallWatchdog(comm)
             atexit.register(wd.stop)
         return wd
+
+
+ABORT_ON_EXCEPTION_ENV = "HPCLB_ABORT_ON_EXCEPTION"
+
+
+def install_abort_on_exception(comm: Communicator) -> bool:
+    """Make an uncaught exception on this rank end every rank of the job (library mode).
+
+    Installs ``sys.excepthook`` and ``threading.excepthook``: the exception's traceback and one
+    line ``hpclb: rank r of n: uncaught TypeName: message; aborting every rank`` go to stderr,
+    then ``comm.abort(1)`` (``MPI_Abort``), so the other ranks do not wait forever in their next
+    collective. Idempotent; a world of one rank is left alone. Opt out with
+    ``$HPCLB_ABORT_ON_EXCEPTION=0`` (then this returns False and installs nothing). Returns True
+    when the hooks are in place.
+    """
+    if comm.world_size == 1 or os.environ.get(ABORT_ON_EXCEPTION_ENV, "1").strip().lower() in (
+            "0", "false", "no", "off"):
+        return False
+    if getattr(sys.excepthook, "_hpclb_abort", False):
+        return True
+    previous_sys, previous_thread = sys.excepthook, threading.excepthook
+
+    def abort(kind: str, exc_type, exc, tb, previous) -> None:
+        previous(*((exc_type, exc, tb) if kind == "main" else (tb,)))
+        print(f"hpclb: rank {comm.rank} of {comm.world_size}: uncaught {exc_type.__name__}"
+              f"{' in thread ' + kind if kind != 'main' else ''}: {exc}; aborting every rank "
+              f"(opt out: {ABORT_ON_EXCEPTION_ENV}=0)", file=sys.stderr, flush=True)
+        comm.abort(1)
+
+    def sys_hook(exc_type, exc, tb) -> None:  # SystemExit never gets here: exit as asked
+        abort("main", exc_type, exc, tb, previous_sys)
+
+    def thread_hook(args) -> None:
+        if args.exc_type is SystemExit:
+            return previous_thread(args)
+        name = args.thread.name if args.thread is not None else "?"
+        abort(name, args.exc_type, args.exc_value, args, previous_thread)
+
+    sys_hook._hpclb_abort = True
+    sys.excepthook, threading.excepthook = sys_hook, thread_hook
+    return True

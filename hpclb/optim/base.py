@@ -65,13 +65,24 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     _EPS_TYPICAL = "1e-6"
 
     def __init__(self, params: Iterable, defaults: dict):
+        self._reset_outputs()
+        super().__init__(params, defaults)
+        self._report_exclusions()
+
+    def _reset_outputs(self) -> None:
+        """The per-step outputs and caches: not optimizer state (torch's ``__getstate__`` keeps
+        only ``defaults``, ``state`` and ``param_groups``), so rebuilt after a copy."""
         self.nonfinite_layers: Tensor | None = None
         self.trust_ratios: Tensor | None = None
         self.path: str | None = None
         self._paths_logged: set[tuple[str, str]] = set()
         self._adapted_index: tuple[tuple, Tensor] | None = None
-        super().__init__(params, defaults)
-        self._report_exclusions()
+
+    def __setstate__(self, state: dict) -> None:
+        """``copy.deepcopy`` and ``pickle``: torch restores the state and groups; the step's
+        outputs start empty, as after construction."""
+        super().__setstate__(state)
+        self._reset_outputs()
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

@@ -4,6 +4,8 @@ raises the same :class:`~hpclb.errors.ModelMismatchError` on every rank, so no r
 waiting in a later collective."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ from hpclb.dist.base import Communicator
 from hpclb.errors import ModelMismatchError
 
 __all__ = ["agree_num_steps", "average_buffers", "broadcast_parameters", "check_model_consistency",
-           "check_sync_agreement"]
+           "check_sync_agreement", "fingerprints", "verify_replicas"]
 
 
 def check_model_consistency(model: nn.Module, comm: Communicator) -> None:
@@ -111,3 +113,57 @@ def check_sync_agreement(everyone: list[dict]) -> None:
             raise ModelMismatchError(
                 f"GradientSync: rank {rank} packs gradients into buckets of "
                 f"{e['buckets']} tensors, rank 0 into {everyone[0]['buckets']}")
+
+
+def _state_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter and buffer of ``model`` (an ``nn.Module``), or of the
+    parameters of ``(name, parameter)`` pairs."""
+    if isinstance(model, nn.Module):
+        return list(model.named_parameters()) + list(model.named_buffers())
+    return list(model)
+
+
+@torch.no_grad()
+def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """float64 ``[2 * n]`` on the CPU: each tensor's sum and sum of squares (integer and bool
+    tensors as float64; NaN mapped to a fixed value so that NaN on every rank still agrees).
+    One host copy of ``2 n`` numbers."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    parts = []
+    for t in tensors:
+        v = t.detach().to(torch.float64).reshape(-1)
+        parts.append(torch.stack([v.sum(), v.square().sum()]))
+    return torch.nan_to_num(torch.cat(parts).cpu(), nan=-1.2345e300)
+
+
+@torch.no_grad()
+def verify_replicas(model, comm: Communicator, broadcast: bool = True, root: int = 0) -> str | None:
+    """Compare every rank's parameter and buffer *values* (integer buffers too) by fingerprint:
+    per tensor the float64 sum and sum of squares, allreduced with min and max (two allreduces
+    of ``2 n`` numbers). Returns None when all ranks agree, else the first differing tensor's
+    name, after either broadcasting rank ``root``'s parameters and buffers to every rank with a
+    UserWarning naming it (``broadcast=True``), or raising :class:`ModelMismatchError` on every
+    rank (``broadcast=False``). Collective; a world of one returns None. Call after
+    :func:`check_model_consistency` (same names and shapes)."""
+    if comm.world_size == 1:
+        return None
+    named = _state_tensors(model)
+    fp = fingerprints([t for _, t in named])
+    lo, hi = comm.allreduce_(fp.clone(), op="min"), comm.allreduce_(fp.clone(), op="max")
+    differ = (lo != hi).nonzero()
+    if not len(differ):
+        return None
+    name = named[int(differ[0]) // 2][0]
+    n = len({int(i) // 2 for i in differ})
+    if not broadcast:
+        raise ModelMismatchError(
+            f"the ranks' replicas differ in {n} tensors, first {name}: seed the model's "
+            f"initialisation identically on every rank, or call hpclb.broadcast_parameters(model) "
+            f"(or pass broadcast_parameters=True)")
+    warnings.warn(f"the ranks' replicas differ in {n} tensors, first {name}; rank {root}'s "
+                  f"parameters and buffers were broadcast to every rank", UserWarning,
+                  stacklevel=3)
+    for _, t in named:
+        comm.broadcast_(t.data, root=root)
+    return name

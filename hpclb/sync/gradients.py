@@ -355,6 +355,11 @@ class GradientSync:
         return torch.stack([b.local_sq.to(self.buckets[0].buffer.device)
                             for b in self.buckets]).sum()
 
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches accumulated so far in the current window (0 at a window's start)."""
+        return self._micro
+
     def reset_epoch(self) -> int:
         """Start a new accumulation window at an epoch boundary; returns how many micro-batches
         of an unfinished window are dropped (their gradients stay local: zero them)."""

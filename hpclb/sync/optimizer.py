@@ -20,7 +20,6 @@ Forgetting the synchronisation is impossible: the allreduce happens inside ``ste
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +27,8 @@ from torch import Tensor, nn
 from hpclb.dist.base import Communicator
 from hpclb.dist.world import current_communicator
 from hpclb.errors import NonFiniteError
+from hpclb.sync.agree import verify_replicas
+from hpclb.sync.contracts import GradGuard, SynchronizeMixin, zero_grad_action
 from hpclb.sync.gradients import GradientSync
 
 __all__ = ["DistributedOptimizer"]
@@ -42,7 +43,7 @@ def _named(model_or_named_parameters) -> list[tuple[str, nn.Parameter]]:
     return items
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(SynchronizeMixin):
     """A torch optimizer whose ``step()`` averages gradients across ranks first.
 
     Args:
@@ -62,6 +63,14 @@ class DistributedOptimizer:
         scaler: a ``torch.amp.GradScaler`` for fp16 (the caller scales the loss with
             ``scaler.scale(loss).backward()``; ``step()`` unscales before the norm, clipping and
             trust ratios, and updates the scale).
+        broadcast_mismatch: at construction every rank's parameter and buffer values are
+            compared by fingerprint (:func:`~hpclb.sync.agree.verify_replicas`); replicas that
+            differ get rank 0's values with a UserWarning naming the first differing tensor
+            (True, default) or raise ModelMismatchError on every rank (False).
+        find_unused_parameters: as DDP's: after each allreduce, parameters that got no gradient
+            on any rank in the window get ``grad = None`` (not updated, as in plain torch), at
+            the cost of one allreduce of a byte per parameter per step. False (default): they
+            are reduced as zeros (momentum and weight decay still move them).
         **sync_options: passed to :class:`~hpclb.sync.gradients.GradientSync`
             (fusion_threshold_bytes, overlap, compression, stall_timeout_s, track_local_norm, ...).
 
@@ -71,6 +80,12 @@ class DistributedOptimizer:
     waiting for the allreduce, all steps: the communication that backward did not hide),
     ``sync`` (the GradientSync).
 
+    The contract with the caller (``docs/library.md``; :mod:`hpclb.sync.contracts`): ``p.grad``
+    is final only after :meth:`synchronize` (or inside ``step()``); changing it in place before
+    that makes ``step()`` raise; ``zero_grad()`` is a no-op inside an accumulation window;
+    parameters frozen at a step are not updated; a parameter set that grows needs
+    :meth:`refresh_parameters` (or :meth:`add_param_group`).
+
     Raises ValueError when the optimizer updates a parameter that is not in
     ``model_or_named_parameters`` (its gradient would never be averaged) or for a bad setting.
     """
@@ -78,7 +93,8 @@ class DistributedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, model_or_named_parameters, *,
                  comm: Communicator | None = None, accumulation_steps: int = 1,
                  grad_clip_norm: float | None = None, max_nonfinite_steps: int = 3,
-                 scaler: "torch.amp.GradScaler | None" = None, **sync_options):
+                 scaler: "torch.amp.GradScaler | None" = None, broadcast_mismatch: bool = True,
+                 find_unused_parameters: bool = False, **sync_options):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -102,10 +118,13 @@ class DistributedOptimizer:
                                      f"would never be averaged across ranks")
         self.optimizer = optimizer
         self.comm = comm
-        self.names = [n for n, p in named if p.requires_grad]
-        self.params = [p for _, p in named if p.requires_grad]
-        self.sync = GradientSync(named, comm, accumulation_steps=accumulation_steps,
-                                 **sync_options)
+        verify_replicas(model_or_named_parameters if isinstance(model_or_named_parameters,
+                                                                nn.Module) else named,
+                        comm, broadcast=broadcast_mismatch)
+        self._named = named
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self._sync_kwargs = dict(accumulation_steps=accumulation_steps, **sync_options)
+        self._build_sync()
         self.grad_clip_norm = grad_clip_norm
         self.max_nonfinite_steps = max_nonfinite_steps
         self.scaler = scaler
@@ -114,6 +133,17 @@ class DistributedOptimizer:
         self.skipped_steps = 0
         self.sync_wait_s = 0.0  # host seconds spent waiting in the allreduce (all steps)
         self._streak = 0
+
+    def _build_sync(self) -> None:
+        """The GradientSync (and its GradGuard) over the trainable parameters of ``_named``."""
+        trainable = [(n, p) for n, p in self._named if p.requires_grad]
+        self.names = [n for n, _ in trainable]
+        self.params = [p for _, p in trainable]
+        self._names_by_id = {id(p): n for n, p in self._named}
+        self.sync = GradientSync(trainable, self.comm, **self._sync_kwargs)
+        self._guard = GradGuard(self.sync, self.comm.world_size > 1
+                                or self.sync.accumulation_steps > 1,
+                                track_used=self.find_unused_parameters)
 
     # the torch.optim.Optimizer surface LR schedulers and user code read
     @property
@@ -130,8 +160,13 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients in place (they are views into the communication buckets;
-        ``set_to_none`` is accepted and ignored, since re-allocating would cost a copy)."""
-        self.optimizer.zero_grad(set_to_none=False)
+        ``set_to_none`` is accepted and ignored, since re-allocating would cost a copy). Inside
+        an accumulation window (after a ``step()`` that returned False) a no-op: the window's
+        gradients accumulate until its last ``step()``. Raises RuntimeError between
+        ``backward()`` and ``step()`` while the allreduce is in flight."""
+        if zero_grad_action(self.sync, self.sync.micro_batches):
+            self.optimizer.zero_grad(set_to_none=False)
+            self._guard.clear()
 
     def step(self, closure=None) -> bool:
         """Average, check, clip and step (module docstring). Returns True when the parameters
@@ -140,9 +175,7 @@ class DistributedOptimizer:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure: run forward and "
                              "backward before calling step()")
-        t0 = time.perf_counter()
-        synced = self.sync.synchronize()
-        self.sync_wait_s += time.perf_counter() - t0
+        synced = self._take_synchronized()  # synchronize(), unless the caller did it already
         if not synced:
             return False
         self.steps += 1
@@ -202,6 +235,7 @@ class DistributedOptimizer:
 
     def close(self) -> None:
         """Release the communicator (hooks, communication thread)."""
+        self._guard.close()
         self.sync.close()
 
     def __repr__(self) -> str:

@@ -6,6 +6,7 @@ wins); :meth:`SyncOptions.resolve` returns them checked. Units are in the names:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -17,13 +18,18 @@ import torch
 __all__ = [
     "BYTES_FORMS", "COMPRESSIONS", "DEFAULT_COMM_POLL_S", "DEFAULT_FIRST_BUCKET_BYTES",
     "DEFAULT_FUSION_THRESHOLD_BYTES", "DEFAULT_STALL_TIMEOUT_S", "OVERLAP_MODES",
-    "SMALL_FUSION_BYTES", "MiB", "SyncOptions", "parse_bytes"]
+    "LIBRARY_STALL_ABORT_S", "SMALL_FUSION_BYTES", "MiB", "SyncOptions", "parse_bytes",
+    "set_default_stall_abort_s"]
 
 MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
 DEFAULT_STALL_TIMEOUT_S = 60.0
 DEFAULT_COMM_POLL_S = 2e-4
+# hpclb.init's default: a collective that waits this long ends the job (library scripts have no
+# supervisor that would notice a hang; the command line aborts on its own failures).
+LIBRARY_STALL_ABORT_S = 300.0
+_default_stall_abort_s: list[float | None] = [None]  # set by hpclb.init (library mode)
 OVERLAP_MODES = ("auto", "thread", "nonblocking", "none")
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this a fusion threshold is almost surely a unit mistake (Horovod's CLI takes MB, its env
@@ -85,8 +91,10 @@ class SyncOptions:
                 compression=None, stall_timeout_s=None, stall_abort_s=None) -> "SyncOptions":
         """Arguments, else ``$HPCLB_FUSION_THRESHOLD_BYTES``, ``$HPCLB_OVERLAP``,
         ``$HPCLB_COMPRESSION``, ``$HPCLB_STALL_TIMEOUT_S``, ``$HPCLB_STALL_ABORT_S``,
-        ``$HPCLB_COMM_POLL_S``, else the defaults. Raises ValueError naming the setting and
-        its unit; warns (UserWarning) for a fusion threshold under 1 KiB."""
+        ``$HPCLB_COMM_POLL_S``, else the defaults (``stall_abort_s``: the default
+        :func:`set_default_stall_abort_s` set, at least ``stall_timeout_s``, else never).
+        Raises ValueError naming the setting and its unit; warns (UserWarning) for a fusion
+        threshold under 1 KiB."""
         opts = cls(
             fusion_threshold_bytes=_as_bytes("fusion_threshold_bytes", fusion_threshold_bytes
                                              if fusion_threshold_bytes is not None else
@@ -104,6 +112,9 @@ class SyncOptions:
             stall_abort_s=stall_abort_s if stall_abort_s is not None else
             _env("HPCLB_STALL_ABORT_S", None, _seconds),
             comm_poll_s=float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, _seconds)))
+        if opts.stall_abort_s is None and _default_stall_abort_s[0] is not None:
+            opts = dataclasses.replace(opts, stall_abort_s=max(_default_stall_abort_s[0],
+                                                               opts.stall_timeout_s))
         opts._check()
         return opts
 
@@ -138,6 +149,18 @@ class SyncOptions:
         if mode == "thread" and not comm.thread_safe:
             mode = "nonblocking"
         return mode
+
+
+def set_default_stall_abort_s(seconds: float | None) -> None:
+    """The ``stall_abort_s`` of every later GradientSync whose argument and
+    ``$HPCLB_STALL_ABORT_S`` are unset: end the job after a collective waited this many seconds
+    (None: wait forever). :func:`hpclb.init` sets :data:`LIBRARY_STALL_ABORT_S`. Raises
+    ValueError unless None or a positive finite number of seconds."""
+    if seconds is not None and not (isinstance(seconds, (int, float)) and
+                                    math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"stall_abort_s={seconds!r} must be None or a positive number of "
+                         f"seconds")
+    _default_stall_abort_s[0] = None if seconds is None else float(seconds)
 
 
 def _as_bytes(field: str, value) -> int:

@@ -1,0 +1,98 @@
+"""Library mode never leaves a rank waiting: an exception on one rank, or a rank that leaves the
+loop, ends every rank of a real ``mpirun -n 2`` job within seconds (``hpclb.init``)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(240)
+
+BIN = os.path.dirname(sys.executable)
+MPIRUN = os.path.join(BIN, "mpirun")
+
+PRELUDE = """\
+import os, sys, time
+import torch
+import hpclb
+from torch import nn
+"""
+
+LOOP = """\
+comm = hpclb.init(**INIT)
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+hpclb.broadcast_parameters(model)
+opt = hpclb.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+for step in range(1, 6):
+    if step == 3 and comm.rank == 1:
+        ACTION
+    opt.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+print("finished", comm.rank, flush=True)
+"""
+
+
+def run_ranks(body: str, tmp_path, ranks: int = 2, timeout: float = 150, env: dict | None = None,
+              ) -> tuple[int, str, str, float]:
+    """Run the Python ``body`` as ``mpirun -n ranks`` (PYTHONPATH: this checkout); returns
+    (exit status, stdout, stderr, seconds). A hang fails through ``timeout``."""
+    if not os.path.exists(MPIRUN):
+        pytest.skip("no mpirun beside the interpreter (make install)")
+    script = tmp_path / "script.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))}
+    full.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                 "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+                 "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
+    flags = [f for k in sorted(set(env or {}) | {"PYTHONPATH", "OMP_NUM_THREADS"})
+             for f in ("-x", k)]
+    t0 = time.monotonic()
+    out = subprocess.run([MPIRUN, "-n", str(ranks), "--bind-to", "none", *flags,
+                          sys.executable, str(script)], cwd=tmp_path, env=full,
+                         capture_output=True, text=True, timeout=timeout,
+                         stdin=subprocess.DEVNULL)
+    return out.returncode, out.stdout, out.stderr, time.monotonic() - t0
+
+
+def test_an_exception_on_rank_1_ends_every_rank(tmp_path):
+    """Before: rank 0 waited in the allreduce forever (a stall warning every 60 s)."""
+    rc, out, err, seconds = run_ranks(
+        LOOP.replace("INIT", "{}").replace("ACTION", "raise ValueError('boom at step 3')"),
+        tmp_path)
+    assert rc != 0, out
+    assert "finished 0" not in out
+    assert "rank 1 of 2: uncaught ValueError: boom at step 3" in err, err[-2000:]
+    assert seconds < 90, seconds  # start-up of 2 ranks included; the abort itself takes < 1 s
+
+
+def test_the_abort_can_be_turned_off_and_then_the_watchdog_ends_the_wait(tmp_path):
+    """abort_on_exception=False: rank 1 dies alone; rank 0's lost allreduce is ended by the
+    library's stall_abort_s instead of waiting forever."""
+    rc, out, err, seconds = run_ranks(
+        LOOP.replace("INIT", "{'abort_on_exception': False, 'stall_abort_s': 4}")
+        .replace("ACTION", "raise ValueError('boom at step 3')"),
+        tmp_path, env={"HPCLB_STALL_TIMEOUT_S": "1"})
+    assert rc != 0, out
+    assert "uncaught ValueError" not in err  # the hook was not installed
+    assert "ValueError: boom at step 3" in err  # Python's own report from rank 1
+    assert "rank 0: aborting the job" in err and "abort after 4 s" in err, err[-2000:]
+
+
+def test_a_rank_that_leaves_the_loop_is_ended_by_the_stall_abort(tmp_path):
+    """Rank 1 sleeps instead of stepping: no exception anywhere; the stall watchdog's library
+    default (here 4 s) ends the job."""
+    rc, out, err, seconds = run_ranks(
+        LOOP.replace("INIT", "{'stall_abort_s': 4}").replace("ACTION", "time.sleep(120)"),
+        tmp_path, env={"HPCLB_STALL_TIMEOUT_S": "1"})
+    assert rc != 0, out
+    assert "rank 0: aborting the job" in err, err[-2000:]
+    assert seconds < 100, seconds

@@ -2,7 +2,9 @@
 
 ``hpclb jobs render EXPERIMENT --scheduler slurm|pbs --nodes N --gpus-per-node G ...`` turns a
 recipe into a batch script: ``N`` nodes × ``G`` ranks (one rank per GPU; ``--tasks-per-node`` for
-CPU-only nodes), global batch ``N·G·b`` for a per-GPU batch ``b``, and the LEGW plan for that
+CPU-only nodes), the global batch ``--batch-size B`` (default the recipe's ``B0``; each rank takes
+``B / (N·G)`` samples, a JobError when it does not divide; ``--per-gpu-batch b`` instead asks
+for ``B = N·G·b``, which changes with the node count), and the LEGW plan for that
 batch (peak LR ``η0·√k``, warmup ``W0·k`` epochs = the same number of steps at every ``k``)
 computed by :mod:`hpclb.schedules` exactly as ``hpclb train --batch-size B --scaling legw`` will.
 The rendered ``hpclb train`` line passes only the global batch and the scheme; the derived LR
@@ -157,9 +159,9 @@ def plan_for(recipe: dict[str, Any], global_batch: int, per_rank_batch: int, sca
     n, unit = train_set_size(recipe)
     if global_batch > n:
         raise JobError(f"the global batch {global_batch} is larger than the training set "
-                       f"({n} {unit} of {recipe['data']['name']}): use fewer nodes or GPUs or a "
-                       f"smaller --per-gpu-batch (at most "
-                       f"{n // max(1, global_batch // per_rank_batch)} per rank at this size)")
+                       f"({n} {unit} of {recipe['data']['name']}): give a smaller --batch-size "
+                       f"(at most {n}), or with --per-gpu-batch at most "
+                       f"{n // max(1, global_batch // per_rank_batch)} per rank at this size")
     opt = optimizer or recipe["optimizer"]
     if opt not in recipe.get("optimizers", {}):
         raise JobError(f"--optimizer {opt}: the recipe {recipe['name']} has no tuned "
@@ -241,7 +243,7 @@ def _render_args(spec: JobSpec) -> str:
                  "account", "job_name", "out", "log", "data_dir", "venv", "fabric", "allreduce",
                  "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
                  "checkpoint_interval", "launcher", "scaling", "optimizer", "epochs", "seed",
-                 "backend", "device", "gpu_bind"):
+                 "backend", "device", "gpu_bind", "batch_size"):
         v = getattr(spec, name)
         if v != getattr(defaults, name) and v is not None:
             args += [f"--{name.replace('_', '-')}", str(v)]
@@ -300,11 +302,29 @@ def _plan(spec: JobSpec) -> tuple[dict[str, Any], Plan, int]:
     except ConfigError as e:
         raise JobError(str(e)) from e
     tasks = spec.tasks_per_node or spec.gpus_per_node or 1
-    b = spec.per_gpu_batch or int(recipe.get("per_gpu_batch") or
-                                  max(1, recipe["base_batch_size"] // tasks))
-    plan = plan_for(recipe, spec.nodes * tasks * b, b, spec.scaling, spec.epochs,
-                    spec.optimizer)
+    ranks = spec.nodes * tasks
+    per_gpu = spec.per_gpu_batch or recipe.get("per_gpu_batch")
+    batch = spec.batch_size or (ranks * int(per_gpu) if per_gpu else
+                                int(recipe["base_batch_size"]))
+    _check_divides(spec, batch, ranks, given=bool(spec.batch_size or per_gpu))
+    plan = plan_for(recipe, batch, batch // ranks, spec.scaling, spec.epochs, spec.optimizer)
     return recipe, plan, tasks
+
+
+def _check_divides(spec: JobSpec, batch: int, ranks: int, given: bool) -> None:
+    """JobError when the global ``batch`` does not split evenly over the job's ``ranks``."""
+    if batch % ranks == 0:
+        return
+    what = (f"--batch-size {batch}" if given else
+            f"the recipe's base batch B0 = {batch} (the default global batch)")
+    per = "--gpus-per-node" if spec.gpus_per_node else "--tasks-per-node"
+    lower, upper = batch // ranks * ranks, (batch // ranks + 1) * ranks
+    fits = [n for n in range(1, spec.nodes * 2 + 1) if batch % (n * (ranks // spec.nodes)) == 0]
+    raise JobError(f"{what} does not divide evenly over --nodes {spec.nodes} x {per} "
+                   f"{ranks // spec.nodes} = {ranks} ranks (each rank takes batch / ranks "
+                   f"samples); give a --batch-size that is a multiple of {ranks} "
+                   f"({', '.join(str(b) for b in (lower, upper) if b > 0)}) or a node count "
+                   f"that divides it ({', '.join(map(str, fits[-3:])) or 'none'})")
 
 
 def render(spec: JobSpec) -> tuple[str, Plan]:

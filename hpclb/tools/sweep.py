@@ -274,8 +274,9 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     ``epochs`` (default the recipe's, the same for every point), ``ranks`` (MPI ranks per point),
     ``out_dir`` (default ``<runs_dir>/<recipe name>``).
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
-    ``error`` and no metric (:func:`failed_points` lists them). Raises ConfigError for bad arguments before any training, and
-    RuntimeError when a point crashes (its row is not written; rerun to retry it).
+    ``error`` and no metric (:func:`failed_points` lists them). Raises ConfigError for bad
+    arguments before any training, and RuntimeError when a point crashes (its row is not
+    written; rerun to retry it).
     """
     recipe = load_recipe(experiment)
     batch_sizes, schemes = _checked(batch_sizes, schemes, ranks)

@@ -239,11 +239,11 @@ def _render_args(spec: JobSpec) -> str:
     args = [spec.experiment, "--scheduler", spec.scheduler, "--nodes", str(spec.nodes),
             "--gpus-per-node", str(spec.gpus_per_node)]
     defaults = JobSpec(spec.experiment, spec.scheduler, spec.nodes, spec.gpus_per_node)
-    for name in ("per_gpu_batch", "tasks_per_node", "cpus_per_task", "time", "partition",
+    for name in ("batch_size", "per_gpu_batch", "tasks_per_node", "cpus_per_task", "time", "partition",
                  "account", "job_name", "out", "log", "data_dir", "venv", "fabric", "allreduce",
                  "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
                  "checkpoint_interval", "launcher", "scaling", "optimizer", "epochs", "seed",
-                 "backend", "device", "gpu_bind", "batch_size"):
+                 "backend", "device", "gpu_bind"):
         v = getattr(spec, name)
         if v != getattr(defaults, name) and v is not None:
             args += [f"--{name.replace('_', '-')}", str(v)]
@@ -361,21 +361,21 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
     return jenv.get_template(tmpl_name).render(**context), plan
 
 
-# The committed examples (jobs/slurm, jobs/pbs): experiment -> per-GPU batch at 1, 16, 256 nodes
-# of 4 GPUs. MNIST-LSTM stops at k = 64 at 256 nodes (the paper's "batch x64 without loss"; a
+# The committed examples (jobs/slurm, jobs/pbs): experiment -> global batch (--batch-size) at 1, 16,
+# 256 nodes of 4 GPUs. MNIST-LSTM stops at k = 64 at 256 nodes (the paper's "batch x64 without loss"; a
 # larger k would need more warmup epochs than the 20 epochs of training). PTB has only 26,559
 # sequences of 35 tokens: 1,024 ranks x 1 (k = 51.2) already leaves 26 steps per epoch.
 EXAMPLE_NODES = (1, 16, 256)
 EXAMPLES: dict[str, dict[str, Any]] = {
-    "mnist-lstm": {"gpus_per_node": 4, "per_gpu_batch": {1: 32, 16: 32, 256: 8},
+    "mnist-lstm": {"gpus_per_node": 4, "batch_size": {1: 128, 16: 2048, 256: 8192},
                    "time": "01:00:00", "checkpoint_interval": 600},
-    "ptb-large": {"gpus_per_node": 4, "per_gpu_batch": {1: 5, 16: 5, 256: 1},
+    "ptb-large": {"gpus_per_node": 4, "batch_size": {1: 20, 16: 320, 256: 1024},
                   "time": "12:00:00", "checkpoint_interval": 1800},
     # 31k verse pairs: k = 64 at 256 nodes is 4 steps per epoch, about as far as it goes
-    "gnmt": {"gpus_per_node": 4, "per_gpu_batch": {1: 32, 16: 32, 256: 8},
+    "gnmt": {"gpus_per_node": 4, "batch_size": {1: 128, 16: 2048, 256: 8192},
              "time": "12:00:00", "checkpoint_interval": 1800},
     # B0 = 1024; 256 nodes x 4 x 32 = 32K, the paper's LEGW point (LR 32, 10 warmup epochs)
-    "resnet-50": {"gpus_per_node": 4, "per_gpu_batch": {1: 256, 16: 128, 256: 32},
+    "resnet-50": {"gpus_per_node": 4, "batch_size": {1: 1024, 16: 8192, 256: 32768},
                   "time": "24:00:00", "checkpoint_interval": 1800},
 }
 
@@ -390,7 +390,7 @@ def example_specs() -> list[tuple[str, JobSpec]]:
         for n in EXAMPLE_NODES:
             for sched in SCHEDULERS:
                 spec = JobSpec(exp, sched, n, ex["gpus_per_node"],
-                               per_gpu_batch=ex["per_gpu_batch"][n], time=ex["time"],
+                               batch_size=ex["batch_size"][n], time=ex["time"],
                                checkpoint_interval=ex["checkpoint_interval"],
                                partition="gpu", account="hpclb")
                 ext = "sbatch" if sched == "slurm" else "pbs"

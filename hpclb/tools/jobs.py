@@ -239,8 +239,8 @@ def _render_args(spec: JobSpec) -> str:
     args = [spec.experiment, "--scheduler", spec.scheduler, "--nodes", str(spec.nodes),
             "--gpus-per-node", str(spec.gpus_per_node)]
     defaults = JobSpec(spec.experiment, spec.scheduler, spec.nodes, spec.gpus_per_node)
-    for name in ("batch_size", "per_gpu_batch", "tasks_per_node", "cpus_per_task", "time", "partition",
-                 "account", "job_name", "out", "log", "data_dir", "venv", "fabric", "allreduce",
+    for name in ("batch_size", "per_gpu_batch", "tasks_per_node", "cpus_per_task", "time",
+                 "partition", "account", "job_name", "out", "log", "data_dir", "venv", "fabric", "allreduce",
                  "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
                  "checkpoint_interval", "launcher", "scaling", "optimizer", "epochs", "seed",
                  "backend", "device", "gpu_bind"):
@@ -361,10 +361,11 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
     return jenv.get_template(tmpl_name).render(**context), plan
 
 
-# The committed examples (jobs/slurm, jobs/pbs): experiment -> global batch (--batch-size) at 1, 16,
-# 256 nodes of 4 GPUs. MNIST-LSTM stops at k = 64 at 256 nodes (the paper's "batch x64 without loss"; a
-# larger k would need more warmup epochs than the 20 epochs of training). PTB has only 26,559
-# sequences of 35 tokens: 1,024 ranks x 1 (k = 51.2) already leaves 26 steps per epoch.
+# The committed examples (jobs/slurm, jobs/pbs): experiment -> global batch (--batch-size) at 1,
+# 16, 256 nodes of 4 GPUs. MNIST-LSTM stops at k = 64 at 256 nodes (the paper's "batch x64
+# without loss"; a larger k would need more warmup epochs than the 20 epochs of training). PTB
+# has only 26,559 sequences of 35 tokens: 1,024 ranks x 1 (k = 51.2) already leaves 26 steps per
+# epoch.
 EXAMPLE_NODES = (1, 16, 256)
 EXAMPLES: dict[str, dict[str, Any]] = {
     "mnist-lstm": {"gpus_per_node": 4, "batch_size": {1: 128, 16: 2048, 256: 8192},

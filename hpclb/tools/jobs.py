@@ -240,8 +240,8 @@ def _render_args(spec: JobSpec) -> str:
             "--gpus-per-node", str(spec.gpus_per_node)]
     defaults = JobSpec(spec.experiment, spec.scheduler, spec.nodes, spec.gpus_per_node)
     for name in ("batch_size", "per_gpu_batch", "tasks_per_node", "cpus_per_task", "time",
-                 "partition", "account", "job_name", "out", "log", "data_dir", "venv", "fabric", "allreduce",
-                 "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
+                 "partition", "account", "job_name", "out", "log", "data_dir", "venv", "fabric",
+                 "allreduce", "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
                  "checkpoint_interval", "launcher", "scaling", "optimizer", "epochs", "seed",
                  "backend", "device", "gpu_bind"):
         v = getattr(spec, name)

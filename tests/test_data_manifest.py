@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,31 @@ def test_fetch_records_what_it_verified(staged):
     assert sorted(files) == sorted(NAMES)
     assert all(len(e["sha256"]) == 64 and e["size"] > 0 for e in files.values())
     assert manifest.check_manifest(staged) == 4
+
+
+@pytest.mark.timeout(240)
+def test_one_ranks_changed_copy_stops_every_rank(staged, tmp_path):
+    """Two ranks, each with its own copy of the data (as on two nodes); rank 1's copy is
+    overwritten in place at the same size: both ranks stop before training, naming the file."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    mpirun = mpirun if mpirun.exists() else shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    other = tmp_path / "node2"
+    shutil.copytree(staged.parent, other, copy_function=shutil.copy2)
+    _overwrite_in_place(other / "mnist" / "train-labels-idx1-ubyte", 12_345)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+    env.pop("HPCLB_DATA", None)
+    train = [sys.executable, "-m", "hpclb", "train", "mnist-lstm", "--epochs", "1",
+             "--out", str(tmp_path / "run"), "--expect-world-size", "2"]
+    cmd = [str(mpirun), "--bind-to", "none", "-n", "1", "-x", f"HPCLB_DATA={staged.parent}",
+           *train, ":", "-n", "1", "-x", f"HPCLB_DATA={other}", *train]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env,
+                       stdin=subprocess.DEVNULL)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "rank 1" in out and "train-labels-idx1-ubyte: SHA-256" in out, out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), out

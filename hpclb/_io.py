@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["fsync_dir", "write_atomic", "write_text_atomic", "write_json", "sha256_file",
-           "json_lines"]
+           "json_lines", "json_lines_numbered"]
 
 
 def fsync_dir(directory: Path) -> None:
@@ -61,17 +61,25 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def json_lines_numbered(path: Path) -> Iterator[tuple[int, str, Any, bool]]:
+    """``(line number, line, row, last)`` for each non-empty line of a JSONL file (numbers from
+    1, ``last``: no non-empty line follows); ``row`` is None for a line that is not JSON (a torn
+    line). Never raises for the content; OSError when the file cannot be read."""
+    lines = path.read_text(errors="replace").splitlines()
+    filled = [i for i, line in enumerate(lines) if line.strip()]
+    for i in filled:
+        try:
+            row = json.loads(lines[i])
+        except json.JSONDecodeError:
+            row = None
+        yield i + 1, lines[i], row, i == filled[-1]
+
+
 def json_lines(path: Path) -> Iterator[tuple[str, Any]]:
     """``(line, row)`` for each non-empty line of a JSONL file; a torn last line (a killed
     writer) is yielded as ``(line, None)``. Raises ValueError naming another line that is not
     JSON."""
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            yield line, json.loads(line)
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise ValueError(f"{path}:{i + 1}: not a JSON line; repair or delete the file")
-            yield line, None
+    for number, line, row, last in json_lines_numbered(path):
+        if row is None and not last:
+            raise ValueError(f"{path}:{number}: not a JSON line; repair or delete the file")
+        yield line, row

@@ -203,14 +203,14 @@ def shard_loader(dataset, batch_size: int, *, comm: Communicator | None = None, 
     (weight each rank's mean loss by :func:`share_weight` for the exact global mean). A last
     global batch with fewer samples than ranks (or any short one with ``drop_last``) is dropped,
     so every rank runs the same number of steps. ``loader_kwargs`` go to ``DataLoader``
-    (num_workers, pin_memory, ...). Raises ValueError for ``batch_size`` < world size.
+    (num_workers, pin_memory, ...). Raises ValueError for ``batch_size`` < world size or a
+    ``shuffle``/``sampler``/``batch_sampler`` argument (shard_loader sets the order itself).
     """
+    from hpclb.data.loader import check_shard_loader_args
     from hpclb.data.sampler import GlobalBatchSampler
 
     comm = comm or communicator()
-    if batch_size < comm.world_size:
-        raise ValueError(f"batch_size={batch_size} (the global batch) must be >= the world size "
-                         f"{comm.world_size}")
+    check_shard_loader_args(batch_size, comm.world_size, loader_kwargs)
     sampler = GlobalBatchSampler(len(dataset), batch_size, comm.rank, comm.world_size, seed)
     return torch.utils.data.DataLoader(dataset, batch_sampler=_RankBatches(sampler, drop_last),
                                        **loader_kwargs)

@@ -26,9 +26,26 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["Number", "grad_sq_norm", "NoiseScaleEstimator"]
+from hpclb.errors import ConfigError
+
+__all__ = ["Number", "ONE_PROCESS", "check_world_size", "grad_sq_norm", "NoiseScaleEstimator"]
 
 Number = float | torch.Tensor
+
+# Why ``hpclb train --noise-scale`` is refused at one process (also what ``hpclb advise`` says of
+# a run that asked for it there).
+ONE_PROCESS = ("the gradient noise scale needs >= 2 ranks: it compares each rank's gradient (B/W "
+               "samples) with the allreduced one (B samples), and one process has only one "
+               "gradient per step (hpclb train does not measure accumulation micro-batches "
+               "separately); run under `mpirun -n 2` or more, or drop --noise-scale (recipe "
+               "field noise_scale)")
+
+
+def check_world_size(noise_scale: bool, world_size: int) -> None:
+    """Raise ConfigError (exit 2) naming ``--noise-scale`` when it is asked for at one process
+    (:data:`ONE_PROCESS` says why); the same verdict on every rank."""
+    if noise_scale and world_size < 2:
+        raise ConfigError(f"--noise-scale at world size {world_size}: {ONE_PROCESS}")
 
 
 def grad_sq_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -63,7 +63,7 @@ def test_example_batch_lr_warmup_are_legw_for_its_node_count(rel, sp):
     text = (REPO / "jobs" / rel).read_text()
     recipe = load_recipe(sp.experiment)
     ranks = sp.nodes * sp.gpus_per_node
-    B = ranks * sp.per_gpu_batch
+    B = sp.batch_size
     argv = train_line(text)
     assert int(flag(argv, "--batch-size")) == B
     assert flag(argv, "--scaling") == "legw"
@@ -80,7 +80,7 @@ def test_example_batch_lr_warmup_are_legw_for_its_node_count(rel, sp):
     assert s.peak_lr == pytest.approx(eta0 * math.sqrt(k))
     assert s.warmup_steps == round(w0 * n / b0)  # LEGW: the same warmup iterations at every k
     m = re.search(r"global batch (\d+) = (\d+) nodes x (\d+) ranks x (\d+) per rank", text)
-    assert m and tuple(map(int, m.groups())) == (B, sp.nodes, sp.gpus_per_node, sp.per_gpu_batch)
+    assert m and tuple(map(int, m.groups())) == (B, sp.nodes, sp.gpus_per_node, B // ranks)
     m = re.search(r"peak LR (\S+) -> (\S+) \(eta0\*sqrt\(k\)\)", text)
     assert float(m.group(2)) == pytest.approx(s.peak_lr, rel=1e-3)
     m = re.search(r"warmup (\S+) -> (\S+) epochs = (\d+) steps", text)

@@ -105,8 +105,11 @@ def test_old_run_without_step_lines(tmp_path):
     _png(path)
     assert list(_lines(fig.axes[0])["old"][:, 1]) == [2.0, 1.0]
     assert list(_lines(fig.axes[1])["old"][:, 1]) == [0.5, 0.9]
-    with pytest.raises(FileNotFoundError, match="hpclb train --out"):
+    with pytest.raises(ConfigError, match=r"/missing: no such run directory"):
         plot.plot_runs([tmp_path / "missing"])
+    with pytest.raises(ConfigError, match=r"old/metrics.jsonl: no metrics file.*hpclb train"):
+        (run / "metrics.jsonl").unlink()
+        plot.plot_runs([run])
 
 
 def test_sweep_plot_marks_b0(tmp_path):

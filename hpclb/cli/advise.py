@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from hpclb.cli.common import error
 from hpclb.errors import EXIT_USAGE, ConfigError
@@ -25,9 +26,12 @@ def run(args: argparse.Namespace) -> int:
     """``hpclb advise``: print critical and recommended batch; 2 without noise data."""
     from hpclb.tools.advise import advise, format_advice
 
+    def warn(message: str) -> None:
+        print(f"hpclb advise: warning: {message}", file=sys.stderr, flush=True)
+
     try:
-        print(format_advice(advise(args.run_dir, last=args.last)))
-    except (ConfigError, FileNotFoundError) as e:
+        print(format_advice(advise(args.run_dir, last=args.last, warn=warn)))
+    except (ConfigError, OSError, ValueError) as e:
         error(str(e))
         return EXIT_USAGE
     return 0

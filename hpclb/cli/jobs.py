@@ -28,7 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     j = subparsers.add_parser("jobs", help=HELP)
     jsub = j.add_subparsers(dest="jobs_command", required=True)
     r = jsub.add_parser("render", help="a batch script for one experiment at N nodes x G GPUs, "
-                        "global batch N*G*b with the LR/warmup of --scaling (LEGW)")
+                        "global batch --batch-size B split over the ranks, with the LR/warmup "
+                        "of --scaling (LEGW) for B")
     _add_allocation(r)
     _add_run_settings(r)
     r.set_defaults(func=run)
@@ -45,8 +46,11 @@ def _add_allocation(r: argparse.ArgumentParser) -> None:
     r.add_argument("--nodes", type=int, required=True)
     r.add_argument("--gpus-per-node", type=int, required=True,
                    help="one rank per GPU; 0 for CPU-only nodes (then --tasks-per-node)")
-    r.add_argument("--per-gpu-batch", type=int, help="samples per rank and step (default: the "
-                   "recipe's B0 split over one node's ranks)")
+    r.add_argument("--batch-size", type=int, help="the global batch B (samples per step over "
+                   "all ranks; default the recipe's B0): each rank takes B / (nodes x ranks per "
+                   "node), so LR and warmup do not change with the node count")
+    r.add_argument("--per-gpu-batch", type=int, help="samples per rank and step instead of "
+                   "--batch-size (the global batch then grows with the node count)")
     r.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU-only nodes")
     r.add_argument("--cpus-per-task", type=int, help="default 8 with GPUs, 1 without")
     r.add_argument("--time", default="04:00:00", help="time limit, [D-]HH:MM:SS")
@@ -107,7 +111,7 @@ def _spec(args: argparse.Namespace) -> JobSpec:
         signal_lead=args.signal_lead, checkpoint_interval=args.checkpoint_interval,
         launcher=args.launcher, scaling=args.scaling, optimizer=args.optimizer,
         epochs=args.epochs, seed=args.seed, exclusive=not args.shared, backend=args.backend,
-        device=args.device, gpu_bind=args.gpu_bind)
+        device=args.device, gpu_bind=args.gpu_bind, batch_size=args.batch_size)
 
 
 def _render(args: argparse.Namespace) -> None:

@@ -40,6 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _warning(message: str) -> None:
+    print(f"hpclb plot: warning: {message}", file=sys.stderr, flush=True)
+
+
 def _draw(args: argparse.Namespace):
     """The PNG's path; the schedule pairs that could not run are reported on stderr."""
     from hpclb.tools.plot import plot_runs, plot_schedule, plot_sweep
@@ -52,7 +56,7 @@ def _draw(args: argparse.Namespace):
             print(f"hpclb plot: skipped {why}", file=sys.stderr)
         return path
     if args.plot_command == "runs":
-        return plot_runs(args.run_dirs, args.out)[0]
+        return plot_runs(args.run_dirs, args.out, warn=_warning)[0]
     return plot_sweep(args.sweep_json, args.out)[0]
 
 
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     except MissingExtraError as e:
         error(str(e))
         return e.exit_code
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, OSError, ValueError) as e:
         error(str(e))
         return EXIT_USAGE
     print(path)

@@ -21,6 +21,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a run directory written by hpclb train --out")
     p.add_argument("--to-batch", type=int, required=True, help="the new global batch (samples)")
     p.add_argument("--scaling", default="legw", choices=list(SCHEMES))
+    p.add_argument("--epochs", type=float, help="training budget at the new batch (default: "
+                   "the run's)")
     p.add_argument("--out", help="recipe path (default RUN_DIR/recipe-b<B>-<scaling>.yaml)")
     p.add_argument("--num-samples", type=int, help="training-set size, for data sets "
                    "the data-set registry (hpclb.data.registry) has no size for")
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         s = scale_run(args.run_dir, args.to_batch, scaling=args.scaling, out=args.out,
-                      num_samples=args.num_samples)
+                      num_samples=args.num_samples, epochs=args.epochs)
         print(format_changes(s))
         if args.scheduler:
             job = write_job(s, args.scheduler, args.nodes, args.gpus_per_node,

@@ -16,7 +16,7 @@ from hpclb.errors import (
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = ("batch-size sweep of one recipe under several scaling schemes (resumable); writes "
-        "results/sweeps/<experiment>.{json,md,png}")
+        "<runs-dir>/<experiment>/<experiment>.{json,md,png}")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,7 +37,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
-    w.add_argument("--out-dir", default="results/sweeps", help="where the tables and plots go")
+    w.add_argument("--out-dir", help="where the tables and plots go (default: "
+                   "RUNS_DIR/<experiment>, beside the points; the committed ones are in "
+                   "results/sweeps)")
     w.add_argument("--runs-dir", default="runs/sweeps", help="run directories of the points")
     w.add_argument("--verbose", action="store_true", help="print every point's training log")
     w.set_defaults(func=run)
@@ -45,8 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``hpclb sweep``: 0, 2 for bad input, 1 when a point failed, 75 when stopped by a signal."""
-    from hpclb.tools.sweep import run_sweep
+    """``hpclb sweep``: 0, 2 for bad input, 1 when a point failed or was rejected (each is
+    named), 75 when stopped by a signal."""
+    from hpclb.tools.sweep import failed_points, run_sweep
 
     setup_logging(0)
     try:
@@ -56,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-        run_sweep(args.experiment, batches, schemes,
-                  epochs=args.epochs, ranks=args.ranks, seed=args.seed, optimizer=args.optimizer,
-                  data_dir=args.data_dir, out_dir=args.out_dir, runs_dir=args.runs_dir,
-                  quiet=not args.verbose, log=lambda m: print(m, flush=True))
+        rows = run_sweep(args.experiment, batches, schemes, epochs=args.epochs,
+                         ranks=args.ranks, seed=args.seed, optimizer=args.optimizer,
+                         data_dir=args.data_dir, out_dir=args.out_dir, runs_dir=args.runs_dir,
+                         quiet=not args.verbose, log=lambda m: print(m, flush=True))
     except ConfigError as e:
         error(str(e))
         return EXIT_USAGE
@@ -70,4 +73,7 @@ def run(args: argparse.Namespace) -> int:
         error("sweep stopped by a signal; the point in progress is checkpointed: run the same "
               "command again to resume")
         return PREEMPTED_EXIT_CODE
-    return 0
+    failed = failed_points(rows, batches, schemes)
+    for why in failed:
+        error(f"sweep point failed: {why}")
+    return EXIT_FAILURE if failed else 0

@@ -6,6 +6,7 @@ is left waiting in a collective.
 """
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,14 @@ class _RecipeLoader(yaml.SafeLoader):
                                     f"written twice in one mapping (first at line {first}); "
                                     f"YAML would keep only the last value: remove one")
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2 floats: PyYAML implements YAML 1.1, whose float needs a dot, so ``lr: 2e-2`` or
+# ``1e3`` would be read as strings; YAML 1.2 (and every JSON reader) reads them as numbers.
+_YAML12_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+
+    |[-+]?\.[0-9_]+[eE][-+]?[0-9]+)$""", re.X)
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT,
+                                    list("-+0123456789."))
 
 
 def _read_yaml(path: Path) -> Any:

@@ -21,6 +21,7 @@ from hpclb.config.schema import (
 )
 from hpclb.errors import ConfigError
 from hpclb.optim import OPTIMIZERS
+from hpclb.sync.options import check_environment
 from hpclb.tasks.registry import TASKS
 from hpclb.tasks.spec import Recipe
 
@@ -173,6 +174,10 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     """
     recipe = load_recipe(experiment)
     spec = Recipe.from_dict(recipe)
+    try:
+        check_environment()  # HPCLB_* gradient-sync variables, before any rank trains
+    except ValueError as e:
+        raise ConfigError(f"environment: {e}") from e
     require(scaling in schedules.SCHEMES, "--scaling",
             f"{scaling!r} is not one of {tuple(schedules.SCHEMES)}")
     batch = spec.base_batch_size if batch_size is None else batch_size

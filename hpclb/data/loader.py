@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from hpclb.dist.env import local_size
 
 __all__ = ["MAX_DEFAULT_WORKERS", "EpochKeyed", "StepBatchSampler", "StepLoader",
-           "default_num_workers", "pin_batch"]
+           "check_shard_loader_args", "default_num_workers", "pin_batch"]
 
 MAX_DEFAULT_WORKERS = 4
 
@@ -43,6 +43,28 @@ def pin_batch(tensor: torch.Tensor) -> torch.Tensor:
     goes through a pageable contiguous copy, which is synchronous. Needs a CUDA build of torch.
     """
     return tensor.contiguous().pin_memory()
+
+
+# DataLoader arguments that decide which samples a step reads: shard_loader sets them itself
+_OWNED = {"shuffle": "every epoch is already a seeded permutation (seed=, then "
+                     "loader.batch_sampler.set_epoch(e) each epoch)",
+          "sampler": "the global-batch sampler is shard_loader's own",
+          "batch_sampler": "the global-batch sampler is shard_loader's own"}
+
+
+def check_shard_loader_args(batch_size, world_size: int, loader_kwargs: dict) -> None:
+    """Raise ValueError naming the argument for what ``hpclb.shard_loader`` cannot take:
+    ``batch_size`` not an int >= ``world_size`` (it is the global batch), or a DataLoader
+    argument it sets itself (``shuffle``, ``sampler``, ``batch_sampler``), with the reason."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"shard_loader: batch_size must be a positive int (the global batch, "
+                         f"samples per step over all ranks), got {batch_size!r}")
+    if batch_size < world_size:
+        raise ValueError(f"shard_loader: batch_size={batch_size} (the global batch) must be >= "
+                         f"the world size {world_size}")
+    for name in sorted(_OWNED.keys() & loader_kwargs.keys()):
+        raise ValueError(f"shard_loader: {name}= is not accepted: {_OWNED[name]}; remove "
+                         f"{name}={loader_kwargs[name]!r}")
 
 
 def default_num_workers() -> int:

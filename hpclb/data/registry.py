@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hpclb.data.manifest import check_manifest
 from hpclb.data.paths import data_dir
 from hpclb.errors import DataError
 from hpclb.plugins import Registry, is_plugin, resolve_ref
@@ -44,7 +45,11 @@ class DataSet:
     options: tuple[str, ...] = ()
 
     def load(self, root, data) -> Any:
-        """What the reader returns for data section ``data`` read from ``root``."""
+        """What the reader returns for data section ``data`` read from ``root``, after the
+        files ``hpclb data fetch`` recorded for it (``<root>/<name>/.verified``) are checked
+        again (:func:`~hpclb.data.manifest.check_manifest`: DataError naming a changed file)."""
+        staged = data_dir(root) / self.name
+        check_manifest(staged if staged.is_dir() else data_dir(root))
         return resolve_ref(self.loader)(root, data)
 
     def fetch(self, root=None):

@@ -13,13 +13,11 @@ import re
 import warnings
 from dataclasses import dataclass
 
-import torch
-
 __all__ = [
     "BYTES_FORMS", "COMPRESSIONS", "DEFAULT_COMM_POLL_S", "DEFAULT_FIRST_BUCKET_BYTES",
     "DEFAULT_FUSION_THRESHOLD_BYTES", "DEFAULT_STALL_TIMEOUT_S", "OVERLAP_MODES",
-    "LIBRARY_STALL_ABORT_S", "SMALL_FUSION_BYTES", "MiB", "SyncOptions", "parse_bytes",
-    "set_default_stall_abort_s"]
+    "LIBRARY_STALL_ABORT_S", "SMALL_FUSION_BYTES", "MiB", "SyncOptions", "check_environment",
+    "parse_bytes", "set_default_stall_abort_s"]
 
 MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
@@ -31,7 +29,9 @@ DEFAULT_COMM_POLL_S = 2e-4
 LIBRARY_STALL_ABORT_S = 300.0
 _default_stall_abort_s: list[float | None] = [None]  # set by hpclb.init (library mode)
 OVERLAP_MODES = ("auto", "thread", "nonblocking", "none")
-COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# names of torch dtypes (torch is imported only when a dtype is asked for: this module is torch-free
+# so that config can check the environment at start-up)
+COMPRESSIONS = {None: None, "none": None, "fp16": "float16", "bf16": "bfloat16"}
 # Below this a fusion threshold is almost surely a unit mistake (Horovod's CLI takes MB, its env
 # var bytes): it makes about one bucket per tensor.
 SMALL_FUSION_BYTES = 1024
@@ -65,10 +65,43 @@ def _env(name: str, default, conv):
 
 
 def _seconds(raw: str) -> float:
-    value = float(raw)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
     if not math.isfinite(value):
-        raise ValueError("must be a finite number of seconds")
+        raise ValueError("must be a finite number of seconds (e.g. 60)")
     return value
+
+
+def _positive_seconds(raw: str) -> float:
+    value = _seconds(raw)
+    if not value > 0:
+        raise ValueError("must be a number of seconds > 0 (e.g. 60)")
+    return value
+
+
+def _choice(valid: tuple[str, ...]):
+    def conv(raw: str) -> str:
+        if raw not in valid:
+            raise ValueError(f"choose one of {', '.join(valid)}")
+        return raw
+    return conv
+
+
+_OVERLAP_ENV = _choice(OVERLAP_MODES)
+_COMPRESSION_ENV = _choice(("none", "fp16", "bf16"))
+
+
+def check_environment() -> None:
+    """Check every ``HPCLB_*`` gradient-sync variable that is set, at start-up (before any rank
+    trains): raises ValueError naming the variable, its value and the valid values."""
+    _env("HPCLB_FUSION_THRESHOLD_BYTES", None, parse_bytes)
+    _env("HPCLB_OVERLAP", None, _OVERLAP_ENV)
+    _env("HPCLB_COMPRESSION", None, _COMPRESSION_ENV)
+    _env("HPCLB_STALL_TIMEOUT_S", None, _positive_seconds)
+    _env("HPCLB_STALL_ABORT_S", None, _positive_seconds)
+    _env("HPCLB_COMM_POLL_S", None, _seconds)
 
 
 @dataclass(frozen=True)
@@ -103,12 +136,12 @@ class SyncOptions:
             first_bucket_bytes=_as_bytes("first_bucket_bytes", first_bucket_bytes
                                          if first_bucket_bytes is not None
                                          else DEFAULT_FIRST_BUCKET_BYTES),
-            overlap=overlap or _env("HPCLB_OVERLAP", "auto", str),
+            overlap=overlap or _env("HPCLB_OVERLAP", "auto", _OVERLAP_ENV),
             compression=compression if compression is not None else
-            _env("HPCLB_COMPRESSION", None, str),
+            _env("HPCLB_COMPRESSION", None, _COMPRESSION_ENV),
             stall_timeout_s=float(stall_timeout_s if stall_timeout_s is not None else
                                   _env("HPCLB_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S,
-                                       _seconds)),
+                                       _positive_seconds)),
             stall_abort_s=stall_abort_s if stall_abort_s is not None else
             _env("HPCLB_STALL_ABORT_S", None, _seconds),
             comm_poll_s=float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, _seconds)))
@@ -136,8 +169,13 @@ class SyncOptions:
             raise ValueError(f"$HPCLB_COMM_POLL_S={self.comm_poll_s} must be >= 0 seconds")
 
     @property
-    def compression_dtype(self) -> torch.dtype | None:
-        return COMPRESSIONS[self.compression]
+    def compression_dtype(self):
+        """The torch dtype buckets travel in, or None (no compression)."""
+        name = COMPRESSIONS[self.compression]
+        if name is None:
+            return None
+        import torch
+        return getattr(torch, name)
 
     def overlap_for(self, comm) -> str:
         """``auto``: ``thread`` for MPI (progress only inside MPI calls), ``nonblocking`` where

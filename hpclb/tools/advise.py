@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from hpclb.errors import ConfigError
-from hpclb.train.metrics import finite, read_metrics
+from hpclb.noise import ONE_PROCESS
+from hpclb.tools.runrows import RunRows, Warn, read_run
+from hpclb.train.metrics import finite
 
 __all__ = ["recommend_batch", "advise", "format_advice"]
 
@@ -34,7 +36,51 @@ def recommend_batch(b_simple: float, base_batch_size: int) -> int:
     return batch
 
 
-def advise(run_dir, last: int = 3) -> dict[str, Any]:
+def _config(run: Path) -> dict:
+    path = run / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        b0 = int(cfg["recipe"]["base_batch_size"])
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing; advise needs the run's base_batch_size") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a config.json of `hpclb train` ({e!r}); advise needs "
+                          f"the run's recipe.base_batch_size") from e
+    return {**cfg, "base_batch_size": b0}
+
+
+def _why_no_noise(run: Path) -> str:
+    """Why the run has no usable noise scale, from its config.json where it has one."""
+    try:
+        cfg = json.loads((run / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    if cfg.get("noise_scale") and cfg.get("world_size") == 1:
+        return f"it was trained at one process with noise_scale on, where {ONE_PROCESS}"
+    if cfg.get("noise_scale"):
+        return ("noise_scale was on but no epoch row has a finite noise.b_simple (the smoothed "
+                "|G|^2 never became positive: the gradient was all noise so far); train more "
+                "epochs")
+    return ("it was trained without the noise scale; train with `hpclb train ... "
+            "--noise-scale` (recipe field noise_scale: true) on >= 2 ranks to measure it")
+
+
+def _noisy_epochs(rows: RunRows) -> list[dict]:
+    """Epoch rows with a finite ``noise.b_simple``; a noise field without one is warned."""
+    noisy = []
+    for r in rows.epochs:
+        noise = r.get("noise")
+        if not isinstance(noise, dict):
+            continue
+        if finite(noise.get("b_simple")):
+            noisy.append(r)
+        else:
+            rows.warn(f"{rows.path}:{r['_line']}: epoch {r.get('epoch', '?')}: noise.b_simple "
+                      f"= {noise.get('b_simple')!r} is not a finite number; epoch left out")
+    return noisy
+
+
+def advise(run_dir, last: int = 3, warn: Warn | None = None) -> dict[str, Any]:
     """What ``hpclb advise RUN_DIR`` prints, from the ``noise`` field of the run's epoch rows
     (``{"b_simple", "g2", "trace", "b_simple_lo", "b_simple_hi", "n"}``, written by ``hpclb
     train --noise-scale``) and ``config.json``.
@@ -45,24 +91,21 @@ def advise(run_dir, last: int = 3) -> dict[str, Any]:
     ``b_simple_hi`` of those epochs, each widened to include the epoch's end value.
     ``recommended_batch``: :func:`recommend_batch` of it (the largest ``B0 * 2^j`` not above it),
     with the same rule at both ends of the spread.
-    Raises ConfigError (exit 2) when the run has no noise data, naming ``--noise-scale``;
-    FileNotFoundError without metrics.jsonl.
+    Raises ConfigError (exit 2) naming the directory when it or its metrics.jsonl is missing,
+    and, when the run has no noise data, saying why (trained without ``--noise-scale``, or at
+    one process, where it is not measured). Every line or epoch left out (a torn line, a
+    non-finite value) goes to ``warn`` with its file and line (:mod:`hpclb.tools.runrows`).
     """
-    run = Path(run_dir)
-    epochs, _ = read_metrics(run)
-    noisy = [r for r in epochs if isinstance(r.get("noise"), dict)
-             and finite(r["noise"].get("b_simple"))]
-    if not noisy:
-        raise ConfigError(f"{run}: no gradient noise scale in metrics.jsonl (no epoch row with a "
-                          f"finite noise.b_simple); train with `hpclb train ... --noise-scale` "
-                          f"(recipe field noise_scale: true) to measure it")
     if not (isinstance(last, int) and last >= 1):
         raise ConfigError(f"--last must be an integer >= 1 (epochs to combine), got {last!r}")
-    cfg_path = run / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"{cfg_path}: missing; advise needs the run's base_batch_size")
-    cfg = json.loads(cfg_path.read_text())
-    b0 = int(cfg["recipe"]["base_batch_size"])
+    run = Path(run_dir)
+    rows = read_run(run, warn)
+    noisy = _noisy_epochs(rows)
+    if not noisy:
+        raise ConfigError(f"{run}: no gradient noise scale in metrics.jsonl (no epoch row with a "
+                          f"finite noise.b_simple): {_why_no_noise(rows.path.parent)}")
+    cfg = _config(rows.path.parent)
+    b0 = cfg["base_batch_size"]
     tail = noisy[-last:]
     values = sorted(r["noise"]["b_simple"] for r in tail)
     mid = len(values) // 2

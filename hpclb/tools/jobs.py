@@ -2,7 +2,9 @@
 
 ``hpclb jobs render EXPERIMENT --scheduler slurm|pbs --nodes N --gpus-per-node G ...`` turns a
 recipe into a batch script: ``N`` nodes × ``G`` ranks (one rank per GPU; ``--tasks-per-node`` for
-CPU-only nodes), global batch ``N·G·b`` for a per-GPU batch ``b``, and the LEGW plan for that
+CPU-only nodes), the global batch ``--batch-size B`` (default the recipe's ``B0``; each rank takes
+``B / (N·G)`` samples, a JobError when it does not divide; ``--per-gpu-batch b`` instead asks
+for ``B = N·G·b``, which changes with the node count), and the LEGW plan for that
 batch (peak LR ``η0·√k``, warmup ``W0·k`` epochs = the same number of steps at every ``k``)
 computed by :mod:`hpclb.schedules` exactly as ``hpclb train --batch-size B --scaling legw`` will.
 The rendered ``hpclb train`` line passes only the global batch and the scheme; the derived LR
@@ -157,9 +159,9 @@ def plan_for(recipe: dict[str, Any], global_batch: int, per_rank_batch: int, sca
     n, unit = train_set_size(recipe)
     if global_batch > n:
         raise JobError(f"the global batch {global_batch} is larger than the training set "
-                       f"({n} {unit} of {recipe['data']['name']}): use fewer nodes or GPUs or a "
-                       f"smaller --per-gpu-batch (at most "
-                       f"{n // max(1, global_batch // per_rank_batch)} per rank at this size)")
+                       f"({n} {unit} of {recipe['data']['name']}): give a smaller --batch-size "
+                       f"(at most {n}), or with --per-gpu-batch at most "
+                       f"{n // max(1, global_batch // per_rank_batch)} per rank at this size")
     opt = optimizer or recipe["optimizer"]
     if opt not in recipe.get("optimizers", {}):
         raise JobError(f"--optimizer {opt}: the recipe {recipe['name']} has no tuned "
@@ -237,9 +239,9 @@ def _render_args(spec: JobSpec) -> str:
     args = [spec.experiment, "--scheduler", spec.scheduler, "--nodes", str(spec.nodes),
             "--gpus-per-node", str(spec.gpus_per_node)]
     defaults = JobSpec(spec.experiment, spec.scheduler, spec.nodes, spec.gpus_per_node)
-    for name in ("per_gpu_batch", "tasks_per_node", "cpus_per_task", "time", "partition",
-                 "account", "job_name", "out", "log", "data_dir", "venv", "fabric", "allreduce",
-                 "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
+    for name in ("batch_size", "per_gpu_batch", "tasks_per_node", "cpus_per_task", "time",
+                 "partition", "account", "job_name", "out", "log", "data_dir", "venv", "fabric",
+                 "allreduce", "ucx_net_devices", "nccl_ib_hca", "socket_ifname", "signal_lead",
                  "checkpoint_interval", "launcher", "scaling", "optimizer", "epochs", "seed",
                  "backend", "device", "gpu_bind"):
         v = getattr(spec, name)
@@ -300,11 +302,29 @@ def _plan(spec: JobSpec) -> tuple[dict[str, Any], Plan, int]:
     except ConfigError as e:
         raise JobError(str(e)) from e
     tasks = spec.tasks_per_node or spec.gpus_per_node or 1
-    b = spec.per_gpu_batch or int(recipe.get("per_gpu_batch") or
-                                  max(1, recipe["base_batch_size"] // tasks))
-    plan = plan_for(recipe, spec.nodes * tasks * b, b, spec.scaling, spec.epochs,
-                    spec.optimizer)
+    ranks = spec.nodes * tasks
+    per_gpu = spec.per_gpu_batch or recipe.get("per_gpu_batch")
+    batch = spec.batch_size or (ranks * int(per_gpu) if per_gpu else
+                                int(recipe["base_batch_size"]))
+    _check_divides(spec, batch, ranks, given=bool(spec.batch_size or per_gpu))
+    plan = plan_for(recipe, batch, batch // ranks, spec.scaling, spec.epochs, spec.optimizer)
     return recipe, plan, tasks
+
+
+def _check_divides(spec: JobSpec, batch: int, ranks: int, given: bool) -> None:
+    """JobError when the global ``batch`` does not split evenly over the job's ``ranks``."""
+    if batch % ranks == 0:
+        return
+    what = (f"--batch-size {batch}" if given else
+            f"the recipe's base batch B0 = {batch} (the default global batch)")
+    per = "--gpus-per-node" if spec.gpus_per_node else "--tasks-per-node"
+    lower, upper = batch // ranks * ranks, (batch // ranks + 1) * ranks
+    fits = [n for n in range(1, spec.nodes * 2 + 1) if batch % (n * (ranks // spec.nodes)) == 0]
+    raise JobError(f"{what} does not divide evenly over --nodes {spec.nodes} x {per} "
+                   f"{ranks // spec.nodes} = {ranks} ranks (each rank takes batch / ranks "
+                   f"samples); give a --batch-size that is a multiple of {ranks} "
+                   f"({', '.join(str(b) for b in (lower, upper) if b > 0)}) or a node count "
+                   f"that divides it ({', '.join(map(str, fits[-3:])) or 'none'})")
 
 
 def render(spec: JobSpec) -> tuple[str, Plan]:
@@ -341,21 +361,22 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
     return jenv.get_template(tmpl_name).render(**context), plan
 
 
-# The committed examples (jobs/slurm, jobs/pbs): experiment -> per-GPU batch at 1, 16, 256 nodes
-# of 4 GPUs. MNIST-LSTM stops at k = 64 at 256 nodes (the paper's "batch x64 without loss"; a
-# larger k would need more warmup epochs than the 20 epochs of training). PTB has only 26,559
-# sequences of 35 tokens: 1,024 ranks x 1 (k = 51.2) already leaves 26 steps per epoch.
+# The committed examples (jobs/slurm, jobs/pbs): experiment -> global batch (--batch-size) at 1,
+# 16, 256 nodes of 4 GPUs. MNIST-LSTM stops at k = 64 at 256 nodes (the paper's "batch x64
+# without loss"; a larger k would need more warmup epochs than the 20 epochs of training). PTB
+# has only 26,559 sequences of 35 tokens: 1,024 ranks x 1 (k = 51.2) already leaves 26 steps per
+# epoch.
 EXAMPLE_NODES = (1, 16, 256)
 EXAMPLES: dict[str, dict[str, Any]] = {
-    "mnist-lstm": {"gpus_per_node": 4, "per_gpu_batch": {1: 32, 16: 32, 256: 8},
+    "mnist-lstm": {"gpus_per_node": 4, "batch_size": {1: 128, 16: 2048, 256: 8192},
                    "time": "01:00:00", "checkpoint_interval": 600},
-    "ptb-large": {"gpus_per_node": 4, "per_gpu_batch": {1: 5, 16: 5, 256: 1},
+    "ptb-large": {"gpus_per_node": 4, "batch_size": {1: 20, 16: 320, 256: 1024},
                   "time": "12:00:00", "checkpoint_interval": 1800},
     # 31k verse pairs: k = 64 at 256 nodes is 4 steps per epoch, about as far as it goes
-    "gnmt": {"gpus_per_node": 4, "per_gpu_batch": {1: 32, 16: 32, 256: 8},
+    "gnmt": {"gpus_per_node": 4, "batch_size": {1: 128, 16: 2048, 256: 8192},
              "time": "12:00:00", "checkpoint_interval": 1800},
     # B0 = 1024; 256 nodes x 4 x 32 = 32K, the paper's LEGW point (LR 32, 10 warmup epochs)
-    "resnet-50": {"gpus_per_node": 4, "per_gpu_batch": {1: 256, 16: 128, 256: 32},
+    "resnet-50": {"gpus_per_node": 4, "batch_size": {1: 1024, 16: 8192, 256: 32768},
                   "time": "24:00:00", "checkpoint_interval": 1800},
 }
 
@@ -370,7 +391,7 @@ def example_specs() -> list[tuple[str, JobSpec]]:
         for n in EXAMPLE_NODES:
             for sched in SCHEDULERS:
                 spec = JobSpec(exp, sched, n, ex["gpus_per_node"],
-                               per_gpu_batch=ex["per_gpu_batch"][n], time=ex["time"],
+                               batch_size=ex["batch_size"][n], time=ex["time"],
                                checkpoint_interval=ex["checkpoint_interval"],
                                partition="gpu", account="hpclb")
                 ext = "sbatch" if sched == "slurm" else "pbs"

@@ -67,6 +67,7 @@ class JobSpec:
     backend: str | None = None              # default: torch (NCCL) with GPUs, mpi without
     device: str | None = None               # hpclb train --device; default cuda with GPUs
     gpu_bind: str = "single:1"              # SLURM srun --gpu-bind with GPUs (GPU_BINDS)
+    batch_size: int | None = None           # the global batch; default the recipe's B0
 
 
 def parse_time(text: str) -> int:
@@ -109,6 +110,15 @@ def _check_ranks(spec: JobSpec) -> None:
                        f"{spec.gpus_per_node}: hpclb runs one rank per GPU; drop --tasks-per-node")
     if spec.per_gpu_batch is not None and spec.per_gpu_batch < 1:
         raise JobError(f"--per-gpu-batch {spec.per_gpu_batch}: must be >= 1")
+    if spec.batch_size is not None and (isinstance(spec.batch_size, bool) or
+                                        not isinstance(spec.batch_size, int) or
+                                        spec.batch_size < 1):
+        raise JobError(f"--batch-size {spec.batch_size!r}: the global batch must be an integer "
+                       f">= 1 (samples per step over all ranks)")
+    if spec.batch_size is not None and spec.per_gpu_batch is not None:
+        raise JobError(f"--batch-size {spec.batch_size} and --per-gpu-batch "
+                       f"{spec.per_gpu_batch}: give one; --batch-size (the global batch) keeps "
+                       f"the LR and warmup the same at any node count")
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise JobError(f"--cpus-per-task {spec.cpus_per_task}: must be >= 1")
 

@@ -29,7 +29,8 @@ from hpclb.schedules import SCHEMES, Schedule
 from hpclb.tools import sweep_report
 from hpclb.tools.figures import pyplot, save
 from hpclb.tools.jobs import train_set_size
-from hpclb.train.metrics import finite, read_metrics
+from hpclb.tools.runrows import RunRows, Warn, metrics_path, points, read_run
+from hpclb.train.metrics import finite
 
 __all__ = ["Curve", "sample_steps", "num_train_samples", "schedule_curves", "plot_schedule",
            "plot_runs", "plot_sweep"]
@@ -143,21 +144,26 @@ def plot_schedule(experiment: str, ks: Sequence[float], out: str | Path | None =
     return save(fig, path), fig, skipped
 
 
-def _run_info(run: Path) -> dict:
-    """config.json + summary.json of a run (either may be missing: {})."""
+def _run_info(run: Path, warn) -> dict:
+    """config.json + summary.json of a run (either may be missing or unreadable: left out, an
+    unreadable one with a warning)."""
     info = {}
     for name in ("config.json", "summary.json"):
         p = run / name
         if p.is_file():
-            info[name] = json.loads(p.read_text())
+            try:
+                info[name] = json.loads(p.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                warn(f"{p}: not JSON ({e}); its settings are not used")
     return info
 
 
 def _steps_per_epoch(info: dict, epoch_rows: list[dict]) -> float | None:
     spe = info.get("summary.json", {}).get("steps_per_epoch")
-    if spe:
+    if finite(spe) and spe > 0:
         return float(spe)
-    full = [r for r in epoch_rows if finite(r.get("step")) and finite(r.get("epoch"))]
+    full = [r for r in epoch_rows if finite(r.get("step")) and finite(r.get("epoch"))
+            and r["epoch"] > 0]
     return full[0]["step"] / full[0]["epoch"] if full else None
 
 
@@ -176,57 +182,75 @@ def _label(run: Path, info: dict) -> str:
     return run.name
 
 
-def _series(rows: list[dict], key: str, x_of) -> tuple[list[float], list[float]]:
-    pts = [(x_of(r), r[key]) for r in rows if finite(r.get(key))]
-    pts = [(x, y) for x, y in pts if x is not None]
-    return [p[0] for p in pts], [p[1] for p in pts]
+def _warn_missing_steps(rows: RunRows, info: dict) -> None:
+    """Say what a run without per-step lines (or without trust ratios in them) loses."""
+    cfg = info.get("config.json", {})
+    layerwise = cfg.get("optimizer") in ("lars", "lamb")
+    if not rows.steps:
+        rows.warn(f"{rows.path}: no per-step lines (the run took fewer optimizer steps than "
+                  f"log_every = {cfg.get('log_every', '?')}, or was trained with --log-every 0): "
+                  f"loss and LR are drawn at epoch ends only, the LR as markers (its value "
+                  f"between epoch ends is not logged)"
+                  + ("; no trust ratios (they are in step lines only)" if layerwise else ""))
+    elif layerwise and not any("trust_median" in r for r in rows.steps):
+        rows.warn(f"{rows.path}: a {cfg['optimizer']} run whose step lines hold no trust "
+                  f"ratios; the trust-ratio panel has no line for it")
 
 
-def _draw_run(axes, i: int, run: Path) -> tuple[str | None, bool]:
+def _draw_run(axes, i: int, run: Path, warn) -> tuple[str | None, bool]:
     """One run's lines (colour ``C<i>``) on the four panels of :func:`plot_runs`; returns
     (its metric, whether it logged trust ratios)."""
     ax_loss, ax_metric, ax_lr, ax_trust = axes
-    epochs, steps = read_metrics(run)
-    info = _run_info(run)
-    spe = _steps_per_epoch(info, epochs)
+    rows = read_run(run, warn)
+    info = _run_info(run, rows.warn)
+    spe = _steps_per_epoch(info, rows.epochs)
     color, label = f"C{i % 10}", _label(run, info)
-    by_step = (lambda r: r["step"] / spe) if spe else (lambda r: None)
-    by_epoch = lambda r: r.get("epoch")  # noqa: E731 (the end of epoch e is at x = e)
-    x, y = _series(steps, "loss", by_step)
+    by_step = lambda r: r["step"] / spe if spe and finite(r.get("step")) else None  # noqa: E731
+    by_epoch = lambda r: r["epoch"] if finite(r.get("epoch")) else None  # noqa: E731
+    _warn_missing_steps(rows, info)
+    x, y = points(rows, rows.steps, "loss", by_step)
     if x:
         ax_loss.plot(x, y, color=color, lw=0.8, label=label)
     else:
-        ax_loss.plot(*_series(epochs, "train_loss", by_epoch), color=color, marker="o",
-                     label=label)
-    metric = _metric_of(info, epochs)
+        ax_loss.plot(*points(rows, rows.epochs, "train_loss", by_epoch), color=color,
+                     marker="o", label=label)
+    metric = _metric_of(info, rows.epochs)
     if metric:
-        ax_metric.plot(*_series(epochs, metric, by_epoch), color=color, marker="o",
+        ax_metric.plot(*points(rows, rows.epochs, metric, by_epoch), color=color, marker="o",
                        label=label)
-    x, y = _series(steps, "lr", by_step)
-    ax_lr.plot(*((x, y) if x else _series(epochs, "lr", by_epoch)), color=color,
-               label=label)
-    x, med = _series(steps, "trust_median", by_step)
+    x, y = points(rows, rows.steps, "lr", by_step)
+    if x:
+        ax_lr.plot(x, y, color=color, label=label)
+    else:  # known at epoch ends only: markers, no line claiming the LR in between
+        ax_lr.plot(*points(rows, rows.epochs, "lr", by_epoch), color=color, marker="o",
+                   linestyle="none", label=label)
+    x, med = points(rows, rows.steps, "trust_median", by_step)
     if x:
         ax_trust.plot(x, med, color=color, lw=0.8, label=label)
-        lo = _series(steps, "trust_min", by_step)
-        hi = _series(steps, "trust_max", by_step)
+        lo = points(rows, rows.steps, "trust_min", by_step)
+        hi = points(rows, rows.steps, "trust_max", by_step)
         if lo[0] == x and hi[0] == x:
             ax_trust.fill_between(x, lo[1], hi[1], color=color, alpha=0.2, lw=0)
     return metric, bool(x)
 
 
-def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None):
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None,
+              warn: Warn | None = None):
     """Four panels against epochs, one line (colour) per run: training loss (per-step ``loss``
     if logged, else the epoch rows' ``train_loss``), the recipe's target metric (else the first
     ``test_``/``valid_`` key), LR, and trust ratios (median line, min-max band). Default ``out``:
     ``RUN/plot.png`` for one run, ``<parent>/plot-<run>+<run>....png`` beside several. Returns
-    ``(path, figure)``. FileNotFoundError for a directory without metrics.jsonl."""
+    ``(path, figure)``. Every line or value left out (a torn line, NaN, a run without step lines)
+    goes to ``warn`` naming the file and line (:mod:`hpclb.tools.runrows`). ConfigError naming
+    a directory that does not exist or holds no metrics.jsonl."""
     plt = pyplot("hpclb plot")
     runs = [Path(r) for r in run_dirs]
     if not runs:
         raise ConfigError("plot runs: give at least one run directory")
+    for run in runs:  # before drawing: a missing one is named, nothing half drawn
+        metrics_path(run)
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
-    drawn = [_draw_run(axes, i, run) for i, run in enumerate(runs)]
+    drawn = [_draw_run(axes, i, run, warn) for i, run in enumerate(runs)]
     metrics = {m for m, _ in drawn if m}
     ax_loss, ax_metric, ax_lr, ax_trust = axes
     ax_loss.set_ylabel("training loss")

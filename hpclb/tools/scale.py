@@ -8,8 +8,11 @@ overrides folded in), because ``hpclb train`` applies the scaling rule itself
 (:mod:`hpclb.schedules`, You et al. SC '19): under LEGW the peak LR becomes ``eta0 * sqrt(k)``
 and the warmup ``W0 * k`` epochs, the same number of steps, for ``k = B / B0``. What changes
 from the source run to ``B`` (k, peak LR, warmup epochs and steps, steps per epoch, total steps)
-is computed with the same functions and printed. With ``--scheduler`` the SLURM/PBS job script
-for the new batch is rendered by :func:`hpclb.tools.jobs.render` beside the recipe.
+is computed with the same functions and printed. Everything else the source run used is
+carried: its run settings (device, precision, log_every, noise_scale, max_nonfinite_steps,
+keep_checkpoints, accumulation_steps) are written into the recipe, its seed and data directory
+go on the printed ``hpclb train`` line and into the job. With ``--scheduler`` the SLURM/PBS job
+script for the new batch is rendered by :func:`hpclb.tools.jobs.render` beside the recipe.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from hpclb.config import resolve
+from hpclb.config import RUN_SETTINGS, resolve
 from hpclb.errors import ConfigError, JobError
 from hpclb.schedules import SCHEMES, Schedule, scale_warmup_epochs
 from hpclb.tools.jobs import render
@@ -42,6 +45,8 @@ class Scaled:
     base_batch: int
     before: dict[str, Any]
     after: dict[str, Any]
+    seed: int = 0
+    data_dir: str | None = None    # the source run's data directory (absolute), if recorded
 
 
 def _read_config(run_dir: Path) -> dict:
@@ -58,7 +63,8 @@ def _read_config(run_dir: Path) -> dict:
 
 def b0_recipe(cfg: dict, batch: int) -> dict:
     """The source run's recipe with its command-line overrides folded in (``--optimizer``,
-    ``--lr`` as the B0 peak LR, ``--epochs``, ``--accumulation-steps``), named
+    ``--lr`` as the B0 peak LR, ``--epochs``, ``--accumulation-steps`` and the run settings of
+    :data:`hpclb.config.RUN_SETTINGS`: ``--device``, ``--precision``, ...), named
     ``<name>-b<batch>`` so its default run directory is new."""
     recipe = json.loads(json.dumps(cfg["recipe"]))  # deep copy
     opt = cfg["optimizer"]
@@ -69,6 +75,9 @@ def b0_recipe(cfg: dict, batch: int) -> dict:
         recipe["epochs"] = cfg["epochs"]
     if cfg.get("accumulation_steps", 1) != recipe.get("accumulation_steps", 1):
         recipe["accumulation_steps"] = cfg["accumulation_steps"]
+    for key in RUN_SETTINGS:  # the settings the run used, command line and recipe folded
+        if cfg.get(key) is not None:
+            recipe[key] = cfg[key]
     recipe["name"] = f"{cfg['recipe']['name']}-b{batch}"
     return recipe
 
@@ -85,33 +94,57 @@ def describe(sched: Schedule, recipe: dict, batch: int, scaling: str) -> dict[st
             "steps_per_epoch": sched.steps_per_epoch, "total_steps": sched.total_steps}
 
 
-def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
-              out: str | Path | None = None, num_samples: int | None = None) -> Scaled:
-    """Write the B0 recipe of ``run_dir`` for batch ``to_batch`` under ``scaling`` to ``out``
-    (default ``RUN_DIR/recipe-b<B>-<scaling>.yaml``) and return what changed.
+def _source_data_dir(cfg: dict) -> str | None:
+    """The data directory the source run read: ``data_root`` (absolute, recorded by ``hpclb
+    train``), else its ``--data-dir`` as given, else None (not recorded: $HPCLB_DATA or ./data)."""
+    return cfg.get("data_root") or cfg.get("data_dir")
 
-    ``num_samples``: the training-set size, needed only for data sets that
-    the data-set registry has no size for. ConfigError (nothing written) for a
-    directory without config.json, a bad batch or scheme, or a schedule that cannot run at
-    ``to_batch`` (e.g. LEGW's warmup longer than training; the message names the fix)."""
-    run = Path(run_dir)
-    cfg = _read_config(run)
+
+def _in_scale_terms(message: str, to_batch: int) -> str:
+    """A ``hpclb train`` error told in ``hpclb scale``'s flags (``--batch-size`` is
+    ``--to-batch`` here; ``--epochs`` is scale's own)."""
+    return message.replace(f"--batch-size {to_batch}", f"--to-batch {to_batch}") \
+        .replace("--batch-size", "--to-batch")
+
+
+def _check_request(to_batch, scaling: str, epochs) -> None:
     if scaling not in SCHEMES:
         raise ConfigError(f"--scaling {scaling!r} is not one of {tuple(SCHEMES)}")
     if isinstance(to_batch, bool) or not isinstance(to_batch, int) or to_batch <= 0:
         raise ConfigError(f"--to-batch must be a positive integer (global batch in samples), "
                           f"got {to_batch!r}")
+    if epochs is not None and not (isinstance(epochs, (int, float)) and epochs > 0):
+        raise ConfigError(f"--epochs must be a number > 0 (the training budget), got {epochs!r}")
+
+
+def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
+              out: str | Path | None = None, num_samples: int | None = None,
+              epochs: float | None = None) -> Scaled:
+    """Write the B0 recipe of ``run_dir`` for batch ``to_batch`` under ``scaling`` to ``out``
+    (default ``RUN_DIR/recipe-b<B>-<scaling>.yaml``) and return what changed.
+
+    ``num_samples``: the training-set size, needed only for data sets that
+    the data-set registry has no size for; ``epochs``: a new training budget (default the
+    run's). ConfigError (nothing written) for a directory without config.json, a bad batch or
+    scheme, or a schedule that cannot run at ``to_batch`` (e.g. LEGW's warmup longer than
+    training; the message names the fix in ``hpclb scale``'s flags)."""
+    run = Path(run_dir)
+    cfg = _read_config(run)
+    _check_request(to_batch, scaling, epochs)
     recipe = b0_recipe(cfg, to_batch)
+    if epochs is not None:
+        recipe["epochs"] = epochs
     path = Path(out) if out else run / f"recipe-b{to_batch}-{scaling}.yaml"
     if path.suffix not in (".yaml", ".yml"):
         raise ConfigError(f"--out {path}: a recipe file must end in .yaml")
     n = num_train_samples(recipe, num_samples)
-    source = cfg["recipe"]["name"]
-    header = (f"# {recipe['name']}: the B0 recipe of the run {run} ({source}, batch "
-              f"{cfg['global_batch_size']}, {cfg['scaling']}), to run at batch {to_batch} with "
-              f"--scaling {scaling}:\n#   hpclb train {path} --batch-size {to_batch} "
-              f"--scaling {scaling}\n# base_batch_size, peak LR and warmup_epochs are B0's; "
-              f"hpclb train scales them (hpclb/schedules.py).\n")
+    seed, data = int(cfg.get("seed", 0)), _source_data_dir(cfg)
+    command = f"hpclb train {path} --batch-size {to_batch} --scaling {scaling}" + \
+        (f" --seed {seed}" if seed else "") + (f" --data-dir {data}" if data else "")
+    header = (f"# {recipe['name']}: the B0 recipe of the run {run} ({cfg['recipe']['name']}, "
+              f"batch {cfg['global_batch_size']}, {cfg['scaling']}), to run at batch "
+              f"{to_batch} with --scaling {scaling}:\n#   {command}\n# base_batch_size, peak "
+              f"LR and warmup_epochs are B0's; hpclb train scales them (hpclb/schedules.py).\n")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.safe_dump(recipe, sort_keys=False))
     try:  # the file must resolve exactly as the printed command will resolve it
@@ -120,12 +153,12 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
                          scaling=cfg["scaling"]).schedule(n)
     except ConfigError as e:
         path.unlink()
-        raise ConfigError(f"--to-batch {to_batch} --scaling {scaling}: {e}") from e
-    b0 = int(recipe["base_batch_size"])
-    return Scaled(recipe_path=path, batch=to_batch, scaling=scaling, base_batch=b0,
-                  command=f"hpclb train {path} --batch-size {to_batch} --scaling {scaling}",
+        raise ConfigError(f"--to-batch {to_batch} --scaling {scaling}: "
+                          f"{_in_scale_terms(str(e), to_batch)}") from e
+    return Scaled(recipe_path=path, batch=to_batch, scaling=scaling,
+                  base_batch=int(recipe["base_batch_size"]), command=command,
                   before=describe(before, recipe, cfg["global_batch_size"], cfg["scaling"]),
-                  after=describe(after, recipe, to_batch, scaling))
+                  after=describe(after, recipe, to_batch, scaling), seed=seed, data_dir=data)
 
 
 def format_changes(s: Scaled) -> str:
@@ -145,7 +178,8 @@ def format_changes(s: Scaled) -> str:
 def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
               tasks_per_node: int | None = None, out: str | Path | None = None) -> Path:
     """Render the ``scheduler`` job script for the scaled recipe on ``nodes`` x (``gpus_per_node``
-    or ``tasks_per_node``) ranks, each with ``batch / ranks`` samples, through
+    or ``tasks_per_node``) ranks, each with ``batch / ranks`` samples, with the source run's
+    seed and data directory (exported as ``HPCLB_DATA``), through
     :func:`hpclb.tools.jobs.render`; written to ``out`` (default: the recipe's path with ``.sbatch``
     or ``.pbs``). ConfigError when the batch does not split evenly over the ranks or the job
     cannot be rendered (the message says what to change)."""
@@ -156,7 +190,7 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
                           f"{tasks_per_node or gpus_per_node} = {ranks} ranks")
     spec = JobSpec(experiment=str(s.recipe_path), scheduler=scheduler, nodes=nodes,
                    gpus_per_node=gpus_per_node, tasks_per_node=tasks_per_node,
-                   per_gpu_batch=s.batch // ranks, scaling=s.scaling)
+                   batch_size=s.batch, scaling=s.scaling, seed=s.seed, data_dir=s.data_dir)
     try:
         text, plan = render(spec)
     except JobError as e:

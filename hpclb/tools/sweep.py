@@ -6,7 +6,10 @@ nothing else (no re-tuning). Points run one after another: in this process for o
 ``mpirun -n N ... hpclb train`` subprocess for ``N > 1``. Each point's run directory is
 ``<runs_dir>/<experiment>/<scheme>-b<B>``; results go to ``<out_dir>/<experiment>.json`` (a list of
 rows), ``.md`` (tables) and ``.png`` (metric vs batch size per scheme; the LR curve of every point,
-one panel per scheme), written by :mod:`hpclb.tools.sweep_report`.
+one panel per scheme), written by :mod:`hpclb.tools.sweep_report`. ``out_dir`` defaults to
+``<runs_dir>/<experiment>``, beside the points' run directories (the committed tables in
+``results/sweeps`` change only when asked for with ``out_dir``). Points of different budgets
+(epochs, ranks, seed, optimizer) share the files but never a table.
 
 Resumable: a point whose row is already in the JSON (same epochs, ranks, seed, optimizer) is
 skipped; a point whose run finished but was not recorded is read from its ``summary.json``; a
@@ -40,7 +43,7 @@ from hpclb.tasks.spec import metric_mode
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
 
-__all__ = ["metric_of", "run_sweep"]
+__all__ = ["failed_points", "metric_of", "run_sweep"]
 
 
 def metric_of(recipe: dict) -> tuple[str, str]:
@@ -261,23 +264,26 @@ class _Sweep:
 def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
               epochs: float | None = None, ranks: int = 1, seed: int = 0,
               optimizer: str | None = None, data_dir: str | None = None,
-              out_dir: str | Path = "results/sweeps", runs_dir: str | Path = "runs/sweeps",
+              out_dir: str | Path | None = None, runs_dir: str | Path = "runs/sweeps",
               quiet: bool = True, log=print) -> list[dict]:
-    """Run every ``(batch size, scheme)`` point not yet recorded; returns all rows of the sweep.
+    """Run every ``(batch size, scheme)`` point not yet recorded; returns the rows of this
+    sweep's budget (its epochs, ranks, seed and optimizer; other budgets' rows stay in the files).
 
     Args: ``experiment`` (packaged name or recipe path), ``batch_sizes`` (global batches in
     samples, each divisible by ``ranks``), ``schemes`` (subset of legw/linear/sqrt/none),
-    ``epochs`` (default the recipe's, the same for every point), ``ranks`` (MPI ranks per point).
+    ``epochs`` (default the recipe's, the same for every point), ``ranks`` (MPI ranks per point),
+    ``out_dir`` (default ``<runs_dir>/<recipe name>``).
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
-    ``error`` and no metric. Raises ConfigError for bad arguments before any training, and
-    RuntimeError when a point crashes (its row is not written; rerun to retry it).
+    ``error`` and no metric (:func:`failed_points` lists them). Raises ConfigError for bad
+    arguments before any training, and RuntimeError when a point crashes (its row is not
+    written; rerun to retry it).
     """
     recipe = load_recipe(experiment)
     batch_sizes, schemes = _checked(batch_sizes, schemes, ranks)
     probe = resolve(experiment, optimizer=optimizer, epochs=epochs, seed=seed)  # validates
     settings = {"epochs": probe.epochs, "ranks": ranks, "seed": seed,
                 "optimizer": probe.optimizer}
-    out_dir = Path(out_dir)
+    out_dir = Path(runs_dir) / recipe["name"] if out_dir is None else Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = _Sweep(experiment, recipe, settings, out_dir, Path(runs_dir) / recipe["name"],
                    data_dir, quiet, log)
@@ -288,4 +294,13 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
         rows = _load_rows(sweep.json_path)
         if rows:
             write_results(rows, out_dir, sweep.name, sweep.metric, sweep.mode)
-    return rows
+    return [r for r in rows if all(r.get(k) == v for k, v in settings.items())]
+
+
+def failed_points(rows: list[dict], batch_sizes: Iterable[int],
+                  schemes: Iterable[str]) -> list[str]:
+    """``"B=<batch> <scheme>: <error>"`` for each of the asked-for points in ``rows`` (as
+    :func:`run_sweep` returns them) that was rejected."""
+    asked = {(int(b), s) for b in batch_sizes for s in schemes}
+    return [f"B={r['batch_size']} {r['scheme']}: {r['error']}" for r in rows
+            if r.get("error") and (r["batch_size"], r["scheme"]) in asked]

@@ -9,7 +9,8 @@ from pathlib import Path
 from hpclb.schedules import SCHEMES, Schedule
 from hpclb.tools.figures import pyplot, save
 
-__all__ = ["markdown_table", "lr_curve", "plot", "write_results"]
+__all__ = ["BUDGET_KEYS", "budgets", "budget_label", "markdown_table", "lr_curve", "plot",
+           "write_results"]
 
 
 def _fmt(metric: str, value: float | None) -> str:
@@ -22,9 +23,40 @@ def _fmt(metric: str, value: float | None) -> str:
     return f"{value:.2f}" if value >= 10 else f"{value:.4f}"
 
 
+# What makes points comparable in one table: the same budget and set-up.
+BUDGET_KEYS = ("epochs", "ranks", "seed", "optimizer")
+
+
+def budgets(rows: list[dict]) -> list[tuple]:
+    """The distinct ``(epochs, ranks, seed, optimizer)`` of ``rows``, in first-seen order."""
+    return list(dict.fromkeys(tuple(r.get(k) for k in BUDGET_KEYS) for r in rows))
+
+
+def budget_label(budget: tuple) -> str:
+    """``"2 epochs, 1 rank(s), seed 0, adam"``."""
+    epochs, ranks, seed, opt = budget
+    e = "? epochs" if epochs is None else f"{epochs:g} epochs"
+    return f"{e}, {ranks} rank(s), seed {seed}, {opt}"
+
+
 def markdown_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
-    """The sweep as markdown: final ``metric`` per batch size (rows) and scheme (columns), the
-    gap to the B0 point of the same scheme, and every point's schedule and cost."""
+    """The sweep as markdown, one section per budget (:data:`BUDGET_KEYS`: points trained for
+    different epochs, ranks, seeds or optimizers never share a table): final ``metric`` per
+    batch size (rows) and scheme (columns), the gap to the smallest batch of the same scheme,
+    and every point's schedule and cost."""
+    groups = budgets(rows)
+    if len(groups) <= 1:
+        return _budget_table(rows, name, metric, mode)
+    parts = [f"# Sweep: {name}", "", f"{len(groups)} budgets, one table each.", ""]
+    for g in groups:
+        sub = [r for r in rows if tuple(r.get(k) for k in BUDGET_KEYS) == g]
+        text = _budget_table(sub, name, metric, mode)
+        parts.append(text.replace(f"# Sweep: {name}", f"## {budget_label(g)}", 1))
+    return "\n".join(parts)
+
+
+def _budget_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
+    """:func:`markdown_table` of rows of one budget."""
     schemes = [s for s in SCHEMES if any(r["scheme"] == s for r in rows)]
     batches = sorted({r["batch_size"] for r in rows})
     by = {(r["batch_size"], r["scheme"]): r for r in rows}
@@ -88,11 +120,15 @@ def plot(rows: list[dict], path: Path, name: str, metric: str):
                              squeeze=False)
     ax = axes[0][0]
     scale = 100.0 if "accuracy" in metric else 1.0
+    groups = budgets(rows)
     for s in schemes:
-        pts = sorted((r["batch_size"], r["metric"]) for r in rows
-                     if r["scheme"] == s and r.get("metric") is not None)
-        if pts:
-            ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], marker="o", label=s)
+        for g in groups:  # one line per scheme and budget: budgets are never joined
+            pts = sorted((r["batch_size"], r["metric"]) for r in rows
+                         if r["scheme"] == s and r.get("metric") is not None
+                         and tuple(r.get(k) for k in BUDGET_KEYS) == g)
+            if pts:
+                ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], marker="o",
+                        label=s if len(groups) == 1 else f"{s}, {budget_label(g)}")
     for b0 in sorted({round(r["batch_size"] / r["batch_ratio_k"]) for r in rows
                       if r.get("batch_ratio_k")}):  # the batch the recipe was tuned at
         ax.axvline(b0, color="gray", ls=":", lw=1.2, label=f"B0 = {b0}")
@@ -105,9 +141,10 @@ def plot(rows: list[dict], path: Path, name: str, metric: str):
         ax.legend()
     for ax, s in zip(axes[0][1:], schemes):
         for r in sorted((r for r in rows if r["scheme"] == s and not r.get("error")),
-                        key=lambda r: r["batch_size"]):
+                        key=lambda r: (r["batch_size"], str(r.get("epochs")))):
             x, y = lr_curve(r)
-            ax.plot(x, y, label=f"B={r['batch_size']}")
+            ax.plot(x, y, label=f"B={r['batch_size']}" + ("" if len(groups) == 1 else
+                                                           f", {r.get('epochs'):g} ep"))
         ax.set_yscale("log")
         ax.set_xlabel("epoch")
         ax.set_ylabel("learning rate")

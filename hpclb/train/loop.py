@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from hpclb._io import write_json
 from hpclb.config import RunConfig, check_checkpoint_interval
+from hpclb.data.paths import data_dir
 from hpclb.dist.base import Communicator
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
 from hpclb.sync.agree import average_buffers
@@ -265,6 +266,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     if comm.rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
         write_json(run.out / "config.json", {**cfg.to_dict(), "world_size": comm.world_size,
+                                              "data_root": str(data_dir(cfg.data_dir).resolve()),
                                               "peak_lr": run.schedule.peak_lr,
                                               "warmup_steps": run.schedule.warmup_steps})
     logger = RunLogger(run.out, enabled=comm.rank == 0,

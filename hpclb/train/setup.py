@@ -28,6 +28,7 @@ from hpclb.config import RunConfig
 from hpclb.dist.base import Communicator
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
 from hpclb.models import build_model
+from hpclb.noise import check_world_size
 from hpclb.optim import OPTIMIZERS
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
@@ -160,6 +161,7 @@ def _local_checks(cfg: RunConfig, comm: Communicator):
     """Everything a rank checks before any work: batch split, data, schedule."""
     per_rank = cfg.per_rank_batch_size(comm.world_size)
     micro = cfg.micro_batch_size(comm.world_size)  # B % (W * K): fails before any work
+    check_world_size(cfg.noise_scale, comm.world_size)  # --noise-scale needs >= 2 ranks
     data = cfg.spec.data
     task = build_task(cfg.spec, cfg.data_dir, train_samples=data.train_samples,
                       test_samples=data.test_samples)

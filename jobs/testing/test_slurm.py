@@ -196,8 +196,7 @@ def test_example_task_and_gpu_layout(cluster, workdir, script):
     args = next(l for l in log.splitlines() if l.startswith("ARGS ")).split()
     assert args[1:3] == ["hpclb", "train"]
     assert args[args.index("--expect-world-size") + 1] == str(ranks)
-    per_gpu = jobs.EXAMPLES[args[3]]["per_gpu_batch"][nodes]
-    assert args[args.index("--batch-size") + 1] == str(ranks * per_gpu)
+    assert args[args.index("--batch-size") + 1] == str(jobs.EXAMPLES[args[3]]["batch_size"][nodes])
     assert "--resume" not in args
 
 

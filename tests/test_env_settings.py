@@ -1,0 +1,56 @@
+"""A bad ``HPCLB_*`` gradient-sync variable is refused at start-up through the real command
+line, exit 2, naming the variable, its value and the valid values (before: a ValueError at the
+first optimizer, exit 1, naming an argument the user never passed)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpclb.sync.options import check_environment
+
+BIN = Path(sys.executable).parent
+ENV = {k: v for k, v in os.environ.items()
+       if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "HPCLB_OVERLAP",
+                            "HPCLB_COMPRESSION", "HPCLB_STALL"))}
+ENV.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+           PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+
+CASES = [
+    ("HPCLB_OVERLAP", "threads", r"\$HPCLB_OVERLAP='threads': choose one of auto, thread, "
+                                 r"nonblocking, none"),
+    ("HPCLB_COMPRESSION", "fp8", r"\$HPCLB_COMPRESSION='fp8': choose one of none, fp16, bf16"),
+    ("HPCLB_STALL_TIMEOUT_S", "1m", r"\$HPCLB_STALL_TIMEOUT_S='1m': must be a finite number "
+                                    r"of seconds \(e.g. 60\)"),
+    ("HPCLB_STALL_TIMEOUT_S", "0", r"\$HPCLB_STALL_TIMEOUT_S='0': must be a number of seconds "
+                                   r"> 0"),
+]
+
+
+@pytest.mark.parametrize("var, value, message", CASES)
+def test_check_environment_names_the_variable(monkeypatch, var, value, message):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=message):
+        check_environment()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("var, value, message", CASES[:3])
+def test_train_refuses_bad_variable_at_start_up(tmp_path, ranks, var, value, message):
+    cmd = [sys.executable, "-m", "hpclb", "train", "mnist-lstm", "--epochs", "0.01",
+           "--out", str(tmp_path / "run"), "--data-dir", str(tmp_path / "nodata")]
+    if ranks > 1:
+        if not (BIN / "mpirun").exists():
+            pytest.skip("no mpirun beside the interpreter")
+        cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", "-x", var, *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                       env={**ENV, var: value}, stdin=subprocess.DEVNULL)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert "hpclb: error: environment: " in out and "Traceback" not in out, out
+    assert re.search(message, out), out
+    assert not (tmp_path / "run").exists()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hpclb.config import load_recipe, resolve
+from hpclb.config.outputs import check_run_dir, point_name
 from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES
@@ -161,6 +162,7 @@ class _Sweep:
     data_dir: str | None
     quiet: bool
     log: Callable[[str], Any]
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         self.name = self.recipe["name"]
@@ -217,25 +219,24 @@ class _Sweep:
     def _can_resume(self, run_dir: Path, batch: int, scheme: str) -> bool:
         """True when ``run_dir`` holds a checkpoint of this point; else it is emptied."""
         st = self.settings
-        resume = (run_dir / "checkpoint.pt").exists() and (run_dir / "config.json").exists()
-        if not resume and run_dir.exists():
+        try:
+            old = json.loads((run_dir / "config.json").read_text())
+            mine = (old.get("global_batch_size"), old.get("scaling"), old.get("epochs"),
+                    old.get("world_size"), old.get("seed")) == \
+                (batch, scheme, st["epochs"], st["ranks"], st["seed"])
+        except (OSError, ValueError):
+            mine = False
+        resume = mine and (run_dir / "checkpoint.pt").exists()
+        if not resume and run_dir.exists():  # another run's directory: only when told
+            check_run_dir(run_dir, resume=False, overwrite=self.overwrite or mine,
+                          flag="--runs-dir point", resumable=False)
             shutil.rmtree(run_dir)
-        if resume:
-            try:
-                old = json.loads((run_dir / "config.json").read_text())
-                resume = (old.get("global_batch_size"), old.get("scaling"),
-                          old.get("epochs"), old.get("world_size"), old.get("seed")) == \
-                    (batch, scheme, st["epochs"], st["ranks"], st["seed"])
-            except (OSError, ValueError):
-                resume = False
-            if not resume:
-                shutil.rmtree(run_dir)
         return resume
 
     def _run_point(self, batch: int, scheme: str) -> None:
         """Train (or resume, or read back) one point while holding its lock; record its row."""
         name, metric, st = self.name, self.metric, self.settings
-        run_dir = self.runs_dir / f"{scheme}-b{batch}"
+        run_dir = self.runs_dir / point_name(scheme, batch)
         summary = self._finished_summary(run_dir, batch, scheme)
         if summary is None:
             resume = self._can_resume(run_dir, batch, scheme)
@@ -262,7 +263,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
               epochs: float | None = None, ranks: int = 1, seed: int = 0,
               optimizer: str | None = None, data_dir: str | None = None,
               out_dir: str | Path = "results/sweeps", runs_dir: str | Path = "runs/sweeps",
-              quiet: bool = True, log=print) -> list[dict]:
+              quiet: bool = True, log=print, overwrite: bool = False) -> list[dict]:
     """Run every ``(batch size, scheme)`` point not yet recorded; returns all rows of the sweep.
 
     Args: ``experiment`` (packaged name or recipe path), ``batch_sizes`` (global batches in
@@ -270,7 +271,9 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     ``epochs`` (default the recipe's, the same for every point), ``ranks`` (MPI ranks per point).
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
     ``error`` and no metric. Raises ConfigError for bad arguments before any training, and
-    RuntimeError when a point crashes (its row is not written; rerun to retry it).
+    RuntimeError when a point crashes (its row is not written; rerun to retry it). A point
+    directory holding a run of other settings (another budget, seed or rank count) is
+    deleted only with ``overwrite``; otherwise ConfigError names ``--overwrite``.
     """
     recipe = load_recipe(experiment)
     batch_sizes, schemes = _checked(batch_sizes, schemes, ranks)
@@ -280,7 +283,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = _Sweep(experiment, recipe, settings, out_dir, Path(runs_dir) / recipe["name"],
-                   data_dir, quiet, log)
+                   data_dir, quiet, log, overwrite)
     for batch in batch_sizes:
         for scheme in schemes:
             sweep.point(batch, scheme)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hpclb.config import RunConfig
+from hpclb.config.outputs import check_run_dir, clear_run
 from hpclb.dist.base import Communicator
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
 from hpclb.models import build_model
@@ -172,8 +173,12 @@ def _lock_out(out: Path):
     ConfigError when another run holds it; on a file system without locks, warns and goes on."""
     import fcntl
 
-    out.mkdir(parents=True, exist_ok=True)
-    f = open(out / LOCK_NAME, "a+")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / LOCK_NAME, "a+")
+    except OSError as e:  # not a directory, no permission, read-only file system
+        raise ConfigError(f"--out {out}: cannot create the run directory or its lock ({e}); "
+                          f"choose another --out") from e
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -198,19 +203,19 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
     lock = []
 
     def decide():
+        found = check_run_dir(store.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
         lock.append(_lock_out(store.out_dir))
-        summary = store.out_dir / "summary.json"
         if not cfg.resume:
-            if store.exists() and not (summary.exists() and summary.stat().st_mtime
-                                       >= store.latest_path.stat().st_mtime):
-                raise ConfigError(f"{store.out_dir} holds the checkpoint of an unfinished run; "
-                                  f"add --resume to continue it, or choose another --out (or "
-                                  f"delete {store.latest_path}) to start afresh")
+            if found:  # --overwrite: no stale summary, metrics or checkpoint survives
+                log.warning("--overwrite: deleting the run in %s (%s)", store.out_dir,
+                            ", ".join(found))
+                clear_run(store.out_dir)
             return None
         loaded = store.latest()
         if loaded is None:  # a usage error, the same for every rank: exit 2
             raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
-                              f"drop --resume to start afresh")
+                              f"drop --resume to start afresh (add --overwrite if the "
+                              f"directory holds a run)")
         for path, why in loaded.skipped:
             log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
                         loaded.path)
@@ -265,11 +270,12 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     bound by ``--device``; tests pass ``meta`` for a device dry run). Raises ConfigError (same on
     every rank), DataError, CheckpointError."""
     device = torch.device(device or getattr(comm, "device", "cpu"))
-    per_rank, micro, task, sched = agreed(comm, "checking settings and data",
-                                          lambda: _local_checks(cfg, comm))
     store = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints)
+    # the run directory first: a refused --out costs no data loading on any rank
     ckpt, ckpt_path, out_lock = _decide_resume(cfg, comm, store)
     try:
+        per_rank, micro, task, sched = agreed(comm, "checking settings and data",
+                                              lambda: _local_checks(cfg, comm))
         return _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
                       out_lock)
     except BaseException:

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from torch import nn
 from hpclb.config import RunConfig
 from hpclb.config.outputs import check_run_dir, clear_run
 from hpclb.dist.base import Communicator
-from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
+from hpclb.errors import AgreedFailure, CheckpointError, ConfigError, HpclbError
 from hpclb.models import build_model
 from hpclb.optim import OPTIMIZERS
 from hpclb.optim.lr_scheduler import ScheduleLR
@@ -41,6 +42,7 @@ from hpclb.sync.optimizer import DistributedOptimizer
 from hpclb.tasks import Task, build_task
 from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
+from hpclb.train.usercode import describe
 
 __all__ = ["LOCK_NAME", "PRECISIONS", "agreed", "Position", "Run", "build_optimizer",
            "setup_run", "save_checkpoint"]
@@ -58,9 +60,13 @@ def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
     try:
         result, verdict = fn(), None
     except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
-        result, verdict = None, (type(e).__name__, str(e), isinstance(e, ConfigError))
         if comm.world_size == 1:
             raise
+        config = isinstance(e, ConfigError)
+        context = "" if isinstance(e, HpclbError) else describe(e)  # the user's code: where
+        if context and os.environ.get("HPCLB_TRACEBACK"):
+            traceback.print_exc()  # only this rank holds it
+        result, verdict = None, (type(e).__name__, f"{e}{context}", config)
     verdicts = comm.allgather_object(verdict) if comm.world_size > 1 else [verdict]
     failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if failed:

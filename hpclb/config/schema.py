@@ -22,8 +22,8 @@ from hpclb.tasks.registry import TASKS, datasets_of
 __all__ = ["DEVICES", "LR_WARN_ABOVE", "PRECISIONS", "RECIPE_KEYS", "RUN_SETTINGS",
            "check_builtin_data", "check_lr", "check_model", "check_plugin_data",
            "check_run_setting", "check_sample_counts", "check_settings", "check_types",
-           "did_you_mean", "number", "positive_int", "positive_number", "require",
-           "warn"]
+           "did_you_mean", "number", "optimizer_arguments", "positive_int",
+           "positive_number", "require", "warn"]
 
 # Every top-level recipe field the code reads; any other key is a typo and is rejected.
 RECIPE_KEYS = (
@@ -369,9 +369,36 @@ _HYPER_PARAMETERS = {
 }
 
 
+# built-in optimizers whose builder takes **hyper-parameters: the torch class they go to
+_TORCH_OPTIMIZERS = {"sgd": "SGD", "momentum": "SGD", "adam": "Adam"}
+
+
+def optimizer_arguments(name: str) -> list[str] | None:
+    """The hyper-parameters optimizer ``name`` (:data:`hpclb.optim.OPTIMIZERS`) takes, its
+    parameter list excluded; None when it takes any keyword. Imports torch."""
+    from hpclb.plugins import signature_of
+
+    builder = OPTIMIZERS.load(name)
+    params, var_kw = signature_of(builder)
+    if var_kw and name in _TORCH_OPTIMIZERS:
+        import torch
+
+        params, var_kw = signature_of(getattr(torch.optim, _TORCH_OPTIMIZERS[name]))
+    return None if var_kw else [p.name for p in params[1:]]
+
+
+def _check_optimizer_arguments(name: str, hp: dict, where: str) -> None:
+    accepted = optimizer_arguments(name)
+    for key in hp if accepted is not None else ():
+        require(key in accepted, f"{where}: optimizers.{name}.{key}",
+                f"not a hyper-parameter of the {name} optimizer{did_you_mean(key, accepted)}; "
+                f"it takes {', '.join(accepted)}")
+
+
 def _check_optimizers(recipe: dict, where: str) -> None:
     for name, hp in recipe["optimizers"].items():
         check_lr(hp.get("lr"), f"{where}: optimizers.{name}.lr")
+        _check_optimizer_arguments(name, hp, where)
         for key, (ok, valid) in _HYPER_PARAMETERS.items():
             require(key not in hp or ok(hp[key]), f"{where}: optimizers.{name}.{key}",
                     f"must be {valid}, got {hp.get(key)!r}")

@@ -37,7 +37,7 @@ from hpclb.config.outputs import check_run_dir, point_name
 from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES
-from hpclb.tasks.spec import metric_mode
+from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
 
@@ -46,11 +46,10 @@ __all__ = ["metric_of", "run_sweep"]
 
 def metric_of(recipe: dict) -> tuple[str, str]:
     """(metric name, ``"max"`` or ``"min"``) that a sweep reports for ``recipe``: its
-    ``target.metric`` (default ``test_accuracy``); perplexity, loss and error are minimised unless
-    ``target.mode`` says otherwise."""
-    target = recipe.get("target") or {}
-    name = target.get("metric", "test_accuracy")
-    return name, target.get("mode", metric_mode(name))
+    :func:`~hpclb.tasks.spec.primary_metric` (``target.metric``; else a task's own first
+    metric; else ``test_accuracy``) and its :func:`~hpclb.tasks.spec.metric_mode`."""
+    name = primary_metric(recipe)
+    return name, metric_mode(name, recipe)
 
 
 @contextlib.contextmanager

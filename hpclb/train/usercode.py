@@ -23,13 +23,14 @@ _LIBRARIES = tuple({str(Path(p).resolve()) + os.sep for p in (
     sysconfig.get_paths()["platlib"])})
 TRACEBACK_HINT = "set HPCLB_TRACEBACK=1 for the whole traceback"
 
-#: (hpclb module file, function) -> the phase it runs; ``{step}``: the global step being trained
+#: (hpclb module file, function) -> the phase it runs (inside a training step, the global step
+#: is added: "... of global step N")
 PHASES = {
     ("setup.py", "_build_model"): "in the model constructor (model.name)",
     ("plugin.py", "load_plugin_data"): "in the data function (data.name)",
-    ("supervised.py", "_loss"): "in the loss function (task.loss) at global step {step}",
+    ("supervised.py", "_loss"): "in the loss function (task.loss)",
     ("supervised.py", "_metric_sums"): "in a metric function (task.metrics)",
-    ("loop.py", "train_step"): "in the forward/backward of global step {step}",
+    ("loop.py", "train_step"): "in the forward/backward",
     ("loop.py", "_epoch_row"): "in the evaluation after an epoch",
 }
 
@@ -77,7 +78,7 @@ def phase_of(exc: BaseException) -> str | None:
                 step = _global_step(tb.tb_frame)
     if phase is None:
         return None
-    return phase.format(step=step if step is not None else "?")
+    return phase if step is None else f"{phase} of global step {step}"
 
 
 def describe(exc: BaseException) -> str:

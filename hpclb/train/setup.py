@@ -276,12 +276,14 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     bound by ``--device``; tests pass ``meta`` for a device dry run). Raises ConfigError (same on
     every rank), DataError, CheckpointError."""
     device = torch.device(device or getattr(comm, "device", "cpu"))
+    # a run directory that may not be written is refused before any rank loads data
+    agreed(comm, "checking --out", lambda: check_run_dir(
+        cfg.out, resume=cfg.resume, overwrite=cfg.overwrite) if comm.rank == 0 else None)
+    per_rank, micro, task, sched = agreed(comm, "checking settings and data",
+                                          lambda: _local_checks(cfg, comm))
     store = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints)
-    # the run directory first: a refused --out costs no data loading on any rank
     ckpt, ckpt_path, out_lock = _decide_resume(cfg, comm, store)
     try:
-        per_rank, micro, task, sched = agreed(comm, "checking settings and data",
-                                              lambda: _local_checks(cfg, comm))
         return _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
                       out_lock)
     except BaseException:

@@ -2,8 +2,8 @@
 
 The interface is :class:`~hpclb.tasks.base.Task` (documented there); the kinds are in
 :data:`~hpclb.tasks.registry.TASKS`: :mod:`~hpclb.tasks.classification`,
-:mod:`~hpclb.tasks.language_model`, :mod:`~hpclb.tasks.seq2seq`, :mod:`~hpclb.tasks.supervised` (the recipe's own loss and
-metrics); plug-in data sets in
+:mod:`~hpclb.tasks.language_model`, :mod:`~hpclb.tasks.seq2seq`,
+:mod:`~hpclb.tasks.supervised` (the recipe's own loss and metrics); plug-in data sets in
 :mod:`~hpclb.tasks.plugin`; :func:`~hpclb.tasks.build.build_task` builds a recipe's task; the
 parsed recipe is :class:`~hpclb.tasks.spec.Recipe`.
 

@@ -82,15 +82,20 @@ def test_regression_example_learns_and_ranks_agree(runs, mnist_dir):
 
 
 @pytest.mark.slow
-def test_plot_and_advise_read_the_regression_run(runs, tmp_path):
+def test_plot_advise_and_evaluate_read_the_regression_run(runs, tmp_path, mnist_dir,
+                                                          monkeypatch):
     pytest.importorskip("matplotlib")
     from hpclb.tools.advise import advise
+    from hpclb.tools.evaluate import evaluate_run
     from hpclb.tools.plot import plot_runs
 
-    run, _ = runs[2]
+    run, summary = runs[2]
     _, fig = plot_runs([run], tmp_path / "p.png")
     assert fig.axes[1].get_ylabel() == "test_mse"
     assert advise(run)["recommended_batch"] >= 128
+    monkeypatch.chdir(tmp_path)  # the plug-ins are found through the saved plugin_path
+    scored = evaluate_run(run, SelfCommunicator(), data_dir=str(mnist_dir.parent))
+    assert scored["test_mse"] == pytest.approx(summary["final_test_mse"], rel=1e-5)
 
 
 @pytest.mark.slow

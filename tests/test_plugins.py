@@ -330,7 +330,7 @@ def test_data_function_returning_the_wrong_thing(tmp_path, fn, extra, message):
     ("sized", {"size": 3}, {}, r"data.size: not an argument of data function {m}:sized \(did "
      r"you mean 'n'\?\)|data.size: not an argument of data function {m}:sized; it takes n"),
     ("sized", {}, {"task": "language_model"}, r"data.name: a plug-in data set .* feeds a "
-     r"classification task; remove `task: language_model`"),
+     r"classification or supervised task, not language_model"),
     ("nothing_here", {}, {}, r"data.name: '{m}:nothing_here': {m} .* has no attribute "
      r"'nothing_here'"),
 ])

@@ -48,7 +48,7 @@ def test_builtin_entries():
     assert sorted(MODELS) == ["gnmt", "lstm_lm", "mnist_lstm", "resnet50", "resnet_small"]
     assert {k: TASKS[k].model_args for k in TASKS} == {
         "classification": (), "language_model": ("vocab_size",),
-        "seq2seq": ("src_vocab", "tgt_vocab")}
+        "seq2seq": ("src_vocab", "tgt_vocab"), "supervised": ()}
     assert TASKS.load("classification").task_class() is ClassificationTask
     # hpclb jobs' published sizes (was hpclb/tools/jobs.py TRAIN_SET_SIZES, less wmt16-de-en)
     assert {k: v[:2] for k, v in train_set_sizes().items()} == {

@@ -45,9 +45,12 @@ def test_sweep_writes_rows_tables_plot_and_resumes(tmp_path, mnist_dir, monkeypa
     (res / "mnist-lstm.json").write_text(json.dumps(rows[:-1]))
     again = sweep.run_sweep(recipe, [128, 256], ["legw", "linear", "none"], **kw)
     assert again[-1]["metric"] == rows[-1]["metric"]
-    # A different budget is a different point.
-    with pytest.raises(AssertionError, match="trained again"):
+    # A different budget is a different point; its directory holds the other budget's run,
+    # which is deleted only when asked.
+    with pytest.raises(ConfigError, match="already holds a finished run; add --overwrite"):
         sweep.run_sweep(recipe, [256], ["none"], **{**kw, "epochs": 2})
+    with pytest.raises(AssertionError, match="trained again"):
+        sweep.run_sweep(recipe, [256], ["none"], **{**kw, "epochs": 2}, overwrite=True)
 
 
 def test_rejected_point_is_recorded_not_fatal(tmp_path, mnist_dir):

@@ -10,8 +10,9 @@ import logging
 import os
 import signal
 import sys
+import traceback
 
-from hpclb.errors import EXIT_FAILURE
+from hpclb.errors import EXIT_FAILURE, HpclbError
 
 __all__ = ["PREEMPTIBLE_COMMANDS", "PendingSignal", "command_of", "error", "exit_status",
            "install_early_signals", "preempted_during_start_up", "setup_logging", "start_comm"]
@@ -109,14 +110,25 @@ def exit_status(e: Exception, comm) -> int:
     ``agreed`` (every rank raised it together, e.g. a ConfigError: 2, an AgreedFailure: 1):
     rank 0 prints the message, no rank aborts. Otherwise the failing rank prints
     ``TypeName on rank r of n: message`` and aborts the whole MPI job (when there are other
-    ranks) so no rank waits forever in a collective; re-raised under ``$HPCLB_TRACEBACK``."""
+    ranks) so no rank waits forever in a collective. An exception from the user's own code
+    (anything but hpclb's own errors) also names the phase, the user's file:line and
+    ``HPCLB_TRACEBACK=1`` (:func:`hpclb.train.usercode.describe`); under ``$HPCLB_TRACEBACK`` the
+    traceback is printed (before the abort) and, at one process, the exception re-raised."""
     code = getattr(e, "exit_code", EXIT_FAILURE)
     if getattr(e, "agreed", False):
         if comm.rank == 0:
             error(str(e))
         return code
     where = f" on rank {comm.rank} of {comm.world_size}" if comm.world_size > 1 else ""
-    error(f"{type(e).__name__}{where}: {e}")
+    context = ""
+    if not isinstance(e, HpclbError):  # not hpclb's own: point into the user's code
+        from hpclb.train.usercode import describe
+
+        context = describe(e)
+    error(f"{type(e).__name__}{where}: {e}{context}")
+    if os.environ.get("HPCLB_TRACEBACK") and comm.world_size > 1:
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+        sys.stderr.flush()
     if comm.world_size > 1:
         comm.abort(code)
     if os.environ.get("HPCLB_TRACEBACK"):

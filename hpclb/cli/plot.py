@@ -36,6 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w = psub.add_parser("sweep", help="a sweep's metric vs batch per scheme, B0 marked")
     w.add_argument("sweep_json", metavar="SWEEP.json", help="results/sweeps/<experiment>.json")
     w.add_argument("--out", help="PNG path (default: SWEEP.png beside the JSON)")
+    for sub in (s, r, w):
+        sub.add_argument("--overwrite", action="store_true",
+                         help="replace a PNG already at the output path")
     p.set_defaults(func=run)
     return p
 
@@ -51,13 +54,14 @@ def _draw(args: argparse.Namespace):
     if args.plot_command == "schedule":
         path, _, skipped = plot_schedule(args.experiment, args.k, args.out,
                                          schemes=args.schemes, num_samples=args.num_samples,
-                                         epochs=args.epochs, optimizer=args.optimizer)
+                                         epochs=args.epochs, optimizer=args.optimizer,
+                                         overwrite=args.overwrite)
         for why in skipped:
             print(f"hpclb plot: skipped {why}", file=sys.stderr)
         return path
     if args.plot_command == "runs":
-        return plot_runs(args.run_dirs, args.out, warn=_warning)[0]
-    return plot_sweep(args.sweep_json, args.out)[0]
+        return plot_runs(args.run_dirs, args.out, warn=_warning, overwrite=args.overwrite)[0]
+    return plot_sweep(args.sweep_json, args.out, overwrite=args.overwrite)[0]
 
 
 def run(args: argparse.Namespace) -> int:

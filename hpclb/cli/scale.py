@@ -31,6 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpus-per-node", type=int, help="one rank per GPU")
     p.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU-only nodes")
+    p.add_argument("--overwrite", action="store_true", help="replace a recipe or job script "
+                   "already at the output path")
     p.set_defaults(func=run)
     return p
 
@@ -45,11 +47,12 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         s = scale_run(args.run_dir, args.to_batch, scaling=args.scaling, out=args.out,
-                      num_samples=args.num_samples, epochs=args.epochs)
+                      num_samples=args.num_samples, epochs=args.epochs,
+                      overwrite=args.overwrite)
         print(format_changes(s))
         if args.scheduler:
             job = write_job(s, args.scheduler, args.nodes, args.gpus_per_node,
-                            tasks_per_node=args.tasks_per_node)
+                            tasks_per_node=args.tasks_per_node, overwrite=args.overwrite)
             print(f"job script ({args.scheduler}, {args.nodes} node(s)): {job}")
     except ConfigError as e:
         error(str(e))

@@ -42,6 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "results/sweeps)")
     w.add_argument("--runs-dir", default="runs/sweeps", help="run directories of the points")
     w.add_argument("--verbose", action="store_true", help="print every point's training log")
+    w.add_argument("--overwrite", action="store_true", help="delete a point's run directory "
+                   "that holds a run of other settings (budget, seed, ranks) and rerun it")
     w.set_defaults(func=run)
     return w
 
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         rows = run_sweep(args.experiment, batches, schemes, epochs=args.epochs,
                          ranks=args.ranks, seed=args.seed, optimizer=args.optimizer,
                          data_dir=args.data_dir, out_dir=args.out_dir, runs_dir=args.runs_dir,
-                         quiet=not args.verbose, log=lambda m: print(m, flush=True))
+                         quiet=not args.verbose, log=lambda m: print(m, flush=True),
+                         overwrite=args.overwrite)
     except ConfigError as e:
         error(str(e))
         return EXIT_USAGE

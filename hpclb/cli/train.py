@@ -51,8 +51,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "accumulation_steps, else 1)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
-    t.add_argument("--out", help="run directory (default runs/<experiment>)")
+    t.add_argument("--out", help="run directory (default runs/<experiment>/<scaling>-b<B>); "
+                   "one that holds a run is refused unless --resume or --overwrite")
     t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    t.add_argument("--overwrite", action="store_true", help="delete the run already in --out "
+                   "(summary, metrics, checkpoints) and start afresh")
     t.add_argument("--backend", default="auto", choices=list(BACKENDS),
                    help="communication backend (auto: mpi when launched by mpirun/srun)")
     t.add_argument("--expect-world-size", type=int, help="fail unless the job has this many ranks")
@@ -118,7 +121,7 @@ def _resolve(args: argparse.Namespace, comm):
                    accumulation_steps=args.accumulation_steps, device=args.device,
                    precision=args.precision, log_every=args.log_every,
                    noise_scale=args.noise_scale, max_nonfinite_steps=args.max_nonfinite_steps,
-                   keep_checkpoints=args.keep_checkpoints)
+                   keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite)
 
 
 def _train(args: argparse.Namespace, comm, cfg, early) -> int:

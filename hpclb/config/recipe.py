@@ -25,7 +25,7 @@ from hpclb.config.schema import (
 )
 from hpclb.errors import ConfigError
 from hpclb.plugins import add_search_path, is_plugin
-from hpclb.tasks.spec import Recipe
+from hpclb.tasks.spec import Recipe, task_name
 
 __all__ = ["available_experiments", "load_recipe", "parse_recipe"]
 
@@ -119,9 +119,10 @@ def load_recipe(experiment: str) -> dict[str, Any]:
     require(isinstance(recipe, dict), str(path), "a recipe must be a YAML mapping")
     where = f"{path.name}"
     check_types(recipe, where)
-    kind = recipe.get("task", "classification")
+    kind = task_name(recipe.get("task"))
     data, model = recipe["data"], recipe["model"]
-    if "plugin_path" in recipe or is_plugin(data["name"]) or is_plugin(model["name"]):
+    if "plugin_path" in recipe or is_plugin(data["name"]) or is_plugin(model["name"]) or \
+            isinstance(recipe.get("task"), dict):  # the task's own loss and metrics
         recipe["plugin_path"] = _plugin_path(recipe, path, where)
         add_search_path(recipe["plugin_path"])
     if is_plugin(data["name"]):

@@ -17,18 +17,21 @@ from hpclb.data.registry import DATASETS
 from hpclb.errors import ConfigError, RecipeWarning
 from hpclb.models import MODELS
 from hpclb.optim import OPTIMIZERS
-from hpclb.tasks.registry import TASKS, datasets_of
+from hpclb.tasks.registry import TASKS, datasets_of, task_metrics
+from hpclb.tasks.spec import task_name
 
 __all__ = ["DEVICES", "LR_WARN_ABOVE", "PRECISIONS", "RECIPE_KEYS", "RUN_SETTINGS",
            "check_builtin_data", "check_lr", "check_model", "check_plugin_data",
-           "check_run_setting", "check_sample_counts", "check_settings", "check_types",
-           "did_you_mean", "number", "positive_int", "positive_number", "require",
-           "warn"]
+           "check_run_setting", "check_sample_counts", "check_settings", "check_target_metric",
+           "check_task_functions", "check_types",
+           "did_you_mean", "number", "optimizer_arguments", "positive_int",
+           "positive_number", "require", "warn"]
 
 # Every top-level recipe field the code reads; any other key is a typo and is rejected.
 RECIPE_KEYS = (
     "name",                # the run's name (runs/<name>, results/sweeps/<name>.*)
-    "task",                # classification (default), language_model, seq2seq
+    "task",                # classification (default), language_model, seq2seq, or
+                           # {name: supervised, loss: mod:fn, metrics: {name: mod:fn}}
     "data",                # {name: <data set>, ...}: reader options (hpclb/data/registry.py)
     "model",               # {name: <model>, ...}: constructor arguments (hpclb/models)
     "base_batch_size",     # B0, the batch the recipe was tuned at
@@ -155,9 +158,65 @@ def _check_sections(recipe: dict, where: str) -> None:
                 f"must be a mapping with a name, e.g. `{example}`, got {value!r}")
         require(isinstance(value["name"], str), f"{where}: {key}.name",
                 f"must be a string, e.g. `{example}`, got {value['name']!r}")
-    kind = recipe.get("task", "classification")
-    require(isinstance(kind, str) and kind in TASKS, f"{where}: task",
-            f"{kind!r} is not one of {tuple(TASKS)}")
+    _check_task(recipe.get("task", "classification"), where)
+
+
+_TASK_FIELDS = ("name", "loss", "metrics")
+
+
+def _check_task(task: Any, where: str) -> None:
+    """``task``: a kind, or ``{name: <kind>, loss: mod:fn, metrics: {name: mod:fn}}`` where the
+    kind takes its loss from the recipe (``supervised``)."""
+    if isinstance(task, dict):
+        for key in task:
+            require(key in _TASK_FIELDS, f"{where}: task.{key}",
+                    f"not a task field{did_you_mean(key, _TASK_FIELDS)}; it takes "
+                    f"{', '.join(_TASK_FIELDS)}")
+    kind = task.get("name", "classification") if isinstance(task, dict) else task
+    require(isinstance(kind, str) and kind in TASKS, f"{where}: task" +
+            (".name" if isinstance(task, dict) else ""),
+            f"{kind!r} is not one of {tuple(TASKS)}{did_you_mean(kind, TASKS)}")
+    own = TASKS[kind].own_loss
+    loss = task.get("loss") if isinstance(task, dict) else None
+    metrics = task.get("metrics", {}) if isinstance(task, dict) else {}
+    require(own or (loss is None and not metrics), f"{where}: task.loss",
+            f"the {kind} task has its own loss and metrics; for your own, write `task: "
+            f"{{name: supervised, loss: module:function, metrics: {{...}}}}`")
+    require(not own or isinstance(loss, str), f"{where}: task.loss",
+            f"required by task {kind}: your loss function as package.module:function, "
+            f"fn(output, y) -> the batch's mean (a scalar tensor), e.g. `loss: my_loss:mse`")
+    require(isinstance(metrics, dict) and all(
+        isinstance(m, str) and m.isidentifier() and m != "loss" and isinstance(f, str)
+        for m, f in metrics.items()), f"{where}: task.metrics",
+        f"must map metric names (identifiers other than loss) to package.module:function, "
+        f"e.g. `metrics: {{mae: my_loss:mae}}`, got {metrics!r}")
+
+
+def check_task_functions(task: Any, where: str) -> None:
+    """Import a task's ``loss`` and ``metrics`` functions (ConfigError naming the field)."""
+    from hpclb.plugins import load_object
+
+    if not isinstance(task, dict):
+        return
+    refs = {"task.loss": task.get("loss"),
+            **{f"task.metrics.{m}": f for m, f in (task.get("metrics") or {}).items()}}
+    for field, ref in refs.items():
+        if ref is not None:
+            try:
+                load_object(ref, field)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from e
+
+
+def check_target_metric(recipe: dict, where: str) -> None:
+    """``target.metric`` must be a metric the recipe's task produces."""
+    metric = (recipe.get("target") or {}).get("metric")
+    task = recipe.get("task")
+    own = (task.get("metrics") or {}) if isinstance(task, dict) else {}
+    choices = task_metrics(task_name(task), own)
+    require(metric is None or metric in choices, f"{where}: target.metric",
+            f"{metric!r} is not a metric of the {task_name(task)} task"
+            f"{did_you_mean(metric, choices)}; it reports {', '.join(choices)}")
 
 
 def _check_budget(recipe: dict, where: str) -> None:
@@ -256,8 +315,14 @@ def check_plugin_data(data: dict, kind: str, where: str) -> None:
     from hpclb.tasks.plugin import PLUGIN_DATA_RESERVED, plugin_dataset
 
     name = data["name"]
-    require(kind in plugin_dataset(name).tasks, f"{where}: data.name",
-            f"a plug-in data set ({name!r}) feeds a classification task; remove `task: {kind}`")
+    tasks = plugin_dataset(name).tasks
+    require(kind in tasks, f"{where}: data.name",
+            f"a plug-in data set ({name!r}) feeds a {' or '.join(tasks)} task, not {kind}")
+    for key in data:
+        near = did_you_mean(key, PLUGIN_DATA_RESERVED)
+        require(key in PLUGIN_DATA_RESERVED or not near, f"{where}: data.{key}",
+                f"not a data option{near}; hpclb's are {', '.join(PLUGIN_DATA_RESERVED)}, the "
+                f"other keys go to the data function")
     try:
         fn = load_object(name, "data.name")
     except ConfigError as e:
@@ -302,6 +367,11 @@ def check_builtin_data(data: dict, kind: str, where: str) -> None:
         require("num_workers" in options, f"{where}: data.num_workers",
                 f"only the {_readers_of('num_workers')} reader (image files) uses loader "
                 f"workers; {data['name']!r} is read from memory: remove the field")
+    valid = ("name", "train_samples", "test_samples", *options, *TASKS[kind].data_options)
+    for key in data:
+        require(key in valid, f"{where}: data.{key}",
+                f"not an option of data set {data['name']!r}{did_you_mean(key, valid)}; it "
+                f"takes {', '.join(valid)}")
 
 
 def _readers_of(option: str) -> str:
@@ -369,9 +439,36 @@ _HYPER_PARAMETERS = {
 }
 
 
+# built-in optimizers whose builder takes **hyper-parameters: the torch class they go to
+_TORCH_OPTIMIZERS = {"sgd": "SGD", "momentum": "SGD", "adam": "Adam"}
+
+
+def optimizer_arguments(name: str) -> list[str] | None:
+    """The hyper-parameters optimizer ``name`` (:data:`hpclb.optim.OPTIMIZERS`) takes, its
+    parameter list excluded; None when it takes any keyword. Imports torch."""
+    from hpclb.plugins import signature_of
+
+    builder = OPTIMIZERS.load(name)
+    params, var_kw = signature_of(builder)
+    if var_kw and name in _TORCH_OPTIMIZERS:
+        import torch
+
+        params, var_kw = signature_of(getattr(torch.optim, _TORCH_OPTIMIZERS[name]))
+    return None if var_kw else [p.name for p in params[1:]]
+
+
+def _check_optimizer_arguments(name: str, hp: dict, where: str) -> None:
+    accepted = optimizer_arguments(name)
+    for key in hp if accepted is not None else ():
+        require(key in accepted, f"{where}: optimizers.{name}.{key}",
+                f"not a hyper-parameter of the {name} optimizer{did_you_mean(key, accepted)}; "
+                f"it takes {', '.join(accepted)}")
+
+
 def _check_optimizers(recipe: dict, where: str) -> None:
     for name, hp in recipe["optimizers"].items():
         check_lr(hp.get("lr"), f"{where}: optimizers.{name}.lr")
+        _check_optimizer_arguments(name, hp, where)
         for key, (ok, valid) in _HYPER_PARAMETERS.items():
             require(key not in hp or ok(hp[key]), f"{where}: optimizers.{name}.{key}",
                     f"must be {valid}, got {hp.get(key)!r}")
@@ -405,6 +502,8 @@ def check_settings(recipe: dict, where: str) -> None:
     acc = recipe.get("accumulation_steps", 1)
     require(positive_int(acc), f"{where}: accumulation_steps", f"must be an integer >= 1 "
             f"(micro-batches per optimizer step; 1: no accumulation), got {acc!r}")
+    check_task_functions(recipe.get("task"), where)
+    check_target_metric(recipe, where)
     target = recipe.get("target") or {}
     if "accuracy" in str(target.get("metric", "")) and "value" in target:
         require(0 <= target["value"] <= 1, f"{where}: target.value",

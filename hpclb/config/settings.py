@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from hpclb import schedules
+from hpclb.config.outputs import default_run_dir
 from hpclb.config.recipe import load_recipe
 from hpclb.config.schema import (
     RUN_SETTINGS,
@@ -37,7 +38,8 @@ class RunConfig:
     steps between progress lines; 0: off), ``noise_scale`` (measure the gradient noise scale),
     ``max_nonfinite_steps`` (consecutive skipped non-finite steps before the run stops) and
     ``keep_checkpoints`` (checkpoint generations kept): command line, else recipe, else the
-    defaults of :data:`RUN_SETTINGS`."""
+    defaults of :data:`RUN_SETTINGS`. ``out`` (default ``runs/<experiment>/<scaling>-b<B>``)
+    must not hold a run unless ``resume`` or ``overwrite`` (:mod:`hpclb.config.outputs`)."""
 
     experiment: str
     recipe: dict
@@ -51,6 +53,7 @@ class RunConfig:
     out: str
     resume: bool
     lr: float | None = None
+    overwrite: bool = False
     accumulation_steps: int = 1
     device: str = "auto"
     precision: str = "fp32"
@@ -161,7 +164,7 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
             device: str | None = None, precision: str | None = None,
             log_every: int | None = None, noise_scale: bool | None = None,
             max_nonfinite_steps: int | None = None,
-            keep_checkpoints: int | None = None) -> RunConfig:
+            keep_checkpoints: int | None = None, overwrite: bool = False) -> RunConfig:
     """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
 
     ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``accumulation_steps``
@@ -169,7 +172,10 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     the global batch (the unit of the scaling rules) does not change. ``device``,
     ``precision``, ``log_every``, ``noise_scale``, ``max_nonfinite_steps`` and
     ``keep_checkpoints`` override the recipe fields of the same name (defaults in
-    :data:`RUN_SETTINGS`). Raises ConfigError naming the bad field and its command-line flag;
+    :data:`RUN_SETTINGS`). ``out`` defaults to ``runs/<name>/<scaling>-b<batch>``;
+    ``overwrite`` lets a new run replace a run already there (checked by
+    :func:`hpclb.train.setup.setup_run`). Raises ConfigError naming the bad field and its
+    command-line flag;
     warns (:class:`RecipeWarning`) for valid values outside their sensible range.
     """
     recipe = load_recipe(experiment)
@@ -208,7 +214,8 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
                      scaling=scaling, optimizer=opt,
                      optimizer_params=dict(spec.optimizers[opt].params),
                      epochs=float(n_epochs), seed=seed, data_dir=data_dir,
-                     out=out or f"runs/{spec.name}", resume=resume, lr=lr,
+                     out=out or default_run_dir(spec.name, scaling, batch), resume=resume,
+                     overwrite=overwrite, lr=lr,
                      accumulation_steps=acc, **settings)
 
 

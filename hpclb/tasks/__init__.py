@@ -2,7 +2,8 @@
 
 The interface is :class:`~hpclb.tasks.base.Task` (documented there); the kinds are in
 :data:`~hpclb.tasks.registry.TASKS`: :mod:`~hpclb.tasks.classification`,
-:mod:`~hpclb.tasks.language_model`, :mod:`~hpclb.tasks.seq2seq`; plug-in data sets in
+:mod:`~hpclb.tasks.language_model`, :mod:`~hpclb.tasks.seq2seq`,
+:mod:`~hpclb.tasks.supervised` (the recipe's own loss and metrics); plug-in data sets in
 :mod:`~hpclb.tasks.plugin`; :func:`~hpclb.tasks.build.build_task` builds a recipe's task; the
 parsed recipe is :class:`~hpclb.tasks.spec.Recipe`.
 
@@ -16,7 +17,7 @@ import importlib
 _EXPORTS = {
     "EVAL_BATCH_SIZE": "base", "DatasetSplit": "base", "Task": "base", "to_device": "base",
     "ClassificationTask": "classification", "LanguageModelTask": "language_model",
-    "Seq2seqTask": "seq2seq", "PLUGIN_DATA_RESERVED": "plugin",
+    "Seq2seqTask": "seq2seq", "SupervisedTask": "supervised", "PLUGIN_DATA_RESERVED": "plugin",
     "load_plugin_data": "plugin", "build_task": "build", "TASKS": "registry",
     "TaskKind": "registry", "Recipe": "spec",
 }

@@ -104,6 +104,14 @@ class Task:
     def evaluate(self, model: torch.nn.Module, comm: Communicator) -> dict[str, float]:
         raise NotImplementedError
 
+    @classmethod
+    def from_recipe(cls, data, recipe, *, train_samples=None, test_samples=None) -> "Task":
+        """The task over ``data`` (what the data set's reader returned) for ``recipe`` (a
+        :class:`~hpclb.tasks.spec.Recipe`); by default ``from_data(data, recipe.data, ...)``.
+        A kind that reads more of the recipe (its ``task`` section) overrides this."""
+        return cls.from_data(data, recipe.data, train_samples=train_samples,
+                             test_samples=test_samples)
+
     def state_dict(self, comm: Communicator) -> Any:
         """Collective (every rank calls it); None when the task carries no state across steps."""
         return None
@@ -113,16 +121,18 @@ class Task:
 
 
 class DatasetSplit:
-    """A torch ``Dataset`` of ``(x, y)`` pairs (a plug-in data set) as a classification split.
+    """A torch ``Dataset`` of ``(x, y)`` pairs (a plug-in data set) as a split.
 
     ``len()``, ``subset(n)`` (the first ``n`` samples) and ``batch(indices) -> (x, y)``: the
     samples at ``indices`` (int64 ``[b]`` tensor or list) through
-    ``torch.utils.data.default_collate`` (so ``x`` is the stacked inputs, ``[b, ...]``), ``y``
-    int64 ``[b]``. Uses the dataset's ``__getitems__`` where it has one (one call per batch).
+    ``torch.utils.data.default_collate`` (so ``x`` is the stacked inputs, ``[b, ...]``); ``y``
+    int64 ``[b]`` class labels when ``class_labels`` (classification), else as collated (e.g.
+    float32 ``[b, ...]`` regression targets). Uses the dataset's ``__getitems__`` where it has
+    one (one call per batch).
     """
 
-    def __init__(self, dataset, *, where: str = "data.name"):
-        self.dataset, self.where = dataset, where
+    def __init__(self, dataset, *, where: str = "data.name", class_labels: bool = True):
+        self.dataset, self.where, self.class_labels = dataset, where, class_labels
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -130,7 +140,8 @@ class DatasetSplit:
     def subset(self, n: int) -> "DatasetSplit":
         from torch.utils.data import Subset
 
-        return DatasetSplit(Subset(self.dataset, range(min(n, len(self)))), where=self.where)
+        return DatasetSplit(Subset(self.dataset, range(min(n, len(self)))), where=self.where,
+                            class_labels=self.class_labels)
 
     def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.utils.data import default_collate
@@ -144,7 +155,10 @@ class DatasetSplit:
         try:
             x, y = default_collate(samples)
         except (TypeError, RuntimeError, ValueError) as e:  # not ConfigError: may be one rank
+            y_rule = "an integer class label" if self.class_labels else "of one shape"
             raise RuntimeError(f"{self.where}: the samples at {idx[:4]}... do not collate into "
                                f"a batch ({e}); every x must have one shape and dtype and every "
-                               f"y be an integer class label") from e
+                               f"y be {y_rule}") from e
+        if not self.class_labels:
+            return x, torch.as_tensor(y)
         return x, torch.as_tensor(y).to(torch.int64).reshape(-1)

@@ -29,10 +29,10 @@ def build_task(recipe: Recipe | Mapping, data_root, *, train_samples=None,
     if spec.task not in TASKS:
         raise ValueError(f"unknown task kind {spec.task!r}")
     name = spec.data.name
-    ds = plugin_dataset(name) if is_plugin(name) else dataset(name)
+    ds = plugin_dataset(name, spec.task) if is_plugin(name) else dataset(name)
     if spec.task not in ds.tasks:
         raise ValueError(f"data set {name!r} does not feed a {spec.task} task (it feeds "
                          f"{', '.join(ds.tasks)})")
-    return TASKS[spec.task].task_class().from_data(
-        ds.load(data_root, spec.data), spec.data, train_samples=train_samples,
+    return TASKS[spec.task].task_class().from_recipe(
+        ds.load(data_root, spec.data), spec, train_samples=train_samples,
         test_samples=test_samples)

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 __all__ = ["DataSpec", "ModelSpec", "OptimizerSpec", "Recipe", "ScheduleSpec", "TargetSpec",
-           "as_recipe", "LOWER_IS_BETTER", "metric_mode"]
-
-
+           "TaskSpec", "as_recipe", "LOWER_IS_BETTER", "metric_mode", "primary_metric",
+           "task_name"]
 
 def _section(value: Any) -> tuple[str, Mapping[str, Any]]:
     """``(name, the other keys)`` of a ``{name: ..., ...}`` section (a copy)."""
@@ -93,6 +92,32 @@ class OptimizerSpec:
         return self.params["lr"]
 
 
+def task_name(task: Any) -> str:
+    """The kind a recipe's ``task`` field names: the string itself, a mapping's ``name``, or
+    ``classification`` when absent (also for a mapping without a name)."""
+    if isinstance(task, Mapping):
+        task = task.get("name")
+    return task if isinstance(task, str) else "classification"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """The ``task`` section: ``name`` (the kind, e.g. ``supervised``), and for a task that
+    takes them, the ``loss`` function (``package.module:function``) and the ``metrics``
+    (metric name -> ``package.module:function``), each ``fn(output, y) -> scalar tensor``, the
+    batch mean. ``task: classification`` (a string) is ``TaskSpec("classification")``."""
+
+    name: str = "classification"
+    loss: str | None = None
+    metrics: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_value(cls, task: Any) -> TaskSpec:
+        if not isinstance(task, Mapping):
+            return cls(task_name(task))
+        return cls(task_name(task), task.get("loss"), dict(task.get("metrics") or {}))
+
+
 @dataclass(frozen=True)
 class TargetSpec:
     """The ``target`` section: time-to-target metric, value and mode (None: not given)."""
@@ -109,14 +134,41 @@ class TargetSpec:
 
 
 #: words in a metric's name that make lower better; any other metric (accuracy, BLEU) is maximised
-LOWER_IS_BETTER = ("loss", "perplexity", "error")
+LOWER_IS_BETTER = ("loss", "perplexity", "error", "mse", "mae")
 
 
-def metric_mode(metric: str) -> str:
-    """``"min"`` for a metric whose name holds one of :data:`LOWER_IS_BETTER` (losses,
-    perplexities, error rates), else ``"max"`` (accuracy, top-1, BLEU). The one place that says
-    which way a metric improves; a recipe's ``target.mode`` overrides it for its target."""
+def _target_of(recipe: Any) -> Mapping:
+    if recipe is None:
+        return {}
+    if isinstance(recipe, Recipe):
+        t = recipe.target
+        return {"metric": t.metric, "mode": t.mode} if t else {}
+    return dict(recipe.get("target") or {})
+
+
+def metric_mode(metric: str, recipe: Recipe | Mapping | None = None) -> str:
+    """``"max"`` or ``"min"``: which way ``metric`` improves. The one place that decides it: the
+    ``target.mode`` of ``recipe`` (a :class:`Recipe` or a recipe mapping) when its
+    ``target.metric`` is ``metric``; else ``"min"`` for a name holding one of
+    :data:`LOWER_IS_BETTER` (losses, perplexities, error rates, mse/mae), else ``"max"``
+    (accuracy, top-1, BLEU)."""
+    target = _target_of(recipe)
+    if target.get("mode") and target.get("metric") == metric:
+        return target["mode"]
     return "min" if any(w in metric for w in LOWER_IS_BETTER) else "max"
+
+
+def primary_metric(recipe: Recipe | Mapping) -> str:
+    """The metric a recipe is judged by (sweeps, plots): its ``target.metric``; else, for a task
+    with its own ``metrics``, ``test_<the first>``; else ``test_loss`` for such a task and
+    ``test_accuracy`` for the others."""
+    target = _target_of(recipe)
+    if target.get("metric"):
+        return target["metric"]
+    task = as_recipe(recipe).task_spec
+    if task.loss is not None:
+        return f"test_{next(iter(task.metrics))}" if task.metrics else "test_loss"
+    return "test_accuracy"
 
 
 @dataclass(frozen=True)
@@ -127,6 +179,7 @@ class Recipe:
 
     name: str = ""
     task: str = "classification"
+    task_spec: TaskSpec = TaskSpec()
     data: DataSpec = DataSpec()
     model: ModelSpec = ModelSpec()
     base_batch_size: int | None = None
@@ -153,7 +206,9 @@ class Recipe:
     def from_dict(cls, recipe: Mapping) -> Recipe:
         """Parse a (validated, or partial) recipe mapping; ``raw`` keeps a deep copy of it."""
         r = dict(recipe)
-        sections = {"data": DataSpec.from_dict(r.pop("data", None)),
+        task = r.pop("task", None)
+        sections = {"task": task_name(task), "task_spec": TaskSpec.from_value(task),
+                    "data": DataSpec.from_dict(r.pop("data", None)),
                     "model": ModelSpec.from_dict(r.pop("model", None)),
                     "decay": ScheduleSpec.from_dict(r.pop("decay", None)),
                     "target": TargetSpec.from_dict(r.pop("target", None)),
@@ -162,8 +217,6 @@ class Recipe:
                                    (r.pop("optimizers", None) or {}).items()}}
         known = {f.name for f in fields(cls)} - set(sections) - {"raw"}
         r = {k: v for k, v in r.items() if k in known}
-        if r.get("task") is None:
-            r.pop("task", None)
         if r.get("accumulation_steps") is None:
             r.pop("accumulation_steps", None)
         return cls(**r, **sections, raw=copy.deepcopy(dict(recipe)))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from hpclb.config import load_recipe, resolve
+from hpclb.config.outputs import check_output_file
 from hpclb.errors import ConfigError, JobError
 from hpclb.schedules import SCHEMES, Schedule
 from hpclb.tools import sweep_report
@@ -113,10 +114,13 @@ def schedule_curves(experiment: str, ks: Sequence[float], schemes: Iterable[str]
 
 def plot_schedule(experiment: str, ks: Sequence[float], out: str | Path | None = None, *,
                   schemes: Iterable[str] = SCHEMES, num_samples: int | None = None,
-                  epochs: float | None = None, optimizer: str | None = None):
+                  epochs: float | None = None, optimizer: str | None = None,
+                  overwrite: bool = True):
     """Draw :func:`schedule_curves` (columns: schemes; rows: LR vs epoch, LR vs step) to ``out``
     (default ``results/schedules/<recipe name>.png``). Returns ``(path, figure, skipped)``; the
-    figure is closed but keeps its data (each line's label is :attr:`Curve.label`)."""
+    figure is closed but keeps its data (each line's label is :attr:`Curve.label`). With
+    ``overwrite`` False an existing PNG at the path is a ConfigError (``hpclb plot``'s
+    default; likewise in :func:`plot_runs` and :func:`plot_sweep`)."""
     plt = pyplot("hpclb plot")
     curves, skipped = schedule_curves(experiment, ks, schemes, num_samples=num_samples,
                                       epochs=epochs, optimizer=optimizer)
@@ -141,7 +145,7 @@ def plot_schedule(experiment: str, ks: Sequence[float], out: str | Path | None =
             ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(out) if out else Path("results/schedules") / f"{name}.png"
-    return save(fig, path), fig, skipped
+    return save(fig, check_output_file(path, overwrite=overwrite)), fig, skipped
 
 
 def _run_info(run: Path, warn) -> dict:
@@ -235,7 +239,7 @@ def _draw_run(axes, i: int, run: Path, warn) -> tuple[str | None, bool]:
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None,
-              warn: Warn | None = None):
+              warn: Warn | None = None, *, overwrite: bool = True):
     """Four panels against epochs, one line (colour) per run: training loss (per-step ``loss``
     if logged, else the epoch rows' ``train_loss``), the recipe's target metric (else the first
     ``test_``/``valid_`` key), LR, and trust ratios (median line, min-max band). Default ``out``:
@@ -269,10 +273,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None,
     if out is None:
         out = runs[0] / "plot.png" if len(runs) == 1 else \
             runs[0].parent / f"plot-{'+'.join(r.name for r in runs)[:150]}.png"
-    return save(fig, Path(out)), fig
+    return save(fig, check_output_file(out, overwrite=overwrite)), fig
 
 
-def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
+def plot_sweep(sweep_json: str | Path, out: str | Path | None = None, *,
+               overwrite: bool = True):
     """Redraw a sweep's results (``results/sweeps/<experiment>.json``) with
     :func:`hpclb.tools.sweep_report.plot` to ``out`` (default: the JSON's path with ``.png``);
     returns ``(path, figure)``. ConfigError when the file is missing, not a sweep's JSON or has
@@ -289,6 +294,6 @@ def plot_sweep(sweep_json: str | Path, out: str | Path | None = None):
                                                     "batch_size" in r for r in rows)):
         raise ConfigError(f"{path}: not the rows of an `hpclb sweep` (a non-empty JSON list of "
                           f"points with batch_size, scheme, metric)")
-    out = Path(out) if out else path.with_suffix(".png")
+    out = check_output_file(Path(out) if out else path.with_suffix(".png"), overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     return out, sweep_report.plot(rows, out, path.stem, rows[0]["metric_name"])

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from hpclb.config import RUN_SETTINGS, resolve
+from hpclb.config.outputs import check_output_file
 from hpclb.errors import ConfigError, JobError
 from hpclb.schedules import SCHEMES, Schedule, scale_warmup_epochs
 from hpclb.tools.jobs import render
@@ -119,7 +120,7 @@ def _check_request(to_batch, scaling: str, epochs) -> None:
 
 def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
               out: str | Path | None = None, num_samples: int | None = None,
-              epochs: float | None = None) -> Scaled:
+              epochs: float | None = None, overwrite: bool = False) -> Scaled:
     """Write the B0 recipe of ``run_dir`` for batch ``to_batch`` under ``scaling`` to ``out``
     (default ``RUN_DIR/recipe-b<B>-<scaling>.yaml``) and return what changed.
 
@@ -127,7 +128,8 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
     the data-set registry has no size for; ``epochs``: a new training budget (default the
     run's). ConfigError (nothing written) for a directory without config.json, a bad batch or
     scheme, or a schedule that cannot run at ``to_batch`` (e.g. LEGW's warmup longer than
-    training; the message names the fix in ``hpclb scale``'s flags)."""
+    training; the message names the fix in ``hpclb scale``'s flags), or a recipe file that
+    exists unless ``overwrite``."""
     run = Path(run_dir)
     cfg = _read_config(run)
     _check_request(to_batch, scaling, epochs)
@@ -137,6 +139,7 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
     path = Path(out) if out else run / f"recipe-b{to_batch}-{scaling}.yaml"
     if path.suffix not in (".yaml", ".yml"):
         raise ConfigError(f"--out {path}: a recipe file must end in .yaml")
+    check_output_file(path, overwrite=overwrite)
     n = num_train_samples(recipe, num_samples)
     seed, data = int(cfg.get("seed", 0)), _source_data_dir(cfg)
     command = f"hpclb train {path} --batch-size {to_batch} --scaling {scaling}" + \
@@ -176,13 +179,15 @@ def format_changes(s: Scaled) -> str:
 
 
 def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
-              tasks_per_node: int | None = None, out: str | Path | None = None) -> Path:
+              tasks_per_node: int | None = None, out: str | Path | None = None,
+              overwrite: bool = False) -> Path:
     """Render the ``scheduler`` job script for the scaled recipe on ``nodes`` x (``gpus_per_node``
     or ``tasks_per_node``) ranks, each with ``batch / ranks`` samples, with the source run's
     seed and data directory (exported as ``HPCLB_DATA``), through
     :func:`hpclb.tools.jobs.render`; written to ``out`` (default: the recipe's path with ``.sbatch``
     or ``.pbs``). ConfigError when the batch does not split evenly over the ranks or the job
-    cannot be rendered (the message says what to change)."""
+    cannot be rendered (the message says what to change), or the file exists unless
+    ``overwrite``."""
     ranks = nodes * (tasks_per_node or gpus_per_node or 1) if nodes > 0 else 0
     if ranks <= 0 or s.batch % ranks:
         raise ConfigError(f"--to-batch {s.batch} must split evenly over --nodes {nodes} x "
@@ -199,6 +204,7 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
         raise AssertionError(f"job plan {plan} disagrees with the scaled recipe {s.after}")
     path = Path(out) if out else s.recipe_path.with_suffix(
         ".sbatch" if scheduler == "slurm" else ".pbs")
+    check_output_file(path, overwrite=overwrite)
     path.write_text(text)
     path.chmod(0o755)
     return path

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hpclb.config import load_recipe, resolve
+from hpclb.config.outputs import check_run_dir, point_name
 from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES
-from hpclb.tasks.spec import metric_mode
+from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
 
@@ -48,11 +49,10 @@ __all__ = ["failed_points", "metric_of", "run_sweep"]
 
 def metric_of(recipe: dict) -> tuple[str, str]:
     """(metric name, ``"max"`` or ``"min"``) that a sweep reports for ``recipe``: its
-    ``target.metric`` (default ``test_accuracy``); perplexity, loss and error are minimised unless
-    ``target.mode`` says otherwise."""
-    target = recipe.get("target") or {}
-    name = target.get("metric", "test_accuracy")
-    return name, target.get("mode", metric_mode(name))
+    :func:`~hpclb.tasks.spec.primary_metric` (``target.metric``; else a task's own first
+    metric; else ``test_accuracy``) and its :func:`~hpclb.tasks.spec.metric_mode`."""
+    name = primary_metric(recipe)
+    return name, metric_mode(name, recipe)
 
 
 @contextlib.contextmanager
@@ -164,6 +164,7 @@ class _Sweep:
     data_dir: str | None
     quiet: bool
     log: Callable[[str], Any]
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         self.name = self.recipe["name"]
@@ -220,25 +221,24 @@ class _Sweep:
     def _can_resume(self, run_dir: Path, batch: int, scheme: str) -> bool:
         """True when ``run_dir`` holds a checkpoint of this point; else it is emptied."""
         st = self.settings
-        resume = (run_dir / "checkpoint.pt").exists() and (run_dir / "config.json").exists()
-        if not resume and run_dir.exists():
+        try:
+            old = json.loads((run_dir / "config.json").read_text())
+            mine = (old.get("global_batch_size"), old.get("scaling"), old.get("epochs"),
+                    old.get("world_size"), old.get("seed")) == \
+                (batch, scheme, st["epochs"], st["ranks"], st["seed"])
+        except (OSError, ValueError):
+            mine = False
+        resume = mine and (run_dir / "checkpoint.pt").exists()
+        if not resume and run_dir.exists():  # another run's directory: only when told
+            check_run_dir(run_dir, resume=False, overwrite=self.overwrite or mine,
+                          flag="--runs-dir point", resumable=False)
             shutil.rmtree(run_dir)
-        if resume:
-            try:
-                old = json.loads((run_dir / "config.json").read_text())
-                resume = (old.get("global_batch_size"), old.get("scaling"),
-                          old.get("epochs"), old.get("world_size"), old.get("seed")) == \
-                    (batch, scheme, st["epochs"], st["ranks"], st["seed"])
-            except (OSError, ValueError):
-                resume = False
-            if not resume:
-                shutil.rmtree(run_dir)
         return resume
 
     def _run_point(self, batch: int, scheme: str) -> None:
         """Train (or resume, or read back) one point while holding its lock; record its row."""
         name, metric, st = self.name, self.metric, self.settings
-        run_dir = self.runs_dir / f"{scheme}-b{batch}"
+        run_dir = self.runs_dir / point_name(scheme, batch)
         summary = self._finished_summary(run_dir, batch, scheme)
         if summary is None:
             resume = self._can_resume(run_dir, batch, scheme)
@@ -265,7 +265,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
               epochs: float | None = None, ranks: int = 1, seed: int = 0,
               optimizer: str | None = None, data_dir: str | None = None,
               out_dir: str | Path | None = None, runs_dir: str | Path = "runs/sweeps",
-              quiet: bool = True, log=print) -> list[dict]:
+              quiet: bool = True, log=print, overwrite: bool = False) -> list[dict]:
     """Run every ``(batch size, scheme)`` point not yet recorded; returns the rows of this
     sweep's budget (its epochs, ranks, seed and optimizer; other budgets' rows stay in the files).
 
@@ -276,7 +276,9 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
     ``error`` and no metric (:func:`failed_points` lists them). Raises ConfigError for bad
     arguments before any training, and RuntimeError when a point crashes (its row is not
-    written; rerun to retry it).
+    written; rerun to retry it). A point
+    directory holding a run of other settings (another budget, seed or rank count) is
+    deleted only with ``overwrite``; otherwise ConfigError names ``--overwrite``.
     """
     recipe = load_recipe(experiment)
     batch_sizes, schemes = _checked(batch_sizes, schemes, ranks)
@@ -286,7 +288,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     out_dir = Path(runs_dir) / recipe["name"] if out_dir is None else Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = _Sweep(experiment, recipe, settings, out_dir, Path(runs_dir) / recipe["name"],
-                   data_dir, quiet, log)
+                   data_dir, quiet, log, overwrite)
     for batch in batch_sizes:
         for scheme in schemes:
             sweep.point(batch, scheme)

@@ -326,7 +326,7 @@ def _summary(run: Run) -> dict:
         "experiment": cfg.experiment, "task": task.kind,
         **({"decoding": task.decoding} if task.decoding else {}),
         **{f"final_{m}": history[-1][m] for m in evaluated},
-        **{f"best_{m}": (max if metric_mode(m) == "max" else min)(r[m] for r in history)
+        **{f"best_{m}": (max if metric_mode(m, cfg.spec) == "max" else min)(r[m] for r in history)
            for m in evaluated},
         "metric_name": metric, "global_batch_size": cfg.global_batch_size,
         "per_rank_batch_size": run.per_rank_batch,

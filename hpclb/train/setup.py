@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -25,8 +26,9 @@ import torch
 from torch import nn
 
 from hpclb.config import RunConfig
+from hpclb.config.outputs import check_run_dir, clear_run
 from hpclb.dist.base import Communicator
-from hpclb.errors import AgreedFailure, CheckpointError, ConfigError
+from hpclb.errors import AgreedFailure, CheckpointError, ConfigError, HpclbError
 from hpclb.models import build_model
 from hpclb.noise import check_world_size
 from hpclb.optim import OPTIMIZERS
@@ -41,6 +43,7 @@ from hpclb.sync.optimizer import DistributedOptimizer
 from hpclb.tasks import Task, build_task
 from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
+from hpclb.train.usercode import describe
 
 __all__ = ["LOCK_NAME", "PRECISIONS", "agreed", "Position", "Run", "build_optimizer",
            "setup_run", "save_checkpoint"]
@@ -58,9 +61,13 @@ def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
     try:
         result, verdict = fn(), None
     except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
-        result, verdict = None, (type(e).__name__, str(e), isinstance(e, ConfigError))
         if comm.world_size == 1:
             raise
+        config = isinstance(e, ConfigError)
+        context = "" if isinstance(e, HpclbError) else describe(e)  # the user's code: where
+        if context and os.environ.get("HPCLB_TRACEBACK"):
+            traceback.print_exc()  # only this rank holds it
+        result, verdict = None, (type(e).__name__, f"{e}{context}", config)
     verdicts = comm.allgather_object(verdict) if comm.world_size > 1 else [verdict]
     failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if failed:
@@ -174,8 +181,12 @@ def _lock_out(out: Path):
     ConfigError when another run holds it; on a file system without locks, warns and goes on."""
     import fcntl
 
-    out.mkdir(parents=True, exist_ok=True)
-    f = open(out / LOCK_NAME, "a+")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / LOCK_NAME, "a+")
+    except OSError as e:  # not a directory, no permission, read-only file system
+        raise ConfigError(f"--out {out}: cannot create the run directory or its lock ({e}); "
+                          f"choose another --out") from e
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -200,19 +211,19 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
     lock = []
 
     def decide():
+        found = check_run_dir(store.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
         lock.append(_lock_out(store.out_dir))
-        summary = store.out_dir / "summary.json"
         if not cfg.resume:
-            if store.exists() and not (summary.exists() and summary.stat().st_mtime
-                                       >= store.latest_path.stat().st_mtime):
-                raise ConfigError(f"{store.out_dir} holds the checkpoint of an unfinished run; "
-                                  f"add --resume to continue it, or choose another --out (or "
-                                  f"delete {store.latest_path}) to start afresh")
+            if found:  # --overwrite: no stale summary, metrics or checkpoint survives
+                log.warning("--overwrite: deleting the run in %s (%s)", store.out_dir,
+                            ", ".join(found))
+                clear_run(store.out_dir)
             return None
         loaded = store.latest()
         if loaded is None:  # a usage error, the same for every rank: exit 2
             raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
-                              f"drop --resume to start afresh")
+                              f"drop --resume to start afresh (add --overwrite if the "
+                              f"directory holds a run)")
         for path, why in loaded.skipped:
             log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
                         loaded.path)
@@ -267,6 +278,9 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     bound by ``--device``; tests pass ``meta`` for a device dry run). Raises ConfigError (same on
     every rank), DataError, CheckpointError."""
     device = torch.device(device or getattr(comm, "device", "cpu"))
+    # a run directory that may not be written is refused before any rank loads data
+    agreed(comm, "checking --out", lambda: check_run_dir(
+        cfg.out, resume=cfg.resume, overwrite=cfg.overwrite) if comm.rank == 0 else None)
     per_rank, micro, task, sched = agreed(comm, "checking settings and data",
                                           lambda: _local_checks(cfg, comm))
     store = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints)

@@ -1,0 +1,139 @@
+"""Nothing is overwritten without asking: ``hpclb train`` names its default run directory by scheme
+and batch, refuses a directory holding a run (exit 2, naming --resume and --overwrite) on every
+rank before any work, and replaces it only with --overwrite; ``hpclb scale``, ``hpclb plot`` and
+``hpclb sweep`` refuse to replace their outputs likewise. Real command line in subprocesses."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import quick_recipe
+
+from hpclb.config import resolve
+from hpclb.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(300)
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
+for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
+    del ENV[var]
+
+
+def hpclb(*args, ranks=1, cwd=None, timeout=180):
+    cmd = [sys.executable, "-m", "hpclb", *map(str, args)]
+    if ranks > 1:
+        if not (BIN / "mpirun").exists():
+            pytest.skip("no mpirun beside the interpreter (make install provides one)")
+        cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd,
+                       stdin=subprocess.DEVNULL)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, mnist_dir):
+    """A tiny finished run (4 steps of MNIST-LSTM) and its recipe."""
+    tmp = tmp_path_factory.mktemp("finished")
+    recipe = quick_recipe(tmp, data={"name": "mnist", "train_samples": 512,
+                                     "test_samples": 200})
+    rc, out = hpclb("train", recipe, "--out", tmp / "run", "--data-dir", mnist_dir.parent)
+    assert rc == 0, out
+    return recipe, tmp / "run"
+
+
+def test_default_run_directory_names_scheme_and_batch():
+    """Two batches or schemes of one recipe no longer share runs/<experiment>."""
+    a = resolve("mnist-lstm")
+    b = resolve("mnist-lstm", batch_size=256)
+    c = resolve("mnist-lstm", batch_size=256, scaling="sqrt")
+    assert a.out == f"runs/mnist-lstm/legw-b{a.global_batch_size}"
+    assert (b.out, c.out) == ("runs/mnist-lstm/legw-b256", "runs/mnist-lstm/sqrt-b256")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_finished_run_is_refused_without_resume_or_overwrite(finished, mnist_dir, ranks):
+    recipe, run = finished
+    before = (run / "summary.json").read_bytes(), (run / "summary.json").stat().st_mtime_ns
+    rc, out = hpclb("train", recipe, "--out", run, "--data-dir", mnist_dir.parent, ranks=ranks,
+                    timeout=120)
+    assert rc == 2, out
+    assert "already holds a finished run" in out and "--resume" in out and "--overwrite" in out
+    assert out.count("already holds") == 1, out  # rank 0 prints it, no rank aborts
+    assert "epoch   1/" not in out  # refused before any rank trained
+    assert ((run / "summary.json").read_bytes(),
+            (run / "summary.json").stat().st_mtime_ns) == before
+
+
+def test_overwrite_replaces_the_run_and_leaves_nothing_stale(tmp_path, mnist_dir):
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    run = tmp_path / "run"
+    assert hpclb("train", recipe, "--out", run, "--data-dir", mnist_dir.parent)[0] == 0
+    (run / "notes.txt").write_text("mine")
+    stale = run / "checkpoints" / "gen-999999.pt"
+    stale.write_bytes(b"old")
+    rc, out = hpclb("train", recipe, "--out", run, "--data-dir", mnist_dir.parent,
+                    "--batch-size", "256", "--overwrite")
+    assert rc == 0, out
+    assert json.loads((run / "summary.json").read_text())["global_batch_size"] == 256
+    assert not stale.exists() and (run / "notes.txt").read_text() == "mine"
+    rc, out = hpclb("train", recipe, "--out", run, "--resume", "--overwrite")
+    assert rc == 2 and "choose one" in out, out
+
+
+def test_out_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "f").write_text("x")
+    for out in (tmp_path / "f", tmp_path / "f" / "sub"):
+        rc, text = hpclb("train", "mnist-lstm", "--out", out)
+        assert rc == 2 and "is a file, not a directory" in text, text
+        assert "Traceback" not in text and "FileExistsError" not in text
+
+
+def test_scale_refuses_to_replace_its_recipe_and_job(finished, tmp_path):
+    from hpclb import cli
+
+    _, run = finished
+    out = tmp_path / "r.yaml"
+    args = ["scale", str(run), "--to-batch", "256", "--out", str(out), "--scheduler", "slurm",
+            "--nodes", "1", "--gpus-per-node", "2"]
+    assert cli.main(args) == 0
+    recipe, job = out.read_text(), out.with_suffix(".sbatch").read_text()
+    out.write_text(recipe + "# my edit\n")
+    assert cli.main(args) == 2
+    assert out.read_text().endswith("# my edit\n")
+    assert cli.main([*args, "--overwrite"]) == 0
+    assert out.read_text() == recipe and out.with_suffix(".sbatch").read_text() == job
+
+
+def test_plot_refuses_to_replace_a_png(finished, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from hpclb import cli
+
+    _, run = finished
+    png = tmp_path / "p.png"
+    png.write_bytes(b"not a plot")
+    assert cli.main(["plot", "runs", str(run), "--out", str(png)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and png.read_bytes() == b"not a plot"
+    assert cli.main(["plot", "runs", str(run), "--out", str(png), "--overwrite"]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_sweep_does_not_delete_a_run_of_other_settings(finished, tmp_path, mnist_dir):
+    """A point's directory holding a run of another budget was deleted silently."""
+    from hpclb.tools import sweep
+
+    recipe, run = finished
+    point = tmp_path / "runs" / "mnist-lstm" / "legw-b256"
+    point.mkdir(parents=True)
+    for name in ("config.json", "summary.json", "metrics.jsonl"):
+        (point / name).write_text((run / name).read_text())  # B=128, another point's run
+    kw = dict(epochs=1, data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+              runs_dir=tmp_path / "runs", log=lambda m: None)
+    with pytest.raises(ConfigError, match="already holds a finished run; add --overwrite"):
+        sweep.run_sweep(recipe, [256], ["legw"], **kw)
+    assert (point / "summary.json").read_text() == (run / "summary.json").read_text()
+    rows = sweep.run_sweep(recipe, [256], ["legw"], overwrite=True, **kw)
+    assert rows[0]["batch_size"] == 256 and rows[0]["metric"] is not None

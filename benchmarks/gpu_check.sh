@@ -56,7 +56,7 @@ mkdir -p "$TMPDIR"
 # The sizes, the only thing the dry run changes (device cpu, a data subset, fewer steps).
 if [ "$dry" = 1 ]; then
     DEV=cpu TRAIN_SAMPLES=2048 TEST_SAMPLES=1000 MNIST_EPOCHS=4 BENCH_SETS=resnet50
-    BENCH_STEPS=1 READ_STEPS=2 OVERLAP_BATCH=1 OVERLAP_IMAGE=32 OVERLAP_STEPS=1
+    BENCH_STEPS=1 READ_STEPS=2 OVERLAP_BATCH=2 OVERLAP_IMAGE=32 OVERLAP_STEPS=1
 else
     DEV=cuda TRAIN_SAMPLES= TEST_SAMPLES= MNIST_EPOCHS=20 BENCH_SETS=resnet50,bert_large
     BENCH_STEPS=30 READ_STEPS=20 OVERLAP_BATCH=32 OVERLAP_IMAGE=224 OVERLAP_STEPS=8
@@ -89,8 +89,12 @@ path, phase, status, detail, secs, figs = sys.argv[1:]
 figures = None
 for f in filter(None, figs.split(",")):
     try:
-        figures = {**(figures or {}), f.rsplit("/", 1)[-1].rsplit(".", 1)[0]:
-                   json.loads(open(f).read().strip().splitlines()[-1])}
+        text = open(f).read().strip()
+        try:
+            value = json.loads(text)
+        except ValueError:  # a log-like file: its last line is the JSON
+            value = json.loads(text.splitlines()[-1])
+        figures = {**(figures or {}), f.rsplit("/", 1)[-1].rsplit(".", 1)[0]: value}
     except Exception as e:  # a phase that died before writing: say so
         figures = {**(figures or {}), f.rsplit("/", 1)[-1]: f"unreadable: {e}"}
 with open(path, "a") as f:

@@ -27,7 +27,7 @@ logs = [(d.parent / f"{d.name}.log").read_text() if (d.parent / f"{d.name}.log")
 fused = "fused trust-ratio kernel" in logs[0]
 res = {"max_rel_param_diff": worst, "tolerance": tol, "final_test_loss": losses,
        "fused_logged": fused, "torch_path_logged": "torch path" in logs[1]}
-ok = math.isfinite(worst) and worst <= tol and all(x is not None and math.isfinite(x)
-                                                    for x in losses) and (fused or not require_fused)
+finite = all(x is not None and math.isfinite(x) for x in losses)
+ok = math.isfinite(worst) and worst <= tol and finite and (fused or not require_fused)
 print(json.dumps({**res, "ok": ok}))
 sys.exit(0 if ok else 1)

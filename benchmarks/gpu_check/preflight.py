@@ -68,8 +68,9 @@ def _mpirun(found: dict, mpirun: str) -> bool:
 
 def _mnist(found: dict, missing: list, data: Path) -> None:
     root = data / "mnist"
-    bad = [f"{n} ({'absent' if not (root / n).is_file() else 'size ' + str((root / n).stat().st_size)})"
-           for n, size in MNIST.items() if not (root / n).is_file() or (root / n).stat().st_size != size]
+    sizes = {n: (root / n).stat().st_size if (root / n).is_file() else None for n in MNIST}
+    bad = [f"{n} ({'absent' if sizes[n] is None else f'size {sizes[n]}'})"
+           for n, size in MNIST.items() if sizes[n] != size]
     found["mnist"] = str(root) if not bad else None
     if bad:
         missing.append(f"MNIST in {root}: {', '.join(bad)}; run `make gpu-check-bundle` before "

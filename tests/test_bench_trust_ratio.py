@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _gpu_result(over=None):
     row = dict(fraction_of_copy_bandwidth=0.93, host_us=31.0, host_synced=False,
-               speedup_vs_torch=2.1)
+               speedup_vs_torch=2.1, path="cupy")
     sets = {s: {o: dict(row) for o in ("lars", "lamb")} for s in ("resnet50", "bert_large")}
     for (s, o, field), v in (over or {}).items():
         sets[s][o][field] = v
@@ -32,6 +32,10 @@ def test_targets_met_and_missed():
     # a host time measured while the host waited for the device is no host overhead
     t = tr.check_targets(_gpu_result({("resnet50", "lars", "host_synced"): True}))
     assert [c for c in t["checks"] if not c["ok"]][0]["field"] == "host_us"
+    # figures of the torch path (CuPy failed) are not the fused kernel's
+    t = tr.check_targets(_gpu_result({("bert_large", "lars", "path"): "torch"}))
+    assert [(c["set"], c["optimizer"]) for c in t["checks"] if not c["ok"]] == \
+        [("bert_large", "lars")]
 
 
 def test_targets_not_asserted_without_a_gpu():

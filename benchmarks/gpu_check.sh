@@ -134,6 +134,9 @@ phase_preflight() {
     cat "$out/preflight.log"
     mpi_ok=$("$PY" -c "import json,sys; print(int(json.load(open(sys.argv[1]))['mpi_runtime']))" \
         "$out/preflight.json" 2>/dev/null || echo 0)
+    if ! grep -q '"mpi_flavor": "openmpi"' "$out/preflight.json" 2>/dev/null; then
+        mpi2=("$MPIRUN" -n 2)   # MPICH's Hydra passes the whole environment and knows no -x
+    fi
     pass_or_fail preflight "$([ $rc = 0 ] && echo 1)" \
         "$(grep -c MISSING: "$out/preflight.log") missing; mpirun: $([ "$mpi_ok" = 1 ] && echo yes || echo no)" \
         $t0 "$out/preflight.json"
@@ -278,19 +281,26 @@ phase_overlap() {
     pass_or_fail overlap "$([ $rc = 0 ] && echo 1)" "exit $rc: $(grep OVERLAP "$out/overlap.log" || tail -1 "$out/overlap.log")" $t0 "$out/overlap.json"
 }
 
+# GPU_CHECK_PHASES="kernel overlap" runs only those (preflight always runs): a rerun of what failed.
+selected() {  # selected PHASE: 0 when the phase is to run, else records "skipped: not selected"
+    [ -z "${GPU_CHECK_PHASES:-}" ] && return 0
+    [[ " ${GPU_CHECK_PHASES//,/ } " == *" $1 "* ]] && return 0
+    verdict "$1" "skipped: not selected" "GPU_CHECK_PHASES=$GPU_CHECK_PHASES"; return 1
+}
+
 echo "gpu_check: out $out, data $data, mpirun $MPIRUN, budget $BUDGET_S s$([ $dry = 1 ] && echo ', CPU dry run')"
 phase_preflight
 write_recipe
-phase_kernel
-phase_mnist
-phase_fused_vs_torch
-phase_fp16_lars
-phase_probe bf16_lstm_dtype 60 bf16-dtype
-phase_probe host_reads 90 host-reads "$READ_STEPS"
-phase_nccl
-phase_share
-phase_stream
-phase_overlap
+selected kernel && phase_kernel
+selected mnist_lstm && phase_mnist
+selected fused_vs_torch && phase_fused_vs_torch
+selected fp16_lars && phase_fp16_lars
+selected bf16_lstm_dtype && phase_probe bf16_lstm_dtype 60 bf16-dtype
+selected host_reads && phase_probe host_reads 90 host-reads "$READ_STEPS"
+selected nccl_world1 && phase_nccl
+selected share_gpu && phase_share
+selected stream_order && phase_stream
+selected overlap && phase_overlap
 
 "$PY" - "$verdicts" "$out/gpu_check.json" "$dry" "$(( $(date +%s) - start ))" <<'PY'
 import json, socket, sys, time

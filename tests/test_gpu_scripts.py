@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,34 @@ def test_gpu_check_without_mpi_skips_the_mpi_phases(tmp_path, mnist_dir):
     for p in ("share_gpu", "stream_order", "overlap"):
         assert phases[p]["status"] == "skipped: no MPI runtime"
     assert phases["kernel"]["status"] == "skipped: no time"
+
+
+def test_the_dry_run_fails_on_a_defect_of_the_script(tmp_path, mnist_dir):
+    """Two defects the dry run must catch, in a copy of the tree: a helper importing from a
+    module that no longer exists, and a 1-epoch run at batch 1024 with LEGW (warmup 2 epochs
+    longer than the run: `hpclb train` exits 2)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "benchmarks", repo / "benchmarks")
+    for d in ("hpclb", "kernels", "tests"):
+        (repo / d).symlink_to(REPO / d)
+    helper = repo / "benchmarks" / "gpu_check" / "stream_order.py"
+    helper.write_text(helper.read_text().replace("from hpclb.dist.world import",
+                                                 "from hpclb.comm import"))
+    script = repo / "benchmarks" / "gpu_check.sh"
+    text = script.read_text()
+    assert "train 55 fp16_lars --optimizer lars --scaling sqrt" in text
+    script.write_text(text.replace("train 55 fp16_lars --optimizer lars --scaling sqrt",
+                                   "train 55 fp16_lars --optimizer lars --scaling legw"))
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(script), str(out), "--cpu-dry-run"], capture_output=True,
+                       text=True, timeout=400, env={**ENV, "HPCLB_DATA": str(mnist_dir.parent),
+                                                    "GPU_CHECK_PHASES": "fp16_lars stream_order"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert res["failed"] == ["fp16_lars", "stream_order"]
+    assert "exit 2" in {p["phase"]: p for p in res["phases"]}["fp16_lars"]["detail"]
+    assert "No module named 'hpclb.comm'" in (out / "stream_order.log").read_text()
+    assert "warmup" in (out / "fp16_lars.log").read_text()
 
 
 def test_gpu_check_preflight_names_missing_mnist(tmp_path):

@@ -2,7 +2,9 @@
 
     python benchmarks/gpu_check/preflight.py OUT_JSON --data DIR --mpirun PATH [--cpu-dry-run]
 
-Writes ``{"found": {...}, "missing": [...], "mpi_runtime": bool, "gpu": bool}`` to OUT_JSON and
+Writes ``{"found": {...}, "missing": [...], "mpi_runtime": bool, "gpu": bool}`` to OUT_JSON
+(``found["mpi_flavor"]``: ``openmpi``, whose mpirun passes variables with ``-x``, or ``other``:
+MPICH's Hydra passes the whole environment) and
 prints one line per check. Exit 1 when something a phase needs is missing (on a CPU dry run the
 GPU-only needs, a CUDA device and CuPy, are reported but not required); a missing ``mpirun``
 is not a failure: the MPI phases then say "skipped: no MPI runtime".
@@ -59,7 +61,9 @@ def _mpirun(found: dict, mpirun: str) -> bool:
         return False
     try:
         v = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
-        found["mpirun"] = f"{path}: {(v.stdout or v.stderr).splitlines()[0]}"
+        first = (v.stdout or v.stderr or "?").splitlines()[0]
+        found["mpirun"] = f"{path}: {first}"
+        found["mpi_flavor"] = "openmpi" if "Open MPI" in first or "OpenRTE" in first else "other"
     except Exception as e:  # a broken launcher is no runtime
         found["mpirun"] = f"{path}: does not run ({e})"
         return False

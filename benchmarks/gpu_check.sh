@@ -50,6 +50,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export HPCLB_SHARE_GPU=1            # two ranks on one GPU (read by hpclb.dist.device)
+scratch="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_data.XXXXXX")"  # unpacked data only, not output
+trap 'rm -rf "$scratch"' EXIT
+trap 'rm -rf "$scratch"; exit 143' INT TERM
 export CUPY_CACHE_DIR="$out/cupy_cache" TMPDIR="$out/tmp"
 mkdir -p "$TMPDIR"
 
@@ -66,11 +69,10 @@ if [ -n "${HPCLB_DATA:-}" ]; then data="$HPCLB_DATA"
 elif [ -d shared-data/mnist ]; then data="$repo/shared-data"
 else data="$repo/data"; fi
 if [ -f "$data/mnist/train-images-idx3-ubyte.gz" ] && [ ! -f "$data/mnist/train-images-idx3-ubyte" ]; then
-    mkdir -p "$TMPDIR/data/mnist"     # the bundle is gzip: unpacked into scratch, removed at exit
-    for f in "$data"/mnist/*.gz; do gunzip -c "$f" >"$TMPDIR/data/mnist/$(basename "$f" .gz)"; done
-    data="$TMPDIR/data"
+    mkdir -p "$scratch/mnist"     # the bundle is gzip: unpacked into scratch, removed at exit
+    for f in "$data"/mnist/*.gz; do gunzip -c "$f" >"$scratch/mnist/$(basename "$f" .gz)"; done
+    data="$scratch"
 fi
-trap 'rm -rf "$TMPDIR/data"' EXIT
 export HPCLB_DATA="$data"
 MPIRUN="${MPIRUN:-$(command -v mpirun || echo "$(dirname "$(command -v "$PY")")/mpirun")}"
 mpi2=("$MPIRUN" -n 2 --bind-to none -x PYTHONPATH -x HPCLB_DATA -x HPCLB_SHARE_GPU

@@ -3,6 +3,7 @@ benchmarks/gpu_check.sh --cpu-dry-run (every phase's command lines on the CPU) a
 benchmarks/gpu_sweeps.sh --smoke (a few steps per point through `hpclb sweep`)."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -110,6 +111,31 @@ def test_the_dry_run_fails_on_a_defect_of_the_script(tmp_path, mnist_dir):
     assert "exit 2" in {p["phase"]: p for p in res["phases"]}["fp16_lars"]["detail"]
     assert "No module named 'hpclb.comm'" in (out / "stream_order.log").read_text()
     assert "warmup" in (out / "fp16_lars.log").read_text()
+
+
+def test_gpu_check_reads_the_gzip_bundle(tmp_path, mnist_dir):
+    """The GPU machine's case: no HPCLB_DATA, the MNIST files as `make gpu-check-bundle` leaves
+    them (shared-data/mnist/*.gz) in the copied tree; unpacked outside OUT, removed at exit."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "benchmarks", repo / "benchmarks")
+    for d in ("hpclb", "kernels", "tests"):
+        (repo / d).symlink_to(REPO / d)
+    (repo / "shared-data" / "mnist").mkdir(parents=True)
+    for f in mnist_dir.glob("*-ubyte"):
+        with open(f, "rb") as src, gzip.open(repo / "shared-data" / "mnist" / f"{f.name}.gz",
+                                             "wb", compresslevel=1) as dst:
+            shutil.copyfileobj(src, dst)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {k: v for k, v in ENV.items() if k != "HPCLB_DATA"}
+    r = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out"),
+                        "--cpu-dry-run"], capture_output=True, text=True, timeout=200,
+                       env={**env, "GPU_CHECK_BUDGET_S": "0", "TMPDIR": str(scratch)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    pre = json.loads((tmp_path / "out" / "preflight.json").read_text())
+    assert pre["missing"] == [] and pre["found"]["mnist"].startswith(str(scratch))
+    assert list(scratch.iterdir()) == []  # the unpacked files are gone
+    assert not list((tmp_path / "out").rglob("*-ubyte"))
 
 
 def test_gpu_check_preflight_names_missing_mnist(tmp_path):

@@ -155,6 +155,19 @@ install-simgrid:
 bench-kernel: install
 	$(PY) -m hpclb bench trust-ratio --out results/bench_trust_ratio.json
 
+# The GPU check (docs/gpus.md): on a GPU machine, `make gpu-check OUT=dir`; gpu-check-bundle puts
+# the MNIST files (gzip, 11 MiB) into shared-data/ so they travel with the tree.
+.PHONY: gpu-check gpu-check-bundle
+GPU_CHECK_OUT ?= runs/gpu_check
+gpu-check:
+	bash benchmarks/gpu_check.sh $(GPU_CHECK_OUT)
+
+gpu-check-bundle: $(HPCLB_DATA)/mnist/.verified
+	mkdir -p shared-data/mnist
+	for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte \
+	    t10k-labels-idx1-ubyte; do gzip -9 -n -c $(HPCLB_DATA)/mnist/$$f > shared-data/mnist/$$f.gz; done
+	du -sh shared-data
+
 # Per-step logging cost (issue 13): one 2-rank job, --log-every 50 / 0 / --noise-scale alternated.
 .PHONY: bench-logging
 bench-logging: install data

@@ -1,21 +1,34 @@
-"""``hpclb bench trust-ratio``: per-layer norms + LARS trust ratios for real parameter sets.
+"""``hpclb bench trust-ratio``: whole LARS/LAMB optimizer steps measured against the copy limit.
 
 For ResNet-50's and BERT-large's parameter shapes (:mod:`hpclb.bench.shapes`; fresh random
-weights and gradients, fp32 by default) it times one call that yields every layer's ``‖w‖``,
-``‖g‖`` and LARS ratio:
+weights and gradients, fp32 by default) it times ``--steps`` K back-to-back ``optimizer.step()``
+calls of :class:`hpclb.optim.LARS` and :class:`hpclb.optim.LAMB`, with the kernel tables built
+once (the untimed warm-up steps build and cache them).
 
-- CPU: the torch path of :mod:`hpclb.optim.trust` (two ``torch._foreach_norm`` calls) vs a
-  per-layer loop (two norms and a ``.item()`` per layer);
-- GPU (CUDA + CuPy): the fused kernel (:mod:`hpclb.optim.fused`, one launch) vs the torch path vs
-  the per-layer loop, plus a whole LARS optimizer step (fused vs torch path), against the bytes
-  moved (every weight and gradient read once) and the measured device-to-device copy bandwidth
-  (``dst.copy_(src)`` of 1 GiB, counted as read + write).
+GPU (CUDA + CuPy), per set and optimizer:
 
-Times are medians of ``--repeat`` runs after ``--warmup`` runs (CUDA events on the GPU,
-``time.perf_counter`` on the CPU), in milliseconds. Prints a table, writes JSON (``--out``) with
-``cpu`` and, when measured, ``gpu`` objects holding per parameter set ``fused_ms``,
-``foreach_ms``, ``loop_ms``, ``fraction_of_copy_bandwidth`` (GPU) or ``torch_ms``, ``loop_ms``
-(CPU).
+- ``kernel_ms``: device time per fused step. The stream is first held by ``torch.cuda._sleep``
+  long enough for the host to queue all K steps, so the CUDA events around the K steps see the
+  kernels back to back, without host gaps.
+- ``host_us``: host wall time per ``step()`` call (validation, table look-up, hyper-parameter
+  upload, the two launches), measured while the device is held, so no device work is in it.
+  ``host_synced`` is true when a call waited for the device (the host time then includes the
+  hold and is not a host overhead).
+- ``bytes_per_step``: what the two kernels read and write, in words of the parameters' dtype
+  per parameter: LARS 7 (pass 1 reads w, g; pass 2 reads w, g, v and writes v, w), LAMB 11
+  (pass 1 reads w, g, m, v; pass 2 reads w, g, m, v and writes m, v, w); see
+  ``kernels/trust_ratio.cu``. ``fraction_of_copy_bandwidth``: ``bytes_per_step / kernel time``
+  over ``copy_bandwidth_gb_s``, K back-to-back ``dst.copy_(src)`` of half those bytes (a copy
+  reads and writes each byte), timed the same way (``copy_gb_s`` per row;
+  ``copy_bandwidth_gb_s`` the largest).
+- ``step_ms_fused`` and ``step_ms_torch``: wall time per step of K steps ended by a device
+  synchronisation, on the fused path and with ``HPCLB_TRUST_BACKEND=torch`` (the
+  ``torch._foreach`` path); ``speedup_vs_torch`` their ratio.
+
+CPU: ``step_ms_torch`` (the only path there) and the bytes; the GPU fields are null and
+``gpu_skipped`` says why. ``targets`` (GPU only; null with the reason on the CPU): fused step
+>= 90 % of copy bandwidth on both sets, host overhead <= 50 us per step and whole step >= 1.5x
+the torch path on ResNet-50. Prints a table and writes JSON (``--out``).
 """
 from __future__ import annotations
 
@@ -23,7 +36,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -34,8 +46,17 @@ import torch
 
 from hpclb.bench.shapes import SETS
 
-ETA, WD, EPS = 1e-3, 1e-4, 1e-9
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: words of the parameters' dtype each fused step reads + writes per parameter
+WORDS_PER_PARAM = {"lars": 7, "lamb": 11}
+#: the targets asserted on a GPU: (set, optimizer or "*", field, comparison, bound)
+TARGETS = [(s, o, "fraction_of_copy_bandwidth", ">=", 0.9)
+           for s in ("resnet50", "bert_large") for o in ("lars", "lamb")] + \
+          [("resnet50", o, "host_us", "<=", 50.0) for o in ("lars", "lamb")] + \
+          [("resnet50", o, "speedup_vs_torch", ">=", 1.5) for o in ("lars", "lamb")]
+GPU_FIELDS = ("kernel_ms", "host_us", "host_synced", "gb_s", "copy_gb_s",
+              "fraction_of_copy_bandwidth",
+              "step_ms_fused", "speedup_vs_torch", "path")
 
 
 @contextmanager
@@ -51,241 +72,228 @@ def _backend(name: str) -> Iterator[None]:
             os.environ["HPCLB_TRUST_BACKEND"] = before
 
 
-def _make_tensors(shapes, device, dtype, seed: int = 0) -> tuple[list, list]:
-    """Random weights and gradients (the gradients scaled by 1e-2) of the ``(name, shape)`` list
-    ``shapes``: drawn in float32 on ``device`` from a generator seeded with ``seed``, then cast to
-    ``dtype``; returns ``(weights, gradients)``."""
+def make_params(shapes, device, dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+    """Parameters of the ``(name, shape)`` list ``shapes`` on ``device`` in ``dtype``, each with a
+    gradient (weights ~ N(0, 1), gradients ~ N(0, 1e-4)), drawn in float32 from a generator
+    seeded with ``seed``."""
     g = torch.Generator(device=device).manual_seed(seed)
-    ws = [torch.randn(s, generator=g, device=device, dtype=torch.float32).to(dtype)
-          for _, s in shapes]
-    gs = [torch.randn(s, generator=g, device=device, dtype=torch.float32).mul_(1e-2).to(dtype)
-          for _, s in shapes]
-    return ws, gs
+    params = []
+    for _, s in shapes:
+        p = torch.nn.Parameter(torch.randn(s, generator=g, device=device).to(dtype))
+        p.grad = torch.randn(s, generator=g, device=device).mul_(1e-2).to(dtype)
+        params.append(p)
+    return params
 
 
-def _adapt_flags(shapes) -> list[bool]:
-    """Which layers LARS adapts: True for a parameter of two or more dimensions, False for biases
-    and other vectors."""
-    return [len(s) >= 2 for _, s in shapes]
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    """LARS (lr 0.1, momentum 0.9, wd 1e-4) or LAMB (lr 1e-3, wd 0.01) over ``params``."""
+    from hpclb.optim import LAMB, LARS
+
+    if kind == "lars":
+        return LARS(params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    if kind == "lamb":
+        return LAMB(params, lr=1e-3, weight_decay=0.01)
+    raise ValueError(f"optimizer {kind!r}: expected lars or lamb")
 
 
-def loop_ratios(ws, gs, adapt) -> list[float]:
-    """The per-layer baseline: two norms and a host sync (``.item()``) per layer."""
-    out = []
-    for w, g, a in zip(ws, gs, adapt):
-        wn, gn = w.norm(dtype=torch.float32), g.norm(dtype=torch.float32)
-        r = ETA * wn / (gn + WD * wn + EPS) if a else torch.ones((), device=w.device)
-        out.append(float(r.item()))
-    return out
+def bytes_per_step(kind: str, params) -> int:
+    """Bytes the fused ``kind`` step reads and writes (:data:`WORDS_PER_PARAM` words/param)."""
+    return sum(WORDS_PER_PARAM[kind] * p.numel() * p.element_size() for p in params)
 
 
-def foreach_ratios(ws, gs, adapt):
-    """hpclb's torch path: two torch._foreach_norm calls and element-wise ratios."""
-    from hpclb.optim.trust import lars_trust_ratios
-
-    with _backend("torch"):
-        return lars_trust_ratios(ws, gs, trust_coefficient=ETA, weight_decay=WD, eps=EPS,
-                                 adapt=adapt)
-
-
-def _time_cpu(fn: Callable, repeat: int, warmup: int) -> float:
-    """Median wall time of ``fn()`` in milliseconds over ``repeat`` calls after ``warmup`` untimed
-    ones."""
-    for _ in range(warmup):
+def wall_ms_per_step(fn: Callable[[], object], steps: int, sync: Callable[[], None]) -> float:
+    """Wall milliseconds per call of ``steps`` back-to-back ``fn()`` calls, ``sync()`` before the
+    clock starts and before it stops."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
         fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / steps
 
 
-def _time_cuda(fn: Callable, repeat: int, warmup: int) -> float:
-    """Median time of ``fn()`` in milliseconds by CUDA events over ``repeat`` calls, after
-    ``warmup`` untimed ones and a device synchronisation."""
-    for _ in range(warmup):
-        fn()
+def _sleep_cycles_per_ms() -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    a.record()
+    torch.cuda._sleep(20_000_000)
+    b.record()
+    b.synchronize()
+    return 20_000_000 / max(a.elapsed_time(b), 1e-3)
+
+
+def held_device_ms(fn: Callable[[], object], steps: int, host_ms_guess: float,
+                   cycles_per_ms: float) -> tuple[float, float, bool]:
+    """``(device ms per call, host us per call, host waited)`` for ``steps`` back-to-back
+    ``fn()`` calls queued while ``torch.cuda._sleep`` holds the stream (sized from
+    ``host_ms_guess``, ms per call), so that CUDA events around them time the device work alone
+    and the host clock times the calls alone."""
+    hold_ms = min(1.5 * host_ms_guess * steps + 20.0, 5000.0)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(hold_ms * cycles_per_ms))
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
         fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / steps, host_ms * 1e3 / steps, host_ms >= hold_ms
 
 
-def copy_bandwidth_gbs(device, nbytes: int = 1 << 30, repeat: int = 20) -> float:
-    """Measured device-to-device copy bandwidth, GB/s (1e9 B/s), read + write counted."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+def copy_bandwidth_gb_s(nbytes: int, steps: int, cycles_per_ms: float) -> float:
+    """GB/s (1e9 B/s, read + write counted) of ``steps`` back-to-back device-to-device copies of
+  ``nbytes // 2`` bytes, timed like the optimizer steps (:func:`held_device_ms`)."""
+    src = torch.ones(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _time_cuda(lambda: dst.copy_(src), repeat, 3)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    dst.copy_(src)
+    ms, _, _ = held_device_ms(lambda: dst.copy_(src), steps, 0.05, cycles_per_ms)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
-def _bench_cpu(name, shapes, dtype, repeat, warmup) -> dict:
-    """CPU timings of one parameter set: the torch path and the per-layer loop (ms), bytes read
-    (weights + gradients), tensor and parameter counts, GB/s and speed-up; asserts that both give
-    the same ratios."""
-    ws, gs = _make_tensors(shapes, "cpu", dtype)
-    adapt = _adapt_flags(shapes)
-    nbytes = sum(w.numel() * w.element_size() * 2 for w in ws)
-    torch_ms = _time_cpu(lambda: foreach_ratios(ws, gs, adapt), repeat, warmup)
-    loop_ms = _time_cpu(lambda: loop_ratios(ws, gs, adapt), repeat, warmup)
-    # both give the same ratios (a sanity check, not a test)
-    ref = torch.tensor(loop_ratios(ws, gs, adapt))
-    assert torch.allclose(foreach_ratios(ws, gs, adapt)[0], ref, rtol=1e-4)
-    return dict(n_tensors=len(ws), n_params=sum(w.numel() for w in ws), bytes_moved=nbytes,
-                torch_ms=torch_ms, loop_ms=loop_ms, torch_gb_s=nbytes / torch_ms / 1e6,
-                speedup_vs_loop=loop_ms / torch_ms)
+def _bench_one(kind: str, shapes, device, dtype, steps: int, warmup: int,
+               cycles_per_ms: float | None) -> dict:
+    params = make_params(shapes, device, dtype)
+    nbytes = bytes_per_step(kind, params)
+    row: dict = dict(n_tensors=len(params), n_params=sum(p.numel() for p in params),
+                     bytes_per_step=nbytes, **{k: None for k in GPU_FIELDS})
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with _backend("torch"):
+        opt = make_optimizer(kind, params)
+        wall_ms_per_step(opt.step, warmup, sync)
+        row["step_ms_torch"] = wall_ms_per_step(opt.step, steps, sync)
+    if cycles_per_ms is None:
+        return row
+    opt = make_optimizer(kind, params)
+    wall_ms_per_step(opt.step, 1, sync)  # compiles the kernel, builds and caches the tables
+    host_guess = wall_ms_per_step(opt.step, warmup, sync)
+    row["path"] = opt.path
+    row["kernel_ms"], row["host_us"], row["host_synced"] = \
+        held_device_ms(opt.step, steps, host_guess, cycles_per_ms)
+    row["gb_s"] = nbytes / (row["kernel_ms"] * 1e-3) / 1e9
+    row["copy_gb_s"] = copy_bandwidth_gb_s(nbytes, steps, cycles_per_ms)
+    row["fraction_of_copy_bandwidth"] = row["gb_s"] / row["copy_gb_s"]
+    row["step_ms_fused"] = wall_ms_per_step(opt.step, steps, sync)
+    row["speedup_vs_torch"] = row["step_ms_torch"] / row["step_ms_fused"]
+    return row
 
 
-def _bench_gpu(name, shapes, dtype, repeat, warmup, copy_gbs) -> dict:
-    """GPU timings of one parameter set on the current CUDA device: fused kernel, torch path and
-    per-layer loop (ms), a LARS step fused and on the torch path (ms), GB/s, the fraction of
-    ``copy_gbs`` (GB/s) the fused kernel reaches and its largest relative difference from the torch
-    path's ratios. RuntimeError when the fused kernel is unavailable."""
-    from hpclb.optim import LARS
+def check_targets(result: dict) -> dict:
+    """``{"asserted": bool, "reason": str | None, "failed": [...], "checks": [...]}`` for
+    :data:`TARGETS` against ``result["sets"]``; asserted only for a GPU result (a CPU result, or
+    a set not measured, gives ``asserted`` False and the reason). A row that did not run the
+    fused kernel (``path`` other than ``cupy``) or a set not measured misses its targets."""
+    if result.get("gpu_skipped"):
+        return dict(asserted=False, reason=f"no GPU measurement: {result['gpu_skipped']}",
+                    failed=[], checks=[])
+    checks, failed = [], []
+    for s, o, field, op, bound in TARGETS:
+        row = result["sets"].get(s, {}).get(o, {})
+        v = row.get(field)
+        ok = v is not None and (v >= bound if op == ">=" else v <= bound) and \
+            row.get("path") == "cupy" and not (field == "host_us" and row.get("host_synced"))
+        checks.append(dict(set=s, optimizer=o, field=field, value=v, target=f"{op} {bound}",
+                           ok=ok))
+        if not ok:
+            failed.append(f"{s} {o} {field} {v} (target {op} {bound})")
+    return dict(asserted=True, reason=None, failed=failed, checks=checks)
+
+
+def _gpu_state() -> tuple[str | None, float | None]:
     from hpclb.optim import fused as kernels
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    fused = kernels.fused_for(dev)
-    if fused is None:
-        raise RuntimeError("the fused kernel is unavailable (CuPy missing or "
-                           "HPCLB_TRUST_BACKEND=torch)")
-    ws, gs = _make_tensors(shapes, dev, dtype)
-    adapt = _adapt_flags(shapes)
-    nbytes = sum(w.numel() * w.element_size() * 2 for w in ws)
-
-    def run_fused():
-        return fused.lars_ratios(ws, gs, trust_coefficient=ETA, weight_decay=WD, eps=EPS,
-                                 adapt=adapt)
-
-    fused_ms = _time_cuda(run_fused, repeat, warmup)
-    foreach_ms = _time_cuda(lambda: foreach_ratios(ws, gs, adapt), repeat, warmup)
-    loop_ms = _time_cuda(lambda: loop_ratios(ws, gs, adapt), max(3, repeat // 4), 1)
-    r_fused, r_torch = run_fused().ratio, foreach_ratios(ws, gs, adapt)[0]
-    max_rel = float(((r_fused - r_torch).abs() / r_torch.abs().clamp_min(1e-30)).max())
-
-    params = [torch.nn.Parameter(w.clone()) for w in ws]
-    for p, g in zip(params, gs):
-        p.grad = g
-    step_ms = {}
-    for backend in ("cupy", "torch"):
-        opt = LARS(params, lr=0.1)
-        with _backend("auto" if backend == "cupy" else "torch"):
-            step_ms[backend] = _time_cuda(opt.step, max(3, repeat // 2), 2)
-    del params
-    fused_gbs = nbytes / fused_ms / 1e6
-    return dict(n_tensors=len(ws), n_params=sum(w.numel() for w in ws), bytes_moved=nbytes,
-                fused_ms=fused_ms, foreach_ms=foreach_ms, loop_ms=loop_ms,
-                fused_gb_s=fused_gbs, foreach_gb_s=nbytes / foreach_ms / 1e6,
-                fraction_of_copy_bandwidth=fused_gbs / copy_gbs,
-                speedup_vs_foreach=foreach_ms / fused_ms, speedup_vs_loop=loop_ms / fused_ms,
-                lars_step_fused_ms=step_ms["cupy"], lars_step_torch_ms=step_ms["torch"],
-                max_rel_diff_fused_vs_torch=max_rel)
+    if not torch.cuda.is_available():
+        return "no CUDA device", None
+    if not kernels.cupy_available():
+        return "CuPy not installed (pip install -e '.[gpu]')", None
+    if os.environ.get("HPCLB_TRUST_BACKEND") == "torch":
+        return "HPCLB_TRUST_BACKEND=torch", None
+    return None, _sleep_cycles_per_ms()
 
 
-def _format_table(result: dict) -> str:
-    """The result of :func:`run` as a text table: the CPU and GPU rows measured, or why the GPU was
-    not measured."""
-    lines = []
-    if "cpu" in result:
-        c = result["cpu"]
-        lines.append(f"CPU ({c['threads']} threads, {result['dtype']}): torch path (two "
-                     "_foreach_norm) vs per-layer loop")
-        lines.append(f"{'set':<12}{'tensors':>8}{'params':>13}{'MB read':>9}{'torch ms':>10}"
-                     f"{'GB/s':>7}{'loop ms':>10}{'loop/torch':>11}")
-        for k, v in c["sets"].items():
-            lines.append(f"{k:<12}{v['n_tensors']:>8}{v['n_params']:>13,}"
-                         f"{v['bytes_moved'] / 1e6:>9.0f}{v['torch_ms']:>10.2f}"
-                         f"{v['torch_gb_s']:>7.1f}{v['loop_ms']:>10.2f}"
-                         f"{v['speedup_vs_loop']:>10.2f}x")
-    if "gpu" in result:
-        g = result["gpu"]
-        lines.append(f"GPU {g['device']} ({result['dtype']}): copy bandwidth "
-                     f"{g['copy_bandwidth_gb_s']:.0f} GB/s (read + write)")
-        lines.append(f"{'set':<12}{'MB read':>9}{'fused ms':>10}{'GB/s':>7}{'% copy':>8}"
-                     f"{'foreach ms':>12}{'loop ms':>10}{'vs foreach':>11}{'vs loop':>9}"
-                     f"{'step fused':>11}{'step torch':>11}")
-        for k, v in g["sets"].items():
-            lines.append(f"{k:<12}{v['bytes_moved'] / 1e6:>9.0f}{v['fused_ms']:>10.3f}"
-                         f"{v['fused_gb_s']:>7.0f}{100 * v['fraction_of_copy_bandwidth']:>7.1f}%"
-                         f"{v['foreach_ms']:>12.3f}{v['loop_ms']:>10.2f}"
-                         f"{v['speedup_vs_foreach']:>10.1f}x{v['speedup_vs_loop']:>8.1f}x"
-                         f"{v['lars_step_fused_ms']:>11.3f}{v['lars_step_torch_ms']:>11.3f}")
-    if "gpu_skipped" in result:
-        lines.append(f"GPU: not measured ({result['gpu_skipped']})")
-    return "\n".join(lines)
-
-
-def run(sets: list[str], *, dtype: str = "float32", repeat: int = 5, warmup: int = 1,
-        cpu: bool = True, gpu: bool = True, gpu_repeat: int = 20) -> dict:
-    """Times the parameter sets ``sets`` of :data:`hpclb.bench.shapes.SETS` in ``dtype`` (a key of
-    ``DTYPES``): on the CPU (``repeat`` timed runs after ``warmup``) and, with CUDA and CuPy, on the
-    GPU (``gpu_repeat`` runs); returns the result described in the module docstring (``gpu_skipped``
-    says why the GPU was not measured). ValueError for an unknown set."""
-    unknown = [s for s in sets if s not in SETS]
-    if unknown:
-        raise ValueError(f"unknown parameter sets {unknown}; known: {sorted(SETS)}")
-    dt = DTYPES[dtype]
-    result: dict = dict(benchmark="trust-ratio", dtype=dtype, torch=torch.__version__,
-                        python=platform.python_version(), machine=platform.machine(),
-                        eta=ETA, weight_decay=WD, eps=EPS)
-    if cpu:
-        result["cpu"] = dict(threads=torch.get_num_threads(), sets={
-            s: _bench_cpu(s, SETS[s], dt, repeat, warmup) for s in sets})
-    if gpu:
-        from hpclb.optim import fused as kernels
-
-        if not torch.cuda.is_available():
-            result["gpu_skipped"] = "no CUDA device"
-        elif not kernels.cupy_available():
-            result["gpu_skipped"] = "CuPy not installed (pip install -e '.[gpu]')"
-        else:
-            copy_gbs = copy_bandwidth_gbs("cuda")
-            import cupy
-
-            result["gpu"] = dict(device=torch.cuda.get_device_name(), cupy=cupy.__version__,
-                                 copy_bandwidth_gb_s=copy_gbs, sets={
-                                     s: _bench_gpu(s, SETS[s], dt, gpu_repeat, 3, copy_gbs)
-                                     for s in sets})
-            for s, v in result["gpu"]["sets"].items():   # the issue's flat keys too
-                result["gpu"][s] = {k: v[k] for k in ("fused_ms", "foreach_ms", "loop_ms",
-                                                      "fraction_of_copy_bandwidth")}
+def run(sets: list[str], *, optimizers=("lars", "lamb"), dtype: str = "float32",
+        steps: int = 50, warmup: int = 3, device: str = "auto") -> dict:
+    """Times ``optimizers`` on the parameter sets ``sets`` (keys of
+    :data:`hpclb.bench.shapes.SETS`) in ``dtype`` (a key of :data:`DTYPES`) on ``device``
+    (``auto``: CUDA when available); returns the result of the module docstring. ValueError for
+    an unknown set, optimizer or a step count < 1."""
+    unknown = [s for s in sets if s not in SETS] + \
+        [o for o in optimizers if o not in WORDS_PER_PARAM]
+    if unknown or steps < 1 or warmup < 1:
+        raise ValueError(f"unknown sets/optimizers {unknown} (known: {sorted(SETS)}, "
+                         f"{sorted(WORDS_PER_PARAM)}) or --steps/--warmup < 1")
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    skipped, cycles = _gpu_state() if dev.type == "cuda" else ("device is the CPU", None)
+    result: dict = dict(benchmark="trust-ratio", dtype=dtype, device=str(dev), steps=steps,
+                        torch=torch.__version__, python=platform.python_version(),
+                        words_per_param=WORDS_PER_PARAM, gpu_skipped=skipped,
+                        device_name=torch.cuda.get_device_name() if dev.type == "cuda" else
+                        platform.processor() or platform.machine(), copy_bandwidth_gb_s=None)
+    result["sets"] = {s: {o: _bench_one(o, SETS[s], dev, DTYPES[dtype], steps, warmup, cycles)
+                          for o in optimizers} for s in sets}
+    if cycles is not None:
+        result["copy_bandwidth_gb_s"] = max(v["copy_gb_s"] for r in result["sets"].values()
+                                            for v in r.values())
+    result["targets"] = check_targets(result)
     return result
 
 
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(result: dict) -> str:
+    """The result of :func:`run` as text: one row per set and optimizer, then the targets."""
+    lines = [f"{result['device']} ({result['device_name']}, {result['dtype']}, K = "
+             f"{result['steps']} steps): copy bandwidth "
+             f"{_fmt(result['copy_bandwidth_gb_s'], '.0f')} GB/s",
+             f"{'set':<11}{'opt':<5}{'MB/step':>8}{'kernel ms':>10}{'host us':>9}{'GB/s':>7}"
+             f"{'% copy':>7}{'step fused':>11}{'step torch':>11}{'speed-up':>9}"]
+    for s, r in result["sets"].items():
+        for o, v in r.items():
+            frac = v["fraction_of_copy_bandwidth"]
+            lines.append(f"{s:<11}{o:<5}{v['bytes_per_step'] / 1e6:>8.0f}"
+                         f"{_fmt(v['kernel_ms'], '.3f'):>10}{_fmt(v['host_us'], '.0f'):>9}"
+                         f"{_fmt(v['gb_s'], '.0f'):>7}{_fmt(frac and 100 * frac, '.1f'):>7}"
+                         f"{_fmt(v['step_ms_fused'], '.3f'):>11}{v['step_ms_torch']:>11.3f}"
+                         f"{_fmt(v['speedup_vs_torch'], '.2f'):>9}")
+    t = result["targets"]
+    lines.append("targets: " + ("not asserted (" + t["reason"] + ")" if not t["asserted"] else
+                                "all met" if not t["failed"] else "MISSED " +
+                                "; ".join(t["failed"])))
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``hpclb bench trust-ratio``: parameter sets, dtype, CPU and GPU repeats, warm-up
-    runs, skipping either device, the output JSON."""
+    """Options of ``hpclb bench trust-ratio``: parameter sets, optimizers, dtype, device, steps
+    K, warm-up steps, asserting the targets, the output JSON."""
     p.add_argument("--sets", default="resnet50,bert_large",
                    help=f"comma-separated parameter sets ({', '.join(SETS)})")
+    p.add_argument("--optimizers", default="lars,lamb", help="comma-separated: lars, lamb")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--repeat", type=int, default=5, help="timed CPU runs (median)")
-    p.add_argument("--gpu-repeat", type=int, default=20, help="timed GPU runs (median)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--no-cpu", action="store_true", help="skip the CPU measurements")
-    p.add_argument("--no-gpu", action="store_true", help="skip the GPU measurements")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--steps", type=int, default=50, help="K back-to-back steps timed")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (build tables)")
+    p.add_argument("--assert-targets", action="store_true",
+                   help="exit 1 when a GPU target is missed (never on the CPU)")
     p.add_argument("--out", help="write the JSON here (e.g. results/bench_trust_ratio.json)")
 
 
 def main_args(args: argparse.Namespace) -> int:
-    """Runs the benchmark with parsed options, prints the table and writes the JSON to ``args.out``
-    when given; returns 0. ValueError for an unknown parameter set."""
-    result = run([s for s in args.sets.split(",") if s], dtype=args.dtype, repeat=args.repeat,
-                 warmup=args.warmup, cpu=not args.no_cpu, gpu=not args.no_gpu,
-                 gpu_repeat=args.gpu_repeat)
-    print(_format_table(result))
+    """Runs the benchmark with parsed options, prints the table, writes the JSON to ``args.out``
+    when given; returns 1 when ``--assert-targets`` and a GPU target was missed, else 0."""
+    split = [s for s in args.sets.split(",") if s]
+    result = run(split, optimizers=[o for o in args.optimizers.split(",") if o],
+                 dtype=args.dtype, steps=args.steps, warmup=args.warmup, device=args.device)
+    print(format_table(result))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+        out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
-    return 0
+    return 1 if args.assert_targets and result["targets"]["failed"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:

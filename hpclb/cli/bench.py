@@ -21,8 +21,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     b = subparsers.add_parser("bench", help=HELP)
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    tr = bsub.add_parser("trust-ratio", help="fused per-layer norms + LARS trust ratios vs the "
-                         "torch path and a per-layer loop (ResNet-50, BERT-large shapes)")
+    tr = bsub.add_parser("trust-ratio", help="K back-to-back fused LARS/LAMB steps: kernel time, "
+                         "host overhead, bytes over copy bandwidth, vs the torch path "
+                         "(ResNet-50, BERT-large shapes)")
     trust_ratio.add_arguments(tr)
     tr.set_defaults(func=run)
     # bench model|allreduce|scaling (gradient sync)

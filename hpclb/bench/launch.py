@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,8 @@ def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
             tag: str) -> dict | None:
     """``mpirun -n np_ python -m module argv`` (the venv's Open MPI; oversubscribing this
     machine's cores when asked for more ranks than it has, with idle ranks yielding the CPU);
-    returns the JSON the worker wrote to ``out``, or None after printing why it failed."""
+    after ``timeout_s`` seconds mpirun and its ranks are killed. Returns the JSON the worker
+    wrote to ``out``, or None after printing why it failed."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMP_NUM_THREADS="1")
     if np_ > (os.cpu_count() or 1):
@@ -34,14 +36,19 @@ def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
     print(f"[{tag}] mpirun -n {np_} {module} {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
     out.unlink(missing_ok=True)
+    # its own session, so that a timeout ends mpirun and every rank it started, not mpirun alone
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        print(f"[{tag}] {np_} ranks: timed out after {timeout_s:.0f} s", flush=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        print(f"[{tag}] {np_} ranks: timed out after {timeout_s:g} s", flush=True)
         return None
     if proc.returncode != 0 or not out.exists():
-        print(f"[{tag}] {np_} ranks failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-              f"{proc.stderr[-3000:]}", flush=True)
+        print(f"[{tag}] {np_} ranks failed ({proc.returncode}):\n{stdout[-3000:]}\n"
+              f"{stderr[-3000:]}", flush=True)
         return None
     print(f"[{tag}]   done in {time.perf_counter() - t0:.0f} s", flush=True)
     return json.loads(out.read_text())

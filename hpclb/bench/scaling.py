@@ -85,7 +85,8 @@ def measure(comm, timer: Timer, name: str, per_rank: int, rounds: int) -> dict:
     variants["compute_s"] = stepper(m, o)
     for key, mode in (("blocking_s", "none"), ("overlapped_s", None)):
         m, o = build(name)
-        sync = GradientSync(m.named_parameters(), comm, overlap=mode)
+        # its own communicator: one communicator carries one GradientSync (MPI_Comm_dup)
+        sync = GradientSync(m.named_parameters(), comm.dup(), overlap=mode)
         syncs.append(sync)
         variants[key] = stepper(m, o, sync)
     sync_only = syncs[-1]

@@ -1,0 +1,111 @@
+"""Smoke tests of the benchmarks' code paths at tiny sizes: each driver exits 0 with its ratios in
+the JSON, and non-zero when a part fails; the workers' suites at the MPI test runner's world size
+(`--only-mpi`, 2 ranks), where every variant carries its own GradientSync."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+
+from conftest import REPO, all_ranks_ok
+
+TINY_ALLREDUCE = ["--quick", "--rounds", "2", "--max-bytes", "65536", "--step-model",
+                  "mnist_lstm", "--sync-workloads", "mnist_lstm", "--no-horovod"]
+
+
+def hpclb(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "hpclb", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def finite(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_allreduce_cli_two_ranks_reports_ratios(tmp_path):
+    """`hpclb bench allreduce --np 2`: exit 0; hpclb against the fastest raw schedule (with the
+    buckets each used) and against DDP are in the JSON."""
+    out = tmp_path / "a.json"
+    r = hpclb("bench", "allreduce", "--np", "2", *TINY_ALLREDUCE, "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert finite(res["hpclb_vs_raw_allreduce"]) and finite(res["hpclb_vs_ddp_gloo"])
+    assert finite(res["hpclb_vs_flat_allreduce"])
+    assert res["fastest_raw_config"]["schedule"] in ("flat_allreduce", "bucket_allreduce",
+                                                     "bucket_iallreduce")
+    row = res["runs"]["np2"]["sync"]["mnist_lstm"]["configs"][0]
+    assert set(row["raw"]) == {"flat_allreduce", "bucket_allreduce", "bucket_iallreduce"}
+    assert row["raw"]["bucket_allreduce"]["message_bytes"] == row["bucket_bytes"]
+    assert res["hpclb_vs_horovod"] is None and res["failed_jobs"] == []
+    assert any("Horovod" in n for n in res["notes"])
+
+
+@pytest.mark.parametrize("bench", ["allreduce", "scaling"])
+def test_cli_exits_nonzero_when_a_job_fails(tmp_path, bench):
+    """A job that does not finish (here: a timeout shorter than start-up) fails the command."""
+    out = tmp_path / "x.json"
+    extra = TINY_ALLREDUCE if bench == "allreduce" else ["--models", "mnist_lstm",
+                                                         "--repeat", "1"]
+    r = hpclb("bench", bench, "--np", "2", *extra, "--timeout", "0.5", "--out", str(out))
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "timed out" in r.stdout
+    if bench == "allreduce":
+        assert json.loads(out.read_text())["failed_jobs"] == ["np2"]
+
+
+def two_ranks(comm):
+    if comm.world_size < 2 or comm.backend != "mpi":
+        pytest.skip("the workers' 2-rank path (run by `make test-mpi`); at 1 process "
+                    "test_allreduce_cli_two_ranks_reports_ratios launches it")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_allreduce_suite_at_world_size(comm):
+    """The allreduce worker's suite in this job: one GradientSync per variant (each on its own
+    communicator) side by side, ratios against the raw schedules and DDP."""
+    two_ranks(comm)
+    from hpclb.bench.allreduce import run_suite
+    from hpclb.bench.allreduce_report import headline
+    args = Namespace(suite="main", quick=True, rounds=2, max_bytes=4096,
+                     step_model="mnist_lstm", sync_workloads=["mnist_lstm"])
+    try:
+        res, err = run_suite(comm, args), ""
+    except Exception as e:  # noqa: BLE001 - shared so no rank waits on another
+        res, err = None, repr(e)
+    all_ranks_ok(comm, res is not None, err)
+    h = headline({"np2": res})
+    all_ranks_ok(comm, finite(h["hpclb_vs_raw_allreduce"]) and finite(h["hpclb_vs_ddp_gloo"]),
+                 f"ratios {h.get('hpclb_vs_raw_allreduce')} {h.get('hpclb_vs_ddp_gloo')}")
+    steps = res["step"]["min_step_s"]
+    all_ranks_ok(comm, set(steps) == {"compute_only", "hpclb_none", "hpclb_thread",
+                                      "hpclb_nonblocking", "ddp_gloo"}, str(steps))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_scaling_measure_at_world_size(comm):
+    """The scaling worker's measurement: blocking and overlapped GradientSync live together."""
+    two_ranks(comm)
+    from hpclb.bench.measure import Timer
+    from hpclb.bench.scaling import measure
+    try:
+        res, err = measure(comm, Timer(comm), "mnist_lstm", 8, 2), ""
+    except Exception as e:  # noqa: BLE001 - shared so no rank waits on another
+        res, err = None, repr(e)
+    all_ranks_ok(comm, res is not None, err)
+    all_ranks_ok(comm, all(finite(res[k]) for k in ("compute_s", "blocking_s", "overlapped_s",
+                                                    "comm_s")), str(res))
+
+
+def test_raw_schedules_reject_bad_bucket_sizes():
+    """Bucket sizes that are not fp32 multiples are refused, naming the argument."""
+    from hpclb.bench.raw import RawSchedules
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        RawSchedules([6], mpi_comm=object())

@@ -46,15 +46,25 @@ def test_allreduce_cli_two_ranks_reports_ratios(tmp_path):
     assert any("Horovod" in n for n in res["notes"])
 
 
+def drive(module, argv: list[str]) -> int:
+    """A benchmark's driver in this process, on its own command-line arguments."""
+    import argparse
+    p = argparse.ArgumentParser()
+    module.add_run_arguments(p)
+    return module.driver(p.parse_args(argv))
+
+
 @pytest.mark.parametrize("bench", ["allreduce", "scaling"])
-def test_cli_exits_nonzero_when_a_job_fails(tmp_path, bench):
-    """A job that does not finish (here: a timeout shorter than start-up) fails the command."""
+def test_driver_exits_nonzero_when_a_job_fails(tmp_path, bench, capsys):
+    """A job that does not finish (here: a timeout shorter than start-up; mpirun and its ranks
+    are killed) fails the command."""
+    from hpclb.bench import allreduce, scaling
     out = tmp_path / "x.json"
     extra = TINY_ALLREDUCE if bench == "allreduce" else ["--models", "mnist_lstm",
                                                          "--repeat", "1"]
-    r = hpclb("bench", bench, "--np", "2", *extra, "--timeout", "0.5", "--out", str(out))
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "timed out" in r.stdout
+    module = allreduce if bench == "allreduce" else scaling
+    assert drive(module, ["--np", "2", *extra, "--timeout", "0.5", "--out", str(out)]) == 1
+    assert "timed out" in capsys.readouterr().out
     if bench == "allreduce":
         assert json.loads(out.read_text())["failed_jobs"] == ["np2"]
 
@@ -109,3 +119,53 @@ def test_raw_schedules_reject_bad_bucket_sizes():
     from hpclb.bench.raw import RawSchedules
     with pytest.raises(ValueError, match="bucket_bytes"):
         RawSchedules([6], mpi_comm=object())
+
+
+TINY_OVERHEAD = ["--workloads", "plugin-cnn", "--train-samples", "512", "--batch-size", "128",
+                 "--epochs", "1", "--rounds", "1"]
+
+
+@pytest.mark.parametrize("setting", ["1proc", pytest.param("2ranks",
+                                                             marks=pytest.mark.extended)])
+def test_overhead_cli_reports_ratios_and_same_result(tmp_path, setting):
+    """`hpclb bench overhead` at 1 process (plain loop) and, extended, 2 ranks (mpirun against
+    DDP under torchrun): exit 0, ratios in the JSON, both sides end with the same test loss."""
+    out = tmp_path / "o.json"
+    r = hpclb("bench", "overhead", *TINY_OVERHEAD, "--settings", setting, "--out", str(out),
+              timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    v = res["results"][f"plugin-cnn/{setting}"]
+    assert finite(v["ratio_of_medians"]) and finite(v["paired_ratio_median"])
+    assert v["same_result"], v["final_test_loss"]
+    assert math.isfinite(v["final_test_loss"]["hpclb"])
+    assert res["errors"] == [] and res["results_disagree"] == []
+
+
+def test_overhead_exits_nonzero_when_a_run_fails(tmp_path):
+    """A run that does not finish (timeout shorter than start-up) fails the command."""
+    from hpclb.bench import overhead
+    out = tmp_path / "o.json"
+    assert drive(overhead, [*TINY_OVERHEAD, "--settings", "1proc", "--timeout", "0.5",
+                            "--out", str(out)]) == 1
+    res = json.loads(out.read_text())
+    assert res["results"]["plugin-cnn/1proc"] is None and "timed out" in res["errors"][0]
+
+
+def test_plain_loop_schedule_is_hpclbs_legw():
+    """The plain loop's hand-written LEGW schedule gives hpclb's LR at every step."""
+    import importlib.util
+
+    from hpclb.schedules import Schedule
+    spec = importlib.util.spec_from_file_location("plain_loop",
+                                                  REPO / "benchmarks" / "plain_loop.py")
+    plain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plain)
+    a = Namespace(num_samples=60000, batch_size=1024, base_batch_size=128, epochs=2.0,
+                  warmup_epochs=0.25, base_lr=2e-3, power=2.0)
+    s = Schedule.from_recipe(base_lr=2e-3, base_batch_size=128, base_warmup_epochs=0.25,
+                             global_batch_size=1024, num_samples=60000, epochs=2.0,
+                             scheme="legw", decay="poly", decay_params={"power": 2.0,
+                                                                        "end_lr": 0.0})
+    assert [plain.lr_at(i, a) for i in range(s.total_steps)] == \
+        pytest.approx([s.lr(i) for i in range(s.total_steps)], rel=1e-12)

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["mpirun", "run_mpi"]
+__all__ = ["mpirun", "run_group", "run_mpi"]
 
 
 def mpirun() -> str:
@@ -19,6 +19,22 @@ def mpirun() -> str:
     ``PATH``, else the bare name."""
     here = Path(sys.executable).parent / "mpirun"
     return str(here) if here.exists() else (shutil.which("mpirun") or "mpirun")
+
+
+def run_group(argv: list[str], env: dict[str, str], timeout_s: float
+              ) -> tuple[int, str, str] | None:
+    """Run ``argv`` in a session of its own: ``(exit status, stdout, stderr)``, or None when it
+    ran past ``timeout_s`` seconds, after killing the whole session (a launcher and every
+    process it started: mpirun's ranks, torchrun's workers), not the launcher alone."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return proc.returncode, stdout, stderr
 
 
 def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
@@ -36,18 +52,13 @@ def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
     print(f"[{tag}] mpirun -n {np_} {module} {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
     out.unlink(missing_ok=True)
-    # its own session, so that a timeout ends mpirun and every rank it started, not mpirun alone
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    done = run_group(cmd, env, timeout_s)
+    if done is None:
         print(f"[{tag}] {np_} ranks: timed out after {timeout_s:g} s", flush=True)
         return None
-    if proc.returncode != 0 or not out.exists():
-        print(f"[{tag}] {np_} ranks failed ({proc.returncode}):\n{stdout[-3000:]}\n"
+    returncode, stdout, stderr = done
+    if returncode != 0 or not out.exists():
+        print(f"[{tag}] {np_} ranks failed ({returncode}):\n{stdout[-3000:]}\n"
               f"{stderr[-3000:]}", flush=True)
         return None
     print(f"[{tag}]   done in {time.perf_counter() - t0:.0f} s", flush=True)

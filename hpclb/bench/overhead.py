@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from hpclb.bench.launch import mpirun
+from hpclb.bench.launch import mpirun, run_group
 
 __all__ = ["LOSS_RTOL", "WORKLOADS", "add_run_arguments", "commands", "driver", "summarize"]
 
@@ -99,14 +98,13 @@ def timed(argv: list, summary: Path, timeout_s: float) -> dict:
     ``{"error": why}`` when it failed, timed out or wrote no summary."""
     summary.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(argv, env=environment(), capture_output=True, text=True,
-                           timeout=timeout_s, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:g} s: {' '.join(argv[:8])} ..."}
+    done = run_group(argv, environment(), timeout_s)
     wall = time.perf_counter() - t0
-    if p.returncode != 0 or not summary.exists():
-        return {"error": f"exit {p.returncode}: {(p.stdout + p.stderr)[-1500:]}"}
+    if done is None:
+        return {"error": f"timed out after {timeout_s:g} s: {' '.join(argv[:8])} ..."}
+    rc, stdout, stderr = done
+    if rc != 0 or not summary.exists():
+        return {"error": f"exit {rc}: {(stdout + stderr)[-1500:]}"}
     s = json.loads(summary.read_text())
     return {"wall_s": wall, "final_test_loss": s["final_test_loss"],
             "final_test_accuracy": s["final_test_accuracy"]}

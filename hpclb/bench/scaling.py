@@ -203,7 +203,10 @@ def report(table: dict) -> str:
 
 def plot(table: dict, path: Path) -> bool:
     """Stacked bars per model/mode and rank count of compute, exposed and hidden communication
-    (seconds per step), as a PNG at ``path``; False (nothing drawn) without matplotlib."""
+    (seconds per step), as a PNG at ``path``; False (nothing drawn) without matplotlib or
+    without a row (every job failed)."""
+    if not table:
+        return False
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -11,7 +11,6 @@ import sys
 from argparse import Namespace
 
 import pytest
-
 from conftest import REPO, all_ranks_ok
 
 TINY_ALLREDUCE = ["--quick", "--rounds", "2", "--max-bytes", "65536", "--step-model",

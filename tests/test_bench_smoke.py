@@ -121,7 +121,7 @@ def test_raw_schedules_reject_bad_bucket_sizes():
 
 
 TINY_OVERHEAD = ["--workloads", "plugin-cnn", "--train-samples", "512", "--batch-size", "128",
-                 "--epochs", "1", "--rounds", "1"]
+                 "--epochs", "1", "--rounds", "2"]
 
 
 @pytest.mark.parametrize("setting", ["1proc", pytest.param("2ranks",
@@ -135,6 +135,7 @@ def test_overhead_cli_reports_ratios_and_same_result(tmp_path, setting):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     v = res["results"][f"plugin-cnn/{setting}"]
+    assert len(v["paired_ratios"]) == 2  # two rounds, each in a run directory of its own
     assert finite(v["ratio_of_medians"]) and finite(v["paired_ratio_median"])
     assert v["same_result"], v["final_test_loss"]
     assert math.isfinite(v["final_test_loss"]["hpclb"])

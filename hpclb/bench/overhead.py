@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -62,8 +63,9 @@ def recipe(workload: str, args) -> dict:
 
 def commands(workload: str, setting: str, args, where: Path) -> dict[str, tuple[list, Path]]:
     """``{"hpclb": (argv, summary path), "baseline": (argv, summary path)}`` of one round;
-    ``where`` holds the recipe and the runs' outputs."""
-    where.mkdir(parents=True, exist_ok=True)
+    ``where`` (a new directory per round: hpclb never overwrites a run) holds the recipe and
+    the runs' outputs."""
+    where.mkdir(parents=True)
     rec = where / "recipe.yaml"
     rec.write_text(yaml.safe_dump(recipe(workload, args), sort_keys=False))
     py = sys.executable
@@ -134,9 +136,11 @@ def summarize(runs: dict[str, list[dict]], setting: str) -> dict:
 def compare(workload: str, setting: str, args, where: Path) -> tuple[dict | None, list[str]]:
     """``args.rounds`` paired rounds of one workload and setting; the summary, or None and the
     errors when a run failed."""
-    cmds = commands(workload, setting, args, where)
+    if where.exists():  # the last invocation's runs
+        shutil.rmtree(where)
     runs: dict[str, list[dict]] = {"hpclb": [], "baseline": []}
     for r in range(args.rounds):
+        cmds = commands(workload, setting, args, where / f"round{r + 1}")
         for side in (("hpclb", "baseline") if r % 2 == 0 else ("baseline", "hpclb")):
             res = timed(*cmds[side], args.timeout)
             if "error" in res:

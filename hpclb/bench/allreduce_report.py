@@ -102,7 +102,9 @@ def paired(a: dict[str, list[float]], mine: str) -> dict:
 def plot(runs: dict, path: Path) -> bool:
     """Bus bandwidth against message size (raw mpi4py, Gloo, Horovod; hpclb's sync and the
     fastest raw schedule of the same gradients as points) as a PNG at ``path``; False without
-    matplotlib."""
+    matplotlib or without a finished job."""
+    if not any(runs.values()):
+        return False
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -1,6 +1,7 @@
 """Smoke tests of the benchmarks' code paths at tiny sizes: each driver exits 0 with its ratios in
 the JSON, and non-zero when a part fails; the workers' suites at the MPI test runner's world size
-(`--only-mpi`, 2 ranks), where every variant carries its own GradientSync."""
+(`--only-mpi`, 2 ranks), where every variant carries its own GradientSync. The slower whole runs
+(overhead at 2 ranks, logging, scaling at 1 and 2 ranks) are `extended` (make test-extended)."""
 from __future__ import annotations
 
 import json
@@ -169,3 +170,40 @@ def test_plain_loop_schedule_is_hpclbs_legw():
                                                                         "end_lr": 0.0})
     assert [plain.lr_at(i, a) for i in range(s.total_steps)] == \
         pytest.approx([s.lr(i) for i in range(s.total_steps)], rel=1e-12)
+
+
+TINY_LOGGING = ["--train-samples", "1280", "--test-samples", "100", "--epochs", "1",
+                "--rounds", "1", "--interleaved-epochs", "10"]
+
+
+@pytest.mark.extended  # ~25 s: three whole 2-rank training runs and the interleaved part
+def test_logging_cli_reports_costs(tmp_path):
+    """`hpclb bench logging` at tiny size: exit 0 with both comparisons in the JSON."""
+    out = tmp_path / "l.json"
+    r = hpclb("bench", "logging", *TINY_LOGGING, "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for key in ("logging", "noise_scale"):
+        assert math.isfinite(res["comparisons"][key]["cost_percent"])
+
+
+def test_logging_driver_fails_on_timeout_and_too_few_steps(tmp_path):
+    """A job past its timeout exits 1; too few steps for two log intervals is refused before
+    any rank starts, naming the flag."""
+    from hpclb.bench import logging_cost
+    assert drive(logging_cost, [*TINY_LOGGING, "--timeout", "0.5",
+                                "--out", str(tmp_path / "l.json")]) == 1
+    with pytest.raises(SystemExit, match="--interleaved-epochs"):
+        drive(logging_cost, [*TINY_LOGGING[:-1], "1", "--out", str(tmp_path / "l.json")])
+
+
+@pytest.mark.extended  # ~25 s: mpirun at 1 and 2 ranks
+def test_scaling_cli_reports_efficiency(tmp_path):
+    """`hpclb bench scaling --np 1 2` at tiny size: exit 0, an efficiency per rank count."""
+    out = tmp_path / "s.json"
+    r = hpclb("bench", "scaling", "--np", "1", "2", "--models", "mnist_lstm", "--repeat", "1",
+              "--rounds", "2", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["table"]["mnist_lstm/weak"]
+    assert [row["ranks"] for row in rows] == [1, 2]
+    assert all(finite(row["efficiency"]) for row in rows)

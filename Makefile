@@ -150,6 +150,16 @@ install-simgrid:
 	    apt-get install -y python3-simgrid || { apt-get update && apt-get install -y python3-simgrid; }; \
 	    $(PYTHON) -c "$(SIMGRID_CHECK)"; }
 
+# Framework overhead: `hpclb train` against a plain PyTorch loop (benchmarks/plain_loop.py, 1
+# process) and the same loop under DDP over Gloo (torchrun, 2 ranks); MNIST-LSTM and the plug-in
+# CNN, batch 1024, 2 epochs, paired whole-process runs (~10-15 min on 2 quiet cores). Exits 1
+# when a run fails or the two sides end with different test losses. OVERHEAD_ARGS shortens it
+# (e.g. --train-samples 8192 --rounds 2).
+OVERHEAD_ARGS ?=
+.PHONY: bench-overhead
+bench-overhead: install $(HPCLB_DATA)/mnist/.verified
+	$(PY) -m hpclb bench overhead --out results/bench_overhead.json $(OVERHEAD_ARGS)
+
 # Fused trust-ratio kernel benchmark: CPU part always, GPU part where CUDA + CuPy are present.
 .PHONY: bench-kernel
 bench-kernel: install

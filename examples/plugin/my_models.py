@@ -22,4 +22,4 @@ def small_cnn(channels: int = 8, num_classes: int = 10) -> nn.Module:
     """A factory: a two-convolution network on ``[b, 28, 28]`` images -> logits ``[b, 10]``."""
     return nn.Sequential(nn.Unflatten(1, (1, 28)), nn.Conv2d(1, channels, 3, stride=2),
                          nn.ReLU(), nn.Conv2d(channels, 2 * channels, 3, stride=2), nn.ReLU(),
-                         nn.Flatten(), nn.LazyLinear(num_classes))
+                         nn.Flatten(), nn.Linear(2 * channels * 6 * 6, num_classes))

@@ -12,10 +12,14 @@ the per-link traffic of a ring allreduce, NCCL-tests' convention):
 * ``raw_mpi``: mpi4py ``Allreduce`` of one fp32 buffer, 4 KiB - 256 MiB.
 * ``raw_gloo``: ``torch.distributed.all_reduce`` (Gloo) of the same buffers.
 * ``sync``: ``GradientSync`` of real gradient lists (ResNet-50, PTB-large LSTM, MNIST-LSTM) for
-  each overlap mode and fusion threshold, against one raw Allreduce of a flat buffer of the same
-  total size; ``ratio_vs_raw`` = raw time / sync time (= ratio of achieved bandwidth).
-* ``step``: a ResNet-50 training step (32x32 inputs, 16 samples per rank, SGD with momentum):
-  compute only (no communication), hpclb with each overlap mode, torch DDP over Gloo; in the
+  each overlap mode and fusion threshold, interleaved with the raw mpi4py schedules of the same
+  buckets (:mod:`hpclb.bench.raw`: one flat ``Allreduce``, back-to-back ``Allreduce`` per bucket,
+  pipelined ``Iallreduce``); ``ratio_vs_fastest_raw`` = fastest raw time / sync time (> 1:
+  hpclb faster). The headline ``hpclb_vs_raw_allreduce`` is hpclb's fastest setting against
+  the fastest raw schedule of any setting (:mod:`hpclb.bench.allreduce_report`).
+* ``step``: a ResNet-50 training step (32x32 inputs, 16 samples per rank, SGD with momentum;
+  ``--step-model mnist_lstm`` for a smoke test): compute only (no communication), hpclb with
+  each overlap mode (25 MiB buckets), torch DDP over Gloo (``bucket_cap_mb`` 25); in the
   Horovod job also Horovod's ``DistributedOptimizer``. ``overlap_hidden_fraction`` =
   (blocking - overlapped) / (blocking - compute only): the share of the exposed communication
   time that overlapping hides.
@@ -36,14 +40,16 @@ from torch import nn
 from hpclb.bench.launch import run_mpi
 from hpclb.bench.measure import Timer, best, busbw, conditions, interleaved, iterations, med
 
-__all__ = ["add_run_arguments", "driver", "main", "summarize_steps", "worker"]
+__all__ = ["add_run_arguments", "bench_sync", "driver", "main", "run_suite", "summarize_steps",
+           "sync_row", "worker"]
 
 KiB, MiB = 2 ** 10, 2 ** 20
 SIZES_BYTES = [4 * KiB * 4 ** i for i in range(9)]  # 4 KiB ... 256 MiB
 SYNC_WORKLOADS = ("resnet50", "ptb_large", "mnist_lstm")
 MODES = ("none", "thread", "nonblocking")
 THRESHOLDS_BYTES = (4 * MiB, 25 * MiB, 64 * MiB)
-STEP_IMAGE, STEP_BATCH = 32, 16
+DDP_BUCKET_MB = 25  # torch DDP's default bucket_cap_mb
+HOROVOD_FUSION_DEFAULT_BYTES = 64 * MiB  # Horovod 0.28's default HOROVOD_FUSION_THRESHOLD
 
 
 # --------------------------------------------------------------------------- worker parts
@@ -70,55 +76,101 @@ def fake_grads(name: str, seed: int = 0) -> list[nn.Parameter]:
     return params
 
 
-def bench_sync(comm, timer: Timer, quick: bool) -> dict:
-    """GradientSync of each workload's real gradient list vs one flat raw Allreduce."""
-    from hpclb.sync.gradients import GradientSync
+def sync_configs(name: str, quick: bool) -> list[tuple[str, int]]:
+    """``(overlap, fusion threshold bytes)`` timed for workload ``name``: every mode and
+    threshold for ResNet-50, else the two overlapped modes at 25 MiB."""
+    if name == "resnet50" and not quick:
+        return [(m, t) for m in MODES for t in THRESHOLDS_BYTES]
+    return [(m, 25 * MiB) for m in ("thread", "nonblocking")]
+
+
+def bench_sync(comm, timer: Timer, quick: bool, workloads=SYNC_WORKLOADS) -> dict:
+    """GradientSync of each workload's real gradient list against the raw mpi4py schedules of
+    the same buckets (:mod:`hpclb.bench.raw`), interleaved round by round in one job."""
     out = {}
-    for name in SYNC_WORKLOADS if not quick else ("resnet50", "mnist_lstm"):
+    for name in workloads:
         params = fake_grads(name, comm.rank)
-        total = sum(p.numel() for p in params)
-        flat = torch.ones(total)
-        configs = [(m, t) for m in MODES for t in THRESHOLDS_BYTES] \
-            if name == "resnet50" and not quick else \
-            [(m, 25 * MiB) for m in ("thread", "nonblocking")]
-        rows = []
-        for mode, threshold in configs:
-            sync = GradientSync(params, comm, overlap=mode, fusion_threshold_bytes=threshold)
-
-            def hpclb_sync():
-                sync.mark_all_ready()
-                sync.synchronize()
-
-            rounds = iterations(total * 4, quick) + (2 if name == "resnet50" else 0)
-            ts = interleaved({"raw": lambda buf=flat: comm.allreduce_(buf), "hpclb": hpclb_sync},
-                             timer, rounds)
-            sync.close()
-            t_raw, t_sync = best(ts["raw"]), best(ts["hpclb"])
-            paired = med([r / h for r, h in zip(ts["raw"], ts["hpclb"])])
-            rows.append({"overlap": mode, "fusion_threshold_bytes": threshold,
-                         "buckets": len(sync.buckets), "raw_time_s": t_raw,
-                         "sync_time_s": t_sync, "ratio_vs_raw": t_raw / t_sync,
-                         "ratio_vs_raw_paired_median": paired,
-                         "raw_times_s": ts["raw"], "sync_times_s": ts["hpclb"],
-                         "sync_busbw_Bps": busbw(total * 4, t_sync, comm.world_size),
-                         "raw_busbw_Bps": busbw(total * 4, t_raw, comm.world_size)})
-        out[name] = {"bytes": total * 4, "tensors": len(params), "configs": rows}
-        del params, flat
+        rounds = iterations(sum(p.numel() for p in params) * 4, quick) + \
+            (2 if name == "resnet50" else 0)
+        rows = [sync_config(comm, timer, params, mode, threshold, rounds)
+                for mode, threshold in sync_configs(name, quick)]
+        out[name] = {"bytes": sum(p.numel() for p in params) * 4, "tensors": len(params),
+                     "configs": rows}
+        del params
     return out
 
 
-def step_setup(seed: int = 0):
-    from hpclb.bench.workloads import resnet50
-    torch.manual_seed(seed)
-    model = resnet50(num_classes=10)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    return model, opt
+def sync_config(comm, timer: Timer, params, mode: str, threshold: int, rounds: int) -> dict:
+    """One GradientSync setting against the raw schedules of its own bucket sizes."""
+    from hpclb.bench.raw import RawSchedules
+    from hpclb.sync.gradients import GradientSync
+    sync = GradientSync(params, comm, overlap=mode, fusion_threshold_bytes=threshold)
+    raw = RawSchedules(sync.bucket_sizes_bytes)
+
+    def hpclb_sync():
+        sync.mark_all_ready()
+        sync.synchronize()
+
+    try:
+        ts = interleaved({**raw.variants(), "hpclb": hpclb_sync}, timer, rounds)
+    finally:
+        sync.close()
+        raw.close()
+    return sync_row(ts, raw.describe(), mode, threshold, sync.bucket_sizes_bytes,
+                    comm.world_size)
 
 
-def step_data(rank: int):
-    g = torch.Generator().manual_seed(rank)
-    return (torch.randn(STEP_BATCH, 3, STEP_IMAGE, STEP_IMAGE, generator=g),
-            torch.randint(0, 10, (STEP_BATCH,), generator=g))
+def sync_row(ts: dict[str, list[float]], described: dict, mode: str, threshold: int,
+             bucket_bytes: list[int], p: int) -> dict:
+    """The JSON row of one GradientSync setting from its interleaved round times (seconds):
+    each raw schedule's fastest and median round, the fastest schedule, and hpclb's ratio to it
+    (> 1: hpclb faster), best-of-rounds and the median of the per-round ratios (the round's
+    fastest raw schedule over hpclb's time in that round)."""
+    t = {k: best(v) for k, v in ts.items()}
+    raw_keys = [k for k in ts if k != "hpclb"]
+    fastest = min(raw_keys, key=t.__getitem__)
+    per_round = [min(ts[k][i] for k in raw_keys) for i in range(len(ts["hpclb"]))]
+    nbytes = sum(bucket_bytes)
+    return {"overlap": mode, "fusion_threshold_bytes": threshold, "buckets": len(bucket_bytes),
+            "bucket_bytes": bucket_bytes,
+            "raw": {k[4:]: {"time_s": t[k], "median_s": med(ts[k]), "times_s": ts[k],
+                            **described[k[4:]]} for k in raw_keys},
+            "fastest_raw": fastest[4:], "fastest_raw_time_s": t[fastest],
+            "sync_time_s": t["hpclb"], "sync_times_s": ts["hpclb"],
+            "ratio_vs_fastest_raw": t[fastest] / t["hpclb"],
+            "ratio_vs_fastest_raw_paired_median": med(
+                [r / h for r, h in zip(per_round, ts["hpclb"])]),
+            "ratio_vs_flat_allreduce": t["raw_flat_allreduce"] / t["hpclb"],
+            "sync_busbw_Bps": busbw(nbytes, t["hpclb"], p),
+            "fastest_raw_busbw_Bps": busbw(nbytes, t[fastest], p)}
+
+
+def hpclb_steps(comm, model: str, x, y, modes=MODES) -> tuple[dict, list]:
+    """The compute-only step and one hpclb step per overlap mode of ``model``, each
+    GradientSync on its own duplicate of ``comm`` (one communicator carries one
+    GradientSync): ``(variants by name, the syncs)``; the caller closes the syncs."""
+    from hpclb.bench.scaling import build
+    from hpclb.sync.gradients import GradientSync
+    variants, syncs = {}, []
+    net, opt = build(model)
+    variants["compute_only"] = make_step(net, opt, x, y)
+    for mode in modes:
+        net, opt = build(model)
+        syncs.append(GradientSync(net.named_parameters(), comm.dup(), overlap=mode))
+        variants[f"hpclb_{mode}"] = make_step(net, opt, x, y, syncs[-1].synchronize)
+    return variants, syncs
+
+
+def timed_steps(comm, timer: Timer, rounds: int, model: str, x, y, modes=MODES,
+                extra: dict | None = None) -> dict[str, list[float]]:
+    """:func:`hpclb_steps` (and the ``extra`` variants) interleaved for ``rounds`` rounds; the
+    syncs closed afterwards, also on error."""
+    variants, syncs = hpclb_steps(comm, model, x, y, modes)
+    try:
+        return interleaved({**variants, **(extra or {})}, timer, rounds)
+    finally:
+        for s in syncs:
+            s.close()
 
 
 def make_step(model, opt, x, y, after_backward: Callable[[], None] | None = None,
@@ -134,43 +186,42 @@ def make_step(model, opt, x, y, after_backward: Callable[[], None] | None = None
     return step
 
 
-def hpclb_steps(comm, x, y, modes=MODES) -> dict[str, Callable[[], None]]:
-    from hpclb.sync.gradients import GradientSync
-    variants = {}
-    model, opt = step_setup()
-    variants["compute_only"] = make_step(model, opt, x, y)
-    for mode in modes:
-        model, opt = step_setup()
-        sync = GradientSync(model.named_parameters(), comm, overlap=mode)
-        variants[f"hpclb_{mode}"] = make_step(model, opt, x, y, sync.synchronize)
-    return variants
+def step_data(comm, model: str):
+    """This rank's batch for the step benchmark of ``model`` (its per-rank weak-scaling batch
+    of :data:`hpclb.bench.scaling.BATCHES`)."""
+    from hpclb.bench.scaling import BATCHES, batch
+    return batch(model, BATCHES[model][0], comm.rank)
 
 
-def bench_steps(comm, timer: Timer, rounds: int, with_ddp: bool) -> dict:
-    x, y = step_data(comm.rank)
-    variants = hpclb_steps(comm, x, y)
+def bench_steps(comm, timer: Timer, rounds: int, model: str, with_ddp: bool) -> dict:
+    """Step times of ``model``: compute only, hpclb per overlap mode and DDP over Gloo
+    (``bucket_cap_mb`` 25, its default), interleaved."""
+    from hpclb.bench.scaling import build
+    x, y = step_data(comm, model)
+    extra = {}
     if with_ddp:
         from hpclb.dist.torch_dist import TorchCommunicator
         TorchCommunicator(device="cpu")  # the default group DDP uses (Gloo)
-        model, opt = step_setup()
-        ddp = nn.parallel.DistributedDataParallel(model)
-        variants["ddp_gloo"] = make_step(ddp, opt, x, y)
-    times = interleaved(variants, timer, rounds)
-    return summarize_steps(times, comm.world_size)
+        net, opt = build(model)
+        ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=DDP_BUCKET_MB)
+        extra["ddp_gloo"] = make_step(ddp, opt, x, y)
+    times = timed_steps(comm, timer, rounds, model, x, y, extra=extra)
+    return summarize_steps(times, comm.world_size, model, len(x))
 
 
-def summarize_steps(times: dict[str, list[float]], p: int) -> dict:
-    """The ResNet-50 step benchmark summarized from each variant's round times (seconds) at ``p``
-    ranks: fastest and median step per variant, samples/s (``STEP_BATCH * p`` / fastest step) and,
+def summarize_steps(times: dict[str, list[float]], p: int, model: str = "resnet50",
+                    per_rank: int = 16) -> dict:
+    """The step benchmark summarized from each variant's round times (seconds) at ``p``
+    ranks: fastest and median step per variant, samples/s (``per_rank * p`` / fastest step) and,
     when the blocking and an overlapped hpclb variant were timed, the fastest overlap mode and the
     share of the exposed communication it hides (None when blocking exposes less than 5% of the
     compute time)."""
     t = {k: best(v) for k, v in times.items()}
-    res = {"model": f"resnet50 (10 classes), {STEP_IMAGE}x{STEP_IMAGE} inputs, "
-                    f"{STEP_BATCH} samples per rank, SGD momentum",
+    res = {"model": f"{model}, {per_rank} samples per rank, SGD momentum", "workload": model,
+           "per_rank_batch": per_rank,
            "min_step_s": t, "median_step_s": {k: med(v) for k, v in times.items()},
            "all_step_s": times,
-           "samples_per_s": {k: STEP_BATCH * p / v for k, v in t.items()}}
+           "samples_per_s": {k: per_rank * p / v for k, v in t.items()}}
     modes = [m for m in ("thread", "nonblocking") if f"hpclb_{m}" in t]
     if "hpclb_none" in t and modes:
         top = min(modes, key=lambda m: t[f"hpclb_{m}"])
@@ -187,18 +238,20 @@ def summarize_steps(times: dict[str, list[float]], p: int) -> dict:
     return res
 
 
-def bench_horovod(comm, timer: Timer, sizes: list[int], rounds: int, quick: bool) -> dict:
+def bench_horovod(comm, timer: Timer, sizes: list[int], rounds: int, quick: bool,
+                  model: str = "resnet50") -> dict:
     """hpclb's step first (Horovod not yet started: its background thread would load the CPU),
     then Horovod's allreduce and DistributedOptimizer step, in the same job."""
-    x, y = step_data(comm.rank)
-    hp = interleaved(hpclb_steps(comm, x, y, modes=("thread", "nonblocking")), timer, rounds)
+    from hpclb.bench.scaling import build
+    x, y = step_data(comm, model)
+    hp = timed_steps(comm, timer, rounds, model, x, y, modes=("thread", "nonblocking"))
     import horovod
     import horovod.torch as hvd
     hvd.init()
-    model, opt = step_setup()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    dopt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    hv = interleaved({"horovod": make_step(model, dopt, x, y, zero=dopt.zero_grad)}, timer,
+    net, opt = build(model)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    dopt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
+    hv = interleaved({"horovod": make_step(net, dopt, x, y, zero=dopt.zero_grad)}, timer,
                      rounds)
     raw = []
     for nbytes in sizes:
@@ -210,36 +263,26 @@ def bench_horovod(comm, timer: Timer, sizes: list[int], rounds: int, quick: bool
                     "busbw_Bps": busbw(nbytes, tmin, comm.world_size)})
     t = {k: best(v) for k, v in {**hp, **hv}.items()}
     top = min(("thread", "nonblocking"), key=lambda m: t[f"hpclb_{m}"])
-    return {"horovod_version": horovod.__version__, "raw_horovod": raw,
+    return {"horovod_version": horovod.__version__, "raw_horovod": raw, "workload": model,
             "min_step_s": t, "median_step_s": {k: med(v) for k, v in {**hp, **hv}.items()},
             "all_step_s": {**hp, **hv},
             "hpclb_best_mode": top, "hpclb_step_s": t[f"hpclb_{top}"],
             "horovod_step_s": t["horovod"],
             "hpclb_vs_horovod": t["horovod"] / t[f"hpclb_{top}"],
+            "horovod_fusion_threshold_bytes": int(os.environ.get(
+                "HOROVOD_FUSION_THRESHOLD", HOROVOD_FUSION_DEFAULT_BYTES)),
             "horovod_env": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}}
 
 
 def worker(args) -> int:
     """One rank of the ``mpirun`` job (``python -m hpclb.bench.allreduce worker``): the ``main``
-    suite (raw mpi4py and Gloo Allreduce, GradientSync, step times with DDP) or the ``horovod``
-    suite; rank 0 writes the results and the conditions to ``args.out`` as JSON. Returns 0."""
+    suite (raw mpi4py and Gloo Allreduce, GradientSync against the raw schedules, step times
+    with DDP) or the ``horovod`` suite; rank 0 writes the results and the conditions to
+    ``args.out`` as JSON. Returns 0; a failing part raises (the job fails, the driver says so)."""
     from hpclb.dist.world import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
-    timer = Timer(comm)
-    sizes = [s for s in SIZES_BYTES if s <= args.max_bytes]
-    res = {"conditions": conditions(comm)}
-    t0 = time.perf_counter()
-    if args.suite == "main":
-        res["raw_mpi"] = bench_raw(comm, timer, sizes, args.quick)
-        from hpclb.dist.torch_dist import TorchCommunicator
-        res["raw_gloo"] = bench_raw(TorchCommunicator(device="cpu"), timer, sizes, args.quick)
-        res["sync"] = bench_sync(comm, timer, args.quick)
-        res["step"] = bench_steps(comm, timer, args.rounds, with_ddp=True)
-    else:
-        res["horovod"] = bench_horovod(comm, timer, sizes, args.rounds, args.quick)
-    res["conditions"]["loadavg_end"] = os.getloadavg()
-    res["conditions"]["wall_s"] = time.perf_counter() - t0
+    res = run_suite(comm, args)
     if comm.rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
@@ -247,165 +290,104 @@ def worker(args) -> int:
     return 0
 
 
+def run_suite(comm, args) -> dict:
+    """The measurements of ``args.suite`` on ``comm`` with their conditions (what
+    :func:`worker` writes)."""
+    timer = Timer(comm)
+    sizes = [s for s in SIZES_BYTES if s <= args.max_bytes]
+    res = {"conditions": conditions(comm)}
+    t0 = time.perf_counter()
+    parts = {"raw_mpi": lambda: bench_raw(comm, timer, sizes, args.quick),
+             "raw_gloo": lambda: bench_raw(gloo(), timer, sizes, args.quick),
+             "sync": lambda: bench_sync(comm, timer, args.quick, args.sync_workloads),
+             "step": lambda: bench_steps(comm, timer, args.rounds, args.step_model, True)} \
+        if args.suite == "main" else \
+        {"horovod": lambda: bench_horovod(comm, timer, sizes, args.rounds, args.quick,
+                                          args.step_model)}
+    res["conditions"]["part_wall_s"] = {}
+    for key, part in parts.items():
+        t = time.perf_counter()
+        res[key] = part()
+        res["conditions"]["part_wall_s"][key] = time.perf_counter() - t
+    res["conditions"]["loadavg_end"] = os.getloadavg()
+    res["conditions"]["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def gloo():
+    """The Gloo communicator of ``torch.distributed`` (created on first use)."""
+    from hpclb.dist.torch_dist import TorchCommunicator
+    return TorchCommunicator(device="cpu")
+
+
 # --------------------------------------------------------------------------- driver
 def launch(np_: int, suite: str, out: Path, args, timeout_s: float) -> dict | None:
     argv = ["worker", "--suite", suite, "--rounds", str(args.rounds), "--max-bytes",
-            str(args.max_bytes)] + (["--quick"] if args.quick else [])
+            str(args.max_bytes), "--step-model", args.step_model, "--sync-workloads",
+            *args.sync_workloads] + (["--quick"] if args.quick else [])
     return run_mpi(np_, "hpclb.bench.allreduce", argv, out, timeout_s, "bench-allreduce")
 
 
-def headline(runs: dict) -> dict:
-    """The numbers the issue asks for, from the 2-rank runs."""
-    h: dict = {}
-    main2 = runs.get("np2")
-    if main2:
-        rn = [c for c in main2["sync"]["resnet50"]["configs"]
-              if c["fusion_threshold_bytes"] == 25 * MiB]
-        top = max(rn, key=lambda c: c["ratio_vs_raw"])
-        st = main2["step"]
-        h["hpclb_vs_raw_allreduce"] = top["ratio_vs_raw"]
-        h["hpclb_vs_raw_allreduce_paired_median"] = top["ratio_vs_raw_paired_median"]
-        h["hpclb_vs_raw_allreduce_config"] = {k: top[k] for k in ("overlap", "buckets",
-                                                                   "fusion_threshold_bytes")}
-        h["hpclb_vs_ddp_gloo"] = st["min_step_s"]["ddp_gloo"] / st["hpclb_step_s"]
-        h["hpclb_vs_ddp_gloo_median"] = st["median_step_s"]["ddp_gloo"] / \
-            st["median_step_s"][f"hpclb_{st['best_overlap_mode']}"]
-        h["overlap_hidden_fraction"] = st["overlap_hidden_fraction"]
-        h["best_overlap_mode"] = st["best_overlap_mode"]
-        h.update(paired(st["all_step_s"], f"hpclb_{st['best_overlap_mode']}"))
-    main4 = runs.get("np4")
-    if main4:
-        st4 = main4["step"]
-        h["np4"] = {"hpclb_vs_ddp_gloo": st4["min_step_s"]["ddp_gloo"] / st4["hpclb_step_s"],
-                    "overlap_hidden_fraction": st4["overlap_hidden_fraction"],
-                    **paired(st4["all_step_s"], f"hpclb_{st4['best_overlap_mode']}")}
-    hv = runs.get("horovod_np2")
-    h["hpclb_vs_horovod"] = hv["horovod"]["hpclb_vs_horovod"] if hv else None
-    if hv:
-        a = hv["horovod"]["all_step_s"]
-        h["hpclb_vs_horovod_paired_median"] = med(
-            [x / y for x, y in zip(a["horovod"], a[f"hpclb_{hv['horovod']['hpclb_best_mode']}"])])
-    return h
+def reuse_runs(tmp: Path) -> dict:
+    """The last run's per-job files in ``tmp``, summarized again (``--reuse``)."""
+    runs = {}
+    for f in sorted(tmp.glob("*_np*.json")):
+        suite, np_ = f.stem.split("_np")
+        run = json.loads(f.read_text())
+        if suite == "main":
+            st = run["step"]
+            run["step"] = summarize_steps(st["all_step_s"], int(np_),
+                                          st.get("workload", "resnet50"),
+                                          st.get("per_rank_batch", 16))
+        runs[f"np{np_}" if suite == "main" else f"horovod_np{np_}"] = run
+    return runs
 
 
-def paired(a: dict[str, list[float]], mine: str) -> dict:
-    """Ratios of rounds timed side by side (same round, so under the same load), their median:
-    the estimate least moved by load that changes between rounds."""
-    out = {"hpclb_vs_ddp_gloo_paired_median": med([d / x for d, x in zip(a["ddp_gloo"], a[mine])])}
-    hid = [(n - x) / (n - c) for n, x, c in zip(a["hpclb_none"], a[mine], a["compute_only"])
-           if n > c]
-    out["overlap_hidden_fraction_paired_median"] = med(hid) if hid else None
-    return out
-
-
-def plot(runs: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[bench-allreduce] matplotlib not installed (make install): no plot")
-        return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for key, run in sorted(runs.items()):
-        if run is None:
-            continue
-        p = run["conditions"]["ranks"]
-        series = {"mpi4py Allreduce": run.get("raw_mpi"), "torch Gloo all_reduce":
-                  run.get("raw_gloo"),
-                  "Horovod allreduce": (run.get("horovod") or {}).get("raw_horovod")}
-        for label, pts in series.items():
-            if pts:
-                ax.plot([q["bytes"] for q in pts], [q["busbw_Bps"] / 1e9 for q in pts],
-                        marker="o", label=f"{label}, {p} ranks")
-        for name, s in (run.get("sync") or {}).items():
-            top = max(s["configs"], key=lambda c: c["ratio_vs_raw"])
-            ax.scatter([s["bytes"]], [top["sync_busbw_Bps"] / 1e9], marker="*", s=150,
-                       label=f"hpclb GradientSync {name}, {p} ranks")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title("Allreduce bus bandwidth on this machine (ranks share its cores)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return True
+def measure_runs(args, tmp: Path) -> tuple[dict, list[str]]:
+    """One job per rank count (and the Horovod jobs where Horovod imports): the runs by key,
+    and a note per part skipped."""
+    import importlib.util
+    runs: dict = {}
+    notes = []
+    for np_ in args.np:
+        runs[f"np{np_}"] = launch(np_, "main", tmp / f"main_np{np_}.json", args, args.timeout)
+    if args.no_horovod:
+        notes.append("Horovod left out (--no-horovod)")
+    elif importlib.util.find_spec("horovod") is None:
+        notes.append("Horovod not installed (make install-horovod): hpclb_vs_horovod skipped")
+    else:
+        for np_ in args.horovod_np:
+            runs[f"horovod_np{np_}"] = launch(np_, "horovod", tmp / f"horovod_np{np_}.json",
+                                              args, args.timeout)
+    return runs, notes
 
 
 def driver(args) -> int:
     """``hpclb bench allreduce``: one ``mpirun`` job per rank count in ``args.np`` (and a Horovod
     job where Horovod imports; with ``--reuse`` the last run's per-job files instead), then the
     headline ratios, their targets and the runs to ``args.out`` as JSON with a PNG beside it, and
-    the report printed. Returns 0; a job that failed is None in ``runs``."""
+    the report printed. Returns 0, or 1 when any job failed or a headline ratio is missing."""
+    from hpclb.bench.allreduce_report import TARGETS, headline, plot, report
     out = Path(args.out)
     tmp = out.parent / ".bench_allreduce"
     tmp.mkdir(parents=True, exist_ok=True)
-    runs: dict = {}
     if args.reuse:  # derive again from the last run's worker files, measuring nothing
-        for f in sorted(tmp.glob("*_np*.json")):
-            suite, np_ = f.stem.split("_np")
-            run = json.loads(f.read_text())
-            if suite == "main":
-                run["step"] = summarize_steps(run["step"]["all_step_s"], int(np_))
-            runs[f"np{np_}" if suite == "main" else f"horovod_np{np_}"] = run
-        args.no_horovod = True
-    for np_ in args.np if not args.reuse else []:
-        runs[f"np{np_}"] = launch(np_, "main", tmp / f"main_np{np_}.json", args, args.timeout)
-    import importlib.util
-    if args.reuse:
-        pass
-    elif importlib.util.find_spec("horovod") is not None and not args.no_horovod:
-        for np_ in args.horovod_np:
-            runs[f"horovod_np{np_}"] = launch(np_, "horovod", tmp / f"horovod_np{np_}.json", args,
-                                              args.timeout)
+        runs, notes = reuse_runs(tmp), ["--reuse: summarized from the last run's job files"]
     else:
-        print("[bench-allreduce] Horovod not installed (make install-horovod): no Horovod runs")
-    result = {**headline(runs), "targets": {
-        "hpclb_vs_raw_allreduce": ">= 0.95", "hpclb_vs_ddp_gloo": ">= 1.0",
-        "hpclb_vs_horovod": ">= 1.5", "overlap_hidden_fraction": ">= 0.5"},
-        "definitions": {
-            "hpclb_vs_raw_allreduce": "bandwidth of GradientSync on ResNet-50's 161 gradients "
-            "(25 MiB buckets, best overlap mode) / one mpi4py Allreduce of a flat buffer of the "
-            "same 102.2 MB, 2 ranks, interleaved in one job",
-            "hpclb_vs_ddp_gloo": "DDP (Gloo) step time / hpclb step time, ResNet-50, 2 ranks",
-            "hpclb_vs_horovod": "Horovod DistributedOptimizer step time / hpclb step time, "
-            "ResNet-50, 2 ranks, same job",
-            "overlap_hidden_fraction": "(blocking step - overlapped step) / (blocking step - "
-            "compute-only step), ResNet-50, 2 ranks",
-            "timing": "each variant's fastest of its rounds (other jobs on the machine only add "
-            "time); *_paired_median: the median over rounds of the ratio within a round (same "
-            "load for both sides); rounds in a shuffled order, same on every rank"},
-        "runs": runs}
+        runs, notes = measure_runs(args, tmp)
+    failed = sorted(k for k, r in runs.items() if r is None)
+    result = {**headline(runs), "targets": TARGETS, "notes": notes, "failed_jobs": failed,
+              "runs": runs}
+    missing = [k for k in ("hpclb_vs_raw_allreduce", "hpclb_vs_ddp_gloo") if result.get(k) is None]
     out.write_text(json.dumps(result, indent=1) + "\n")
     drew = plot(runs, out.with_suffix(".png"))
     print(f"[bench-allreduce] wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
     print(report(result))
+    if failed or missing:
+        print(f"[bench-allreduce] FAILED: jobs {failed or 'none'} failed; ratios missing: "
+              f"{missing or 'none'}", file=sys.stderr)
+        return 1
     return 0
-
-
-def report(result: dict) -> str:
-    f = lambda v, fmt="{:.3f}": "n/a" if v is None else fmt.format(v)  # noqa: E731
-    lines = ["", "ratios (same job, interleaved; >1 means hpclb is faster):"]
-    for key, target in result["targets"].items():
-        pm = result.get(f"{key}_paired_median")
-        lines.append(f"  {key:26s} {f(result.get(key)):>8s}   paired-round median "
-                     f"{f(pm):>6s}   (target {target})")
-    if result.get("np4"):
-        lines.append("  at 4 ranks: " + ", ".join(f"{k} {f(v)}" for k, v in
-                                                   result["np4"].items()))
-    for key, run in result["runs"].items():
-        if not run or "step" not in run:
-            continue
-        st = run["step"]
-        lines.append(f"  {key}: step s (min/median) " + ", ".join(
-            f"{k} {v:.3f}/{st['median_step_s'][k]:.3f}" for k, v in st["min_step_s"].items()))
-        rn = run["sync"]["resnet50"]["configs"]
-        lines.append(f"  {key}: ResNet-50 sync / raw Allreduce: " + ", ".join(
-            f"{c['overlap']}@{c['fusion_threshold_bytes'] // MiB}MiB {c['ratio_vs_raw']:.2f}"
-            for c in rn))
-    return "\n".join(lines)
 
 
 def add_common(s: argparse.ArgumentParser) -> None:
@@ -413,6 +395,11 @@ def add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument("--rounds", type=int, default=10, help="timed rounds per variant")
     s.add_argument("--max-bytes", type=int, default=256 * MiB)
     s.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
+    s.add_argument("--step-model", default="resnet50", choices=("resnet50", "mnist_lstm"),
+                   help="model of the step benchmark (hpclb, DDP, Horovod); default %(default)s")
+    s.add_argument("--sync-workloads", nargs="+", default=list(SYNC_WORKLOADS),
+                   choices=SYNC_WORKLOADS, help="gradient lists of the sync benchmark; the "
+                   "headline uses the first")
 
 
 def add_run_arguments(r: argparse.ArgumentParser) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "bench_recipe", "blocks", "compare", "driver", "interleaved_steps", "main", "report",
     "round_order", "run_stats", "summarize", "worker"]
 
+B0 = 128  # the packaged MNIST-LSTM recipe's base batch, the benchmark's batch
 VARIANTS = {"log50": {"log_every": 50, "noise_scale": False},
             "off": {"log_every": 0, "noise_scale": False},
             "noise": {"log_every": 50, "noise_scale": True}}
@@ -280,6 +281,11 @@ def driver(args) -> int:
     if args.rounds < 1 or args.np < 2:
         raise SystemExit("hpclb bench logging: --rounds must be >= 1 and --np >= 2 (the noise "
                          "scale needs two ranks)")
+    interval = VARIANTS["log50"]["log_every"]
+    if args.interleaved_epochs * args.train_samples / B0 < 2 * interval:
+        raise SystemExit(f"hpclb bench logging: --interleaved-epochs {args.interleaved_epochs:g} "
+                         f"x --train-samples {args.train_samples} / {B0} (B0) gives fewer than "
+                         f"two log intervals of {interval} steps to compare; raise either")
     out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="hpclb-bench-logging-") as tmp:
         recipe = bench_recipe(Path(tmp) / "recipe.yaml", args.train_samples, args.test_samples,

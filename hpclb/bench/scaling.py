@@ -85,7 +85,8 @@ def measure(comm, timer: Timer, name: str, per_rank: int, rounds: int) -> dict:
     variants["compute_s"] = stepper(m, o)
     for key, mode in (("blocking_s", "none"), ("overlapped_s", None)):
         m, o = build(name)
-        sync = GradientSync(m.named_parameters(), comm, overlap=mode)
+        # its own communicator: one communicator carries one GradientSync (MPI_Comm_dup)
+        sync = GradientSync(m.named_parameters(), comm.dup(), overlap=mode)
         syncs.append(sync)
         variants[key] = stepper(m, o, sync)
     sync_only = syncs[-1]
@@ -202,7 +203,10 @@ def report(table: dict) -> str:
 
 def plot(table: dict, path: Path) -> bool:
     """Stacked bars per model/mode and rank count of compute, exposed and hidden communication
-    (seconds per step), as a PNG at ``path``; False (nothing drawn) without matplotlib."""
+    (seconds per step), as a PNG at ``path``; False (nothing drawn) without matplotlib or
+    without a row (every job failed)."""
+    if not table:
+        return False
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -1,4 +1,4 @@
-"""``hpclb bench trust-ratio|model|allreduce|scaling|logging``: benchmarks.
+"""``hpclb bench trust-ratio|model|allreduce|scaling|overhead|logging``: benchmarks.
 
 The arguments and the drivers are the benchmark modules' own (:mod:`hpclb.bench`); this module
 only registers them.
@@ -17,7 +17,7 @@ HELP = "benchmarks"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
-    from hpclb.bench import allreduce, logging_cost, projection, scaling, trust_ratio
+    from hpclb.bench import allreduce, logging_cost, overhead, projection, scaling, trust_ratio
 
     b = subparsers.add_parser("bench", help=HELP)
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -40,6 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "ranks, weak and strong (launches mpirun itself)")
     scaling.add_run_arguments(s)
     s.set_defaults(func=scaling.driver)
+    o = bsub.add_parser("overhead", help="hpclb train against a plain PyTorch loop (1 process) "
+                        "and DDP over Gloo (2 ranks): paired whole-process runs")
+    overhead.add_run_arguments(o)
+    o.set_defaults(func=overhead.driver)
     # bench logging (per-step logging cost, issue #13)
     lc = bsub.add_parser("logging", help="per-step logging and noise-scale cost: 2-rank "
                          "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")

@@ -17,6 +17,7 @@ consumer stream (the optimizer's) by another event.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
@@ -375,6 +376,16 @@ class MPICommunicator(Communicator):
         sys.stdout.flush()
         sys.stderr.flush()
         self._comm.Abort(code)
+
+    def dup(self) -> "MPICommunicator":
+        """The same ranks and device over a duplicated MPI communicator (``MPI_Comm_dup``:
+        collective, every rank calls it together). Collectives on the copy never match those on
+        ``self``, so each may carry its own GradientSync (benchmarks timing several side by
+        side)."""
+        twin = copy.copy(self)
+        twin._comm = self._comm.Dup()
+        twin._side, twin._stagings = None, {}
+        return twin
 
     def side_channel(self) -> SideChannel | None:
         if self.world_size == 1 or self.thread_level < self._MPI.THREAD_MULTIPLE:

@@ -89,7 +89,10 @@ class GNMT(nn.Module):
         lengths, order = torch.sort(lengths, descending=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
-        order, inverse = order.to(src.device), inverse.to(src.device)
+        both = torch.stack([order, inverse])   # one copy, pinned and non-blocking on CUDA
+        if src.device.type == "cuda":
+            both = both.pin_memory().to(src.device, non_blocking=True)
+        order, inverse = both.to(src.device)
 
         def run(lstm, x):
             packed = pack_padded_sequence(x.index_select(0, order), lengths, batch_first=True)

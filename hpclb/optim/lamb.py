@@ -169,7 +169,9 @@ class LAMB(LayerwiseOptimizer):
             key = (group["eps"], dtype)
             if key in self._eps_checked:
                 continue
-            if float(torch.tensor(group["eps"], dtype=dtype)) == 0.0:
+            info = torch.finfo(dtype)   # half the smallest subnormal or less rounds to 0
+            eps = float(np.float32(group["eps"])) if dtype == torch.bfloat16 else group["eps"]
+            if eps <= info.smallest_normal * info.eps / 2:   # (bf16: via fp32, as torch does)
                 raise ValueError(f"Invalid eps: {group['eps']} rounds to 0 in {dtype} (the "
                                  f"parameters' dtype); use eps >= "
                                  f"{torch.finfo(dtype).smallest_normal:.1e} or fp32 parameters")

@@ -25,7 +25,11 @@ from torch import Tensor
 
 from hpclb.errors import NonFiniteError
 
-__all__ = ["NonFiniteGuard", "masks_on_device"]
+__all__ = ["CALIBRATION_SCALE", "NonFiniteGuard", "masks_on_device"]
+
+#: fp16 overflows while the loss scale is at least this are the scaler's calibration, not counted
+#: toward ``max_nonfinite_steps``.
+CALIBRATION_SCALE = 1.0
 
 
 def masks_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -61,7 +65,7 @@ class NonFiniteGuard:
         scale = self.scaler._get_scale_async()
         if scale is None:   # never scaled yet: the initial scale (>= 1)
             return torch.zeros_like(found)
-        return found & (scale.to(found.device) < 1.0)
+        return found & (scale.to(found.device) < CALIBRATION_SCALE)
 
     def record_on_device(self, found: Tensor, step: int) -> None:
         """Count this step (``step``: the optimizer step, 1-based) on the device."""

@@ -22,9 +22,12 @@
 Preemption: SIGUSR2/SIGTERM only set a flag; at the next step the ranks agree (allreduce max),
 rank 0 saves that step's checkpoint, and every rank exits with :data:`PREEMPTED_EXIT_CODE`, which
 the job scripts use to requeue; ``--resume`` continues the same trajectory bit for bit.
+Non-finite steps: a skipped step adds nothing to the epoch's statistics (masked on the device).
 Divergence: after ``max_nonfinite_steps`` non-finite steps in a row every rank raises
-:class:`Diverged` (exit :data:`DIVERGED_EXIT_CODE`); the last finite checkpoint is kept and no
-summary is written.
+:class:`Diverged` (exit :data:`DIVERGED_EXIT_CODE`; at once on the host path, at the next step
+line or epoch end when the optimizer masks skips on the device, LARS/LAMB), as it does when an
+epoch ends with a non-finite metric or a training loss over :data:`EXPLODED_LOSS_FACTOR` times
+the first applied step's; the last finite checkpoint is kept and no summary is written.
 """
 from __future__ import annotations
 
@@ -52,8 +55,9 @@ from hpclb.train.steplog import StepLog
 
 __all__ = ["EXPLODED_LOSS_FACTOR", "PreemptionFlag", "train_step", "train"]
 
-# An epoch's training loss this many times step 1's (both finite, > 0) is a divergence: a
-# cross-entropy that starts at ln(classes) never legitimately grows a hundredfold.
+# An epoch's training loss this many times the first applied (not skipped) step's (both finite,
+# > 0) is a divergence: a cross-entropy that starts at ln(classes) never legitimately grows a
+# hundredfold. docs/faults.md states it (tests/test_faults_doc.py).
 EXPLODED_LOSS_FACTOR = 1e2
 
 

@@ -35,7 +35,9 @@ class NormalizedBahdanauAttention(nn.Module):
         """query ``[b, t, h]``, keys ``[b, s, h]``, mask bool ``[b, s]`` (True = real token) ->
         context ``[b, t, h]``."""
         e = torch.tanh(self.q(query).unsqueeze(2) + self.k(keys).unsqueeze(1))  # [b, t, s, h]
-        scores = (e @ (self.g * self.v / self.v.norm())).masked_fill(~mask[:, None, :], -1e9)
+        scores = e @ (self.g * self.v / self.v.norm())
+        # padding gets the dtype's lowest value (-1e9 does not fit fp16 under autocast)
+        scores = scores.masked_fill(~mask[:, None, :], torch.finfo(scores.dtype).min)
         return torch.softmax(scores, dim=-1) @ keys
 
 

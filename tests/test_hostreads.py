@@ -68,12 +68,12 @@ def reads_per_step(monkeypatch, cfg) -> dict[int, list]:
     counter, windows, current = HostReadCounter(), {}, [None]
     step = loop.train_step
 
-    def counted_step(run, i, sums, first=None):
+    def counted_step(run, *args):
         if current[0] is not None:
             windows[current[0]] = list(counter.reads)
         counter.clear()
         current[0] = run.pos.global_step + 1
-        return step(run, i, sums, first)
+        return step(run, *args)
 
     monkeypatch.setattr(loop, "train_step", counted_step)
     with counter:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from hpclb.dist.base import Communicator
 from hpclb.dist.world import current_communicator
+from hpclb.errors import NonFiniteError  # noqa: F401  (hpclb.NonFiniteError is read from here)
 from hpclb.sync.gradients import GradientSync
 from hpclb.sync.guard import NonFiniteGuard
 

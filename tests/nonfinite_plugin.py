@@ -7,7 +7,8 @@ The test copies this file beside a recipe (``model.name: nonfinite_plugin:SpikyM
 
 - ``overflow``: the logits times 1e5 in fp16, which overflows to inf (the loss and the gradient
   are not finite), as an fp16 forward overflows;
-- ``nan_sample``: the first sample's logits are NaN (one bad sample on one rank).
+- ``nan_sample``: the first sample's logits are NaN (one bad sample on one rank);
+- ``nan_from``: all logits NaN from that forward on (a divergence).
 """
 import os
 
@@ -45,8 +46,12 @@ class SpikyMLP(nn.Module):
         self.forwards += 1
         mode = os.environ.get("NONFINITE_MODE")
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+        at = int(os.environ.get("NONFINITE_STEP", "0"))
+        if mode == "nan_from" and os.environ.get("NONFINITE_RANK", "0") in (rank, "all") \
+                and self.forwards >= at:
+            return out * float("nan")
         if (mode and os.environ.get("NONFINITE_RANK", "0") in (rank, "all")
-                and self.forwards == int(os.environ["NONFINITE_STEP"])):
+                and self.forwards == at):
             if mode == "overflow":
                 return (out.to(torch.float16) * 1e5).to(out.dtype)
             if mode == "nan_sample":

@@ -73,7 +73,7 @@ class HostReadCounter(TorchFunctionMode):
         """Forget the reads recorded so far."""
         self.reads.clear()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, _types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in READS:
             where = self._caller()

@@ -19,8 +19,7 @@ import yaml
 from hpclb.config import resolve
 from hpclb.config.recipe import load_recipe
 from hpclb.dist.local import SelfCommunicator
-from hpclb.train import loop
-from hpclb.train.hostreads import HostReadCounter
+from hpclb.train.hostreads import HostReadCounter, reads_per_step
 
 DATA = Path(os.environ.get("HPCLB_DATA", Path(__file__).resolve().parents[1] / "data"))
 LOG_EVERY = 4
@@ -61,27 +60,6 @@ def _recipe(tmp_path: Path, experiment: str, changes: dict) -> str:
     return str(path)
 
 
-def reads_per_step(monkeypatch, cfg) -> dict[int, list]:
-    """Train ``cfg`` on one process under a :class:`HostReadCounter`; the reads made from the
-    start of each step to the start of the next, by global step (1-based; the last step's
-    window holds the epoch end)."""
-    counter, windows, current = HostReadCounter(), {}, [None]
-    step = loop.train_step
-
-    def counted_step(run, *args):
-        if current[0] is not None:
-            windows[current[0]] = list(counter.reads)
-        counter.clear()
-        current[0] = run.pos.global_step + 1
-        return step(run, *args)
-
-    monkeypatch.setattr(loop, "train_step", counted_step)
-    with counter:
-        loop.train(cfg, SelfCommunicator(), quiet=True)
-    windows[current[0]] = list(counter.reads)
-    return windows
-
-
 def test_the_counter_sees_reads():
     t = torch.arange(4.0)
     with HostReadCounter() as reads:
@@ -102,14 +80,14 @@ def _line_of(text: str) -> int:
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "lars", "lamb"])
 @pytest.mark.parametrize("experiment", list(TASKS))
-def test_reads_per_step(tmp_path, monkeypatch, experiment, optimizer, precision):
+def test_reads_per_step(tmp_path, experiment, optimizer, precision):
     probe, changes, batch = TASKS[experiment]
     if not (DATA / probe).exists():
         pytest.skip(f"{probe} not staged in {DATA}; run `make data`")
     cfg = resolve(_recipe(tmp_path, experiment, changes), out=str(tmp_path / "run"),
                   batch_size=batch, optimizer=optimizer, precision=precision, device="cpu",
                   log_every=LOG_EVERY, data_dir=str(DATA), scaling="none")
-    windows = reads_per_step(monkeypatch, cfg)
+    windows = {s: w.reads for s, w in reads_per_step(cfg, SelfCommunicator()).items()}
     last = max(windows)
     assert last >= 6, windows
     plain = {s: w for s, w in windows.items() if s % LOG_EVERY and s != last}

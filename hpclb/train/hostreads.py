@@ -6,7 +6,8 @@ before it, so a step with one stalls the host once per step. :class:`HostReadCou
 ``torch.overrides.TorchFunctionMode`` that records every such call made while it is active, with
 where it was made (the innermost frame outside torch, ``file:line``), so that the count can be
 asserted on the CPU, where no read costs anything; on a GPU the same count can be compared with
-``torch.cuda.set_sync_debug_mode("warn")``'s warnings.
+``torch.cuda.set_sync_debug_mode("warn")``'s warnings. :func:`reads_per_step` trains a run
+under both and reports them per global step.
 
 Reads of tensors that live on the host by construction are not counted: the data readers and a
 task's batch builders (``hpclb/data/``, ``Task.batch`` and its helpers: the batch is built on the
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["READS", "HOST_SIDE", "HostRead", "HostReadCounter"]
+__all__ = ["READS", "HOST_SIDE", "HostRead", "HostReadCounter", "StepWindow", "reads_per_step"]
 
 #: Tensor methods and torch functions whose result is a host value read from the tensor.
 READS = frozenset({
@@ -93,3 +95,53 @@ class HostReadCounter(TorchFunctionMode):
                 where = f"{path}:{frame.f_lineno}"
             frame = frame.f_back
         return where or "?"
+
+
+@dataclass(frozen=True)
+class StepWindow:
+    """What one global step did, from its start to the next step's start (so a log line or an
+    epoch end falls in the window of the step it follows): ``reads`` (:class:`HostRead` list)
+    and ``syncs`` (CUDA synchronisations torch's sync debug mode reported; 0 off CUDA)."""
+
+    reads: list
+    syncs: int
+
+
+def reads_per_step(cfg, comm, **train_kw) -> dict[int, StepWindow]:
+    """Train ``cfg`` (a :class:`~hpclb.config.RunConfig`) on ``comm`` with
+    :func:`hpclb.train.loop.train` under a :class:`HostReadCounter` and, on a CUDA device,
+    ``torch.cuda.set_sync_debug_mode("warn")``; returns each global step's
+    :class:`StepWindow` (1-based). Collective like ``train``; raises what it raises."""
+    from hpclb.train import loop
+
+    counter, windows, state = HostReadCounter(), {}, {"step": None, "seen": 0}
+    step = loop.train_step
+    cuda = torch.cuda.is_available() and cfg.device in ("auto", "cuda")
+
+    def close(caught: list) -> None:
+        if state["step"] is not None:
+            syncs = sum("synchroniz" in str(w.message) for w in caught[state["seen"]:])
+            windows[state["step"]] = StepWindow(list(counter.reads), syncs)
+        counter.clear()
+        state["seen"] = len(caught)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def counted_step(run, *args):
+            close(caught)
+            state["step"] = run.pos.global_step + 1
+            return step(run, *args)
+
+        loop.train_step = counted_step
+        try:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            with counter:
+                loop.train(cfg, comm, quiet=True, **train_kw)
+            close(caught)
+        finally:
+            loop.train_step = step
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    return windows

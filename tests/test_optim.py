@@ -370,3 +370,89 @@ def test_step_outputs_and_path_logged_once(caplog):
             assert torch.equal(opt.trust_ratios, ratios[[0, 2]])
     msgs = [r.getMessage() for r in caplog.records if "path" in r.getMessage()]
     assert msgs == ["LARS: torch path on cpu (torch._foreach ops)"] and opt.path == "torch"
+
+
+def _grads_for(ps, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) for p in ps]
+
+
+@pytest.mark.parametrize("cls,kw", [(LARS, dict(lr=1.0, momentum=0.9, weight_decay=1e-4)),
+                                    (LAMB, dict(lr=0.01))])
+def test_found_inf_masks_the_whole_step_on_the_device(cls, kw):
+    """torch's _step_supports_amp_scaling contract: found_inf > 0 leaves every layer and its
+    state untouched, found_inf 0 steps exactly as without it; no host read either way."""
+    from hpclb.train.hostreads import HostReadCounter
+
+    shapes = [(6, 5), (5,), (8, 4)]
+    plain, masked = make_params(30, shapes), make_params(30, shapes)
+    opts = cls(plain, **kw), cls(masked, **kw)
+    assert cls._step_supports_amp_scaling
+    for step in range(4):
+        for ps in (plain, masked):
+            for p, gr in zip(ps, _grads_for(ps, 31 + step)):
+                p.grad = gr
+        opts[0].step()
+        skip = step == 2
+        before = [p.detach().clone() for p in masked]
+        state = [{k: v.clone() for k, v in opts[1].state[p].items() if torch.is_tensor(v)}
+                 for p in masked]
+        opts[1].found_inf, opts[1].grad_scale = torch.tensor(float(skip)), None
+        with HostReadCounter() as reads:
+            opts[1].step()
+        del opts[1].found_inf, opts[1].grad_scale
+        assert len(reads) == 0, reads.reads
+        if skip:
+            assert all(torch.equal(a, p) for a, p in zip(before, masked))
+            assert all(torch.equal(v, opts[1].state[p][k]) for p, s in zip(masked, state)
+                       for k, v in s.items())
+            for p, q in zip(masked, plain):   # re-sync the reference with the skipped one
+                q.data.copy_(p.data)
+                opts[0].state[q] = {k: (v.clone() if torch.is_tensor(v) else v)
+                                    for k, v in opts[1].state[p].items()}
+        else:
+            assert all(torch.equal(p, q) for p, q in zip(masked, plain)), step
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_grad_scaler_steps_without_a_host_read(cls):
+    """GradScaler.step on LARS/LAMB hands found_inf to the optimizer (no .item()): an overflow
+    skips the step, a finite one steps as the unscaled gradients say."""
+    from hpclb.train.hostreads import HostReadCounter
+
+    model = torch.nn.Linear(4, 3)
+    opt = cls(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    for bad in (True, False):
+        opt.zero_grad()
+        scaler.scale(model(x).pow(2).mean() * (float("inf") if bad else 1.0)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with HostReadCounter() as reads:
+            scaler.step(opt)
+            scaler.update()
+        assert len(reads) == 0, reads.reads
+        changed = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+        assert changed == [not bad] * 2, (bad, changed)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_lamb_tensor_step_counts_update_each_layer_once():
+    """A state whose ``step`` values are 0-d tensors (torch Adam's format) steps exactly like
+    the same state with int steps (it used to apply the update once per parameter)."""
+    shapes = [(6, 5), (5,), (8, 4)]
+    a, b = make_params(40, shapes), make_params(40, shapes)
+    opt_a, opt_b = LAMB(a, lr=0.01), LAMB(b, lr=0.01)
+    for p, q in zip(a, b):
+        p.grad, q.grad = _grads_for([p], 41)[0], _grads_for([q], 41)[0]
+    opt_a.step()
+    opt_b.step()
+    for q in b:
+        opt_b.state[q]["step"] = torch.tensor(float(opt_b.state[q]["step"]))
+    for step in range(2):
+        for p, q in zip(a, b):
+            p.grad, q.grad = _grads_for([p], 42 + step)[0], _grads_for([q], 42 + step)[0]
+        opt_a.step()
+        opt_b.step()
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), step
+    assert all(opt_b.state[q]["step"] == 3 for q in b)

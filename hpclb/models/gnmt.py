@@ -35,7 +35,9 @@ class NormalizedBahdanauAttention(nn.Module):
         """query ``[b, t, h]``, keys ``[b, s, h]``, mask bool ``[b, s]`` (True = real token) ->
         context ``[b, t, h]``."""
         e = torch.tanh(self.q(query).unsqueeze(2) + self.k(keys).unsqueeze(1))  # [b, t, s, h]
-        scores = (e @ (self.g * self.v / self.v.norm())).masked_fill(~mask[:, None, :], -1e9)
+        scores = e @ (self.g * self.v / self.v.norm())
+        # padding gets the dtype's lowest value (-1e9 does not fit fp16 under autocast)
+        scores = scores.masked_fill(~mask[:, None, :], torch.finfo(scores.dtype).min)
         return torch.softmax(scores, dim=-1) @ keys
 
 
@@ -89,7 +91,10 @@ class GNMT(nn.Module):
         lengths, order = torch.sort(lengths, descending=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
-        order, inverse = order.to(src.device), inverse.to(src.device)
+        both = torch.stack([order, inverse])   # one copy, pinned and non-blocking on CUDA
+        if src.device.type == "cuda":
+            both = both.pin_memory().to(src.device, non_blocking=True)
+        order, inverse = both.to(src.device)
 
         def run(lstm, x):
             packed = pack_padded_sequence(x.index_select(0, order), lengths, batch_first=True)

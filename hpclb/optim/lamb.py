@@ -30,7 +30,7 @@ from torch import Tensor
 
 from hpclb.optim import fused as kernels
 from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
-from hpclb.optim.trust import lamb_trust_ratios
+from hpclb.optim.trust import host_to_device, lamb_trust_ratios, nan_if_found, unscale_grads_
 
 __all__ = ["lamb_direction", "LAMB"]
 
@@ -69,7 +69,17 @@ class LAMB(LayerwiseOptimizer):
     dtype (fp16 parameters: eps >= 6e-8).
     Raises ValueError naming any out-of-range hyper-parameter; ``step`` raises RuntimeError
     naming a parameter whose gradient is sparse.
+
+    torch's ``_step_supports_amp_scaling`` contract (``GradScaler.step``, and
+    :class:`hpclb.DistributedOptimizer`'s non-finite guard): when ``found_inf`` (0-d float
+    tensor) is set on the optimizer and > 0, the step leaves every layer's ``w``, ``m`` and ``v``
+    as they were, decided on the device (no host read; the host-side step count ``t`` still
+    advances, so the following steps' bias corrections use ``t + 1``); ``grad_scale`` (when not
+    None) divides the gradients first. A state whose ``step`` is a tensor (torch Adam's format)
+    is read once and kept as an int.
     """
+
+    _step_supports_amp_scaling = True   # honours found_inf / grad_scale
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999),
@@ -98,19 +108,25 @@ class LAMB(LayerwiseOptimizer):
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
+            elif torch.is_tensor(state["step"]):   # torch Adam's format: once, then an int
+                state["step"] = int(state["step"].item())
             state["step"] += 1
         params = [p for _, p in pairs]
         m = [self.state[p]["exp_avg"] for p in params]
         v = [self.state[p]["exp_avg_sq"] for p in params]
+        found_inf = getattr(self, "found_inf", None)
+        unscale_grads_([p.grad for p in params], getattr(self, "grad_scale", None))
         fused = self._fused_for(pairs, params, [p.grad for p in params], m, v)
         if fused is not None:
-            self._fused_step(fused, pairs, m, v)
+            with nan_if_found([p.grad for p in params], found_inf):
+                self._fused_step(fused, pairs, m, v)
         else:
-            self._torch_step(pairs)
+            self._torch_step(pairs, found_inf)
         return loss
 
-    def _torch_step(self, pairs: list[tuple[dict, Tensor]]) -> None:
-        """The step with torch._foreach ops; layers grouped by (group, step count)."""
+    def _torch_step(self, pairs: list[tuple[dict, Tensor]], found_inf: Tensor | None) -> None:
+        """The step with torch._foreach ops; layers grouped by (group, step count); nothing
+        changes where ``found_inf`` > 0."""
         params, us, ms, vs, m_new, v_new, adapt, lrs, clamps = ([] for _ in range(9))
         for group in self.param_groups:
             ps = [p for g, p in pairs if g is group]
@@ -134,9 +150,11 @@ class LAMB(LayerwiseOptimizer):
                 clamps += [group.get("trust_clamp")] * len(same)
         ratios, w_norm, u_norm = lamb_trust_ratios(params, us, adapt=adapt, trust_clamp=clamps)
         ok = self._finite(w_norm, u_norm)
+        if found_inf is not None:   # the whole step masked on the device
+            ok &= found_inf.to(ok.device) == 0
         select_(ok, ms, m_new)
         select_(ok, vs, v_new)
-        step_sizes = torch.tensor(lrs, dtype=ratios.dtype).to(ratios.device) * ratios
+        step_sizes = host_to_device(lrs, ratios.dtype, ratios.device) * ratios
         us = [torch.where(k, u, 0) for k, u in zip(ok.unbind(), us)]   # inf/NaN -> 0
         torch._foreach_mul_(us, torch.where(ok, step_sizes, 0).unbind())
         torch._foreach_sub_(params, us)
@@ -151,7 +169,9 @@ class LAMB(LayerwiseOptimizer):
             key = (group["eps"], dtype)
             if key in self._eps_checked:
                 continue
-            if float(torch.tensor(group["eps"], dtype=dtype)) == 0.0:
+            info = torch.finfo(dtype)   # half the smallest subnormal or less rounds to 0
+            eps = float(np.float32(group["eps"])) if dtype == torch.bfloat16 else group["eps"]
+            if eps <= info.smallest_normal * info.eps / 2:   # (bf16: via fp32, as torch does)
                 raise ValueError(f"Invalid eps: {group['eps']} rounds to 0 in {dtype} (the "
                                  f"parameters' dtype); use eps >= "
                                  f"{torch.finfo(dtype).smallest_normal:.1e} or fp32 parameters")

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from hpclb.optim import fused as kernels
 from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
-from hpclb.optim.trust import lars_trust_ratios
+from hpclb.optim.trust import host_to_device, lars_trust_ratios, nan_if_found, unscale_grads_
 
 __all__ = ["lars_update_", "LARS"]
 
@@ -76,9 +76,16 @@ class LARS(LayerwiseOptimizer):
     fused kernel refuses fp64 and the step falls back, with one warning).
     Raises ValueError naming any out-of-range hyper-parameter; ``step`` raises RuntimeError
     naming a parameter whose gradient is sparse.
+
+    torch's ``_step_supports_amp_scaling`` contract (``GradScaler.step``, and
+    :class:`hpclb.DistributedOptimizer`'s non-finite guard): when ``found_inf`` (0-d float
+    tensor) is set on the optimizer and > 0, the step leaves every layer's ``w`` and ``v`` as
+    they were, decided on the device (no host read); ``grad_scale`` (when not None) divides the
+    gradients first.
     """
 
     _EPS_TYPICAL = "1e-9"
+    _step_supports_amp_scaling = True   # honours found_inf / grad_scale (see step)
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.9,
                  weight_decay: float = 1e-4, trust_coefficient: float = 0.001, eps: float = 1e-9,
@@ -105,17 +112,22 @@ class LARS(LayerwiseOptimizer):
         adapt = [self.is_adapted(p, g) for g, p in pairs]
         wd = [g["weight_decay"] if a else 0.0 for (g, _), a in zip(pairs, adapt)]
         bufs = self._momentum_buffers(params)
+        found_inf = getattr(self, "found_inf", None)
+        unscale_grads_(grads, getattr(self, "grad_scale", None))
         fused = self._fused_for(pairs, params, grads, bufs)
         if fused is not None:
-            res = self._fused_step(fused, pairs, grads, bufs, adapt)
+            with nan_if_found(grads, found_inf):
+                res = self._fused_step(fused, pairs, grads, bufs, adapt)
             self._record(res.ratio, res.nonfinite, adapt)
             return loss
         ratios, w_norm, g_norm = lars_trust_ratios(
             params, grads, trust_coefficient=[g["trust_coefficient"] for g, _ in pairs],
             weight_decay=wd, eps=[g["eps"] for g, _ in pairs], adapt=adapt,
             trust_clamp=[g.get("trust_clamp") for g, _ in pairs])
-        lrs = torch.tensor([g["lr"] for g, _ in pairs], dtype=ratios.dtype).to(ratios.device)
+        lrs = host_to_device([g["lr"] for g, _ in pairs], ratios.dtype, ratios.device)
         ok = self._finite(w_norm, g_norm)
+        if found_inf is not None:   # the whole step masked on the device
+            ok &= found_inf.to(ok.device) == 0
         lars_update_(params, grads, bufs, lrs * ratios, [g["momentum"] for g, _ in pairs], wd,
                      update=ok)
         self._record(ratios, (~ok).sum(dtype=torch.int32), adapt)

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +36,8 @@ from torch import Tensor
 from hpclb.optim import fused as kernels
 
 __all__ = ["TrustClamp", "backend_for", "fused_backend", "layer_norms", "clamp_bounds",
-           "check_trust_clamp", "lars_trust_ratios", "lamb_trust_ratios"]
+           "check_trust_clamp", "lars_trust_ratios", "lamb_trust_ratios", "host_to_device",
+           "nan_if_found", "unscale_grads_"]
 
 log = logging.getLogger(__name__)
 _announced: set[str] = set()
@@ -106,12 +108,54 @@ def _torch_norms(tensors: Sequence[Tensor]) -> Tensor:
     out = torch.empty(len(tensors), dtype=torch.float64, device=tensors[0].device)
     for idx, dtype in ((wide, torch.float64), (narrow, torch.float32)):
         norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=dtype)
-        out[torch.tensor(idx, device=out.device)] = torch.stack(norms).to(torch.float64)
+        out[host_to_device(idx, torch.long, out.device)] = torch.stack(norms).to(torch.float64)
     return out
 
 
+def host_to_device(values: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``values`` (host numbers, a list or a NumPy array) as a ``dtype`` tensor on ``device``:
+    for a CUDA device through pinned memory with ``non_blocking=True`` (a pageable copy would
+    wait for the stream: a host synchronisation per call)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _as_layer_vector(x: float | Sequence[float] | Tensor, n: int, like: Tensor) -> Tensor:
-    return torch.as_tensor(x, dtype=like.dtype, device=like.device).expand(n)
+    if isinstance(x, Tensor):
+        return x.to(dtype=like.dtype, device=like.device).expand(n)
+    if isinstance(x, (int, float)):   # filled on the device: nothing copied
+        return torch.full((n,), float(x), dtype=like.dtype, device=like.device)
+    return host_to_device(x, like.dtype, like.device).expand(n)
+
+
+def unscale_grads_(grads: Sequence[Tensor], grad_scale: Tensor | None) -> None:
+    """Divide ``grads`` by ``grad_scale`` in place (as ``GradScaler.unscale_`` does); no-op for
+    None. Part of torch's ``_step_supports_amp_scaling`` contract (``GradScaler.step`` sets
+    ``optimizer.grad_scale`` when the gradients are still scaled)."""
+    grads = [g for g in grads if g.numel()]
+    if grad_scale is not None and grads:
+        torch._foreach_div_(grads, grad_scale.to(grads[0].device))
+
+
+@contextmanager
+def nan_if_found(grads: Sequence[Tensor], found_inf: Tensor | None) -> Iterator[None]:
+    """For a kernel that leaves a layer untouched when its norms are not finite (the fused
+    LARS/LAMB step): while the block runs, the first element of every gradient is NaN where
+    ``found_inf`` (0-d, > 0 = skip the step) is set, so the whole step is masked; the first
+    elements are restored afterwards, bit for bit. Device-side only, no host read."""
+    grads = [g for g in grads if g.numel()]
+    if found_inf is None or not grads:
+        yield
+        return
+    heads = [g.view(-1)[:1] for g in grads]
+    saved = torch._foreach_mul(heads, 1.0)   # exact copies (x * 1 = x, signs of 0 kept)
+    torch._foreach_mul_(heads, torch.where(found_inf.to(heads[0].device) > 0, math.nan, 1.0))
+    try:
+        yield
+    finally:
+        torch._foreach_copy_(heads, saved)
 
 
 def clamp_bounds(trust_clamp: TrustClamp, n: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -151,7 +195,7 @@ def check_trust_clamp(trust_clamp: Any) -> tuple[float, float] | None:
 def _clamp(ratio: Tensor, bounds: tuple[np.ndarray, np.ndarray] | None) -> Tensor:
     if bounds is None:
         return ratio
-    lo, hi = (torch.as_tensor(b, dtype=ratio.dtype).to(ratio.device) for b in bounds)
+    lo, hi = (host_to_device(b, ratio.dtype, ratio.device) for b in bounds)
     return torch.minimum(torch.maximum(ratio, lo), hi)   # NaN stays NaN, as in the kernel
 
 
@@ -166,7 +210,9 @@ def _fused_clamp(bounds: tuple[np.ndarray, np.ndarray] | None, n: int) -> dict[s
 
 def _ratio(numerator: Tensor, w_norm: Tensor, other_norm: Tensor, adapt: Tensor) -> Tensor:
     """``numerator`` where the layer is adapted and both norms are non-zero, else 1."""
-    use = adapt.to(w_norm.device) & (w_norm > 0) & (other_norm > 0)
+    adapt = adapt if adapt.device == w_norm.device else \
+        host_to_device(adapt, torch.bool, w_norm.device)
+    use = adapt & (w_norm > 0) & (other_norm > 0)
     return torch.where(use, numerator, torch.ones_like(w_norm))
 
 

@@ -10,8 +10,16 @@
    non-finite guard: a non-finite norm skips the step on every rank together (the averaged
    gradients are identical on all ranks, so no extra collective is needed) and counts it; after
    ``max_nonfinite_steps`` skipped steps in a row it raises :class:`NonFiniteError` naming the
-   step and the first non-finite layer. The guard reads one scalar from the device per step,
-   as ``torch.amp.GradScaler`` does;
+   step and the first non-finite layer. Two ways, by what the optimizer supports:
+
+   - *on the device* (optimizers with torch's ``_step_supports_amp_scaling`` contract:
+     :class:`hpclb.LARS`, :class:`hpclb.LAMB`, torch's fused Adam/AdamW/SGD): the found-inf flag
+     is handed to the optimizer as ``optimizer.found_inf`` (as ``torch.amp.GradScaler`` does),
+     which masks the whole update on the device; the skip and the run of skips are counted on
+     the device, and the limit is checked by :meth:`check_nonfinite` (the training loop calls
+     it at each log line and epoch end). The step reads nothing from the device;
+   - *on the host* (any other optimizer): one 0-d read per step, as ``GradScaler.step`` makes;
+     the limit is checked at once;
 4. optional clipping to ``grad_clip_norm`` (after the averaging, once);
 5. the wrapped optimizer's step.
 
@@ -30,6 +38,7 @@ from hpclb.errors import NonFiniteError
 from hpclb.sync.agree import verify_replicas
 from hpclb.sync.contracts import GradGuard, SynchronizeMixin, zero_grad_action
 from hpclb.sync.gradients import GradientSync
+from hpclb.sync.guard import NonFiniteGuard
 
 __all__ = ["DistributedOptimizer"]
 
@@ -76,7 +85,9 @@ class DistributedOptimizer(SynchronizeMixin):
 
     Attributes after each ``step()``: ``grad_norm`` (0-d float32 device tensor, the averaged
     gradient's global L2 norm before clipping), ``steps`` (optimizer steps taken or skipped),
-    ``skipped_steps`` (non-finite steps skipped in total), ``sync_wait_s`` (host seconds spent
+    ``skipped_steps`` (non-finite steps skipped in total; reading it reads the device when the
+    guard counts there), ``step_skipped`` (0-d bool device tensor: the last completed step was
+    skipped; None before the first), ``sync_wait_s`` (host seconds spent
     waiting for the allreduce, all steps: the communication that backward did not hide),
     ``sync`` (the GradientSync).
 
@@ -130,9 +141,8 @@ class DistributedOptimizer(SynchronizeMixin):
         self.scaler = scaler
         self.grad_norm: Tensor | None = None
         self.steps = 0
-        self.skipped_steps = 0
         self.sync_wait_s = 0.0  # host seconds spent waiting in the allreduce (all steps)
-        self._streak = 0
+        self.guard = NonFiniteGuard(optimizer, max_nonfinite_steps, scaler)
 
     def _build_sync(self) -> None:
         """The GradientSync (and its GradGuard) over the trainable parameters of ``_named``."""
@@ -169,9 +179,11 @@ class DistributedOptimizer(SynchronizeMixin):
             self._guard.clear()
 
     def step(self, closure=None) -> bool:
-        """Average, check, clip and step (module docstring). Returns True when the parameters
-        were updated; False on a partial accumulation window or a skipped non-finite step.
-        Raises :class:`NonFiniteError` after too many non-finite steps in a row."""
+        """Average, check, clip and step (module docstring). Returns False on a partial
+        accumulation window or a step skipped on the host path; True when the update was
+        issued (on the device path a non-finite step is masked there: ``step_skipped`` says).
+        Raises :class:`NonFiniteError` after too many non-finite steps in a row (host path;
+        the device path raises in :meth:`check_nonfinite`)."""
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure: run forward and "
                              "backward before calling step()")
@@ -183,31 +195,60 @@ class DistributedOptimizer(SynchronizeMixin):
             self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
         self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        meta = self.grad_norm.device.type == "meta"  # a device dry run: nothing to read
-        if not meta and not bool(torch.isfinite(self.grad_norm)):  # the one host read per step
+        if self.grad_norm.device.type == "meta":  # a device dry run: nothing to read
+            self._apply(None)
+            return True
+        found = self.guard.found(self.grad_norm)
+        if self.guard.on_device:  # the optimizer masks the update: no host read
+            self.guard.record_on_device(found, self.steps)
+            self._apply(found)
+            return True
+        if self.guard.skip_on_host(found):  # the one host read per step
             self._skip()
             return False
-        self._streak = 0
-        if self.grad_clip_norm:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip_norm, self.grad_norm)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        self._apply(None)
         return True
 
+    def _apply(self, found: Tensor | None) -> None:
+        """Clip and step; ``found`` (device path): the found-inf flag handed to the optimizer."""
+        if self.grad_clip_norm:  # a skipped step's norm as 0: clipping leaves its gradients be
+            norm = self.grad_norm if found is None else torch.where(found, 0.0, self.grad_norm)
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip_norm, norm)
+        if found is None:
+            self.optimizer.step()
+        else:  # torch's contract (GradScaler.step): grad_scale None = already unscaled
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found.float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+        if self.scaler is not None:
+            self.scaler.update()  # lowers the fp16 loss scale after a skip, as GradScaler does
+
     def _skip(self) -> None:
-        self.skipped_steps += 1
-        # An fp16 overflow while the loss scale is still >= 1 is the scaler calibrating itself
-        # (it halves the scale and tries again): skipped, counted, not a divergence.
-        if self.scaler is None or self.scaler.get_scale() < 1.0:
-            self._streak += 1
-        if self._streak >= self.max_nonfinite_steps:
-            raise NonFiniteError(self.steps, self.first_nonfinite_layer(), self._streak)
+        self.guard.check(self.steps, self.first_nonfinite_layer)  # raises at the limit
         self.optimizer.zero_grad(set_to_none=False)
         if self.scaler is not None:
             self.scaler.update()  # lowers the fp16 loss scale, as a skipped scaler step does
+
+    def check_nonfinite(self) -> int:
+        """Raise :class:`NonFiniteError` when ``max_nonfinite_steps`` skipped steps in a row were
+        reached (naming the optimizer step at which it happened); returns the skipped steps so
+        far. On the device path this is where the limit is checked (one host read): call it
+        at log points; on the host path the step itself raises."""
+        return self.guard.check(self.steps, self.first_nonfinite_layer)
+
+    @property
+    def step_skipped(self) -> Tensor | None:
+        return self.guard.found_inf
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.guard.total()
+
+    @skipped_steps.setter
+    def skipped_steps(self, n: int) -> None:
+        self.guard.set_skipped(n)
 
     def first_nonfinite_layer(self) -> str | None:
         """Name of the first parameter whose gradient holds inf/NaN (host syncs per layer: only

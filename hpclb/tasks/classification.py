@@ -108,7 +108,7 @@ class ClassificationTask(Task):
         with torch.no_grad():  # on the device: no host sync per step
             stats = torch.stack([loss.detach().double() * len(y),
                                  (logits.argmax(1) == y).sum().double(),
-                                 torch.tensor(float(len(y)), dtype=torch.float64, device=y.device)])
+                                 torch.full((), len(y), dtype=torch.float64, device=y.device)])
         return loss, stats
 
     def train_metrics(self, sums, seconds):

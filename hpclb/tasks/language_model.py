@@ -104,7 +104,7 @@ class LanguageModelTask(Task):
                 self._pending = []
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         with torch.no_grad():
-            n = torch.tensor(float(y.numel()), dtype=torch.float64, device=y.device)
+            n = torch.full((), y.numel(), dtype=torch.float64, device=y.device)  # no copy
             stats = torch.stack([loss.detach().double() * n, torch.zeros_like(n), n])
         return loss, stats
 

@@ -110,8 +110,8 @@ class Seq2seqTask(Task):
                                 ignore_index=PAD, reduction="sum")
         with torch.no_grad():  # on the device: no host sync per step
             stats = torch.stack([total.detach().double(),
-                                 torch.tensor(float(src.shape[0]), dtype=torch.float64,
-                                              device=src.device),
+                                 torch.full((), src.shape[0], dtype=torch.float64,
+                                            device=src.device),
                                  (tgt_out != PAD).sum().double()])
         return total / src.shape[0], stats  # stats: loss sum, sentences, target tokens
 

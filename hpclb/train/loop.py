@@ -22,9 +22,12 @@
 Preemption: SIGUSR2/SIGTERM only set a flag; at the next step the ranks agree (allreduce max),
 rank 0 saves that step's checkpoint, and every rank exits with :data:`PREEMPTED_EXIT_CODE`, which
 the job scripts use to requeue; ``--resume`` continues the same trajectory bit for bit.
+Non-finite steps: a skipped step adds nothing to the epoch's statistics (masked on the device).
 Divergence: after ``max_nonfinite_steps`` non-finite steps in a row every rank raises
-:class:`Diverged` (exit :data:`DIVERGED_EXIT_CODE`); the last finite checkpoint is kept and no
-summary is written.
+:class:`Diverged` (exit :data:`DIVERGED_EXIT_CODE`; at once on the host path, at the next step
+line or epoch end when the optimizer masks skips on the device, LARS/LAMB), as it does when an
+epoch ends with a non-finite metric or a training loss over :data:`EXPLODED_LOSS_FACTOR` times
+the first applied step's; the last finite checkpoint is kept and no summary is written.
 """
 from __future__ import annotations
 
@@ -53,8 +56,9 @@ from hpclb.train.steplog import StepLog
 
 __all__ = ["EXPLODED_LOSS_FACTOR", "PreemptionFlag", "train_step", "train"]
 
-# An epoch's training loss this many times step 1's (both finite, > 0) is a divergence: a
-# cross-entropy that starts at ln(classes) never legitimately grows a hundredfold.
+# An epoch's training loss this many times the first applied (not skipped) step's (both finite,
+# > 0) is a divergence: a cross-entropy that starts at ln(classes) never legitimately grows a
+# hundredfold. docs/faults.md states it (tests/test_faults_doc.py).
 EXPLODED_LOSS_FACTOR = 1e2
 
 
@@ -102,14 +106,18 @@ def _set_threads(comm: Communicator) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))
 
 
-def train_step(run: Run, i: int, sums: torch.Tensor) -> bool:
+def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None = None) -> bool:
     """Step ``i`` of the current epoch on this rank: micro-batches, backward, the synchronised
-    optimizer step and the LR schedule. Adds the task's statistics to ``sums`` (on the device).
-    Returns whether the parameters were updated (False: a skipped non-finite step)."""
+    optimizer step and the LR schedule. Adds the task's statistics to ``sums`` (on the device),
+    unless the step was skipped as non-finite (masked on the device: no host read).
+    ``first`` (float64 ``[3]``, zeros until then): receives the statistics of the first step
+    that was not skipped (the reference of the explosion check).
+    Returns the optimizer's verdict (False: partial window or a step skipped on the host)."""
     task, opt, k = run.task, run.optimizer, run.cfg.accumulation_steps
     w = run.comm.world_size
     opt.zero_grad()
     n_global = task.global_size(i)
+    before = sums.clone()
     stepped = False
     for part in range(k):
         # Part j's mean loss times W*K*n_j/n_global makes the averaged gradient (GradientSync
@@ -124,14 +132,21 @@ def train_step(run: Run, i: int, sums: torch.Tensor) -> bool:
             (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
             sums += stats
         stepped = opt.step()  # communicates and updates on the last part only
+    skipped = opt.step_skipped
+    if skipped is not None:  # a skipped step adds nothing to the epoch's statistics
+        sums.copy_(torch.where(skipped.to(sums.device), before, sums))
+        if first is not None:
+            first.copy_(torch.where(first[2] > 0, first, sums - before))
     run.scheduler.step()
     run.pos.global_step += 1
     return stepped
 
 
 def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed: bool,
-               steplog: StepLog) -> dict:
+               steplog: StepLog, first: torch.Tensor | None) -> dict:
     comm = run.comm
+    skipped = run.optimizer.check_nonfinite()  # raises at the limit of skips in a row
+    _resolve_first_loss(run, first)
     sums = sums.double().cpu()
     if comm.world_size > 1:
         comm.allreduce_(sums)
@@ -143,7 +158,7 @@ def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed
            **{k: v for k, v in train_metrics.items() if not k.endswith("_per_s")},
            **eval_metrics, "lr": run.schedule.lr(run.pos.global_step - 1), **rates,
            "epoch_time_s": seconds, "elapsed_s": run.elapsed_s(),
-           "skipped_steps": run.optimizer.skipped_steps, **steplog.epoch_fields()}
+           "skipped_steps": skipped, **steplog.epoch_fields()}
     _check_diverged(run, epoch, row["train_loss"], eval_metrics)
     return row
 
@@ -164,54 +179,80 @@ def _check_diverged(run: Run, epoch: int, train_loss: float, eval_metrics: dict)
                        f"1 (more than {EXPLODED_LOSS_FACTOR:g}x) ({where})")
 
 
-def _first_loss(run: Run, sums: torch.Tensor) -> float:
-    """Step 1's mean training loss over all ranks (collective, once per run)."""
-    t = torch.stack([sums[0], sums[2]]).double().cpu()
+def _resolve_first_loss(run: Run, first: torch.Tensor | None) -> None:
+    """Set ``run.pos.first_loss`` from ``first`` (the first applied step's statistics, summed
+    over the ranks: a collective, once per epoch end or checkpoint until it is known)."""
+    if run.pos.first_loss is not None or first is None:
+        return
+    t = torch.stack([first[0], first[2]]).double().cpu()
     if run.comm.world_size > 1:
         run.comm.allreduce_(t)
-    return float(t[0] / t[1]) if t[1] else float("nan")
+    if t[1] > 0:
+        run.pos.first_loss = float(t[0] / t[1])
+
+
+def _diverged(run: Run, e: NonFiniteError, where: str) -> Diverged:
+    kept = (f"the last finite checkpoint is kept in {run.store.latest_path}"
+            if run.store.exists() else "no checkpoint was written before it")
+    return Diverged(f"{e} ({where}); {kept}")
 
 
 def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, say,
                checkpoint_interval_s: float | None, last_checkpoint: list[float]) -> dict:
     """One epoch (from the resumed step); returns its row. Raises Preempted, Diverged."""
-    task, pos, sched, comm = run.task, run.pos, run.schedule, run.comm
+    task, pos, sched = run.task, run.pos, run.schedule
     task.start_epoch(epoch)
     run.optimizer.sync.reset_epoch()
     spe = sched.steps_per_epoch
     steps = min(spe, sched.total_steps - epoch * spe)
-    first = pos.step_in_epoch if epoch == pos.epoch else 0
-    if first:
+    begin = pos.step_in_epoch if epoch == pos.epoch else 0
+    if begin:
         task.load_state_dict(run.resumed_from.get("task"))  # resumed mid-epoch
-    sums = (pos.epoch_sums.clone() if first else torch.zeros(3, dtype=torch.float64)).to(run.device)
+    sums = (pos.epoch_sums.clone() if begin else torch.zeros(3, dtype=torch.float64)).to(run.device)
+    first = None if pos.first_loss is not None else \
+        torch.zeros(3, dtype=torch.float64, device=run.device)
     t_epoch = time.perf_counter()
-    bar = tqdm(range(first, steps), desc=f"epoch {epoch + 1}", leave=False,
-               disable=not (comm.rank == 0 and say.enabled and sys.stderr.isatty()))
+    bar = tqdm(range(begin, steps), desc=f"epoch {epoch + 1}", leave=False,
+               disable=not (run.comm.rank == 0 and say.enabled and sys.stderr.isatty()))
     for i in bar:
+        at = pos.global_step + 1  # the step raising (the host path) or logging (device path)
         try:
-            stepped = train_step(run, i, sums)
+            stepped = train_step(run, i, sums, first)
+            steplog.after_step(sums, stepped)  # a log point also checks the skip limit
         except NonFiniteError as e:
-            kept = (f"the last finite checkpoint is kept in {run.store.latest_path}"
-                    if run.store.exists() else "no checkpoint was written before it")
-            raise Diverged(f"{e} (global step {pos.global_step + 1}, epoch {epoch + 1}, step "
-                           f"{i + 1}/{steps}); {kept}") from e
-        if pos.global_step == 1 and pos.first_loss is None:
-            pos.first_loss = _first_loss(run, sums)
-        steplog.after_step(sums, stepped)
-        since = time.monotonic() - last_checkpoint[0]
-        preempt.checkpoint_due = bool(comm.rank == 0 and checkpoint_interval_s and
-                                      since >= checkpoint_interval_s)
-        if preempt.agreed(comm):
-            save_checkpoint(run, epoch, i + 1, sums)
-            say(f"preempted: checkpoint of step {pos.global_step} (epoch {epoch}, step {i + 1}/"
-                f"{steps}) saved to {run.store.latest_path}; exiting with {PREEMPTED_EXIT_CODE} "
-                f"to requeue")
-            preempt.requested = True  # on every rank, also those the signal missed
-            raise Preempted(pos.global_step)
-        if preempt.checkpoint_now:
-            save_checkpoint(run, epoch, i + 1, sums)
-            last_checkpoint[0] = time.monotonic()
-    return _epoch_row(run, epoch, sums, time.perf_counter() - t_epoch, bool(first), steplog)
+            raise _diverged(run, e, f"global step {at}, epoch {epoch + 1}, step {i + 1}/"
+                                    f"{steps}") from e
+        _agree_and_checkpoint(run, epoch, i, steps, sums, first, preempt, say,
+                              checkpoint_interval_s, last_checkpoint)
+    try:
+        return _epoch_row(run, epoch, sums, time.perf_counter() - t_epoch, bool(begin), steplog,
+                          first)
+    except NonFiniteError as e:
+        raise _diverged(run, e, f"global step {pos.global_step}, end of epoch {epoch + 1}") from e
+
+
+def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.Tensor,
+                          first: torch.Tensor | None, preempt: PreemptionFlag, say,
+                          checkpoint_interval_s: float | None,
+                          last_checkpoint: list[float]) -> None:
+    """After step ``i``: the preemption / periodic checkpoint agreement (one allreduce), and
+    the checkpoint it asks for. Raises Preempted."""
+    comm, pos = run.comm, run.pos
+    since = time.monotonic() - last_checkpoint[0]
+    preempt.checkpoint_due = bool(comm.rank == 0 and checkpoint_interval_s and
+                                  since >= checkpoint_interval_s)
+    if preempt.agreed(comm):
+        _resolve_first_loss(run, first)
+        save_checkpoint(run, epoch, i + 1, sums)
+        say(f"preempted: checkpoint of step {pos.global_step} (epoch {epoch}, step {i + 1}/"
+            f"{steps}) saved to {run.store.latest_path}; exiting with {PREEMPTED_EXIT_CODE} "
+            f"to requeue")
+        preempt.requested = True  # on every rank, also those the signal missed
+        raise Preempted(pos.global_step)
+    if preempt.checkpoint_now:
+        _resolve_first_loss(run, first)
+        save_checkpoint(run, epoch, i + 1, sums)
+        last_checkpoint[0] = time.monotonic()
 
 
 class _Say:

@@ -7,8 +7,9 @@ A run directory's ``metrics.jsonl`` holds one JSON object per line, told apart b
   the unit of the epoch lines' ``step``). Scalars the training loop writes (all optional):
   ``loss``, ``lr``, ``grad_norm``, ``trust_min``/``trust_median``/``trust_max`` (LARS/LAMB
   trust ratios over the adapted layers), ``samples_per_s``, ``step_time_s``, ``compute_s``,
-  ``comm_s`` (exposed communication), ``skipped`` (steps skipped so far), ``memory_bytes``
-  (device memory in use, where there is a device).
+  ``comm_wait_s`` (exposed communication), ``skipped_steps`` (non-finite steps skipped so far;
+  a skipped step adds nothing to ``loss``, and a non-finite ``grad_norm`` or trust ratio of a
+  skipped last step is written as null), ``max_memory_bytes`` (peak device memory, on a GPU).
 - ``{"kind": "epoch", "epoch": E, "step": S, ...}``: the per-epoch row of ``hpclb train``
   (train/test metrics, ``lr``, ``samples_per_s``, optionally ``noise``: the gradient noise
   scale summary of :mod:`hpclb.noise`). Lines without ``kind`` (runs made before per-step

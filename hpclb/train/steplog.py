@@ -7,7 +7,10 @@ the interval's samples or tokens, all ranks), ``lr``, ``grad_norm`` (the average
 norm before clipping, last step), ``trust_min/median/max`` (LARS/LAMB adapted layers, last step),
 ``samples_per_s``, ``step_time_s`` split into ``comm_wait_s`` (host time waiting for the
 allreduce: communication backward did not hide) and ``compute_s`` (the rest), ``skipped_steps``
-and, on a GPU, ``max_memory_bytes``. Steps that are not logged read nothing from the device.
+and, on a GPU, ``max_memory_bytes``. Steps that are not logged read nothing from the device;
+a logged one reads its numbers in one copy. A skipped (non-finite) step adds nothing: its loss
+and noise terms are masked on the device, and a non-finite ``grad_norm`` or trust ratio (the
+last step was skipped) is written as null.
 
 Gradient noise scale (``--noise-scale``, world size > 1): McCandlish et al. 2018, App. A, from
 each rank's local gradient (batch B/W, :attr:`GradientSync.local_sq_norm`) and the averaged one
@@ -17,6 +20,7 @@ one norm per bucket per step on the device and the allreduce above.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -24,6 +28,11 @@ import torch
 from hpclb.noise import NoiseScaleEstimator
 
 __all__ = ["StepLog"]
+
+
+def _finite_or_none(x: float) -> float | None:
+    """A skipped (non-finite) step's value is not a metric: None in the step line."""
+    return x if math.isfinite(x) else None
 
 
 class StepLog:
@@ -43,74 +52,83 @@ class StepLog:
         self.t0, self.sync0 = time.perf_counter(), self.run.optimizer.sync_wait_s
         self.steps = 0
         self._last = sums.clone() if sums is not None else None
-        self._small = torch.zeros((), dtype=torch.float64, device=dev)
-        self._big = torch.zeros((), dtype=torch.float64, device=dev)
-        self._n_noise = 0
+        # noise-scale sums over the applied steps: local squared norms, averaged ones, count
+        self._noise_sums = torch.zeros(3, dtype=torch.float64, device=dev)
 
     def after_step(self, sums: torch.Tensor, stepped: bool) -> None:
-        """Accumulate one step; every ``log_every`` global steps, log (collective)."""
+        """Accumulate one step (on the device; a skipped step adds nothing); every
+        ``log_every`` global steps, log (collective; raises NonFiniteError at the limit of
+        skipped steps in a row)."""
         if sums is not self._sums_ref:  # a new epoch's sums
             self._sums_ref, self._last = sums, torch.zeros_like(sums)
         self.steps += 1
         opt = self.run.optimizer
         if self.noise is not None and stepped and opt.sync.local_sq_norm is not None:
-            self._small += opt.sync.local_sq_norm.double()
-            self._big += opt.grad_norm.double().square()
-            self._n_noise += 1
+            one = torch.stack([opt.sync.local_sq_norm.double().reshape(()),
+                               opt.grad_norm.double().square(),
+                               torch.ones((), dtype=torch.float64, device=sums.device)])
+            skipped = opt.step_skipped
+            self._noise_sums += one if skipped is None else torch.where(skipped, 0.0, one)
         if self.every and self.run.pos.global_step % self.every == 0:
             self._flush(sums)
 
-    def _reduce(self, sums: torch.Tensor) -> torch.Tensor:
+    def _read(self, sums: torch.Tensor) -> tuple[list[float], list[float]]:
+        """One read from the device: ``[loss sum, count, local squared norms]`` of the interval
+        summed over the ranks (one allreduce) and this rank's ``[averaged squared norms, noise
+        steps, grad_norm, trust min, median, max]`` (the same on every rank)."""
         d = sums - self._last
-        vec = torch.stack([d[0], d[2], self._small]).double().cpu()
+        opt = self.run.optimizer
+        ratios = getattr(opt.optimizer, "trust_ratios", None)
+        nan = torch.full((1,), float("nan"), dtype=torch.float64, device=sums.device)
+        q = nan.expand(3) if ratios is None or ratios.numel() == 0 else torch.quantile(
+            ratios.detach().float(), torch.linspace(0, 1, 3, device=ratios.device)).double()
+        norm = nan if opt.grad_norm is None else opt.grad_norm.detach().double().reshape(1)
+        vec = torch.cat([torch.stack([d[0], d[2]]).double(), self._noise_sums.double(),
+                         norm.to(sums.device), q.to(sums.device)]).cpu()
+        reduced = torch.stack([vec[0], vec[1], vec[2]])
         if self.run.comm.world_size > 1:
-            self.run.comm.allreduce_(vec)
-        return vec
+            self.run.comm.allreduce_(reduced)
+        return reduced.tolist(), vec[3:].tolist()
 
-    def _update_noise(self, small_sum: float) -> None:
-        if self.noise is None or not self._n_noise:
+    def _update_noise(self, small_sum: float, big_sum: float, n: float) -> None:
+        if self.noise is None or not n:
             return
         w, b = self.run.comm.world_size, self.run.cfg.global_batch_size
-        self.noise.update(small_sum / (w * self._n_noise), b // w,
-                          float(self._big) / self._n_noise, b)
+        self.noise.update(small_sum / (w * n), b // w, big_sum / n, b)
 
     def _flush(self, sums: torch.Tensor) -> None:
         run, opt = self.run, self.run.optimizer
         dt = time.perf_counter() - self.t0
-        vec = self._reduce(sums)
-        self._update_noise(float(vec[2]))
+        skipped = opt.check_nonfinite()   # raises at the limit (the device path's check)
+        (loss, count, small), (big, n, norm, *trust) = self._read(sums)
+        self._update_noise(small, big, n)
         wait = (opt.sync_wait_s - self.sync0) / self.steps
-        scalars = {"loss": float(vec[0] / vec[1]) if vec[1] else None,
+        scalars = {"loss": loss / count if count else None,
                    "lr": run.schedule.lr(run.pos.global_step - 1),
-                   "grad_norm": float(opt.grad_norm) if opt.grad_norm is not None else None,
-                   **self._trust(), "samples_per_s": self.steps * run.cfg.global_batch_size / dt,
+                   "grad_norm": _finite_or_none(norm),
+                   **({} if math.isnan(trust[0]) else dict(zip(
+                       ("trust_min", "trust_median", "trust_max"),
+                       map(_finite_or_none, trust)))),
+                   "samples_per_s": self.steps * run.cfg.global_batch_size / dt,
                    "step_time_s": dt / self.steps, "comm_wait_s": wait,
-                   "compute_s": dt / self.steps - wait, "skipped_steps": opt.skipped_steps}
+                   "compute_s": dt / self.steps - wait, "skipped_steps": skipped}
         if run.device.type == "cuda":
             scalars["max_memory_bytes"] = torch.cuda.max_memory_allocated(run.device)
         self.logger.log_step(run.pos.global_step, scalars)
         self._start_interval(sums)
-
-    def _trust(self) -> dict:
-        ratios = getattr(self.run.optimizer.optimizer, "trust_ratios", None)
-        if ratios is None or ratios.numel() == 0:
-            return {}
-        q = torch.quantile(ratios.detach().float().cpu(), torch.tensor([0.0, 0.5, 1.0]))
-        return {"trust_min": float(q[0]), "trust_median": float(q[1]), "trust_max": float(q[2])}
 
     def epoch_fields(self) -> dict:
         """Collective: ``{"noise": {...}}`` with the estimator's summary over the epoch (steps
         since the last log point included), or ``{}`` without ``--noise-scale``."""
         if self.noise is None:
             return {}
-        if self._n_noise:
-            vec = torch.stack([self._small.double().cpu()])
+        small, big, n = self._noise_sums.double().cpu().tolist()
+        if n:
+            vec = torch.tensor([small], dtype=torch.float64)
             if self.run.comm.world_size > 1:
                 self.run.comm.allreduce_(vec)
-            self._update_noise(float(vec[0]))
-            self._small.zero_()
-            self._big.zero_()
-            self._n_noise = 0
+            self._update_noise(float(vec[0]), big, n)
+            self._noise_sums.zero_()
         out = self.noise.summary()
         self.noise.new_window()
         return {"noise": out}

@@ -95,8 +95,8 @@ def test_nonfinite_loss_from_a_given_step(tmp_path, record):
 
 
 # Found by this matrix: at LR 1e6 the loss reaches 2.1e20 with finite weights (nothing non-finite:
-# caught as an exploded loss, > 1000x step 1's); at LR 1e20 test_loss is inf (caught as a
-# non-finite metric). Both end with exit 3 and no summary.
+# caught as an exploded loss, > 100x the first applied step's); at LR 1e20 test_loss is inf
+# (caught as a non-finite metric). Both end with exit 3 and no summary.
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("lr", ["1e6", "1e20"], ids=["lr1e6", "lr1e20"])
 def test_lars_huge_lr_diverges_with_exit_3(tmp_path, mnist_dir, lr, record):

@@ -1,0 +1,107 @@
+"""A skipped (non-finite) step stays out of the metrics and the run finishes: the real
+``hpclb train`` on 1 process and under ``mpirun -n 2``, with one non-finite step (an fp16
+overflow at step 1 on every rank, or one NaN sample on the last rank at step 5), through the
+host-side guard (Adam) and the device-side one (LARS: no host read in the step)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve().parent
+MPIRUN = Path(sys.executable).parent / "mpirun"
+STEPS_PER_EPOCH = 8   # 1,024 samples, global batch 128
+RECIPE = {
+    "name": "skipped",
+    "data": {"name": "nonfinite_plugin:blobs"},
+    "model": {"name": "nonfinite_plugin:SpikyMLP"},
+    "base_batch_size": 128, "epochs": 2, "optimizer": "adam", "warmup_epochs": 0.25, "log_every": 2,
+    "decay": {"name": "poly", "power": 2.0, "end_lr": 0.0},
+    "optimizers": {"adam": {"lr": 5.0e-3},
+                   "lars": {"lr": 1.0, "momentum": 0.9, "weight_decay": 1.0e-4,
+                            "trust_coefficient": 0.02}},
+}
+CASES = {  # name: (precision, environment)
+    "fp16-overflow-at-step-1": ("fp16", {"NONFINITE_MODE": "overflow", "NONFINITE_STEP": "1",
+                                         "NONFINITE_RANK": "all"}),
+    "nan-sample-at-step-5-last-rank": ("fp32", {"NONFINITE_MODE": "nan_sample",
+                                                "NONFINITE_STEP": "5", "NONFINITE_RANK": "last"}),
+    "nan-from-step-11-last-rank": ("fp32", {"NONFINITE_MODE": "nan_from",
+                                            "NONFINITE_STEP": "11", "NONFINITE_RANK": "last"}),
+}
+
+
+def _env(ranks: int, fault: dict) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "NONFINITE_"))}
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+                "OMP_NUM_THREADS": "1", **fault})
+    if fault.get("NONFINITE_RANK") == "last":
+        env["NONFINITE_RANK"] = str(ranks - 1)
+    return env
+
+
+def _train(tmp_path: Path, ranks: int, optimizer: str, case: str) -> tuple[int, str, Path]:
+    precision, fault = CASES[case]
+    shutil.copy(HERE / "nonfinite_plugin.py", tmp_path / "nonfinite_plugin.py")
+    recipe = tmp_path / "skipped.yaml"
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "hpclb", "train", str(recipe), "--out", str(out),
+            "--optimizer", optimizer, "--precision", precision, "--device", "cpu"]
+    if ranks > 1:
+        args = [str(MPIRUN), "--bind-to", "none", "-n", str(ranks), *args]
+    p = subprocess.run(args, capture_output=True, text=True, env=_env(ranks, fault), cwd=tmp_path,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    return p.returncode, p.stdout + p.stderr, out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", list(CASES)[:2])
+@pytest.mark.parametrize("optimizer", ["adam", "lars"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_one_nonfinite_step_is_skipped_and_the_run_finishes(tmp_path, ranks, optimizer, case):
+    if ranks > 1 and not MPIRUN.exists():
+        pytest.skip("no mpirun beside the interpreter (make install provides one)")
+    rc, text, out = _train(tmp_path, ranks, optimizer, case)
+    assert rc == 0, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and summary["steps"] == 2 * STEPS_PER_EPOCH, summary
+    assert math.isfinite(summary["final_test_loss"]) and summary["final_test_accuracy"] > 0.5
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in lines if r["kind"] == "epoch"]
+    steps = [r for r in lines if r["kind"] == "step"]
+    assert len(epochs) == 2 and len(steps) == STEPS_PER_EPOCH, lines
+    for row in epochs + steps:  # nothing non-finite reached a metric (json writes NaN/Infinity)
+        assert all(math.isfinite(v) for v in row.values()
+                   if isinstance(v, float)), row
+    assert [r["skipped_steps"] for r in epochs] == [1, 1]
+    # the skipped step adds nothing: epoch 1 counts the samples of its 7 applied steps only
+    counted = [r["samples_per_s"] * r["epoch_time_s"] for r in epochs]
+    assert [round(c) for c in counted] == [1024 - 128, 1024], epochs
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_device_side_guard_stops_a_divergence_at_the_next_step_line(tmp_path, ranks):
+    """LARS (no host read in the step): NaN from global step 11 on; the third skip in a row is
+    step 13, seen at the step line of step 14 (log_every 2, 4 skipped by then): exit 3 naming
+    both, no summary."""
+    if ranks > 1 and not MPIRUN.exists():
+        pytest.skip("no mpirun beside the interpreter (make install provides one)")
+    rc, text, out = _train(tmp_path, ranks, "lars", "nan-from-step-11-last-rank")
+    assert rc == 3, text
+    assert re.search(r"diverged: non-finite gradient at optimizer step 13 \(first non-finite "
+                     r"layer net\.\S+\); 4 step\(s\) in a row skipped.*\(global step 14, epoch "
+                     r"2, step 6/8\); the last finite checkpoint is kept in \S+checkpoint\.pt",
+                     text), text
+    assert not (out / "summary.json").exists()

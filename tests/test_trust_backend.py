@@ -1,7 +1,6 @@
 """Backend choice of hpclb.optim.trust, the lazy CuPy import, and the trust-ratio benchmark."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 import subprocess

@@ -84,7 +84,7 @@ def test_working_directories_differ(tmp_path, sees, reference, record):
     rc, out, t = run(cmd, bound)
     if sees == 0:
         assert rc == 2, out
-        assert "holds the checkpoint of an unfinished run; add --resume" in out, out
+        assert "already holds an unfinished run; add --resume" in out, out
         kept = "the unfinished run's checkpoint, untouched"
     else:
         assert rc == 0, out

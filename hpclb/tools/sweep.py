@@ -95,7 +95,14 @@ def _row(summary: dict, *, batch: int, scheme: str, metric: str, settings: dict,
             "peak_lr": summary["peak_lr"], "warmup_steps": summary["warmup_steps"],
             "warmup_epochs": summary["warmup_epochs"], "decay": summary["decay"],
             "mean_samples_per_s": summary.get("mean_samples_per_s"),
-            "run_dir": str(run_dir), "error": None, "note": None}
+            "run_dir": _shown(run_dir), "error": None, "note": None}
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it lies under it (the rows of a sweep
+    are committed with a repository and must not name this machine's directories)."""
+    rel = os.path.relpath(Path(path).resolve(), Path.cwd().resolve())
+    return str(path) if rel.startswith("..") else rel
 
 
 def _run_in_process(experiment: str, batch: int, scheme: str, settings: dict, run_dir: Path,

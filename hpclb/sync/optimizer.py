@@ -76,6 +76,10 @@ class DistributedOptimizer(SynchronizeMixin):
             compared by fingerprint (:func:`~hpclb.sync.agree.verify_replicas`); replicas that
             differ get rank 0's values with a UserWarning naming the first differing tensor
             (True, default) or raise ModelMismatchError on every rank (False).
+        check_nonfinite_every: on the device path (LARS, LAMB, torch's fused optimizers) the
+            non-finite limit is checked by :meth:`check_nonfinite`, which ``step()`` also calls
+            every this many optimizer steps (one small read; default 100; 0: only when the
+            caller calls it), so a diverged run cannot go on silently masking every update.
         find_unused_parameters: as DDP's: after each allreduce, parameters that got no gradient
             on any rank in the window get ``grad = None`` (not updated, as in plain torch), at
             the cost of one allreduce of a byte per parameter per step. False (default): they
@@ -105,7 +109,8 @@ class DistributedOptimizer(SynchronizeMixin):
                  comm: Communicator | None = None, accumulation_steps: int = 1,
                  grad_clip_norm: float | None = None, max_nonfinite_steps: int = 3,
                  scaler: "torch.amp.GradScaler | None" = None, broadcast_mismatch: bool = True,
-                 find_unused_parameters: bool = False, **sync_options):
+                 find_unused_parameters: bool = False, check_nonfinite_every: int = 100,
+                 **sync_options):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -116,6 +121,11 @@ class DistributedOptimizer(SynchronizeMixin):
                 or max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps={max_nonfinite_steps!r} must be an int >= 1 "
                              f"(consecutive skipped steps before the run stops)")
+        if isinstance(check_nonfinite_every, bool) or not isinstance(check_nonfinite_every, int) \
+                or check_nonfinite_every < 0:
+            raise ValueError(f"check_nonfinite_every={check_nonfinite_every!r} must be an int >= 0 "
+                             f"(optimizer steps between checks of the non-finite limit)")
+        self.check_nonfinite_every = check_nonfinite_every
         if comm is None:
             comm = current_communicator()
         named = _named(model_or_named_parameters)
@@ -202,6 +212,8 @@ class DistributedOptimizer(SynchronizeMixin):
         if self.guard.on_device:  # the optimizer masks the update: no host read
             self.guard.record_on_device(found, self.steps)
             self._apply(found)
+            if self.check_nonfinite_every and self.steps % self.check_nonfinite_every == 0:
+                self.check_nonfinite()  # one read every N steps: raises at the limit
             return True
         if self.guard.skip_on_host(found):  # the one host read per step
             self._skip()

@@ -54,9 +54,11 @@ data: $(HPCLB_DATA)/mnist/.verified $(HPCLB_DATA)/ptb/.verified \
 # The main job: MNIST-LSTM with LEGW at global batch $(BATCH) (8 x B0) on $(NP) MPI ranks.
 # It stages only its own data set (TRAIN_DATA); `make data` stages all of them.
 TRAIN_DATA ?= mnist
+# more hpclb train flags, e.g. TRAIN_FLAGS=--resume or TRAIN_FLAGS=--overwrite for a used $(OUT)
+TRAIN_FLAGS ?=
 train: install $(HPCLB_DATA)/$(TRAIN_DATA)/.verified
 	$(MPIRUN) $(MPIRUN_FLAGS) $(PY) -m hpclb train $(EXPERIMENT) --batch-size $(BATCH) \
-	    --scaling $(SCALING) --expect-world-size $(NP) --out $(OUT)
+	    --scaling $(SCALING) --expect-world-size $(NP) --out $(OUT) $(TRAIN_FLAGS)
 
 # The house rules (docs/design.md): layers point down (import-linter, .importlinter), style and
 # docstrings (ruff, pyproject.toml), no dead code (vulture), and the size limits (no function

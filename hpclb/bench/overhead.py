@@ -70,7 +70,8 @@ def commands(workload: str, setting: str, args, where: Path) -> dict[str, tuple[
     rec.write_text(yaml.safe_dump(recipe(workload, args), sort_keys=False))
     py = sys.executable
     train = ["-m", "hpclb", "train", str(rec), "--batch-size", str(args.batch_size),
-             "--seed", "0", "--device", "cpu", "--out", str(where / "hpclb")]
+             "--seed", "0", "--device", "cpu", "--out", str(where / "hpclb"),
+             "--no-tensorboard"]  # the plain loop writes no event files either
     plain = [str(REPO / "benchmarks" / "plain_loop.py"), "--workload", workload,
              "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
              "--base-lr", str(WORKLOADS[workload]["base_lr"]), "--train-samples",

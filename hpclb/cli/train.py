@@ -59,6 +59,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--backend", default="auto", choices=list(BACKENDS),
                    help="communication backend (auto: mpi when launched by mpirun/srun)")
     t.add_argument("--expect-world-size", type=int, help="fail unless the job has this many ranks")
+    t.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                   help="write no TensorBoard event files under OUT/tb (metrics.jsonl is always "
+                        "written); default: write them when the tensorboard package is installed")
     t.add_argument("--checkpoint-interval", type=float, metavar="SECONDS",
                    help="also checkpoint mid-epoch every SECONDS of rank 0's wall time (0 or "
                    "default: at epoch ends and on preemption only)")
@@ -137,7 +140,8 @@ def _train(args: argparse.Namespace, comm, cfg, early) -> int:
               file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     try:
-        train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval)
+        train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval,
+              tensorboard=None if args.tensorboard else False)
     except Preempted as p:
         print(f"hpclb: rank {comm.rank} of {comm.world_size}: preempted after step {p.args[0]}"
               f", checkpoint saved; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)

@@ -289,11 +289,13 @@ def _header(run: Run, say: _Say) -> None:
 
 
 def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
-          checkpoint_interval_s: float | None = None) -> dict[str, Any]:
+          checkpoint_interval_s: float | None = None,
+          tensorboard: bool | None = None) -> dict[str, Any]:
     """Run one experiment on this rank; returns the summary (identical on every rank).
 
     ``checkpoint_interval_s``: also checkpoint mid-epoch when this many seconds (rank 0's clock)
     have passed since the last checkpoint (None/0: at epoch ends and on preemption only).
+    ``tensorboard``: False writes no event files (None: when the package is installed).
 
     Raises ConfigError (bad settings, same on every rank), DataError (missing/corrupt data),
     CheckpointError (``--resume`` without a usable checkpoint), :class:`Preempted` after a
@@ -310,7 +312,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
                                               "data_root": str(data_dir(cfg.data_dir).resolve()),
                                               "peak_lr": run.schedule.peak_lr,
                                               "warmup_steps": run.schedule.warmup_steps})
-    logger = RunLogger(run.out, enabled=comm.rank == 0,
+    logger = RunLogger(run.out, enabled=comm.rank == 0, tensorboard=tensorboard,
                        resume_step=run.pos.global_step if run.resumed_from is not None else None)
     steplog = StepLog(run, logger)
     preempt = PreemptionFlag()

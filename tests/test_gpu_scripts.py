@@ -152,6 +152,7 @@ def test_gpu_check_usage_error(tmp_path):
     assert r.returncode == 2 and "usage:" in r.stderr
 
 
+@pytest.mark.extended  # ~1 min; make test runs the GPU check's dry run, the first thing on a GPU
 def test_gpu_sweeps_smoke(tmp_path, mnist_dir):
     r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_sweeps.sh"), str(tmp_path),
                         "--smoke"], capture_output=True, text=True, timeout=280, env=ENV)

@@ -118,6 +118,7 @@ class ThreadDriver(BlockingDriver):
             b.stream = {"stream": self._side}
         else:
             b.ready_event, b.stream = None, _stream_of(b)
+        b.unpack_in_thread = b.ready_event is None and b.comm_buffer.device.type == "cpu"
         self._queue.put(b)
 
     def wait(self, b) -> None:
@@ -171,6 +172,8 @@ def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading
                 while not main_waiting.is_set() and not h.test():
                     main_waiting.wait(poll_s)
                 h.wait()
+            if b.unpack_in_thread:  # divide while the bucket is in cache, before the next
+                b.unpack()
             if b.ready_event is not None:
                 b.reduced_event = api.new_event()
                 b.reduced_event.record(side)

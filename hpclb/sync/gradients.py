@@ -193,7 +193,7 @@ class GradientSync:
 
     def _make_bucket(self, bi: int, idx: list[int]) -> Bucket:
         return make_bucket(bi, [self.params[i] for i in idx], [self.names[i] for i in idx],
-                           self.compression)
+                           self.compression, self.divisor)
 
     def _agree(self) -> None:
         """Every rank compares its bucket layout and settings with rank 0's (one allgather)."""
@@ -262,7 +262,7 @@ class GradientSync:
             b.buffer.div_(self.divisor)
             if b.comm_buffer is not b.buffer:
                 b.comm_buffer.copy_(b.buffer)
-        b.launched = True
+        b.launched, b.unpacked = True, False
         b.error = None
         b.seq = self._watchdog.entered(b.label(len(self.buckets), self.steps + 1))
         self._driver.launch(b)
@@ -336,10 +336,9 @@ class GradientSync:
                 b.pending = 0
 
     def _finish_bucket(self, b: Bucket) -> None:
-        if b.comm_buffer is not b.buffer:
-            b.buffer.copy_(b.comm_buffer)
-        if not b.predivide:
-            b.buffer.div_(self.divisor)
+        if not b.unpacked:  # else the communication thread did, right after the allreduce
+            b.unpack()
+        b.unpacked = False
         b.ready = [False] * len(b.params)
         b.used = [False] * len(b.params)
         b.pending = len(b.params)

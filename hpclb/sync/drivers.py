@@ -14,10 +14,13 @@ collectives in the same order (a blocking collective never matches a non-blockin
     does not progress on its own threads. The default for Gloo, NCCL and Horovod.
 ``ThreadDriver`` (``"thread"``)
     a communication thread owns the collectives; the hook only enqueues the bucket. The thread
-    starts the non-blocking allreduce and drives it with ``test()`` every ``poll_s`` seconds,
-    sleeping in between, while backward runs (Open MPI spins inside a blocking call and would take
-    the core from backward), and blocks in ``wait()`` once ``synchronize()`` waits. The default for
-    MPI, which advances a non-blocking collective only inside MPI calls.
+    starts each queued bucket's non-blocking allreduce at once (several in flight, in bucket
+    order, pipelined) and drives the oldest with ``test()`` every ``poll_s`` seconds, sleeping in
+    between, while backward runs (Open MPI spins inside a blocking call and would take the core
+    from backward), and blocks in ``wait()`` once ``synchronize()`` waits. A CPU bucket is
+    unpacked (divided by ``world_size`` times the accumulation count) by the thread as soon as its
+    allreduce completes, while the bucket is still in cache and the later buckets travel. The
+    default for MPI, which advances a non-blocking collective only inside MPI calls.
 
     CUDA buckets: the thread first makes the gradients' device current (else its first CUDA call
     opens a context on GPU 0, from every rank of a multi-GPU node). The hook records a CUDA event
@@ -154,31 +157,75 @@ DRIVERS = {"none": BlockingDriver, "nonblocking": NonblockingDriver, "thread": T
 def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading.Event,
                poll_s: float, api: Any = None, side: Any = None) -> None:
     """The communication thread: the only thread that runs gradient collectives while it lives.
-    An error is stored on the bucket and raised by ``synchronize()`` on the main thread."""
+    Every queued bucket's non-blocking allreduce starts as soon as it is dequeued (several in
+    flight at once, in bucket order, as a pipelined ``Iallreduce`` schedule); the oldest is
+    tested every ``poll_s`` seconds (any MPI call progresses all) and waited for once the main
+    thread waits. An error is stored on the bucket and raised by ``synchronize()`` on the main
+    thread."""
     if api is not None:
         api.bind_thread()
-    h = None
+    flight: list = []  # (bucket, handle) started, not yet finished, in bucket order
+    blocking = comm.async_progress or poll_s <= 0
     while True:
-        b = q.get()
-        if b is None:
-            return
         try:
-            if b.ready_event is not None:
-                side.wait_event(b.ready_event)
-            if comm.async_progress or poll_s <= 0:
-                comm.allreduce_(b.comm_buffer, **b.stream)
-            else:
-                h = comm.iallreduce_(b.comm_buffer, **b.stream)
-                while not main_waiting.is_set() and not h.test():
-                    main_waiting.wait(poll_s)
-                h.wait()
-            if b.unpack_in_thread:  # divide while the bucket is in cache, before the next
-                b.unpack()
-            if b.ready_event is not None:
-                b.reduced_event = api.new_event()
-                b.reduced_event.record(side)
-        except BaseException as e:  # reported by synchronize() on the main thread
-            b.error = e
-        finally:
-            b.done.set()
-            b = h = None  # hold no bucket while idle: it keeps its GradientSync alive
+            b = q.get() if not flight else q.get_nowait()
+        except queue.Empty:
+            _advance(flight, main_waiting, poll_s, api, side)
+            continue
+        if b is None:
+            while flight:  # closing: let the collectives already started end
+                _advance(flight, main_waiting, 0.0, api, side, block=True)
+            return
+        h = _start(b, comm, side, blocking)
+        if blocking or b.error is not None:
+            _finish(b, h, api, side)
+        else:
+            flight.append((b, h))
+        b = h = None  # hold no bucket while idle: it keeps its GradientSync alive
+
+
+def _start(b, comm: Communicator, side: Any, blocking: bool):
+    """Start ``b``'s allreduce (run it to the end when ``blocking``): its handle, or None."""
+    try:
+        if b.ready_event is not None:
+            side.wait_event(b.ready_event)
+        if blocking:
+            comm.allreduce_(b.comm_buffer, **b.stream)
+            return None
+        return comm.iallreduce_(b.comm_buffer, **b.stream)
+    except BaseException as e:  # reported by synchronize() on the main thread
+        b.error = e
+        return None
+
+
+def _advance(flight: list, main_waiting: threading.Event, poll_s: float, api: Any, side: Any,
+             block: bool = False) -> None:
+    """Progress the oldest bucket in flight: wait for it when the main thread waits (or
+    ``block``), else test it and sleep ``poll_s`` seconds unless it completed."""
+    b, h = flight[0]
+    try:
+        if not (block or main_waiting.is_set()) and not h.test():
+            main_waiting.wait(poll_s)
+            return
+        h.wait()
+    except BaseException as e:  # reported by synchronize() on the main thread
+        b.error = e
+    flight.pop(0)
+    _finish(b, None, api, side)
+
+
+def _finish(b, h, api: Any, side: Any) -> None:
+    """After ``b``'s collective (``h``: a handle still to wait for, or None): unpack a CPU
+    bucket, record the side stream's event for a CUDA one, and tell the main thread."""
+    try:
+        if h is not None:
+            h.wait()
+        if b.error is None and b.unpack_in_thread:  # divide while the bucket is in cache
+            b.unpack()
+        if b.error is None and b.ready_event is not None:
+            b.reduced_event = api.new_event()
+            b.reduced_event.record(side)
+    except BaseException as e:  # reported by synchronize() on the main thread
+        b.error = e
+    finally:
+        b.done.set()

@@ -150,3 +150,79 @@ def test_thread_driver_builds_the_torch_api_for_a_cuda_device(monkeypatch):
     driver.close()
     assert isinstance(driver.api, TorchCudaAPI) and driver.api.device == torch.device("cuda", 1)
     assert bound == [(torch.device("cuda", 1), "hpclb-comm")]
+
+
+class PendingComm:
+    """A backend without its own progress thread whose non-blocking allreduces (sum over two
+    equal ranks: doubling) complete only once ``release`` is set; ``started`` is set once two
+    are in flight at the same time."""
+
+    async_progress, world_size = False, 2
+
+    def __init__(self):
+        self.release, self.started, self.in_flight, self.threads = \
+            threading.Event(), threading.Event(), 0, []
+
+    def iallreduce_(self, tensor, op="sum", name=None, **kw):
+        self.in_flight += 1
+        self.threads.append(_thread())
+        if self.in_flight >= 2:
+            self.started.set()
+        comm = self
+
+        class Handle:
+            done = False
+
+            def test(self):
+                if not self.done and comm.release.is_set():
+                    self.done = True
+                    tensor.mul_(2)
+                    comm.in_flight -= 1
+                return self.done
+
+            def wait(self):
+                comm.release.wait(10)
+                self.test()
+                return tensor
+        return Handle()
+
+
+def _divided_bucket(index, value):
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), value)
+    return make_bucket(index, [p], ["w"], None, divisor=2)
+
+
+def test_the_thread_pipelines_queued_buckets():
+    """The second bucket's allreduce starts while the first is still in flight (the raw
+    pipelined Iallreduce schedule), not after it completes."""
+    comm = PendingComm()
+    driver = ThreadDriver(comm, 0.001)
+    try:
+        b0, b1 = _divided_bucket(0, 3.0), _divided_bucket(1, 5.0)
+        driver.launch(b0)
+        driver.launch(b1)
+        both = comm.started.wait(5)
+        comm.release.set()
+        driver.wait(b0)
+        driver.wait(b1)
+    finally:
+        driver.close()
+    assert both and comm.threads == ["hpclb-comm", "hpclb-comm"]
+    assert b0.error is None and b1.error is None
+
+
+def test_the_thread_divides_a_cpu_bucket_once_reduced():
+    """The thread divides the reduced sum by the bucket's divisor (``div_``: the values of one
+    division in synchronize) before the main thread's wait returns; synchronize then skips it."""
+    comm = PendingComm()
+    comm.release.set()
+    driver = ThreadDriver(comm, 0.001)
+    try:
+        b = _divided_bucket(0, 3.0)
+        driver.launch(b)
+        driver.wait(b)
+    finally:
+        driver.close()
+    assert b.unpacked and b.divisor == 2
+    assert torch.equal(b.views[0], torch.full((4,), 3.0 * 2).div_(2))

@@ -42,7 +42,9 @@ import torch
 from hpclb.dist.base import Communicator
 from hpclb.dist.streams import TorchCudaAPI
 
-__all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
+__all__ = ["DRIVERS", "SEGMENT_BYTES", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
+
+SEGMENT_BYTES = 4 * 2 ** 20  # a CPU bucket's non-blocking allreduce travels in pieces this big
 
 
 class BlockingDriver:
@@ -157,14 +159,14 @@ DRIVERS = {"none": BlockingDriver, "nonblocking": NonblockingDriver, "thread": T
 def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading.Event,
                poll_s: float, api: Any = None, side: Any = None) -> None:
     """The communication thread: the only thread that runs gradient collectives while it lives.
-    Every queued bucket's non-blocking allreduce starts as soon as it is dequeued (several in
-    flight at once, in bucket order, as a pipelined ``Iallreduce`` schedule); the oldest is
-    tested every ``poll_s`` seconds (any MPI call progresses all) and waited for once the main
-    thread waits. An error is stored on the bucket and raised by ``synchronize()`` on the main
-    thread."""
+    Every queued bucket's non-blocking allreduces start as soon as it is dequeued (a CPU bucket
+    in pieces of at most :data:`SEGMENT_BYTES`; several in flight at once, in order); the oldest
+    piece is tested every ``poll_s`` seconds (any MPI call progresses all) and waited for once the
+    main thread waits, and a CPU bucket's piece is unpacked as soon as it completes. An error is
+    stored on the bucket and raised by ``synchronize()`` on the main thread."""
     if api is not None:
         api.bind_thread()
-    flight: list = []  # (bucket, handle) started, not yet finished, in bucket order
+    flight: list = []  # [bucket, [(lo, hi, handle), ...]] started, not yet finished, in order
     blocking = comm.async_progress or poll_s <= 0
     while True:
         try:
@@ -176,51 +178,65 @@ def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading
             while flight:  # closing: let the collectives already started end
                 _advance(flight, main_waiting, 0.0, api, side, block=True)
             return
-        h = _start(b, comm, side, blocking)
-        if blocking or b.error is not None:
-            _finish(b, h, api, side)
+        pieces = _start(b, comm, side, blocking)
+        if pieces:
+            flight.append((b, pieces))
         else:
-            flight.append((b, h))
-        b = h = None  # hold no bucket while idle: it keeps its GradientSync alive
+            _finish(b, api, side, unpack=blocking)
+        b = pieces = None  # hold no bucket while idle: it keeps its GradientSync alive
 
 
-def _start(b, comm: Communicator, side: Any, blocking: bool):
-    """Start ``b``'s allreduce (run it to the end when ``blocking``): its handle, or None."""
+def _segments(b) -> list[tuple[int, int]]:
+    """Element ranges ``b`` travels in: pieces of at most :data:`SEGMENT_BYTES` for a bucket
+    the thread unpacks (CPU), else the whole bucket. Every rank cuts the same bucket alike."""
+    n = b.comm_buffer.numel()
+    step = max(1, SEGMENT_BYTES // b.comm_buffer.element_size()) if b.unpack_in_thread else n
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, n)]
+
+
+def _start(b, comm: Communicator, side: Any, blocking: bool) -> list:
+    """Start ``b``'s allreduce (run it to the end when ``blocking``): ``[(lo, hi, handle)]``
+    per piece in flight, or [] when done or failed (the error on ``b``)."""
     try:
         if b.ready_event is not None:
             side.wait_event(b.ready_event)
         if blocking:
             comm.allreduce_(b.comm_buffer, **b.stream)
-            return None
-        return comm.iallreduce_(b.comm_buffer, **b.stream)
+            return []
+        return [(lo, hi, comm.iallreduce_(b.comm_buffer[lo:hi], **b.stream))
+                for lo, hi in _segments(b)]
     except BaseException as e:  # reported by synchronize() on the main thread
         b.error = e
-        return None
+        return []
 
 
 def _advance(flight: list, main_waiting: threading.Event, poll_s: float, api: Any, side: Any,
              block: bool = False) -> None:
-    """Progress the oldest bucket in flight: wait for it when the main thread waits (or
-    ``block``), else test it and sleep ``poll_s`` seconds unless it completed."""
-    b, h = flight[0]
+    """Progress the oldest piece in flight: wait for it when the main thread waits (or
+    ``block``), else test it and sleep ``poll_s`` seconds unless it completed; a completed
+    piece of a CPU bucket is unpacked, and a bucket whose last piece completed is finished."""
+    b, pieces = flight[0]
+    lo, hi, h = pieces[0]
     try:
         if not (block or main_waiting.is_set()) and not h.test():
             main_waiting.wait(poll_s)
             return
         h.wait()
+        if b.error is None and b.unpack_in_thread:  # divide while the piece is in cache
+            b.unpack(lo, hi)
     except BaseException as e:  # reported by synchronize() on the main thread
         b.error = e
-    flight.pop(0)
-    _finish(b, None, api, side)
+    pieces.pop(0)
+    if not pieces:
+        flight.pop(0)
+        _finish(b, api, side, unpack=False)
 
 
-def _finish(b, h, api: Any, side: Any) -> None:
-    """After ``b``'s collective (``h``: a handle still to wait for, or None): unpack a CPU
-    bucket, record the side stream's event for a CUDA one, and tell the main thread."""
+def _finish(b, api: Any, side: Any, unpack: bool) -> None:
+    """After ``b``'s collective: unpack a CPU bucket (``unpack``: not yet done piece by piece),
+    record the side stream's event for a CUDA one, and tell the main thread."""
     try:
-        if h is not None:
-            h.wait()
-        if b.error is None and b.unpack_in_thread:  # divide while the bucket is in cache
+        if b.error is None and unpack and b.unpack_in_thread:
             b.unpack()
         if b.error is None and b.ready_event is not None:
             b.reduced_event = api.new_event()

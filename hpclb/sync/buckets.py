@@ -72,17 +72,15 @@ class Bucket:
     unpack_in_thread: bool = False  # the communication thread unpacks (CPU buckets)
     unpacked: bool = False          # unpack() ran since the bucket's last allreduce
 
-    def unpack(self, lo: int = 0, hi: int | None = None) -> None:
-        """After this step's allreduce of elements ``lo:hi`` (default all): the reduced sum into
-        ``buffer`` (copied back from a compressed ``comm_buffer``), divided by ``divisor``
-        (``div_``, elementwise after the sum: the same values whichever thread runs it, whenever
-        and in whatever pieces). ``unpacked`` once the last element is done."""
-        buf = self.buffer[lo:hi]
+    def unpack(self) -> None:
+        """After this step's allreduce: the reduced sum into ``buffer`` (copied back from a
+        compressed ``comm_buffer``), divided by ``divisor`` (``div_``, the sum first: the same
+        values whichever thread runs it and whenever)."""
         if self.comm_buffer is not self.buffer:
-            buf.copy_(self.comm_buffer[lo:hi])
+            self.buffer.copy_(self.comm_buffer)
         if self.divisor != 1:
-            buf.div_(self.divisor)
-        self.unpacked = hi is None or hi >= self.buffer.numel()
+            self.buffer.div_(self.divisor)
+        self.unpacked = True
 
     @property
     def nbytes(self) -> int:

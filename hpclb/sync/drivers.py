@@ -14,13 +14,12 @@ collectives in the same order (a blocking collective never matches a non-blockin
     does not progress on its own threads. The default for Gloo, NCCL and Horovod.
 ``ThreadDriver`` (``"thread"``)
     a communication thread owns the collectives; the hook only enqueues the bucket. The thread
-    starts each queued bucket's non-blocking allreduce at once (several in flight, in bucket
-    order, pipelined) and drives the oldest with ``test()`` every ``poll_s`` seconds, sleeping in
-    between, while backward runs (Open MPI spins inside a blocking call and would take the core
-    from backward), and blocks in ``wait()`` once ``synchronize()`` waits. A CPU bucket is
-    unpacked (divided by ``world_size`` times the accumulation count) by the thread as soon as its
-    allreduce completes, while the bucket is still in cache and the later buckets travel. The
-    default for MPI, which advances a non-blocking collective only inside MPI calls.
+    starts the non-blocking allreduce and drives it with ``test()`` every ``poll_s`` seconds,
+    sleeping in between, while backward runs (Open MPI spins inside a blocking call and would take
+    the core from backward), and blocks in ``wait()`` once ``synchronize()`` waits. It divides a
+    CPU bucket by ``world_size`` (times the accumulation count) right after its allreduce, before
+    starting the next (a main thread dividing beside it would compete with its spinning wait).
+    The default for MPI, which advances a non-blocking collective only inside MPI calls.
 
     CUDA buckets: the thread first makes the gradients' device current (else its first CUDA call
     opens a context on GPU 0, from every rank of a multi-GPU node). The hook records a CUDA event
@@ -42,9 +41,7 @@ import torch
 from hpclb.dist.base import Communicator
 from hpclb.dist.streams import TorchCudaAPI
 
-__all__ = ["DRIVERS", "SEGMENT_BYTES", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
-
-SEGMENT_BYTES = 4 * 2 ** 20  # a CPU bucket's non-blocking allreduce travels in pieces this big
+__all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
 
 
 class BlockingDriver:
@@ -159,89 +156,31 @@ DRIVERS = {"none": BlockingDriver, "nonblocking": NonblockingDriver, "thread": T
 def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading.Event,
                poll_s: float, api: Any = None, side: Any = None) -> None:
     """The communication thread: the only thread that runs gradient collectives while it lives.
-    Every queued bucket's non-blocking allreduces start as soon as it is dequeued (a CPU bucket
-    in pieces of at most :data:`SEGMENT_BYTES`; several in flight at once, in order); the oldest
-    piece is tested every ``poll_s`` seconds (any MPI call progresses all) and waited for once the
-    main thread waits, and a CPU bucket's piece is unpacked as soon as it completes. An error is
-    stored on the bucket and raised by ``synchronize()`` on the main thread."""
+    An error is stored on the bucket and raised by ``synchronize()`` on the main thread."""
     if api is not None:
         api.bind_thread()
-    flight: list = []  # [bucket, [(lo, hi, handle), ...]] started, not yet finished, in order
-    blocking = comm.async_progress or poll_s <= 0
+    h = None
     while True:
-        try:
-            b = q.get() if not flight else q.get_nowait()
-        except queue.Empty:
-            _advance(flight, main_waiting, poll_s, api, side)
-            continue
+        b = q.get()
         if b is None:
-            while flight:  # closing: let the collectives already started end
-                _advance(flight, main_waiting, 0.0, api, side, block=True)
             return
-        pieces = _start(b, comm, side, blocking)
-        if pieces:
-            flight.append((b, pieces))
-        else:
-            _finish(b, api, side, unpack=blocking)
-        b = pieces = None  # hold no bucket while idle: it keeps its GradientSync alive
-
-
-def _segments(b) -> list[tuple[int, int]]:
-    """Element ranges ``b`` travels in: pieces of at most :data:`SEGMENT_BYTES` for a bucket
-    the thread unpacks (CPU), else the whole bucket. Every rank cuts the same bucket alike."""
-    n = b.comm_buffer.numel()
-    step = max(1, SEGMENT_BYTES // b.comm_buffer.element_size()) if b.unpack_in_thread else n
-    return [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, n)]
-
-
-def _start(b, comm: Communicator, side: Any, blocking: bool) -> list:
-    """Start ``b``'s allreduce (run it to the end when ``blocking``): ``[(lo, hi, handle)]``
-    per piece in flight, or [] when done or failed (the error on ``b``)."""
-    try:
-        if b.ready_event is not None:
-            side.wait_event(b.ready_event)
-        if blocking:
-            comm.allreduce_(b.comm_buffer, **b.stream)
-            return []
-        return [(lo, hi, comm.iallreduce_(b.comm_buffer[lo:hi], **b.stream))
-                for lo, hi in _segments(b)]
-    except BaseException as e:  # reported by synchronize() on the main thread
-        b.error = e
-        return []
-
-
-def _advance(flight: list, main_waiting: threading.Event, poll_s: float, api: Any, side: Any,
-             block: bool = False) -> None:
-    """Progress the oldest piece in flight: wait for it when the main thread waits (or
-    ``block``), else test it and sleep ``poll_s`` seconds unless it completed; a completed
-    piece of a CPU bucket is unpacked, and a bucket whose last piece completed is finished."""
-    b, pieces = flight[0]
-    lo, hi, h = pieces[0]
-    try:
-        if not (block or main_waiting.is_set()) and not h.test():
-            main_waiting.wait(poll_s)
-            return
-        h.wait()
-        if b.error is None and b.unpack_in_thread:  # divide while the piece is in cache
-            b.unpack(lo, hi)
-    except BaseException as e:  # reported by synchronize() on the main thread
-        b.error = e
-    pieces.pop(0)
-    if not pieces:
-        flight.pop(0)
-        _finish(b, api, side, unpack=False)
-
-
-def _finish(b, api: Any, side: Any, unpack: bool) -> None:
-    """After ``b``'s collective: unpack a CPU bucket (``unpack``: not yet done piece by piece),
-    record the side stream's event for a CUDA one, and tell the main thread."""
-    try:
-        if b.error is None and unpack and b.unpack_in_thread:
-            b.unpack()
-        if b.error is None and b.ready_event is not None:
-            b.reduced_event = api.new_event()
-            b.reduced_event.record(side)
-    except BaseException as e:  # reported by synchronize() on the main thread
-        b.error = e
-    finally:
-        b.done.set()
+        try:
+            if b.ready_event is not None:
+                side.wait_event(b.ready_event)
+            if comm.async_progress or poll_s <= 0:
+                comm.allreduce_(b.comm_buffer, **b.stream)
+            else:
+                h = comm.iallreduce_(b.comm_buffer, **b.stream)
+                while not main_waiting.is_set() and not h.test():
+                    main_waiting.wait(poll_s)
+                h.wait()
+            if b.unpack_in_thread:  # divide while the bucket is in cache, before the next
+                b.unpack()
+            if b.ready_event is not None:
+                b.reduced_event = api.new_event()
+                b.reduced_event.record(side)
+        except BaseException as e:  # reported by synchronize() on the main thread
+            b.error = e
+        finally:
+            b.done.set()
+            b = h = None  # hold no bucket while idle: it keeps its GradientSync alive

@@ -44,9 +44,7 @@ def plan_buckets(nbytes: list[int], fusion_threshold_bytes: int,
 class Bucket:
     """Gradients reduced together: ``buffer`` holds them back to back (the params' ``.grad``
     are views of it); ``comm_buffer`` is what travels (``buffer`` itself, or its fp16/bf16
-    copy). ``divisor``: what the reduced sum is divided by (``world_size`` times the
-    accumulation count; 1 for a predivided bucket, whose shares were divided before the
-    allreduce)."""
+    copy)."""
 
     index: int
     params: list[nn.Parameter]
@@ -68,19 +66,6 @@ class Bucket:
     stream: dict = field(default_factory=dict)
     ready_event: Any = None      # CUDA event recorded by the hook once the bucket is complete
     reduced_event: Any = None    # CUDA event recorded after the collective (thread overlap)
-    divisor: int = 1
-    unpack_in_thread: bool = False  # the communication thread unpacks (CPU buckets)
-    unpacked: bool = False          # unpack() ran since the bucket's last allreduce
-
-    def unpack(self) -> None:
-        """After this step's allreduce: the reduced sum into ``buffer`` (copied back from a
-        compressed ``comm_buffer``), divided by ``divisor`` (``div_``, the sum first: the same
-        values whichever thread runs it and whenever)."""
-        if self.comm_buffer is not self.buffer:
-            self.buffer.copy_(self.comm_buffer)
-        if self.divisor != 1:
-            self.buffer.div_(self.divisor)
-        self.unpacked = True
 
     @property
     def nbytes(self) -> int:
@@ -93,11 +78,10 @@ class Bucket:
 
 
 def make_bucket(index: int, params: list[nn.Parameter], names: list[str],
-                compression: torch.dtype | None, divisor: int = 1) -> Bucket:
+                compression: torch.dtype | None) -> Bucket:
     """Bucket ``index`` holding ``params`` (one dtype and device) back to back, each view at an
     ``ALIGN_BYTES``-aligned offset; every ``p.grad`` becomes its view (an existing gradient is
-    copied in). ``compression``: the dtype floating-point buckets travel in, or None;
-    ``divisor``: what the reduced sum is divided by (kept at 1 for a predivided bucket)."""
+    copied in). ``compression``: the dtype floating-point buckets travel in, or None."""
     align = max(1, ALIGN_BYTES // params[0].element_size())
     offsets, total = [], 0
     for p in params:
@@ -108,9 +92,7 @@ def make_bucket(index: int, params: list[nn.Parameter], names: list[str],
                                  params[0].dtype.is_floating_point) else None
     cbuf = buf if comm_dtype is None or comm_dtype == buf.dtype else \
         torch.zeros(total, dtype=comm_dtype, device=buf.device)
-    predivide = comm_dtype is not None
-    b = Bucket(index, params, names, offsets, buf, cbuf, predivide=predivide,
-               divisor=1 if predivide else divisor)
+    b = Bucket(index, params, names, offsets, buf, cbuf, predivide=comm_dtype is not None)
     for p, off in zip(params, offsets):
         view = buf[off:off + p.numel()].view_as(p)
         if p.grad is not None:

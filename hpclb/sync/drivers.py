@@ -16,10 +16,8 @@ collectives in the same order (a blocking collective never matches a non-blockin
     a communication thread owns the collectives; the hook only enqueues the bucket. The thread
     starts the non-blocking allreduce and drives it with ``test()`` every ``poll_s`` seconds,
     sleeping in between, while backward runs (Open MPI spins inside a blocking call and would take
-    the core from backward), and blocks in ``wait()`` once ``synchronize()`` waits. It divides a
-    CPU bucket by ``world_size`` (times the accumulation count) right after its allreduce, before
-    starting the next (a main thread dividing beside it would compete with its spinning wait).
-    The default for MPI, which advances a non-blocking collective only inside MPI calls.
+    the core from backward), and blocks in ``wait()`` once ``synchronize()`` waits. The default for
+    MPI, which advances a non-blocking collective only inside MPI calls.
 
     CUDA buckets: the thread first makes the gradients' device current (else its first CUDA call
     opens a context on GPU 0, from every rank of a multi-GPU node). The hook records a CUDA event
@@ -120,7 +118,6 @@ class ThreadDriver(BlockingDriver):
             b.stream = {"stream": self._side}
         else:
             b.ready_event, b.stream = None, _stream_of(b)
-        b.unpack_in_thread = b.ready_event is None and b.comm_buffer.device.type == "cpu"
         self._queue.put(b)
 
     def wait(self, b) -> None:
@@ -174,8 +171,6 @@ def _comm_loop(q: queue.SimpleQueue, comm: Communicator, main_waiting: threading
                 while not main_waiting.is_set() and not h.test():
                     main_waiting.wait(poll_s)
                 h.wait()
-            if b.unpack_in_thread:  # divide while the bucket is in cache, before the next
-                b.unpack()
             if b.ready_event is not None:
                 b.reduced_event = api.new_event()
                 b.reduced_event.record(side)

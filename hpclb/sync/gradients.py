@@ -193,7 +193,7 @@ class GradientSync:
 
     def _make_bucket(self, bi: int, idx: list[int]) -> Bucket:
         return make_bucket(bi, [self.params[i] for i in idx], [self.names[i] for i in idx],
-                           self.compression, self.divisor)
+                           self.compression)
 
     def _agree(self) -> None:
         """Every rank compares its bucket layout and settings with rank 0's (one allgather)."""
@@ -262,7 +262,7 @@ class GradientSync:
             b.buffer.div_(self.divisor)
             if b.comm_buffer is not b.buffer:
                 b.comm_buffer.copy_(b.buffer)
-        b.launched, b.unpacked = True, False
+        b.launched = True
         b.error = None
         b.seq = self._watchdog.entered(b.label(len(self.buckets), self.steps + 1))
         self._driver.launch(b)
@@ -336,9 +336,10 @@ class GradientSync:
                 b.pending = 0
 
     def _finish_bucket(self, b: Bucket) -> None:
-        if not b.unpacked:  # else the communication thread did, right after the allreduce
-            b.unpack()
-        b.unpacked = False
+        if b.comm_buffer is not b.buffer:
+            b.buffer.copy_(b.comm_buffer)
+        if not b.predivide:
+            b.buffer.div_(self.divisor)
         b.ready = [False] * len(b.params)
         b.used = [False] * len(b.params)
         b.pending = len(b.params)

@@ -36,11 +36,12 @@ def test_allreduce_cli_two_ranks_reports_ratios(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert finite(res["hpclb_vs_raw_allreduce"]) and finite(res["hpclb_vs_ddp_gloo"])
-    assert finite(res["hpclb_vs_flat_allreduce"])
+    assert finite(res["hpclb_vs_flat_allreduce"]) and finite(res["hpclb_vs_raw_mean_allreduce"])
     assert res["fastest_raw_config"]["schedule"] in ("flat_allreduce", "bucket_allreduce",
                                                      "bucket_iallreduce")
     row = res["runs"]["np2"]["sync"]["mnist_lstm"]["configs"][0]
-    assert set(row["raw"]) == {"flat_allreduce", "bucket_allreduce", "bucket_iallreduce"}
+    assert set(row["raw"]) == {"flat_allreduce", "bucket_allreduce", "bucket_iallreduce",
+                               "bucket_allreduce_mean"}
     assert row["raw"]["bucket_allreduce"]["message_bytes"] == row["bucket_bytes"]
     assert res["hpclb_vs_horovod"] is None and res["failed_jobs"] == []
     assert any("Horovod" in n for n in res["notes"])
@@ -112,6 +113,20 @@ def test_scaling_measure_at_world_size(comm):
     all_ranks_ok(comm, res is not None, err)
     all_ranks_ok(comm, all(finite(res[k]) for k in ("compute_s", "blocking_s", "overlapped_s",
                                                     "comm_s")), str(res))
+
+
+@pytest.mark.mpi
+def test_raw_mean_schedule_delivers_the_mean(comm):
+    """The like-for-like baseline ends with what GradientSync delivers: the mean over ranks."""
+    from hpclb.bench.raw import RawSchedules
+    raw = RawSchedules([8, 16])
+    try:
+        raw.flat[:] = comm.rank + 1
+        raw.bucket_allreduce_mean()
+        w = comm.world_size
+        assert (raw.flat == sum(range(1, w + 1)) / w).all()
+    finally:
+        raw.close()
 
 
 def test_raw_schedules_reject_bad_bucket_sizes():

@@ -118,3 +118,23 @@ def test_no_tensorboard_writes_metrics_but_no_event_files(tmp_path, mnist_dir):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert (out / "metrics.jsonl").is_file()
     assert (outs[()] / "tb").is_dir() and not (outs[("--no-tensorboard",)] / "tb").exists()
+
+
+def test_mid_epoch_checkpoints_leave_the_epoch_statistics_alone(tmp_path, mnist_dir, comm):
+    """``--checkpoint-interval``: a checkpoint reduces a copy of the epoch's running sums over
+    the ranks; the run's epoch and step lines are those of a run without mid-epoch checkpoints
+    (before, every checkpoint added the other ranks' sums into the running totals in place)."""
+    recipe = quick_recipe(tmp_path, optimizer="lars")
+    lines = {}
+    for name, interval in (("plain", None), ("checkpointed", 1e-4)):
+        out = comm.broadcast_object(str(tmp_path / name))
+        cfg = resolve(recipe, out=out, data_dir=str(mnist_dir.parent), log_every=LOG_EVERY)
+        train_mod.train(cfg, comm, quiet=True, checkpoint_interval_s=interval)
+        lines[name] = read_metrics(out) if comm.rank == 0 else None
+    bad = []
+    if comm.rank == 0:
+        keys = ("train_loss", "train_accuracy", "loss")
+        for (ea, sa), (eb, sb) in [(lines["plain"], lines["checkpointed"])]:
+            for a, b in zip(ea + sa, eb + sb):
+                bad += [f"{k}: {a[k]} vs {b[k]}" for k in keys if k in a and a[k] != b.get(k)]
+    all_ranks_ok(comm, not bad, "; ".join(bad[:5]))

@@ -147,7 +147,7 @@ def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed
     comm = run.comm
     skipped = run.optimizer.check_nonfinite()  # raises at the limit of skips in a row
     _resolve_first_loss(run, first)
-    sums = sums.double().cpu()
+    sums = sums.to(device="cpu", dtype=torch.float64, copy=True)  # never reduce in place
     if comm.world_size > 1:
         comm.allreduce_(sums)
     train_metrics = run.task.train_metrics(sums, seconds)

@@ -83,6 +83,11 @@ class GradGuard:
                     f"and optimizer.step() after")
         self.clear()
 
+    @property
+    def backward_pending(self) -> bool:
+        """A backward wrote gradients since the last ``step()`` or ``zero_grad()``."""
+        return bool(self._versions)
+
     def clear(self) -> None:
         """Forget the recorded versions (after a step, after ``zero_grad()``)."""
         self._versions.clear()
@@ -106,16 +111,24 @@ class GradGuard:
         self.clear()
 
 
-def zero_grad_action(sync, micro_batches: int) -> bool:
+def zero_grad_action(sync, micro_batches: int, backward_pending: bool = False) -> bool:
     """True when ``zero_grad()`` should zero now: at the start of an accumulation window.
     False (a no-op) inside a window (``micro_batches`` of ``sync.accumulation_steps`` done).
     Raises RuntimeError when backward has already started this window's allreduce (gradients
-    in flight: zeroing would race it or lose this micro-batch)."""
+    in flight: zeroing would race it or lose this micro-batch), and with
+    ``accumulation_steps`` > 1 whenever a backward ran since the last ``step()`` (zeroing would
+    silently drop that micro-batch from the window; ``backward_pending``: the GradGuard saw a
+    backward since the last ``step()``)."""
     if sync.comm.world_size > 1 and micro_batches == sync.accumulation_steps - 1 and \
             any(any(b.ready) for b in sync.buckets):
         raise RuntimeError(
             "zero_grad() between backward() and step(): this backward's gradients are in flight "
             "(the allreduce has started). Call zero_grad() before backward(), or after step()")
+    if sync.accumulation_steps > 1 and backward_pending:
+        raise RuntimeError(
+            "zero_grad() between backward() and step() with accumulation_steps="
+            f"{sync.accumulation_steps}: it would drop this micro-batch's gradients from the "
+            "window. Call step() after every backward(), and zero_grad() before backward()")
     return micro_batches == 0
 
 

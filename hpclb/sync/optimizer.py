@@ -183,8 +183,10 @@ class DistributedOptimizer(SynchronizeMixin):
         ``set_to_none`` is accepted and ignored, since re-allocating would cost a copy). Inside
         an accumulation window (after a ``step()`` that returned False) a no-op: the window's
         gradients accumulate until its last ``step()``. Raises RuntimeError between
-        ``backward()`` and ``step()`` while the allreduce is in flight."""
-        if zero_grad_action(self.sync, self.sync.micro_batches):
+        ``backward()`` and ``step()`` while the allreduce is in flight, and with accumulation
+        whenever it would drop a micro-batch's gradients (after its backward, before its
+        ``step()``)."""
+        if zero_grad_action(self.sync, self.sync.micro_batches, self._guard.backward_pending):
             self.optimizer.zero_grad(set_to_none=False)
             self._guard.clear()
 

@@ -342,7 +342,8 @@ def save_checkpoint(run: Run, epoch: int, step_in_epoch: int, epoch_sums: torch.
     comm = run.comm
     average_buffers(run.model, comm)
     task_state = run.task.state_dict(comm)
-    sums = epoch_sums.to(device="cpu", dtype=torch.float64, copy=True)  # a copy: the running sums stay local
+    # a copy: the running sums stay this rank's (reducing them in place added the other ranks' in)
+    sums = epoch_sums.to(device="cpu", dtype=torch.float64, copy=True)
     if comm.world_size > 1:
         comm.allreduce_(sums)
     rngs = comm.allgather_object(rng_state()) if comm.world_size > 1 else [rng_state()]

@@ -16,7 +16,8 @@ from hpclb.sync.options import check_environment
 BIN = Path(sys.executable).parent
 ENV = {k: v for k, v in os.environ.items()
        if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "HPCLB_OVERLAP",
-                            "HPCLB_COMPRESSION", "HPCLB_STALL"))}
+                            "HPCLB_COMPRESSION", "HPCLB_STALL", "HPCLB_FUSION",
+                            "HPCLB_CUDA_AWARE", "HPCLB_TRUST_BACKEND", "HPCLB_ABORT_ON"))}
 ENV.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
            PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
 
@@ -28,6 +29,11 @@ CASES = [
                                     r"of seconds \(e.g. 60\)"),
     ("HPCLB_STALL_TIMEOUT_S", "0", r"\$HPCLB_STALL_TIMEOUT_S='0': must be a number of seconds "
                                    r"> 0"),
+    ("HPCLB_FUSION_THRESHOLD_BYTES", "0", r"\$HPCLB_FUSION_THRESHOLD_BYTES='0': a fusion "
+                                          r"threshold=0 must be a positive number of bytes"),
+    ("HPCLB_CUDA_AWARE_MPI", "2", r"\$HPCLB_CUDA_AWARE_MPI='2': choose one of 0, 1"),
+    ("HPCLB_TRUST_BACKEND", "cuda", r"\$HPCLB_TRUST_BACKEND='cuda': choose one of auto, torch"),
+    ("HPCLB_ABORT_ON_EXCEPTION", "maybe", r"\$HPCLB_ABORT_ON_EXCEPTION='maybe': choose one of 0"),
 ]
 
 

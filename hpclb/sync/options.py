@@ -90,18 +90,26 @@ def _choice(valid: tuple[str, ...]):
 
 
 _OVERLAP_ENV = _choice(OVERLAP_MODES)
+_BOOL_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
 _COMPRESSION_ENV = _choice(("none", "fp16", "bf16"))
 
 
 def check_environment() -> None:
-    """Check every ``HPCLB_*`` gradient-sync variable that is set, at start-up (before any rank
+    """Check every ``HPCLB_*`` gradient-sync variable that is set (and ``HPCLB_CUDA_AWARE_MPI``,
+    ``HPCLB_TRUST_BACKEND``, ``HPCLB_ABORT_ON_EXCEPTION``), at start-up (before any rank
     trains): raises ValueError naming the variable, its value and the valid values."""
-    _env("HPCLB_FUSION_THRESHOLD_BYTES", None, parse_bytes)
+    _env("HPCLB_FUSION_THRESHOLD_BYTES", None,
+         lambda raw: _as_bytes("a fusion threshold", parse_bytes(raw)))
     _env("HPCLB_OVERLAP", None, _OVERLAP_ENV)
     _env("HPCLB_COMPRESSION", None, _COMPRESSION_ENV)
     _env("HPCLB_STALL_TIMEOUT_S", None, _positive_seconds)
     _env("HPCLB_STALL_ABORT_S", None, _positive_seconds)
     _env("HPCLB_COMM_POLL_S", None, _seconds)
+    # read elsewhere, lazily (on a GPU, in library mode): checked here so that a typo is caught
+    # on any machine, at start-up
+    _env("HPCLB_CUDA_AWARE_MPI", None, _choice(("0", "1")))
+    _env("HPCLB_TRUST_BACKEND", None, _choice(("auto", "torch")))
+    _env("HPCLB_ABORT_ON_EXCEPTION", None, lambda raw: _choice(_BOOL_WORDS)(raw.strip().lower()))
 
 
 @dataclass(frozen=True)

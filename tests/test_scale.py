@@ -39,7 +39,7 @@ def test_legw_transfer_follows_the_schedule_rules(tmp_path, k):
     assert (recipe["base_batch_size"], recipe["warmup_epochs"]) == (B0, W0)
     assert recipe["optimizers"]["adam"]["lr"] == ETA0
     assert recipe["name"] == f"mnist-lstm-b{B0 * k}"
-    assert s.command == f"hpclb train {s.recipe_path} --batch-size {B0 * k} --scaling legw"
+    assert s.command == f"mpirun -n 2 hpclb train {s.recipe_path} --batch-size {B0 * k} --scaling legw"
     # the printed command resolves to exactly the printed schedule
     sched = resolve(str(s.recipe_path), batch_size=B0 * k, scaling="legw").schedule(N)
     assert (sched.peak_lr, sched.warmup_steps, sched.total_steps) == (

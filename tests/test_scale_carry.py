@@ -45,6 +45,7 @@ def test_recipe_command_and_job_carry_the_source_settings(tmp_path):
     assert {k: recipe[k] for k in SETTINGS} == SETTINGS
     assert recipe["accumulation_steps"] == 2
     assert s.command.endswith("--scaling legw --seed 3 --data-dir /scratch/hpclb-data")
+    assert s.command.startswith("mpirun -n 2 hpclb train ")  # the source ran on 2 ranks
     cfg = resolve(str(s.recipe_path), batch_size=1024)
     assert {k: getattr(cfg, k) for k in SETTINGS} == SETTINGS
     job = write_job(s, "slurm", 2, 4).read_text()

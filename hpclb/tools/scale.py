@@ -142,7 +142,9 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
     check_output_file(path, overwrite=overwrite)
     n = num_train_samples(recipe, num_samples)
     seed, data = int(cfg.get("seed", 0)), _source_data_dir(cfg)
-    command = f"hpclb train {path} --batch-size {to_batch} --scaling {scaling}" + \
+    ranks = int(cfg.get("world_size", 1))  # the source run's launch: its recipe may need it
+    command = (f"mpirun -n {ranks} " if ranks > 1 else "") + \
+        f"hpclb train {path} --batch-size {to_batch} --scaling {scaling}" + \
         (f" --seed {seed}" if seed else "") + (f" --data-dir {data}" if data else "")
     header = (f"# {recipe['name']}: the B0 recipe of the run {run} ({cfg['recipe']['name']}, "
               f"batch {cfg['global_batch_size']}, {cfg['scaling']}), to run at batch "

@@ -81,3 +81,20 @@ def test_cli_batch_size(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert re.search(r"hpclb: error: --batch-size 1024 does not divide evenly over --nodes 3",
                      bad.stderr), bad.stderr
+
+
+def test_render_refuses_to_replace_a_script_without_overwrite(tmp_path):
+    """``hpclb jobs render -o FILE`` on an existing file: exit 2 naming ``--overwrite``; with
+    it, the file is replaced."""
+    import subprocess
+    import sys
+    out = tmp_path / "job.sbatch"
+    out.write_text("# the user's own script\n")
+    argv = [sys.executable, "-m", "hpclb", "jobs", "render", "mnist-lstm", "--scheduler", "slurm",
+            "--nodes", "1", "--gpus-per-node", "4", "-o", str(out)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--overwrite" in r.stderr, r.stderr
+    assert out.read_text() == "# the user's own script\n"
+    r = subprocess.run([*argv, "--overwrite"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text().startswith("#!")

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from hpclb.cli.common import error
-from hpclb.errors import JobError
+from hpclb.errors import ConfigError, JobError
 from hpclb.tools.jobs_spec import (
     ALLREDUCE,
     DEVICES,
@@ -96,6 +95,7 @@ def _add_run_settings(r: argparse.ArgumentParser) -> None:
                    help="SLURM srun --gpu-bind with GPUs: single:1 = one GPU per rank; none = "
                    "every rank sees the node's GPUs (where cgroups would block NVLink P2P)")
     r.add_argument("-o", "--output", help="write the script here (default: stdout)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
 
 def _spec(args: argparse.Namespace) -> JobSpec:
@@ -122,7 +122,8 @@ def _render(args: argparse.Namespace) -> None:
     if args.output in (None, "-"):
         sys.stdout.write(text)
         return
-    path = Path(args.output)
+    from hpclb.config.outputs import check_output_file
+    path = check_output_file(args.output, overwrite=args.overwrite, flag="--output")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.chmod(0o755)
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             for path in write_examples(args.root):
                 print(path)
-    except JobError as e:
+    except (JobError, ConfigError) as e:
         error(str(e))
         return e.exit_code
     return 0

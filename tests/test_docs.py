@@ -11,7 +11,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # committed results are read by users too: they must not name this machine's directories
-RESULTS = sorted(p for p in (REPO / "results").rglob("*") if p.suffix in (".json", ".md"))
+# (hidden folders under results/ are benchmarks' scratch runs, ignored by git)
+RESULTS = sorted(p for p in (REPO / "results").rglob("*") if p.suffix in (".json", ".md")
+                 and not any(part.startswith(".") for part in p.relative_to(REPO).parts))
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 

@@ -12,6 +12,7 @@ import pytest
 from helpers import quick_recipe
 
 from hpclb.config import resolve
+from hpclb.config.outputs import check_run_dir
 from hpclb.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
@@ -137,3 +138,17 @@ def test_sweep_does_not_delete_a_run_of_other_settings(finished, tmp_path, mnist
     assert (point / "summary.json").read_text() == (run / "summary.json").read_text()
     rows = sweep.run_sweep(recipe, [256], ["legw"], overwrite=True, **kw)
     assert rows[0]["batch_size"] == 256 and rows[0]["metric"] is not None
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_not_offered_resume(tmp_path):
+    """A run killed before its first checkpoint left logs only: the refusal names --overwrite
+    and not --resume (which would then fail with "no checkpoint")."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError) as e:
+        check_run_dir(tmp_path, resume=False, overwrite=False)
+    assert "without a checkpoint" in str(e.value) and "--overwrite" in str(e.value)
+    assert "--resume" not in str(e.value)
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match="add --resume to continue it"):
+        check_run_dir(tmp_path, resume=False, overwrite=False)

@@ -58,9 +58,12 @@ def check_run_dir(out: str | Path, *, resume: bool, overwrite: bool, flag: str =
                           f"is a folder (choose another {flag})")
     found = run_files(out)
     if found and not (resume or overwrite):
-        state = "a finished" if "summary.json" in found else "an unfinished"
-        resume_it = "add --resume to continue it, " if resumable else "add "
-        raise ConfigError(f"{flag} {out} already holds {state} run; {resume_it}--overwrite to "
+        state = "a finished run" if "summary.json" in found else "an unfinished run"
+        checkpointed = any(f.startswith("checkpoint") for f in found)
+        if not checkpointed and "summary.json" not in found:  # stopped before its first one
+            state += " without a checkpoint"
+        resume_it = "add --resume to continue it, " if resumable and checkpointed else "add "
+        raise ConfigError(f"{flag} {out} already holds {state}; {resume_it}--overwrite to "
                           f"delete it ({', '.join(found)}) and start afresh, or choose another "
                           f"{flag}")
     return found

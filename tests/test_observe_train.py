@@ -103,23 +103,6 @@ def test_run_writes_step_lines_tensorboard_and_noise_scale(tmp_path, mnist_dir, 
     all_ranks_ok(comm, not bad, "; ".join(bad))
 
 
-def test_no_tensorboard_writes_metrics_but_no_event_files(tmp_path, mnist_dir):
-    """``hpclb train --no-tensorboard``: metrics.jsonl as always, no ``tb/`` (the default writes
-    it when the package is installed)."""
-    import subprocess
-    import sys
-    pytest.importorskip("tensorboard")
-    recipe = quick_recipe(tmp_path, epochs=0.25, warmup_epochs=0.05)
-    outs = {(): tmp_path / "default", ("--no-tensorboard",): tmp_path / "no-tb"}
-    for flag, out in outs.items():
-        proc = subprocess.run([sys.executable, "-m", "hpclb", "train", recipe, "--device", "cpu",
-                               "--data-dir", str(mnist_dir.parent), "--out", str(out), *flag],
-                              capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert (out / "metrics.jsonl").is_file()
-    assert (outs[()] / "tb").is_dir() and not (outs[("--no-tensorboard",)] / "tb").exists()
-
-
 def test_mid_epoch_checkpoints_leave_the_epoch_statistics_alone(tmp_path, mnist_dir, comm):
     """``--checkpoint-interval``: a checkpoint reduces a copy of the epoch's running sums over
     the ranks; the run's epoch and step lines are those of a run without mid-epoch checkpoints

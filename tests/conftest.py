@@ -7,7 +7,30 @@ from pathlib import Path
 
 import pytest
 
+from hpclb.dist.launcher import remove_stale_session_dirs
+
 REPO = Path(__file__).resolve().parents[1]
+_LEFT_BEHIND: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_left_behind_mpirun_sessions(request):
+    """Remove the session directories of ``mpirun`` processes that are gone before and after
+    every test, and name the tests that left some (in the terminal summary). A SIGKILLed
+    ``mpirun`` leaves ``$TMPDIR/ompi.<pid>`` behind, and a later ``mpirun`` given the same
+    process id fails at start-up ("The PMIx server's listener thread failed to start"):
+    ``hpclb/dist/launcher.py``."""
+    remove_stale_session_dirs()
+    yield
+    if remove_stale_session_dirs():
+        _LEFT_BEHIND.append(request.node.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LEFT_BEHIND:
+        terminalreporter.write_sep("-", "mpirun session directories left behind (removed)")
+        for nodeid in _LEFT_BEHIND:
+            terminalreporter.write_line(nodeid)
 
 
 @pytest.fixture(scope="session")

@@ -4,35 +4,35 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["mpirun", "run_group", "run_mpi"]
+from hpclb.dist.launcher import (
+    explain_launch_failure,
+    mpirun_path,
+    remove_stale_session_dirs,
+    stop_session,
+)
 
-
-def mpirun() -> str:
-    """The ``mpirun`` beside the running interpreter (the venv's Open MPI), else the one on
-    ``PATH``, else the bare name."""
-    here = Path(sys.executable).parent / "mpirun"
-    return str(here) if here.exists() else (shutil.which("mpirun") or "mpirun")
+__all__ = ["run_group", "run_mpi"]
 
 
 def run_group(argv: list[str], env: dict[str, str], timeout_s: float
               ) -> tuple[int, str, str] | None:
     """Run ``argv`` in a session of its own: ``(exit status, stdout, stderr)``, or None when it
-    ran past ``timeout_s`` seconds, after killing the whole session (a launcher and every
-    process it started: mpirun's ranks, torchrun's workers), not the launcher alone."""
+    ran past ``timeout_s`` seconds, after stopping the whole session (a launcher and every
+    process it started: mpirun's ranks, torchrun's workers; SIGTERM, then SIGKILL), not the
+    launcher alone. Session directories left by killed launchers are removed first
+    (``hpclb.dist.launcher``), so a reused process id cannot stop ``mpirun`` at start-up."""
+    remove_stale_session_dirs()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        stop_session(proc)
         return None
     return proc.returncode, stdout, stderr
 
@@ -47,7 +47,7 @@ def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
                OMP_NUM_THREADS="1")
     if np_ > (os.cpu_count() or 1):
         env["OMPI_MCA_mpi_yield_when_idle"] = "1"
-    cmd = [mpirun(), "-n", str(np_), "--oversubscribe", "--bind-to", "none",
+    cmd = [mpirun_path(), "-n", str(np_), "--oversubscribe", "--bind-to", "none",
            sys.executable, "-m", module, *argv, "--out", str(out)]
     print(f"[{tag}] mpirun -n {np_} {module} {' '.join(argv)}", flush=True)
     t0 = time.perf_counter()
@@ -58,8 +58,9 @@ def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
         return None
     returncode, stdout, stderr = done
     if returncode != 0 or not out.exists():
+        hint = explain_launch_failure(stdout + stderr)
         print(f"[{tag}] {np_} ranks failed ({returncode}):\n{stdout[-3000:]}\n"
-              f"{stderr[-3000:]}", flush=True)
+              f"{stderr[-3000:]}" + (f"\n[{tag}] {hint}" if hint else ""), flush=True)
         return None
     print(f"[{tag}]   done in {time.perf_counter() - t0:.0f} s", flush=True)
     return json.loads(out.read_text())

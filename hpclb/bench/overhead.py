@@ -31,7 +31,8 @@ from pathlib import Path
 
 import yaml
 
-from hpclb.bench.launch import mpirun, run_group
+from hpclb.bench.launch import run_group
+from hpclb.dist.launcher import mpirun_path
 
 __all__ = ["LOSS_RTOL", "WORKLOADS", "add_run_arguments", "commands", "driver", "summarize"]
 
@@ -79,7 +80,7 @@ def commands(workload: str, setting: str, args, where: Path) -> dict[str, tuple[
     if setting == "1proc":
         return {"hpclb": ([py, *train], where / "hpclb" / "summary.json"),
                 "baseline": ([py, *plain], where / "plain.json")}
-    mpi = [mpirun(), "-n", "2", "--oversubscribe", "--bind-to", "none"]
+    mpi = [mpirun_path(), "-n", "2", "--oversubscribe", "--bind-to", "none"]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     return {"hpclb": ([*mpi, py, *train, "--expect-world-size", "2"],
                       where / "hpclb" / "summary.json"),

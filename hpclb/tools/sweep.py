@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable
 
 from hpclb.config import load_recipe, resolve
 from hpclb.config.outputs import check_run_dir, point_name
+from hpclb.dist.launcher import explain_launch_failure, mpirun_path, remove_stale_session_dirs
 from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES
@@ -116,10 +117,7 @@ def _run_in_process(experiment: str, batch: int, scheme: str, settings: dict, ru
 def _run_mpi(experiment: str, batch: int, scheme: str, settings: dict, run_dir: Path,
              data_dir: str | None, resume: bool, quiet: bool) -> dict:
     ranks = settings["ranks"]
-    mpirun = Path(sys.executable).parent / "mpirun"
-    if not mpirun.exists():
-        mpirun = Path(shutil.which("mpirun") or "mpirun")
-    cmd = [str(mpirun), "-n", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpclb",
+    cmd = [mpirun_path(), "-n", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpclb",
            "train", experiment, "--batch-size", str(batch), "--scaling", scheme,
            "--optimizer", settings["optimizer"], "--epochs", str(settings["epochs"]),
            "--seed", str(settings["seed"]), "--out", str(run_dir),
@@ -131,14 +129,16 @@ def _run_mpi(experiment: str, batch: int, scheme: str, settings: dict, run_dir: 
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    remove_stale_session_dirs()  # a reused process id would stop mpirun at start-up
     proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, text=True,
                           stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE)
     if proc.returncode == 2:
         raise ConfigError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
                           "hpclb train rejected the settings")
     if proc.returncode != 0:
+        hint = explain_launch_failure(proc.stderr)
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}: "
-                           f"{proc.stderr.strip()[-2000:]}")
+                           f"{proc.stderr.strip()[-2000:]}" + (f"\n{hint}" if hint else ""))
     return json.loads((run_dir / "summary.json").read_text())
 
 

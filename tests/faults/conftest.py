@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from hpclb.dist.launcher import stop_session
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -100,8 +101,7 @@ def run(cmd, bound_s: float, env=None, cwd=None, signal_after: tuple | None = No
             p.send_signal(signal_after[1])
         out, _ = p.communicate(timeout=bound_s)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
+        out, _ = stop_session(p, grace_s=5)  # mpirun and every rank (each has its own group)
         pytest.fail(f"still running after its bound of {bound_s} s (a hang): {cmd}\n{out}")
     return p.returncode, out, time.monotonic() - t
 

@@ -14,8 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from hpclb.dist.launcher import (LISTENER_FAILURE, explain_launch_failure, mpirun_path,
-                                 remove_stale_session_dirs, stale_session_dirs, stop_session)
+from hpclb.dist.launcher import (
+    LISTENER_FAILURE,
+    explain_launch_failure,
+    mpirun_path,
+    remove_stale_session_dirs,
+    stale_session_dirs,
+    stop_session,
+)
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

@@ -53,3 +53,33 @@ def test_bad_inputs_name_the_fix(finished_run, tmp_path, capsys):
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
     assert cli.main(["evaluate", str(tmp_path)]) == 1  # corrupt: CheckpointError
     assert "CheckpointError" in capsys.readouterr().err
+
+
+def test_a_damaged_newest_checkpoint_falls_back_as_resume_does(finished_run, tmp_path, capsys,
+                                                                caplog):
+    """The newest generation damaged (bytes flipped): evaluate scores the previous generation
+    with a warning naming the damaged file, as `hpclb train --resume` would read it; with every
+    generation damaged it fails (exit 1) listing each file."""
+    import shutil
+
+    from hpclb.train.checkpoint import CheckpointStore
+
+    run_dir, summary = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    gens = CheckpointStore(copy).generations()
+    assert len(gens) == 2  # the epoch-1 and epoch-2 checkpoints
+    (copy / "checkpoint.pt").unlink()  # a hard link to the newest: damage the file itself
+    newest = gens[-1][2]
+    newest.write_bytes(newest.read_bytes()[:-64] + bytes(64))
+    assert cli.main(["evaluate", str(copy)]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["epoch"] == 1 and out["global_step"] < summary["steps"]
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert newest.name in warned and "unusable" in warned and f"reading {gens[0][2]}" in warned
+    old = gens[0][2]
+    old.write_bytes(old.read_bytes()[:-64] + bytes(64))
+    assert cli.main(["evaluate", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert "no usable checkpoint" in err and newest.name in err and old.name in err

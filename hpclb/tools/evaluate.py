@@ -22,7 +22,7 @@ from hpclb.dist.base import Communicator
 from hpclb.errors import ConfigError
 from hpclb.models import build_model
 from hpclb.tasks import build_task
-from hpclb.train.checkpoint import load_checkpoint
+from hpclb.train.checkpoint import CheckpointStore
 
 __all__ = ["evaluate_run"]
 
@@ -60,7 +60,8 @@ def evaluate_run(run_dir: str | Path, comm: Communicator, *, data_dir: str | Non
     fraction, ``test_perplexity``, ``test_bleu`` in BLEU points), the same on every rank.
 
     Raises ConfigError when ``run_dir`` has no ``config.json`` or no ``checkpoint.pt`` (yet) or
-    an override is invalid, CheckpointError when ``checkpoint.pt`` is unreadable, DataError when
+    an override is invalid, CheckpointError when no checkpoint generation is readable (a damaged
+    newest one is skipped with a warning, as ``--resume`` does), DataError when
     the data is missing or unreadable.
     """
     run_dir = Path(run_dir)
@@ -71,13 +72,18 @@ def evaluate_run(run_dir: str | Path, comm: Communicator, *, data_dir: str | Non
     run = json.loads(config_path.read_text())
     recipe = dict(run["recipe"])
     recipe["data"] = _decoding_overrides(recipe, beam_size, length_penalty)
-    ckpt_path = run_dir / "checkpoint.pt"
-    if not ckpt_path.is_file():
-        raise ConfigError(f"{ckpt_path}: not found; the run has not saved a checkpoint yet (it "
-                          f"saves one at each epoch end, and mid-epoch with "
+    store = CheckpointStore(run_dir)
+    if not store.exists():
+        raise ConfigError(f"{store.latest_path}: not found; the run has not saved a checkpoint "
+                          f"yet (it saves one at each epoch end, and mid-epoch with "
                           f"--checkpoint-interval): evaluate it after its first epoch, or point "
                           f"RUN_DIR at another run")
-    ckpt = load_checkpoint(ckpt_path)  # CheckpointError if unreadable
+    # the newest generation that verifies, as --resume reads it (a damaged newer one is skipped
+    # with a warning); CheckpointError when none is usable
+    loaded = store.latest()
+    if loaded is None:  # only files that are not checkpoints
+        raise ConfigError(f"{store.latest_path}: not found; point RUN_DIR at another run")
+    ckpt = loaded.state
     data = recipe["data"]
     task = build_task(recipe, data_dir if data_dir is not None else run["data_dir"],
                       train_samples=data.get("train_samples"),

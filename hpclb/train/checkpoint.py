@@ -299,7 +299,7 @@ class CheckpointStore:
                 skipped.append((path, reason))
                 continue
             if skipped:
-                log.warning("resuming from %s: %d newer checkpoint(s) were damaged (%s)", path,
+                log.warning("reading %s: %d newer checkpoint(s) were damaged (%s)", path,
                             len(skipped), "; ".join(str(p) for p, _ in skipped))
             return Loaded(state, path, gen, step, skipped)
         if skipped:

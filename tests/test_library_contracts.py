@@ -303,3 +303,22 @@ def test_zero_grad_with_gradients_in_flight_is_an_error(comm):
         assert opt.step() is True
     finally:
         opt.close()
+
+
+# -- one GradientSync per communicator, at every world size ----------------------------------------
+
+def test_a_second_distributed_optimizer_is_refused_at_every_world_size(comm):
+    """Two DistributedOptimizers on one communicator (the GAN mistake) are refused at 1 process
+    too, with the message the 2-rank run gives, so a script that works on a laptop does not stop
+    at 2 ranks; after close() a new one is accepted."""
+    disc, gen = _model(), _model(1)
+    d_opt = hpclb.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1), disc,
+                                       comm=comm)
+    try:
+        with pytest.raises(ValueError, match="this communicator already carries .*with one "
+                                             "GradientSync / hpclb.DistributedOptimizer"):
+            hpclb.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.1), gen, comm=comm)
+    finally:
+        d_opt.close()
+    g_opt = hpclb.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.1), gen, comm=comm)
+    g_opt.close()

@@ -124,12 +124,13 @@ class GradientSync:
         self._driver = None
         if comm.world_size > 1:
             self._start()
+        self._open = True  # until close(); the communicator's one GradientSync, at any size
+        GradientSync._live[id(comm)] = self
 
     def _start(self) -> None:
         """World size > 1: agree with the other ranks, then register the hooks and the driver."""
         comm = self.comm
         self._agree()
-        GradientSync._live[id(comm)] = self
         comm.register_buckets([b.comm_buffer for b in self.buckets])
         self._watchdog = watchdog_for(comm)
         self._watchdog.register_timeout(self.stall_timeout_s)
@@ -162,19 +163,18 @@ class GradientSync:
         return out
 
     def _check_not_shared(self, named) -> None:
-        """A parameter belongs to one GradientSync; a communicator (world size > 1) to one."""
+        """A parameter belongs to one GradientSync; a communicator to one, at every world size
+        (a script with two that ran at 1 process would hang or be refused at 2 ranks)."""
         for n, p in named:
             other = getattr(p, "_hpclb_sync", None)
-            if other is not None and other() is not None and other()._hooks:
+            if other is not None and getattr(other(), "_open", False):
                 raise ValueError(f"parameter {n} is already synchronised by {other()!r}; "
                                  f"close() that GradientSync first")
-        if self.comm.world_size == 1:
-            return
         other = GradientSync._live.get(id(self.comm))
-        if other is not None and other._hooks:
+        if other is not None and getattr(other, "_open", False):
             gc.collect()  # an unreachable one (a finished run's) is not in the way
             other = GradientSync._live.get(id(self.comm))
-        if other is not None and other._hooks:
+        if other is not None and getattr(other, "_open", False):
             raise ValueError(
                 f"this communicator already carries {other!r}; two GradientSyncs on one "
                 f"communicator start collectives in an order that depends on which backward "
@@ -377,6 +377,7 @@ class GradientSync:
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread (gradients stay bucket views)."""
+        self._open = False
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

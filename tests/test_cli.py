@@ -33,8 +33,7 @@ def hpclb(*args, ranks=1, timeout=120):
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("args,message", [
+BAD_INPUT = [
     (["--batch-size", "1023"], "not divisible by the world size 2"),
     (["--batch-size", "0"], "--batch-size: must be a positive integer"),
     (["--lr", "-0.1"], "--lr: must be a positive number"),
@@ -43,7 +42,17 @@ def hpclb(*args, ranks=1, timeout=120):
     (["--accumulation-steps", "3"], r"world size \d x --accumulation-steps 3 = \d .*; choose a "
      r"--batch-size that is a multiple"),
     (["--data-dir", "/nonexistent"], "no such file"),
-])
+]
+# Every case at 1 process; under mpirun -n 2 the world-size cases and the data check in make
+# test, the other 2-rank variants (the same validation code, ~4 s of launch each) in
+# make test-extended.
+_TWO_RANKS_IN_MAKE_TEST = (0, 5, 6)
+
+
+@pytest.mark.parametrize("ranks,args,message", [
+    *[(1, a, m) for a, m in BAD_INPUT],
+    *[pytest.param(2, a, m, marks=[] if i in _TWO_RANKS_IN_MAKE_TEST else [pytest.mark.extended])
+      for i, (a, m) in enumerate(BAD_INPUT)]])
 def test_bad_input_fails_fast_with_a_message(tmp_path, mnist_dir, ranks, args, message):
     if ranks == 1 and "divisible" in message:
         args, message = ["--batch-size", "-5"], "--batch-size: must be a positive integer"

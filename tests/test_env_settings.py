@@ -44,8 +44,10 @@ def test_check_environment_names_the_variable(monkeypatch, var, value, message):
         check_environment()
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("var, value, message", CASES[:3])
+@pytest.mark.parametrize("ranks, var, value, message", [
+    *[(1, *c) for c in CASES[:3]],  # under mpirun -n 2: the first in make test, the others in
+    *[pytest.param(2, *c, marks=[pytest.mark.extended] if i else [])  # make test-extended
+      for i, c in enumerate(CASES[:3])]])
 def test_train_refuses_bad_variable_at_start_up(tmp_path, ranks, var, value, message):
     cmd = [sys.executable, "-m", "hpclb", "train", "mnist-lstm", "--epochs", "0.01",
            "--out", str(tmp_path / "run"), "--data-dir", str(tmp_path / "nodata")]

@@ -230,7 +230,9 @@ def _task_batches(root: Path, world_size: int, epoch: int, seed: int = 7) -> dic
     out = {}
     for rank in range(world_size):
         train = ImageFolder(root, image_size=8, augment=True)
-        task = ClassificationTask(train, ImageFolder(root, image_size=8))
+        # read in this thread: worker processes give the same batches (test_loader.py), and
+        # under --with-mpi each loader would start forkserver workers (seconds each)
+        task = ClassificationTask(train, ImageFolder(root, image_size=8), num_workers=0)
         task.setup(per_rank_batch=2 // world_size, global_batch=2, rank=rank,
                    world_size=world_size, seed=seed, steps_per_epoch=2)
         task.start_epoch(epoch)

@@ -94,15 +94,20 @@ def error_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("hpclb: error:")]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("model,data,phase,line,text", [
+USER_FAULTS = [
     ("BadInit", {}, "in the model constructor (model.name)",
      f"u_models.py:{line_of(MODELS, 'BUG-INIT')} (in __init__)", "TypeError"),
     ("BadForward", {"missing": True}, "in the data function (data.name)",
      f"u_data.py:{line_of(DATA, 'BUG-DATA')} (in blobs)", "FileNotFoundError"),
     ("BadForward", {}, "in the forward/backward of global step 3",
      f"u_models.py:{line_of(MODELS, 'BUG-FORWARD')} (in forward)", "my forward broke"),
-])
+]
+
+
+@pytest.mark.parametrize("ranks,model,data,phase,line,text", [
+    *[(1, *f) for f in USER_FAULTS],  # under mpirun -n 2: the forward in make test (it names
+    *[pytest.param(2, *f, marks=[] if i == 2 else [pytest.mark.extended])  # the global step),
+      for i, f in enumerate(USER_FAULTS)]])  # the other phases in make test-extended
 def test_user_exception_names_phase_rank_and_line(tmp_path, ranks, model, data, phase, line,
                                                   text):
     rc, out = train(write(tmp_path, model, **data), ranks)

@@ -76,10 +76,24 @@ def _line_of(text: str) -> int:
     return next(i + 1 for i, line in enumerate(lines) if line.strip() == text)
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _cases():
+    """Every task x optimizer x precision. In make test every task x optimizer at one precision
+    (turning, so each optimizer and each task meets fp16's GradScaler and bf16); the other two
+    precisions of each pair in make test-extended."""
+    for ti, experiment in enumerate(TASKS):
+        for oi, optimizer in enumerate(OPTIMIZERS):
+            for pi, precision in enumerate(PRECISIONS):
+                quick = pi == (ti + oi) % len(PRECISIONS)
+                yield pytest.param(experiment, optimizer, precision,
+                                   marks=[] if quick else [pytest.mark.extended],
+                                   id=f"{experiment}-{optimizer}-{precision}")
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "lars", "lamb"])
-@pytest.mark.parametrize("experiment", list(TASKS))
+@pytest.mark.parametrize("experiment,optimizer,precision", list(_cases()))
 def test_reads_per_step(tmp_path, experiment, optimizer, precision):
     probe, changes, batch = TASKS[experiment]
     if not (DATA / probe).exists():

@@ -8,7 +8,9 @@ The test copies this file beside a recipe (``model.name: nonfinite_plugin:SpikyM
 - ``overflow``: the logits times 1e5 in fp16, which overflows to inf (the loss and the gradient
   are not finite), as an fp16 forward overflows;
 - ``nan_sample``: the first sample's logits are NaN (one bad sample on one rank);
-- ``nan_from``: all logits NaN from that forward on (a divergence).
+- ``nan_from``: all logits NaN from that forward on (a divergence);
+- ``nan_test``: one feature of the first test sample is NaN (bad evaluation data; training is
+  untouched).
 """
 import os
 
@@ -27,7 +29,10 @@ def blobs(data_dir: str, n_train: int = 1024, n_test: int = 256, dim: int = 16):
         y = torch.randint(0, 4, (n,), generator=g)
         return TensorDataset(centres[y] + torch.randn(n, dim, generator=g), y)
 
-    return split(n_train, 1), split(n_test, 2)
+    train, test = split(n_train, 1), split(n_test, 2)
+    if os.environ.get("NONFINITE_MODE") == "nan_test":
+        test.tensors[0][0, 0] = float("nan")
+    return train, test
 
 
 class SpikyMLP(nn.Module):

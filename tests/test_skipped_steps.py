@@ -36,6 +36,7 @@ CASES = {  # name: (precision, environment)
                                                 "NONFINITE_STEP": "5", "NONFINITE_RANK": "last"}),
     "nan-from-step-11-last-rank": ("fp32", {"NONFINITE_MODE": "nan_from",
                                             "NONFINITE_STEP": "11", "NONFINITE_RANK": "last"}),
+    "nan-in-the-test-split": ("fp32", {"NONFINITE_MODE": "nan_test"}),
 }
 
 
@@ -107,4 +108,17 @@ def test_device_side_guard_stops_a_divergence_at_the_next_step_line(tmp_path, ra
                      r"layer net\.\S+\); 4 step\(s\) in a row skipped.*\(global step 14, epoch "
                      r"2, step 6/8\); the last finite checkpoint is kept in \S+checkpoint\.pt",
                      text), text
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.timeout(90)
+def test_a_nan_in_the_test_split_is_reported_as_the_data_not_a_divergence(tmp_path):
+    """Training is finite, one test sample holds a NaN: the run stops at the first epoch end
+    (exit 3, nothing non-finite passes as a result) with a message that points at the test
+    data, not at the learning rate."""
+    rc, text, out = _train(tmp_path, 1, "adam", "nan-in-the-test-split")
+    assert rc == 3, text
+    assert re.search(r"non-finite test_loss.* at the end of the epoch while the training loss "
+                     r"\([0-9.]+\) and every weight are finite: .*a non-finite value in the test "
+                     r"split \(check the data\)", text), text
     assert not (out / "summary.json").exists()

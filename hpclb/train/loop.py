@@ -171,12 +171,23 @@ def _check_diverged(run: Run, epoch: int, train_loss: float, eval_metrics: dict)
     where = f"global step {run.pos.global_step}, epoch {epoch + 1}; {kept}"
     bad = [m for m, v in {"train_loss": train_loss, **eval_metrics}.items()
            if isinstance(v, float) and not math.isfinite(v)]
+    if bad and "train_loss" not in bad and _weights_finite(run):
+        raise Diverged(f"non-finite {', '.join(bad)} at the end of the epoch while the training "
+                       f"loss ({train_loss:.4g}) and every weight are finite: the evaluation "
+                       f"made it, most likely a non-finite value in the test split (check the "
+                       f"data) or a metric that overflows, not the training ({where})")
     if bad:
         raise Diverged(f"non-finite {', '.join(bad)} at the end of the epoch ({where})")
     first = run.pos.first_loss
     if first and first > 0 and train_loss > EXPLODED_LOSS_FACTOR * first:
         raise Diverged(f"the training loss exploded to {train_loss:.3g} from {first:.3g} at step "
                        f"1 (more than {EXPLODED_LOSS_FACTOR:g}x) ({where})")
+
+
+def _weights_finite(run: Run) -> bool:
+    """Whether every parameter of the model is finite (one device read; the replicas agree)."""
+    params = [p.detach() for p in run.model.parameters()]
+    return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
 
 def _resolve_first_loss(run: Run, first: torch.Tensor | None) -> None:

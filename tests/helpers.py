@@ -1,11 +1,13 @@
 """Small real runs for the tests: the packaged MNIST-LSTM recipe with a short budget."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import yaml
 
 from hpclb.config import load_recipe, resolve
+from hpclb.dist.launcher import stop_session
 from hpclb.dist.local import SelfCommunicator
 from hpclb.train import loop as train_mod
 
@@ -45,3 +47,20 @@ def preempt_at(monkeypatch, step: int) -> None:
         return calls["n"] == step
 
     monkeypatch.setattr(train_mod.PreemptionFlag, "agreed", agreed)
+
+
+def run_bounded(cmd: list[str], *, timeout: float, capture_output: bool = False,
+                **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a launcher (``mpirun``, ``hpclb``): past ``timeout`` seconds it
+    ends the launcher's whole session, ranks included (each ``mpirun`` rank has a process group
+    of its own, and ``subprocess.run`` kills the launcher alone, leaving the ranks running and
+    the launcher's session directory behind), then raises ``subprocess.TimeoutExpired``."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = stop_session(proc, grace_s=5)
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import quick_recipe
+from helpers import quick_recipe, run_bounded
 
 BIN = Path(sys.executable).parent
 MPIRUN = BIN / "mpirun"
@@ -28,8 +28,8 @@ def hpclb(*args, ranks=1, timeout=120):
             pytest.skip("no mpirun beside the interpreter (make install provides one)")
         cmd = [str(MPIRUN), "-n", str(ranks), "--bind-to", "none", *cmd]
     t = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
-                       stdin=subprocess.DEVNULL)
+    p = run_bounded(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
+                    stdin=subprocess.DEVNULL)
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t
 
 

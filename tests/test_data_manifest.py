@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_bounded
 
 from hpclb.data import manifest
 from hpclb.data.mnist import FILES
@@ -123,8 +124,8 @@ def test_one_ranks_changed_copy_stops_every_rank(staged, tmp_path):
              "--out", str(tmp_path / "run"), "--expect-world-size", "2"]
     cmd = [str(mpirun), "--bind-to", "none", "-n", "1", "-x", f"HPCLB_DATA={staged.parent}",
            *train, ":", "-n", "1", "-x", f"HPCLB_DATA={other}", *train]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env,
-                       stdin=subprocess.DEVNULL)
+    p = run_bounded(cmd, capture_output=True, text=True, timeout=220, env=env,
+                    stdin=subprocess.DEVNULL)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
     assert "rank 1" in out and "train-labels-idx1-ubyte: SHA-256" in out, out

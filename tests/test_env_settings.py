@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_bounded
 
 from hpclb.sync.options import check_environment
 
@@ -55,8 +56,8 @@ def test_train_refuses_bad_variable_at_start_up(tmp_path, ranks, var, value, mes
         if not (BIN / "mpirun").exists():
             pytest.skip("no mpirun beside the interpreter")
         cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", "-x", var, *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                       env={**ENV, var: value}, stdin=subprocess.DEVNULL)
+    p = run_bounded(cmd, capture_output=True, text=True, timeout=120,
+                    env={**ENV, var: value}, stdin=subprocess.DEVNULL)
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
     assert "hpclb: error: environment: " in out and "Traceback" not in out, out

@@ -192,3 +192,27 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_the_tests_bounded_run_ends_the_ranks_of_a_launcher_past_its_time(tmpdir_env):
+    """tests/helpers.run_bounded, which the suite's mpirun launches go through: past its time it
+    raises TimeoutExpired with the ranks ended and nothing left behind (``subprocess.run``
+    killed mpirun alone)."""
+    from helpers import run_bounded
+
+    tmp, env = tmpdir_env
+    argv = [str(MPIRUN), "-n", "2", "--bind-to", "none", "sleep", "60"]
+    t = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_bounded(argv, timeout=3, env=env, capture_output=True, text=True)
+    assert time.monotonic() - t < 20
+    _wait_for(lambda: not [p for p in Path("/proc").glob("[0-9]*/cmdline")
+                           if _is_our_sleep(p)], timeout_s=10)
+    assert _session_dirs(tmp) == []
+
+
+def _is_our_sleep(cmdline: Path) -> bool:
+    try:
+        return cmdline.read_bytes().split(b"\0")[:2] == [b"sleep", b"60"]
+    except OSError:
+        return False

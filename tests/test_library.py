@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from helpers import run_bounded
 from torch import nn
 
 import hpclb
@@ -117,9 +118,9 @@ def _run_example(cmd: list[str], tmp_path) -> dict:
     from tests.test_cli import ENV
 
     env = {**ENV, "HPCLB_DATA": os.environ.get("HPCLB_DATA", str(REPO / "data"))}
-    out = subprocess.run(cmd + [str(REPO / "examples" / "own_model.py")], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=240,
-                         stdin=subprocess.DEVNULL)
+    out = run_bounded(cmd + [str(REPO / "examples" / "own_model.py")], cwd=tmp_path, env=env,
+                      capture_output=True, text=True, timeout=240,
+                      stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

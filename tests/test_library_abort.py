@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import run_bounded
 
 from tests.conftest import REPO
 
@@ -56,10 +57,10 @@ def run_ranks(body: str, tmp_path, ranks: int = 2, timeout: float = 150, env: di
     flags = [f for k in sorted(set(env or {}) | {"PYTHONPATH", "OMP_NUM_THREADS"})
              for f in ("-x", k)]
     t0 = time.monotonic()
-    out = subprocess.run([MPIRUN, "-n", str(ranks), "--bind-to", "none", *flags,
-                          sys.executable, str(script)], cwd=tmp_path, env=full,
-                         capture_output=True, text=True, timeout=timeout,
-                         stdin=subprocess.DEVNULL)
+    out = run_bounded([MPIRUN, "-n", str(ranks), "--bind-to", "none", *flags,
+                       sys.executable, str(script)], cwd=tmp_path, env=full,
+                      capture_output=True, text=True, timeout=timeout,
+                      stdin=subprocess.DEVNULL)
     return out.returncode, out.stdout, out.stderr, time.monotonic() - t0
 
 

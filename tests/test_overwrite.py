@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import quick_recipe
+from helpers import quick_recipe, run_bounded
 
 from hpclb.config import resolve
 from hpclb.config.outputs import check_run_dir
@@ -29,8 +29,8 @@ def hpclb(*args, ranks=1, cwd=None, timeout=180):
         if not (BIN / "mpirun").exists():
             pytest.skip("no mpirun beside the interpreter (make install provides one)")
         cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd,
-                       stdin=subprocess.DEVNULL)
+    p = run_bounded(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd,
+                    stdin=subprocess.DEVNULL)
     return p.returncode, p.stdout + p.stderr
 
 

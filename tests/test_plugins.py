@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, all_ranks_ok
-from helpers import train_multi_and_single
+from helpers import run_bounded, train_multi_and_single
 
 from hpclb.config import load_recipe, resolve
 from hpclb.dist.local import SelfCommunicator
@@ -79,8 +79,8 @@ def run_cli(args, ranks: int, cwd: Path, timeout: int = 240) -> subprocess.Compl
         if not (BIN / "mpirun").exists():
             pytest.skip("no mpirun beside the interpreter (make install provides one)")
         cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=ENV, stdin=subprocess.DEVNULL)
+    return run_bounded(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                       env=ENV, stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")

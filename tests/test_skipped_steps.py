@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_bounded
 
 HERE = Path(__file__).resolve().parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
@@ -61,8 +62,8 @@ def _train(tmp_path: Path, ranks: int, optimizer: str, case: str) -> tuple[int, 
             "--optimizer", optimizer, "--precision", precision, "--device", "cpu"]
     if ranks > 1:
         args = [str(MPIRUN), "--bind-to", "none", "-n", str(ranks), *args]
-    p = subprocess.run(args, capture_output=True, text=True, env=_env(ranks, fault), cwd=tmp_path,
-                       timeout=60, stdin=subprocess.DEVNULL)
+    p = run_bounded(args, capture_output=True, text=True, env=_env(ranks, fault), cwd=tmp_path,
+                    timeout=60, stdin=subprocess.DEVNULL)
     return p.returncode, p.stdout + p.stderr, out
 
 

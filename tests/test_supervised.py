@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO
+from helpers import run_bounded
 
 from hpclb.config import load_recipe, resolve
 from hpclb.dist.local import SelfCommunicator
@@ -44,8 +45,8 @@ def train_cli(out: Path, ranks: int, *extra) -> dict:
         if not (BIN / "mpirun").exists():
             pytest.skip("no mpirun beside the interpreter (make install provides one)")
         cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV,
-                       stdin=subprocess.DEVNULL, cwd=out.parent)
+    p = run_bounded(cmd, capture_output=True, text=True, timeout=240, env=ENV,
+                    stdin=subprocess.DEVNULL, cwd=out.parent)
     assert p.returncode == 0, p.stdout + p.stderr
     return json.loads((out / "summary.json").read_text())
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_bounded
 
 from hpclb.config import load_recipe
 from hpclb.errors import ConfigError
@@ -79,8 +80,8 @@ def train(recipe: Path, ranks: int):
         if not (BIN / "mpirun").exists():
             pytest.skip("no mpirun beside the interpreter (make install provides one)")
         cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=ENV,
-                       stdin=subprocess.DEVNULL, cwd=recipe.parent)
+    p = run_bounded(cmd, capture_output=True, text=True, timeout=150, env=ENV,
+                    stdin=subprocess.DEVNULL, cwd=recipe.parent)
     return p.returncode, p.stdout + p.stderr
 
 

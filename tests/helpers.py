@@ -1,9 +1,12 @@
 """Small real runs for the tests: the packaged MNIST-LSTM recipe with a short budget."""
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from hpclb.config import load_recipe, resolve
@@ -64,3 +67,30 @@ def run_bounded(cmd: list[str], *, timeout: float, capture_output: bool = False,
         out, err = stop_session(proc, grace_s=5)
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+#: The environment a test launches ``hpclb`` or ``mpirun`` with: this machine's Open MPI
+#: settings (root allowed, oversubscription), one torch thread per process, and no identity
+#: inherited from a surrounding ``mpirun`` (``make test-mpi`` runs pytest itself under one).
+LAUNCH_ENV = {k: v for k, v in os.environ.items()
+              if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))}
+LAUNCH_ENV.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                  PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", OMP_NUM_THREADS="1")
+
+
+def run_hpclb(*args, ranks: int = 1, timeout: float, env: dict | None = None,
+              cwd: str | Path | None = None,
+              mpirun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python -m hpclb ARGS`` at one process, or under ``mpirun -n RANKS --bind-to none
+    MPIRUN_ARGS`` (the test is skipped when no ``mpirun`` lies beside the interpreter), with
+    ``env`` (default :data:`LAUNCH_ENV`), output captured as text, bounded by ``timeout``
+    seconds through :func:`run_bounded`."""
+    cmd = [sys.executable, "-m", "hpclb", *map(str, args)]
+    if ranks > 1:
+        if not MPIRUN.exists():
+            pytest.skip("no mpirun beside the interpreter (make install provides one)")
+        cmd = [str(MPIRUN), "-n", str(ranks), "--bind-to", "none", *mpirun_args, *cmd]
+    return run_bounded(cmd, capture_output=True, text=True, timeout=timeout,
+                       env=LAUNCH_ENV if env is None else env, cwd=cwd,
+                       stdin=subprocess.DEVNULL)

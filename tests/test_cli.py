@@ -1,35 +1,20 @@
 """Bad input through the real command line, 1 process and under mpirun with 2 ranks: every case
 ends within seconds, non-zero, with a message naming the problem."""
-import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import quick_recipe, run_bounded
-
-BIN = Path(sys.executable).parent
-MPIRUN = BIN / "mpirun"
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
-for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
-    del ENV[var]  # never inherit a surrounding mpirun's identity
+from helpers import LAUNCH_ENV, quick_recipe, run_hpclb
 
 
 def hpclb(*args, ranks=1, timeout=120):
     """Run the CLI; a hang fails the test through ``timeout`` (seconds). Returns (rc, output,
     seconds)."""
-    cmd = [sys.executable, "-m", "hpclb", *args]
-    if ranks > 1:
-        if not MPIRUN.exists():
-            pytest.skip("no mpirun beside the interpreter (make install provides one)")
-        cmd = [str(MPIRUN), "-n", str(ranks), "--bind-to", "none", *cmd]
     t = time.monotonic()
-    p = run_bounded(cmd, capture_output=True, text=True, timeout=timeout, env=ENV,
-                    stdin=subprocess.DEVNULL)
+    p = run_hpclb(*args, ranks=ranks, timeout=timeout)
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t
 
 
@@ -231,7 +216,7 @@ def test_help_does_not_import_torch(argv):
     """`hpclb --help` and a command's --help print without loading torch (seconds of start-up,
     and the signal handlers must be in before anything heavy)."""
     r = subprocess.run([sys.executable, "-c", _HELP_CODE, *argv], capture_output=True,
-                       text=True, timeout=120, env=ENV)
+                       text=True, timeout=120, env=LAUNCH_ENV)
     assert r.returncode == 0, r.stderr
     assert "usage: hpclb" in r.stdout
 

@@ -3,24 +3,16 @@ line, exit 2, naming the variable, its value and the valid values (before: a Val
 first optimizer, exit 1, naming an argument the user never passed)."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers import run_bounded
+from helpers import LAUNCH_ENV, run_hpclb
 
 from hpclb.sync.options import check_environment
 
-BIN = Path(sys.executable).parent
-ENV = {k: v for k, v in os.environ.items()
-       if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "HPCLB_OVERLAP",
-                            "HPCLB_COMPRESSION", "HPCLB_STALL", "HPCLB_FUSION",
+ENV = {k: v for k, v in LAUNCH_ENV.items()
+       if not k.startswith(("HPCLB_OVERLAP", "HPCLB_COMPRESSION", "HPCLB_STALL", "HPCLB_FUSION",
                             "HPCLB_CUDA_AWARE", "HPCLB_TRUST_BACKEND", "HPCLB_ABORT_ON"))}
-ENV.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
-           PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
 
 CASES = [
     ("HPCLB_OVERLAP", "threads", r"\$HPCLB_OVERLAP='threads': choose one of auto, thread, "
@@ -50,14 +42,9 @@ def test_check_environment_names_the_variable(monkeypatch, var, value, message):
     *[pytest.param(2, *c, marks=[pytest.mark.extended] if i else [])  # make test-extended
       for i, c in enumerate(CASES[:3])]])
 def test_train_refuses_bad_variable_at_start_up(tmp_path, ranks, var, value, message):
-    cmd = [sys.executable, "-m", "hpclb", "train", "mnist-lstm", "--epochs", "0.01",
-           "--out", str(tmp_path / "run"), "--data-dir", str(tmp_path / "nodata")]
-    if ranks > 1:
-        if not (BIN / "mpirun").exists():
-            pytest.skip("no mpirun beside the interpreter")
-        cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", "-x", var, *cmd]
-    p = run_bounded(cmd, capture_output=True, text=True, timeout=120,
-                    env={**ENV, var: value}, stdin=subprocess.DEVNULL)
+    p = run_hpclb("train", "mnist-lstm", "--epochs", "0.01", "--out", tmp_path / "run",
+                  "--data-dir", tmp_path / "nodata", ranks=ranks, timeout=120,
+                  env={**ENV, var: value}, mpirun_args=("-x", var))
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
     assert "hpclb: error: environment: " in out and "Traceback" not in out, out

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import LAUNCH_ENV, MPIRUN, run_bounded
 
 from hpclb.dist.launcher import (
     LISTENER_FAILURE,
@@ -23,12 +24,7 @@ from hpclb.dist.launcher import (
     stop_session,
 )
 
-MPIRUN = Path(sys.executable).parent / "mpirun"
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
-for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "PRTE_"))
-            and v != "PRTE_MCA_rmaps_default_mapping_policy"]:
-    del ENV[var]  # never inherit a surrounding mpirun's identity
+ENV = LAUNCH_ENV
 
 
 @pytest.fixture
@@ -198,8 +194,6 @@ def test_the_tests_bounded_run_ends_the_ranks_of_a_launcher_past_its_time(tmpdir
     """tests/helpers.run_bounded, which the suite's mpirun launches go through: past its time it
     raises TimeoutExpired with the ranks ended and nothing left behind (``subprocess.run``
     killed mpirun alone)."""
-    from helpers import run_bounded
-
     tmp, env = tmpdir_env
     argv = [str(MPIRUN), "-n", "2", "--bind-to", "none", "sleep", "60"]
     t = time.monotonic()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run_bounded
+from helpers import LAUNCH_ENV, MPIRUN, run_bounded
 from torch import nn
 
 import hpclb
@@ -115,9 +115,7 @@ def test_shard_loader_covers_every_sample_once_at_any_world_size(world_size):
 
 
 def _run_example(cmd: list[str], tmp_path) -> dict:
-    from tests.test_cli import ENV
-
-    env = {**ENV, "HPCLB_DATA": os.environ.get("HPCLB_DATA", str(REPO / "data"))}
+    env = {**LAUNCH_ENV, "HPCLB_DATA": os.environ.get("HPCLB_DATA", str(REPO / "data"))}
     out = run_bounded(cmd + [str(REPO / "examples" / "own_model.py")], cwd=tmp_path, env=env,
                       capture_output=True, text=True, timeout=240,
                       stdin=subprocess.DEVNULL)
@@ -130,8 +128,7 @@ def test_example_script_two_ranks_equal_one_process(mnist_dir, tmp_path):
     """examples/own_model.py (the README's library quick start) at 1 process and under
     mpirun -n 2: the same accuracy to fp32 rounding, and it learns (> 90 %)."""
     one = _run_example([sys.executable], tmp_path)
-    from tests.test_cli import MPIRUN as mpirun
-
+    mpirun = MPIRUN
     if not mpirun.exists():
         pytest.skip("no mpirun beside the interpreter (make install)")
     env_flags = ["-x", "HPCLB_DATA", "-x", "OMP_NUM_THREADS"]

@@ -3,34 +3,19 @@ and batch, refuses a directory holding a run (exit 2, naming --resume and --over
 rank before any work, and replaces it only with --overwrite; ``hpclb scale``, ``hpclb plot`` and
 ``hpclb sweep`` refuse to replace their outputs likewise. Real command line in subprocesses."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers import quick_recipe, run_bounded
+from helpers import quick_recipe, run_hpclb
 
 from hpclb.config import resolve
 from hpclb.config.outputs import check_run_dir
 from hpclb.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
-for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
-    del ENV[var]
 
 
 def hpclb(*args, ranks=1, cwd=None, timeout=180):
-    cmd = [sys.executable, "-m", "hpclb", *map(str, args)]
-    if ranks > 1:
-        if not (BIN / "mpirun").exists():
-            pytest.skip("no mpirun beside the interpreter (make install provides one)")
-        cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
-    p = run_bounded(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd,
-                    stdin=subprocess.DEVNULL)
+    p = run_hpclb(*args, ranks=ranks, timeout=timeout, cwd=cwd)
     return p.returncode, p.stdout + p.stderr
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, all_ranks_ok
-from helpers import run_bounded, train_multi_and_single
+from helpers import run_hpclb, train_multi_and_single
 
 from hpclb.config import load_recipe, resolve
 from hpclb.dist.local import SelfCommunicator
@@ -27,11 +27,6 @@ from hpclb.tasks import DatasetSplit, build_task
 
 pytestmark = pytest.mark.timeout(120)
 EXAMPLE = REPO / "examples" / "plugin" / "recipe.yaml"
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
-for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
-    del ENV[var]  # never inherit a surrounding mpirun's identity
 _ids = itertools.count()
 
 
@@ -74,13 +69,7 @@ BLOBS = """
 # --- the example through the real command line --------------------------------------------------
 
 def run_cli(args, ranks: int, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hpclb", "train", *map(str, args)]
-    if ranks > 1:
-        if not (BIN / "mpirun").exists():
-            pytest.skip("no mpirun beside the interpreter (make install provides one)")
-        cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
-    return run_bounded(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                       env=ENV, stdin=subprocess.DEVNULL)
+    return run_hpclb("train", *args, ranks=ranks, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import quick_recipe
-from test_cli import ENV, MPIRUN  # the Open MPI settings of every CLI test
+from helpers import LAUNCH_ENV as ENV
+from helpers import MPIRUN, quick_recipe
 
 BLOCK = ["env", "--block-signal=USR2", "--block-signal=TERM"]
 HEAVY = ("torch", "numpy", "mpi4py", "yaml", "jinja2")

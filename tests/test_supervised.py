@@ -5,8 +5,6 @@ through the real command line at 1 process and under ``mpirun -n 2`` to the same
 (a data option, a target metric the task does not report, a missing loss) are refused naming
 the field and the valid choices."""
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,7 +13,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO
-from helpers import run_bounded
+from helpers import LAUNCH_ENV, run_hpclb
 
 from hpclb.config import load_recipe, resolve
 from hpclb.dist.local import SelfCommunicator
@@ -24,11 +22,7 @@ from hpclb.tasks.spec import metric_mode, primary_metric
 
 pytestmark = pytest.mark.timeout(300)
 EXAMPLE = REPO / "examples" / "regression" / "recipe.yaml"
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
-for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
-    del ENV[var]
+ENV = dict(LAUNCH_ENV)
 
 
 @pytest.fixture(autouse=True)
@@ -39,14 +33,8 @@ def _restore_sys_path(monkeypatch):
 
 def train_cli(out: Path, ranks: int, *extra) -> dict:
     """One epoch of the example (64 steps of B = 128 on 8,192 digits); its summary."""
-    cmd = [sys.executable, "-m", "hpclb", "train", str(EXAMPLE), "--epochs", "1", "--out",
-           str(out), *extra]
-    if ranks > 1:
-        if not (BIN / "mpirun").exists():
-            pytest.skip("no mpirun beside the interpreter (make install provides one)")
-        cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
-    p = run_bounded(cmd, capture_output=True, text=True, timeout=240, env=ENV,
-                    stdin=subprocess.DEVNULL, cwd=out.parent)
+    p = run_hpclb("train", EXAMPLE, "--epochs", "1", "--out", out, *extra, ranks=ranks,
+                  timeout=240, cwd=out.parent, env=ENV)
     assert p.returncode == 0, p.stdout + p.stderr
     return json.loads((out / "summary.json").read_text())
 
@@ -55,7 +43,7 @@ def train_cli(out: Path, ranks: int, *extra) -> dict:
 def runs(tmp_path_factory, mnist_dir):
     """The example at 1 process and at 2 ranks (with the gradient noise scale)."""
     tmp = tmp_path_factory.mktemp("regression")
-    ENV["HPCLB_DATA"] = str(mnist_dir.parent)
+    ENV["HPCLB_DATA"] = str(mnist_dir.parent)  # this module's copy of LAUNCH_ENV
     return {1: (tmp / "one", train_cli(tmp / "one", 1)),
             2: (tmp / "two", train_cli(tmp / "two", 2, "--noise-scale"))}
 

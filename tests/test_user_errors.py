@@ -2,26 +2,18 @@
 function, forward/backward at global step N), the rank, the user's file:line and how to get the
 traceback; an optimizer hyper-parameter typo names the optimizer and what it takes. Real command
 line, 1 process and ``mpirun -n 2``."""
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import run_bounded
+from helpers import run_hpclb
 
 from hpclb.config import load_recipe
 from hpclb.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(200)
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe", "OMP_NUM_THREADS": "1"}
-for var in [v for v in ENV if v.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
-    del ENV[var]
 
 MODELS = '''
 from torch import nn
@@ -74,14 +66,8 @@ def write(tmp_path: Path, model: str, **data) -> Path:
 
 
 def train(recipe: Path, ranks: int):
-    cmd = [sys.executable, "-m", "hpclb", "train", str(recipe), "--out",
-           str(recipe.parent / f"run{ranks}")]
-    if ranks > 1:
-        if not (BIN / "mpirun").exists():
-            pytest.skip("no mpirun beside the interpreter (make install provides one)")
-        cmd = [str(BIN / "mpirun"), "-n", str(ranks), "--bind-to", "none", *cmd]
-    p = run_bounded(cmd, capture_output=True, text=True, timeout=150, env=ENV,
-                    stdin=subprocess.DEVNULL, cwd=recipe.parent)
+    p = run_hpclb("train", recipe, "--out", recipe.parent / f"run{ranks}", ranks=ranks,
+                  timeout=150, cwd=recipe.parent)
     return p.returncode, p.stdout + p.stderr
 
 

@@ -261,8 +261,9 @@ def test_get_communicator_sets_the_device_and_checks_the_launcher(env):
     with pytest.raises(ConfigError, match="--device 'gpu'"):
         hc.get_communicator("auto", device="gpu")
     env.setenv("LOCAL_RANK", "1")  # a stale variable: one process is node-local rank 0
-    with pytest.raises(ConfigError, match="node-local rank 1 but the self backend finds "
-                                          "node-local rank 0"):
+    with pytest.raises(ConfigError, match=r"node-local ranks are unusable on 1 rank\(s\) \(rank 0: "
+                                          r"the launcher says node-local rank 1, the self "
+                                          r"backend finds 0"):
         hc.get_communicator("auto")
     env.delenv("LOCAL_RANK")
     c = hc.get_communicator("auto", device="cpu")

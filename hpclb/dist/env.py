@@ -19,7 +19,8 @@ import os
 from hpclb.errors import ConfigError
 
 __all__ = ["LOCAL_RANK_VARS", "LOCAL_SIZE_VARS", "WORLD_SIZE_VARS", "env_local_rank",
-           "local_size", "launcher_world_size", "launcher_kind", "torchrun_started"]
+           "node_split_key", "local_size", "launcher_world_size", "launcher_kind",
+           "torchrun_started"]
 
 # Launcher variables holding the node-local rank, each with the variable holding the same
 # launcher's global rank (used to spot values inherited from an outer launcher).
@@ -85,6 +86,19 @@ def env_local_rank() -> int | None:
     return values.pop() if values else None
 
 
+
+
+def node_split_key(rank: int) -> int:
+    """The key that orders a node's ranks in MPI's shared-memory split: the launcher's
+    node-local rank where it set one, so the split numbers the ranks as the launcher did (Open
+    MPI oversubscribing a node numbers them 0, 2, 1, 3 by world rank), else the world rank
+    (also when the launcher's variables disagree: that is reported after the split, on every
+    rank, by ``hpclb.dist.world``; raising here would leave the other ranks in the split)."""
+    try:
+        env = env_local_rank()
+    except ConfigError:
+        return rank
+    return rank if env is None else env
 
 
 def local_size() -> int:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
-from hpclb.dist.env import launcher_world_size
+from hpclb.dist.env import launcher_world_size, node_split_key
 from hpclb.dist.streams import TorchCudaAPI
 
 __all__ = [
@@ -271,7 +271,7 @@ class MPICommunicator(Communicator):
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD
         self.rank, self.world_size = self._comm.Get_rank(), self._comm.Get_size()
-        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=node_split_key(self.rank))
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
         launched = launcher_world_size()

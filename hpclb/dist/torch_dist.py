@@ -30,6 +30,7 @@ from hpclb.dist.env import (
     env_local_rank,
     launcher_world_size,
     local_size,
+    node_split_key,
     torchrun_started,
 )
 
@@ -98,7 +99,7 @@ def _mpi_rendezvous(world_size: int):
     if comm.Get_size() != world_size:
         raise RuntimeError(f"the launcher started {world_size} ranks but MPI reports "
                            f"{comm.Get_size()}: use the mpirun of the MPI mpi4py was built with")
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=node_split_key(rank))
     local_rank, local_size = node.Get_rank(), node.Get_size()
     single_node = local_size == world_size
     node.Free()

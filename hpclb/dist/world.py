@@ -45,21 +45,40 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
         if _world.backend != backend:
             raise RuntimeError(f"communicator already created with backend {_world.backend!r}")
         return _world
-    env_rank = env_local_rank()
+    try:
+        env_rank, env_error = env_local_rank(), None
+    except ConfigError as e:  # raised on every rank after the communicator exists, below
+        env_rank, env_error = None, str(e)
     early = None
     if env_rank is not None:  # bind the GPU before MPI/NCCL open a CUDA context
         early = select_device(device, env_rank, 1)
     comm = backend_class(backend).create(early if early is not None else device, share_gpu)
-    if env_rank is not None and comm.local_rank != env_rank:
-        raise ConfigError(
-            f"the launcher says this process is node-local rank {env_rank} but the {backend} "
-            f"backend finds node-local rank {comm.local_rank} (of {comm.local_size}): the "
-            f"launcher's variables were inherited or exported by hand; launch with one "
-            f"launcher (mpirun, srun or torchrun) and unset stale SLURM_LOCALID/LOCAL_RANK")
+    _check_local_ranks(comm, env_rank, env_error)
     local_rank, local_size = gpu_peers(comm, device)
     comm.device = select_device(device, local_rank, local_size, share_gpu=share_gpu)
     _world = comm
     return _world
+
+
+def _check_local_ranks(comm: Communicator, env_rank: int | None, env_error: str | None
+                       ) -> None:
+    """Every rank checks that the launcher's node-local rank (``env_rank``; None without a
+    launcher) is the communicator's, or reports why its launcher variables are unusable
+    (``env_error``); one allgather, and all ranks raise ConfigError together naming the first
+    ranks concerned: a rank raising alone would leave the others in their first collective."""
+    mine = None
+    if env_error is not None:
+        mine = f"rank {comm.rank}: {env_error}"
+    elif env_rank is not None and env_rank != comm.local_rank:
+        mine = (f"rank {comm.rank}: the launcher says node-local rank {env_rank}, the "
+                f"{comm.backend} backend finds {comm.local_rank} (of {comm.local_size})")
+    bad = [m for m in comm.allgather_object(mine) if m]
+    if bad:
+        raise ConfigError(
+            f"the launcher's node-local ranks are unusable on {len(bad)} rank(s) "
+            f"({'; '.join(bad[:4])}): the launcher's variables were inherited or exported by "
+            f"hand; launch with one launcher (mpirun, srun or torchrun) and unset stale "
+            f"SLURM_LOCALID/LOCAL_RANK")
 
 
 def current_communicator() -> Communicator:

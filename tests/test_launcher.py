@@ -74,9 +74,11 @@ def test_a_killed_mpirun_leaves_a_session_directory_that_is_found_and_removed(tm
     assert left.is_dir() and stale_session_dirs(tmp) == [left]
     (tmp / "ompi.notapid").mkdir()  # not a session directory: never touched
     (tmp / f"ompi.{os.getpid()}").mkdir()  # this process is alive: never touched
-    assert remove_stale_session_dirs(tmp) == [left]
+    (tmp / "ompi.99999999999999999999").mkdir()  # beyond any process id (os.kill overflows)
+    (tmp / "ompi.999999998").symlink_to(tmp / "ompi.notapid")  # a link: never followed
+    assert set(remove_stale_session_dirs(tmp)) == {left, tmp / "ompi.99999999999999999999"}
     assert not left.exists() and (tmp / "ompi.notapid").exists()
-    assert (tmp / f"ompi.{os.getpid()}").exists()
+    assert (tmp / f"ompi.{os.getpid()}").exists() and (tmp / "ompi.999999998").is_symlink()
 
 
 def _plant_under_next_pids(template: Path, tmp: Path, count: int) -> list[int]:

@@ -46,7 +46,7 @@ def mpirun_path() -> str:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # gone, or beyond any process id
         return False
     except PermissionError:
         return True  # another user's process
@@ -57,7 +57,7 @@ def stale_session_dirs(tmp: str | os.PathLike | None = None) -> list[Path]:
     """The ``ompi.<pid>`` / ``prte.<pid>`` session directories in ``tmp`` (default: the
     temporary directory Open MPI uses, ``$TMPDIR`` or ``/tmp``) that belong to this user and
     whose ``mpirun`` process no longer exists, sorted by name. Directories of running launchers
-    and of other users are never listed."""
+    and of other users, and symbolic links (Open MPI makes none), are never listed."""
     root = Path(tmp if tmp is not None else tempfile.gettempdir())
     try:
         entries = list(root.iterdir())
@@ -68,7 +68,8 @@ def stale_session_dirs(tmp: str | os.PathLike | None = None) -> list[Path]:
     for path in entries:
         m = _SESSION_DIR.fullmatch(path.name)
         try:
-            if m and path.is_dir() and path.stat().st_uid == uid and not _alive(int(m[2])):
+            if (m and not path.is_symlink() and path.is_dir() and path.stat().st_uid == uid
+                    and not _alive(int(m[2]))):
                 stale.append(path)
         except OSError:
             continue  # removed meanwhile

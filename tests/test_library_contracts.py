@@ -322,3 +322,14 @@ def test_a_second_distributed_optimizer_is_refused_at_every_world_size(comm):
         d_opt.close()
     g_opt = hpclb.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.1), gen, comm=comm)
     g_opt.close()
+
+
+def test_a_closed_distributed_optimizer_refuses_to_step(comm):
+    """step() after close() raised nothing at 1 process and hung at 2 ranks (the hooks were
+    gone, the watchdog reported a mismatched collective every 60 s): now RuntimeError on every
+    rank, before any collective."""
+    model, opt = _distributed(comm)
+    opt.close()
+    _loss(model, *_shard(comm, 0)).backward()
+    with pytest.raises(RuntimeError, match="was closed: its hooks are removed"):
+        opt.step()

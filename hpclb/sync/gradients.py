@@ -286,8 +286,13 @@ class GradientSync:
         ``p.grad`` is the mean over ranks (and micro-batches), and return True. Otherwise return
         False at once (no communication; gradients keep accumulating locally).
 
-        Raises the communication thread's error, if any, naming the bucket.
+        Raises the communication thread's error, if any, naming the bucket; RuntimeError after
+        :meth:`close` (at every world size: at 2 ranks it would wait for hooks that are gone).
         """
+        if not self._open:
+            raise RuntimeError(f"{self!r} was closed: its hooks are removed and nothing is "
+                               f"averaged; build a new DistributedOptimizer / GradientSync "
+                               f"(or refresh_parameters()) instead of stepping a closed one")
         self._micro += 1
         if self._micro < self.accumulation_steps:
             return False

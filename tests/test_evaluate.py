@@ -83,3 +83,4 @@ def test_a_damaged_newest_checkpoint_falls_back_as_resume_does(finished_run, tmp
     assert cli.main(["evaluate", str(copy)]) == 1
     err = capsys.readouterr().err
     assert "no usable checkpoint" in err and newest.name in err and old.name in err
+    assert err.count(str(newest)) == 1 and err.count(str(old)) == 1, err  # each named once

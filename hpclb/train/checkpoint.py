@@ -305,6 +305,6 @@ class CheckpointStore:
         if skipped:
             raise CheckpointError(
                 f"{self.out_dir}: no usable checkpoint: " +
-                "; ".join(f"{p}: {r}" for p, r in skipped) +
+                "; ".join(r if r.startswith(f"{p}:") else f"{p}: {r}" for p, r in skipped) +
                 "; delete them to start afresh")
         return None

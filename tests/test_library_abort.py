@@ -2,21 +2,18 @@
 loop, ends every rank of a real ``mpirun -n 2`` job within seconds (``hpclb.init``)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
-from helpers import run_bounded
+from helpers import LAUNCH_ENV, MPIRUN, run_bounded
 
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(240)
 
-BIN = os.path.dirname(sys.executable)
-MPIRUN = os.path.join(BIN, "mpirun")
 
 PRELUDE = """\
 import os, sys, time
@@ -45,15 +42,11 @@ def run_ranks(body: str, tmp_path, ranks: int = 2, timeout: float = 150, env: di
               ) -> tuple[int, str, str, float]:
     """Run the Python ``body`` as ``mpirun -n ranks`` (PYTHONPATH: this checkout); returns
     (exit status, stdout, stderr, seconds). A hang fails through ``timeout``."""
-    if not os.path.exists(MPIRUN):
+    if not MPIRUN.exists():
         pytest.skip("no mpirun beside the interpreter (make install)")
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
-    full = {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))}
-    full.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                 "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-                 "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
+    full = {**LAUNCH_ENV, "PYTHONPATH": str(REPO), **(env or {})}
     flags = [f for k in sorted(set(env or {}) | {"PYTHONPATH", "OMP_NUM_THREADS"})
              for f in ("-x", k)]
     t0 = time.monotonic()

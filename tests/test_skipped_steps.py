@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -15,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import run_bounded
+from helpers import LAUNCH_ENV, MPIRUN, run_bounded
 
 HERE = Path(__file__).resolve().parent
-MPIRUN = Path(sys.executable).parent / "mpirun"
 STEPS_PER_EPOCH = 8   # 1,024 samples, global batch 128
 RECIPE = {
     "name": "skipped",
@@ -42,11 +40,8 @@ CASES = {  # name: (precision, environment)
 
 
 def _env(ranks: int, fault: dict) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "NONFINITE_"))}
-    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-                "OMP_NUM_THREADS": "1", **fault})
+    env = {k: v for k, v in LAUNCH_ENV.items() if not k.startswith("NONFINITE_")}
+    env.update(fault)
     if fault.get("NONFINITE_RANK") == "last":
         env["NONFINITE_RANK"] = str(ranks - 1)
     return env

@@ -86,8 +86,6 @@ def env_local_rank() -> int | None:
     return values.pop() if values else None
 
 
-
-
 def node_split_key(rank: int) -> int:
     """The key that orders a node's ranks in MPI's shared-memory split: the launcher's
     node-local rank where it set one, so the split numbers the ranks as the launcher did (Open

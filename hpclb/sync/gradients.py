@@ -81,6 +81,7 @@ class GradientSync:
     """
 
     _live: "weakref.WeakValueDictionary[int, GradientSync]" = weakref.WeakValueDictionary()
+    _open = False  # True from the end of __init__ until close()
 
     def __init__(self, params, comm: Communicator, *, fusion_threshold_bytes=None,
                  first_bucket_bytes=None, overlap: str | None = None,
@@ -124,7 +125,7 @@ class GradientSync:
         self._driver = None
         if comm.world_size > 1:
             self._start()
-        self._open = True  # until close(); the communicator's one GradientSync, at any size
+        self._open = True  # the communicator's one GradientSync, at any world size
         GradientSync._live[id(comm)] = self
 
     def _start(self) -> None:
@@ -167,14 +168,14 @@ class GradientSync:
         (a script with two that ran at 1 process would hang or be refused at 2 ranks)."""
         for n, p in named:
             other = getattr(p, "_hpclb_sync", None)
-            if other is not None and getattr(other(), "_open", False):
+            if other is not None and other() is not None and other()._open:
                 raise ValueError(f"parameter {n} is already synchronised by {other()!r}; "
                                  f"close() that GradientSync first")
         other = GradientSync._live.get(id(self.comm))
-        if other is not None and getattr(other, "_open", False):
+        if other is not None and other._open:
             gc.collect()  # an unreachable one (a finished run's) is not in the way
             other = GradientSync._live.get(id(self.comm))
-        if other is not None and getattr(other, "_open", False):
+        if other is not None and other._open:
             raise ValueError(
                 f"this communicator already carries {other!r}; two GradientSyncs on one "
                 f"communicator start collectives in an order that depends on which backward "

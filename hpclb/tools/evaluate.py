@@ -72,17 +72,15 @@ def evaluate_run(run_dir: str | Path, comm: Communicator, *, data_dir: str | Non
     run = json.loads(config_path.read_text())
     recipe = dict(run["recipe"])
     recipe["data"] = _decoding_overrides(recipe, beam_size, length_penalty)
+    # the newest generation that verifies, as --resume reads it (a damaged newer one is skipped
+    # with a warning); CheckpointError when none is usable, None when there is none
     store = CheckpointStore(run_dir)
-    if not store.exists():
+    loaded = store.latest()
+    if loaded is None:
         raise ConfigError(f"{store.latest_path}: not found; the run has not saved a checkpoint "
                           f"yet (it saves one at each epoch end, and mid-epoch with "
                           f"--checkpoint-interval): evaluate it after its first epoch, or point "
                           f"RUN_DIR at another run")
-    # the newest generation that verifies, as --resume reads it (a damaged newer one is skipped
-    # with a warning); CheckpointError when none is usable
-    loaded = store.latest()
-    if loaded is None:  # only files that are not checkpoints
-        raise ConfigError(f"{store.latest_path}: not found; point RUN_DIR at another run")
     ckpt = loaded.state
     data = recipe["data"]
     task = build_task(recipe, data_dir if data_dir is not None else run["data_dir"],

@@ -9,6 +9,7 @@ hpclb (pending signals and the mask survive exec).
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 from helpers import LAUNCH_ENV as ENV
 from helpers import MPIRUN, quick_recipe
+
+from hpclb.dist.launcher import stop_session
 
 BLOCK = ["env", "--block-signal=USR2", "--block-signal=TERM"]
 HEAVY = ("torch", "numpy", "mpi4py", "yaml", "jinja2")
@@ -149,3 +152,124 @@ def test_start_up_signal_on_one_rank_stops_every_rank(tmp_path, mnist_dir):
     assert r.returncode == 75, out
     assert "rank 0 of 2: " + START_UP in out and "rank 1 of 2: " + START_UP in out, out
     print(f"\n2 ranks, USR2 to rank 0 at start-up: exit 75 after {time.monotonic() - t:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, pytest.param(signal.SIGTERM,
+                                                                marks=pytest.mark.extended)],
+                         ids=["USR2", "TERM"])
+def test_signals_after_the_run_finished_do_not_kill_it(tmp_path, mnist_dir, sig):
+    """The scheduler's signal (and the job script's repeats of it) may come after the last step,
+    while the interpreter shuts down (MPI_Finalize, module teardown, where CPython restores the
+    default action of every signal it handled): a run that wrote its summary exits 0, not
+    140/143. Signals sent every millisecond from the moment summary.json appears until the
+    process ends (without the fix nearly every run dies by the signal)."""
+    p = subprocess.Popen(train_argv(tmp_path, mnist_dir), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=ENV)
+    summary = tmp_path / "run" / "summary.json"
+    sent = 0
+    deadline = time.monotonic() + 240
+    while p.poll() is None and time.monotonic() < deadline:
+        if summary.exists():
+            p.send_signal(sig)
+            sent += 1
+            time.sleep(0.001)
+        else:
+            time.sleep(0.01)
+    rc, out = finish(p)
+    assert summary.is_file(), out
+    assert sent > 0, "the run ended before its summary could be seen"
+    assert rc == 0, f"exit {rc} after {sent} signal(s)\n{out}"
+    print(f"\n{sent} {sig.name} after the summary: exit 0")
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc), children before grandchildren."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(0), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _image_recipe(tmp_path: Path) -> Path:
+    """A tiny ImageFolder run read by 2 loader workers: 96 noise images of 48x40 (2 classes),
+    a depth-8 width-4 ResNet at 224 px, global batch 8, 12 steps per epoch."""
+    import numpy as np
+    import yaml
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 48), ("val", 8)):
+        for c in ("a", "b"):
+            d = tmp_path / "data" / "imagenet" / split / c
+            d.mkdir(parents=True)
+            for k in range(n):
+                Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(
+                    d / f"{k}.png")
+    recipe = {"name": "img", "data": {"name": "imagenet", "num_workers": 2},
+              "model": {"name": "resnet_small", "depth": 8, "width": 4, "num_classes": 2,
+                        "in_channels": 3},
+              "base_batch_size": 8, "epochs": 3, "warmup_epochs": 0.5,
+              "decay": {"name": "poly", "power": 2.0, "end_lr": 0.0}, "optimizer": "momentum",
+              "optimizers": {"momentum": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}}}
+    path = tmp_path / "img.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scheduler_signals_reach_the_rank_not_its_loader_workers(tmp_path):
+    """SLURM signals every process of a job step (``scancel --signal``, the time-limit signal),
+    not only the ranks. Under MPI the loader workers come from multiprocessing's fork server:
+    USR2 and TERM sent to each of the rank's helper processes (resource tracker, fork server,
+    both workers) mid-run leave them running, and the run finishes (exit 0). Before, the
+    default action ended them all and the rank's next batch failed (exit 1, "DataLoader worker
+    exited unexpectedly") instead of checkpointing on the signal the rank also gets."""
+    if not MPIRUN.exists():
+        pytest.skip("no mpirun beside the interpreter (make install provides one)")
+    cmd = [str(MPIRUN), "-n", "1", "--bind-to", "none", sys.executable, "-m", "hpclb", "train",
+           str(_image_recipe(tmp_path)), "--data-dir", str(tmp_path / "data"), "--out",
+           str(tmp_path / "run"), "--backend", "mpi"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=ENV, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if "epoch   1/3" in line:  # the workers have run a whole epoch
+                break
+        rank = next(c for c in _children(p.pid)
+                    if "hpclb" in Path(f"/proc/{c}/cmdline").read_text())
+        helpers = _children(rank)
+        assert len(helpers) >= 4, helpers  # resource tracker, fork server, 2 workers
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            for pid in helpers:
+                os.kill(pid, sig)
+        time.sleep(1.0)
+        dead = [pid for pid in helpers if not _alive(pid)]
+        rc, rest = finish(p)
+    finally:
+        if p.poll() is None:
+            stop_session(p, grace_s=5)
+    out = "".join(lines) + rest
+    assert dead == [], out
+    assert rc == 0, out
+    assert (tmp_path / "run" / "summary.json").is_file(), out

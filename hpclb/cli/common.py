@@ -6,6 +6,7 @@ installs the signal handlers, so nothing heavy (torch, numpy, mpi4py) may load h
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -48,6 +49,17 @@ class PendingSignal:
 
 
 _early_signal: PendingSignal | None = None
+_ignore_at_exit_registered = False
+
+
+def _ignore_signals_at_exit() -> None:
+    """Ignore USR2/TERM for the rest of the interpreter's life. At exit CPython puts back the
+    default action (terminate) of every signal that had a Python handler, so a scheduler signal
+    (or the job script's repeat of it) during MPI_Finalize and module teardown would end a run
+    that already wrote its summary (or its preemption checkpoint) with 140/143; an ignored
+    signal keeps SIG_IGN through that teardown."""
+    for s in _SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def command_of(argv: list[str]) -> str | None:
@@ -59,15 +71,19 @@ def install_early_signals(argv: list[str], fresh: bool = True) -> PendingSignal 
     """Catch USR2/TERM from the first instruction of a preemptible command, then unblock them.
 
     Runs before any heavy import (torch, numpy: seconds of start-up during which the default
-    action would kill the rank with 140/143). The job templates start every rank with USR2 and
-    TERM blocked (``env --block-signal``) so that a signal during interpreter start-up stays
-    pending; it is delivered here, at the unblock, to the handler. Other commands get the
-    default actions, unblocked. ``fresh=False`` keeps the handler main() installed (a flag
-    already set stays set). Returns the handler (None for other commands).
+    action would kill the rank with 140/143); from interpreter exit on they are ignored (the work
+    is done, and CPython's teardown would put the killing default back). The job templates start
+    every rank with USR2 and TERM blocked (``env --block-signal``) so that a signal during
+    interpreter start-up stays pending; it is delivered here, at the unblock, to the handler.
+    Other commands get the default actions, unblocked. ``fresh=False`` keeps the handler main()
+    installed (a flag already set stays set). Returns the handler (None for other commands).
     """
-    global _early_signal
+    global _early_signal, _ignore_at_exit_registered
     command = command_of(argv)
     if command in PREEMPTIBLE_COMMANDS:
+        if not _ignore_at_exit_registered:  # runs after the exit hooks of later imports (LIFO)
+            atexit.register(_ignore_signals_at_exit)
+            _ignore_at_exit_registered = True
         if fresh or _early_signal is None or signal.getsignal(signal.SIGUSR2) is not _early_signal:
             _early_signal = PendingSignal()
         for s in _SIGNALS:

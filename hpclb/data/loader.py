@@ -15,11 +15,13 @@ never which samples or pixels a step sees; tests/test_loader.py checks bit equal
 Settings: ``pin_memory`` when the run's device is CUDA (the host-to-device copy then runs
 ``non_blocking``); persistent workers (started once per run, not per epoch); ``prefetch_factor``
 batches per worker in flight. Under MPI the workers are started with ``forkserver`` (Open MPI
-does not support ``fork()`` after ``MPI_Init`` with some transports), else the platform default.
+does not support ``fork()`` after ``MPI_Init`` with some transports), else the platform default;
+the fork server starts with the scheduler's USR2/TERM blocked, so they reach the rank alone.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Callable, Iterator
 
@@ -123,9 +125,36 @@ class StepBatchSampler(Sampler):
         return sum(1 for _ in self.keys())
 
 
+# what SLURM and PBS send before a preemption or at the time limit (hpclb.train.preemption)
+_SCHEDULER_SIGNALS = {signal.SIGUSR2, signal.SIGTERM}
+
+
 def _mp_context() -> str | None:
     mpi = sys.modules.get("mpi4py.MPI")
-    return "forkserver" if mpi is not None and mpi.Is_initialized() else None
+    if mpi is None or not mpi.Is_initialized():
+        return None  # the platform's fork: workers inherit the rank's flag-only handlers
+    _start_forkserver_shielded()
+    return "forkserver"
+
+
+def _start_forkserver_shielded() -> None:
+    """Start multiprocessing's fork server (and its resource tracker) with USR2/TERM blocked.
+
+    SLURM signals every process of a job step (``scancel --signal``, the time-limit
+    ``--signal``), not only the ranks; with the default action one USR2 ended the loader workers,
+    the fork server and the resource tracker while the rank's handler asked for a checkpoint, so
+    the rank's next batch would fail instead of exiting 75. The blocked mask passes through exec
+    to the fork server and through fork to every worker it starts: only the rank handles the
+    signal (its workers end with it). A fork server already running is left as it is."""
+    from multiprocessing import forkserver, resource_tracker
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SCHEDULER_SIGNALS)
+    try:
+        resource_tracker.ensure_running()  # unblocks TERM (and INT) on its way out: block again
+        signal.pthread_sigmask(signal.SIG_BLOCK, _SCHEDULER_SIGNALS)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class StepLoader:

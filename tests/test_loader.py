@@ -3,7 +3,10 @@ index (hpclb/data/images.py folder_index): the workers' batches equal the traini
 for bit (augmentation, uneven shares, micro-batches, resumption); the index is listed once."""
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import LAUNCH_ENV, run_bounded
 
 from hpclb.config import load_recipe
 from hpclb.data import images
@@ -199,3 +203,81 @@ def test_num_workers_recipe_field_is_validated(tmp_path):
             load_recipe(str(path))
     path.write_text(yaml.safe_dump({**recipe, "data": {"name": "imagenet", "num_workers": 0}}))
     assert load_recipe(str(path))["data"]["num_workers"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_loader_left_open_does_not_hold_the_exit(tmp_path):
+    """Under MPI the workers come from a fork server started with USR2/TERM blocked (so the
+    scheduler's step-wide signal reaches the rank alone); the rank's own TERM must still end them:
+    multiprocessing's exit hook terminates and joins every live worker, so a process that exits
+    with a loader still open (an exception, a test) would otherwise wait for them forever."""
+    _folder(tmp_path / "img", n_per_class=4)
+    code = (
+        "import sys, time\n"
+        "from mpi4py import MPI\n"
+        "from pathlib import Path\n"
+        "from hpclb.data.images import ImageFolder\n"
+        "from hpclb.tasks import ClassificationTask\n"
+        f"root = Path({str(tmp_path / 'img')!r})\n"
+        "train = ImageFolder(root, image_size=8)\n"
+        "task = ClassificationTask(train, ImageFolder(root, image_size=8), num_workers=2)\n"
+        "task.setup(per_rank_batch=4, global_batch=4, rank=0, world_size=1, seed=3,\n"
+        "           steps_per_epoch=2)\n"
+        "task.start_epoch(0)\n"
+        "x, y = task.batch(0, 0, 1)\n"
+        "print('read', tuple(x.shape), flush=True)\n"
+        "sys.modules['__main__'].keep = task  # still open at exit\n")
+    r = run_bounded([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
+                    env=LAUNCH_ENV)  # raises TimeoutExpired (the whole session ended) on a hang
+    assert r.returncode == 0 and "read (4, 3, 8, 8)" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_workers_end_soon_after_their_rank_is_killed(tmp_path):
+    """A rank killed outright (SIGKILL: the OOM killer, a launcher's abort) leaves no loader
+    workers behind: they end within seconds, and with them the fork server and the resource
+    tracker (a worker's parent is the fork server, which holds on while its workers live)."""
+    _folder(tmp_path / "img", n_per_class=4)
+    code = (
+        "import multiprocessing, time\n"
+        "from multiprocessing import forkserver\n"
+        "from mpi4py import MPI\n"
+        "from pathlib import Path\n"
+        "from hpclb.data.images import ImageFolder\n"
+        "from hpclb.tasks import ClassificationTask\n"
+        f"root = Path({str(tmp_path / 'img')!r})\n"
+        "task = ClassificationTask(ImageFolder(root, image_size=8), ImageFolder(root, image_size=8),"
+        " num_workers=2)\n"
+        "task.setup(per_rank_batch=4, global_batch=4, rank=0, world_size=1, seed=3,\n"
+        "           steps_per_epoch=2)\n"
+        "task.start_epoch(0)\n"
+        "task.batch(0, 0, 1)\n"
+        "pids = [p.pid for p in multiprocessing.active_children()]\n"
+        "pids.append(forkserver._forkserver._forkserver_pid)\n"
+        "print('PIDS', *pids, flush=True)\n"
+        "time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env=LAUNCH_ENV, start_new_session=True)
+    try:
+        line = next(line for line in p.stdout if line.startswith("PIDS"))
+        pids = [int(x) for x in line.split()[1:]]
+        assert len(pids) == 3, line  # two workers and the fork server
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 30
+        while [pid for pid in pids if _running(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in pids if _running(pid)] == [], pids
+    finally:
+        for pid in pids if "pids" in locals() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

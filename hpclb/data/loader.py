@@ -16,13 +16,17 @@ Settings: ``pin_memory`` when the run's device is CUDA (the host-to-device copy 
 ``non_blocking``); persistent workers (started once per run, not per epoch); ``prefetch_factor``
 batches per worker in flight. Under MPI the workers are started with ``forkserver`` (Open MPI
 does not support ``fork()`` after ``MPI_Init`` with some transports), else the platform default;
-the fork server starts with the scheduler's USR2/TERM blocked, so they reach the rank alone.
+the fork server starts with USR2 blocked, so the job templates' preemption signal reaches the
+rank alone, and each worker ends with its rank.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -125,10 +129,6 @@ class StepBatchSampler(Sampler):
         return sum(1 for _ in self.keys())
 
 
-# what SLURM and PBS send before a preemption or at the time limit (hpclb.train.preemption)
-_SCHEDULER_SIGNALS = {signal.SIGUSR2, signal.SIGTERM}
-
-
 def _mp_context() -> str | None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized():
@@ -138,23 +138,49 @@ def _mp_context() -> str | None:
 
 
 def _start_forkserver_shielded() -> None:
-    """Start multiprocessing's fork server (and its resource tracker) with USR2/TERM blocked.
+    """Start multiprocessing's fork server (and its resource tracker) with USR2 blocked.
 
-    SLURM signals every process of a job step (``scancel --signal``, the time-limit
-    ``--signal``), not only the ranks; with the default action one USR2 ended the loader workers,
-    the fork server and the resource tracker while the rank's handler asked for a checkpoint, so
-    the rank's next batch would fail instead of exiting 75. The blocked mask passes through exec
-    to the fork server and through fork to every worker it starts: only the rank handles the
-    signal (its workers end with it). A fork server already running is left as it is."""
-    from multiprocessing import forkserver, resource_tracker
+    The job templates pass the scheduler's preemption signal on with ``scancel --signal=USR2``,
+    which SLURM delivers to every process of the job's steps, not only the ranks; with the
+    default action it ended the loader workers, the fork server and the resource tracker while
+    the rank's handler asked for a checkpoint, and the rank's next batch failed (exit 1) instead
+    of exiting 75. The blocked mask passes through exec to the fork server and through fork to
+    every worker it starts, so only the rank handles USR2. TERM is left alone: the rank's
+    ``terminate()`` of its workers needs it. A fork server already running is left as it is."""
+    from multiprocessing import forkserver
 
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SCHEDULER_SIGNALS)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     try:
-        resource_tracker.ensure_running()  # unblocks TERM (and INT) on its way out: block again
-        signal.pthread_sigmask(signal.SIG_BLOCK, _SCHEDULER_SIGNALS)
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _worker_init(owner: int, _worker_id: int) -> None:
+    """``worker_init_fn`` of a StepLoader created by process ``owner`` (the rank): a worker whose
+    parent is not its rank (the fork server's) ends within a second of the rank's death. torch's
+    watchdog ends a worker when its parent dies, but the fork server lives as long as its
+    workers do (each holds the server's keep-alive pipe), so a rank killed outright (SIGKILL, the
+    OOM killer) left both behind for good."""
+    if os.getppid() != owner:
+        threading.Thread(target=_exit_when_gone, args=(owner,), name="hpclb-rank-watch",
+                         daemon=True).start()
+
+
+def _exit_when_gone(owner: int) -> None:
+    while _alive(owner):
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class StepLoader:
@@ -184,7 +210,8 @@ class StepLoader:
         self.loader = DataLoader(EpochKeyed(split), batch_sampler=self.sampler,
                                  num_workers=num_workers, pin_memory=pin_memory,
                                  persistent_workers=True, prefetch_factor=prefetch_factor,
-                                 multiprocessing_context=_mp_context())
+                                 multiprocessing_context=_mp_context(),
+                                 worker_init_fn=functools.partial(_worker_init, os.getpid()))
         self._it: Iterator | None = None
         self._next: Iterator | None = None   # the (epoch, step, part, parts) expected next
         self._expected: tuple | None = None

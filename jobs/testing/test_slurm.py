@@ -272,11 +272,11 @@ def test_usr2_checkpoints_requeues_and_resumes_bit_for_bit(cluster, workdir, mni
 def test_term_to_the_batch_shell_during_start_up_requeues(cluster, workdir, mnist_ok):
     """TERM (preemption, scancel) as soon as the batch shell has printed its first line: it
     traps it from there on; before the launch it requeues without starting the ranks, after it
-    the ranks started with USR2/TERM blocked catch it during their start-up; either way exit 75
-    -> requeue, and the requeued job finishes. (A fixed 4 s after RUNNING raced the whole run on
-    a quiet machine: start-up and these 16 steps take ~3 s, and a signal after the last step
-    rightly ends the job COMPLETED without a requeue.)"""
-    job = cluster.sbatch(str(render_quick(workdir, "early", epochs=1, name="early")),
+    the script passes it on once the launch is 10 s old (a rank still being created dies by a
+    signal), by then during the ranks' start-up or training; either way exit 75 -> requeue, and
+    the requeued job finishes. 40 epochs (~15 s here) so that the signal comes before the last
+    step (after it, the job rightly ends COMPLETED without a requeue)."""
+    job = cluster.sbatch(str(render_quick(workdir, "early", epochs=40, name="early")),
                          cwd=workdir)
     out = workdir / f"early-{job}.out"
     deadline = time.monotonic() + 120
@@ -312,17 +312,23 @@ def test_time_limit_signal_requeues_until_done(cluster, workdir, mnist_ok):
     print(f"\ntime-limit signal test: {time.monotonic() - t0:.1f} s, {restarts} requeue(s)")
     # one more USR2 may come after the last attempt's last step: it must not fail the job
     assert restarts <= log.count("got USR2: asking the ranks to checkpoint") <= restarts + 1, log
-    steps = re.findall(r"rank (\d) of 2: preempted after step (\d+)", log)
-    assert len(steps) == 2 * restarts, log
-    stopped = []
-    for i in range(restarts):
-        (r0, s0), (r1, s1) = sorted(steps[2 * i:2 * i + 2])
-        assert (r0, r1, s0) == ("0", "1", s1), log
-        stopped.append(int(s0))
-    # each attempt resumed, from a checkpoint of this run, at the step the previous one stopped
-    resumed = resumes(log)
-    assert [r.step for r in resumed] == stopped, log
-    assert all(r.inside(workdir / "tl", workdir) for r in resumed), log
+    attempts = re.split(rf"\[job\] \S+ {tl} restart \d+ on .*\n", log)[1:]
+    assert len(attempts) == restarts + 1, log
+    stopped = []  # the steps checkpointed so far
+    for k, attempt in enumerate(attempts):
+        # every attempt resumes, from a checkpoint of this run, at the step the last one stopped
+        resumed = resumes(attempt)
+        assert all(r.inside(workdir / "tl", workdir) for r in resumed), log
+        if "preempted during start-up" in attempt:  # before the model (and any resume line)
+            assert k < restarts and [r.step for r in resumed] in ([], stopped[-1:]), log
+            assert attempt.count("preempted during start-up") == 2, log  # on both ranks
+            continue
+        assert [r.step for r in resumed] == stopped[-1:], log
+        if k < restarts:  # stopped by the signal after a step, both ranks after the same one
+            steps = re.findall(r"rank (\d) of 2: preempted after step (\d+)", attempt)
+            assert sorted(r for r, _ in steps) == ["0", "1"] and len({s for _, s in steps}) == 1, log
+            stopped.append(int(steps[0][1]))
+    assert stopped, log  # at least one attempt stopped mid-training and was resumed
     assert log.rstrip().endswith("training exited with 0")
     a = torch.load(workdir / "tlref" / "checkpoint.pt", weights_only=True)
     b = torch.load(workdir / "tl" / "checkpoint.pt", weights_only=True)

@@ -26,7 +26,9 @@ JOB_BACKENDS = ("mpi", "torch", "horovod")
 GPU_BINDS = ("single:1", "closest", "none")
 DEVICES = ("cuda", "cpu")  # hpclb train --device in a job
 
-_PATH_OK = re.compile(r"^[^\s'\";&|<>`\\]+$")
+# what may go unquoted into a script line: no spaces, quotes, shell operators, expansions ($,
+# backticks) or glob/brace characters
+_PATH_OK = re.compile(r"^[^\s'\";&|<>`\\$()*?\[\]{}]+$")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)$")
 
 
@@ -92,8 +94,9 @@ def format_time(seconds: int, scheduler: str) -> str:
 def check_path(what: str, value: str | None) -> None:
     """JobError unless ``value`` (None passes) can go unquoted into a directive line."""
     if value is not None and not _PATH_OK.match(value):
-        raise JobError(f"{what} {value!r}: no spaces, quotes or shell operators (it goes into "
-                       f"#SBATCH/#PBS lines unquoted)")
+        raise JobError(f"{what} {value!r}: no spaces, quotes, shell operators, $ expansions or "
+                       f"glob characters (it goes unquoted into #SBATCH/#PBS and script lines); "
+                       f"give the path itself")
 
 
 def _check_ranks(spec: JobSpec) -> None:

@@ -94,3 +94,28 @@ def run_hpclb(*args, ranks: int = 1, timeout: float, env: dict | None = None,
     return run_bounded(cmd, capture_output=True, text=True, timeout=timeout,
                        env=LAUNCH_ENV if env is None else env, cwd=cwd,
                        stdin=subprocess.DEVNULL)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has ended), from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of process ``pid``, children before grandchildren (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(0), [])
+        out += kids
+        todo += kids
+    return out

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import LAUNCH_ENV, run_bounded
+from helpers import LAUNCH_ENV, run_bounded, running
 
 from hpclb.config import load_recipe
 from hpclb.data import images
@@ -260,24 +260,19 @@ def test_workers_end_soon_after_their_rank_is_killed(tmp_path):
         "time.sleep(120)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                          env=LAUNCH_ENV, start_new_session=True)
+    pids: list[int] = []
     try:
         line = next(line for line in p.stdout if line.startswith("PIDS"))
-        pids = [int(x) for x in line.split()[1:]]
+        pids += [int(x) for x in line.split()[1:]]
         assert len(pids) == 3, line  # two workers and the fork server
         p.kill()
         p.wait()
         deadline = time.monotonic() + 30
-        while [pid for pid in pids if _running(pid)] and time.monotonic() < deadline:
+        while [pid for pid in pids if running(pid)] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert [pid for pid in pids if _running(pid)] == [], pids
+        assert [pid for pid in pids if running(pid)] == [], pids
     finally:
-        for pid in pids if "pids" in locals() else ():
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
 
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import LAUNCH_ENV as ENV
-from helpers import MPIRUN, quick_recipe
+from helpers import MPIRUN, descendants, quick_recipe, running
 
 from hpclb.dist.launcher import stop_session
 
@@ -184,30 +184,6 @@ def test_signals_after_the_run_finished_do_not_kill_it(tmp_path, mnist_dir, sig)
     print(f"\n{sent} {sig.name} after the summary: exit 0")
 
 
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (from /proc), children before grandchildren."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(0), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _image_recipe(tmp_path: Path) -> Path:
     """A tiny ImageFolder run read by 2 loader workers: 96 noise images of 48x40 (2 classes),
     a depth-8 width-4 ResNet at 224 px, global batch 8, 12 steps per epoch."""
@@ -257,14 +233,14 @@ def test_scheduler_signals_reach_the_rank_not_its_loader_workers(tmp_path):
             lines.append(line)
             if "epoch   1/3" in line:  # the workers have run a whole epoch
                 break
-        rank = next(c for c in _children(p.pid)
+        rank = next(c for c in descendants(p.pid)
                     if "hpclb" in Path(f"/proc/{c}/cmdline").read_text())
-        helpers = _children(rank)
+        helpers = descendants(rank)
         assert len(helpers) >= 4, helpers  # resource tracker, fork server, 2 workers
         for pid in helpers:
             os.kill(pid, signal.SIGUSR2)
         time.sleep(1.0)
-        dead = [pid for pid in helpers if not _alive(pid)]
+        dead = [pid for pid in helpers if not running(pid)]
         rc, rest = finish(p)
     finally:
         if p.poll() is None:

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from hpclb.dist.env import local_size
+from hpclb.dist.launcher import process_alive
 
 __all__ = ["MAX_DEFAULT_WORKERS", "EpochKeyed", "StepBatchSampler", "StepLoader",
            "check_shard_loader_args", "default_num_workers", "pin_batch"]
@@ -168,19 +169,9 @@ def _worker_init(owner: int, _worker_id: int) -> None:
 
 
 def _exit_when_gone(owner: int) -> None:
-    while _alive(owner):
+    while process_alive(owner):
         time.sleep(1.0)
     os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class StepLoader:

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["LISTENER_FAILURE", "explain_launch_failure", "mpirun_path",
+__all__ = ["LISTENER_FAILURE", "explain_launch_failure", "mpirun_path", "process_alive",
            "remove_stale_session_dirs", "stale_session_dirs", "stop_session"]
 
 #: What Open MPI 5 prints when PMIx finds a left-behind rendezvous file (see the module text).
@@ -43,7 +43,8 @@ def mpirun_path() -> str:
     return str(here) if here.exists() else (shutil.which("mpirun") or "mpirun")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts; another user's process counts)."""
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):  # gone, or beyond any process id
@@ -69,7 +70,7 @@ def stale_session_dirs(tmp: str | os.PathLike | None = None) -> list[Path]:
         m = _SESSION_DIR.fullmatch(path.name)
         try:
             if (m and not path.is_symlink() and path.is_dir() and path.stat().st_uid == uid
-                    and not _alive(int(m[2]))):
+                    and not process_alive(int(m[2]))):
                 stale.append(path)
         except OSError:
             continue  # removed meanwhile

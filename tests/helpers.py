@@ -119,3 +119,18 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def noise_image_folder(root: Path, sizes, classes=("a", "b")) -> Path:
+    """``root/<class>/<i:03d>.png``: random-noise RGB PNGs of ``sizes`` ((width, height) each) in
+    every class, the same pixels on every call (numpy seed 0); returns ``root``."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i, (w, h) in enumerate(sizes):
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
+                root / c / f"{i:03d}.png")
+    return root

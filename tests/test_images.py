@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
+from helpers import noise_image_folder
 
 from hpclb.config import load_recipe, resolve
 from hpclb.data import load_dataset
@@ -91,19 +92,6 @@ def test_image_folder_reads_classes_and_pixels(tmp_path):
 ODD_SIZES = ((37, 23), (23, 37), (64, 20), (29, 31))
 
 
-def _noise_folder(root: Path, sizes=ODD_SIZES, classes=("a", "b")) -> Path:
-    """``root/<class>/<i>.png``: random-noise RGB PNGs of ``sizes`` (w, h) in each class."""
-    import numpy as np
-    from PIL import Image
-    rng = np.random.default_rng(0)
-    for c in classes:
-        (root / c).mkdir(parents=True)
-        for i, (w, h) in enumerate(sizes):
-            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
-                root / c / f"{i}.png")
-    return root
-
-
 def _normalised(im) -> torch.Tensor:
     """A PIL RGB image as the reader's float32 ``[3, H, W]`` with the ImageNet statistics."""
     import numpy as np
@@ -115,7 +103,7 @@ def _normalised(im) -> torch.Tensor:
 def test_image_folder_eval_split_is_resize_and_centre_crop(tmp_path):
     """augment=False (the default, val/test): shorter side to ``resize``, centre crop, exactly."""
     from PIL import Image
-    ds = ImageFolder(_noise_folder(tmp_path), image_size=16, resize=20)
+    ds = ImageFolder(noise_image_folder(tmp_path, ODD_SIZES), image_size=16, resize=20)
     assert not ds.augment
     x, _ = ds.batch(torch.arange(len(ds)))
     for k, (path, _) in enumerate(ds.files):
@@ -131,7 +119,7 @@ def test_image_folder_eval_split_is_resize_and_centre_crop(tmp_path):
 
 
 def test_image_folder_train_augmentation_is_deterministic_per_sample(tmp_path):
-    root = _noise_folder(tmp_path)
+    root = noise_image_folder(tmp_path, ODD_SIZES)
     ds = ImageFolder(root, image_size=16, augment=True, seed=5)
     n = len(ds)
     ds.set_epoch(2)
@@ -157,7 +145,7 @@ def test_image_folder_train_augmentation_is_crop_resize_flip(tmp_path):
     """Each sample is its train_crop box of the decoded image, resized bilinearly to
     image_size, mirrored when its flip draw says so; both cases occur."""
     from PIL import Image
-    ds = ImageFolder(_noise_folder(tmp_path), image_size=12, augment=True, seed=1)
+    ds = ImageFolder(noise_image_folder(tmp_path, ODD_SIZES), image_size=12, augment=True, seed=1)
     flips = []
     for epoch in range(3):
         ds.set_epoch(epoch)
@@ -213,7 +201,7 @@ def test_sample_seed_is_a_fixed_integer_mix():
 
 def test_only_imagenet_train_split_augments(tmp_path):
     for split in ("train", "val"):
-        _noise_folder(tmp_path / "imagenet" / split)
+        noise_image_folder(tmp_path / "imagenet" / split, ODD_SIZES)
     train, val = load_imagenet(tmp_path, image_size=16)
     assert train.augment and not val.augment
     assert not load_imagenet(tmp_path, augment=False)[0].augment
@@ -244,7 +232,7 @@ def _task_batches(root: Path, world_size: int, epoch: int, seed: int = 7) -> dic
 
 
 def test_augmented_batches_do_not_depend_on_world_size_or_resumption(tmp_path):
-    root = _noise_folder(tmp_path, sizes=ODD_SIZES[:2], classes=("a", "b"))
+    root = noise_image_folder(tmp_path, ODD_SIZES[:2])
     one = _task_batches(root, 1, epoch=1)
     assert sorted(one) == list(range(4))
     two = _task_batches(root, 2, epoch=1)

@@ -11,11 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import LAUNCH_ENV, run_bounded, running
+from helpers import LAUNCH_ENV, noise_image_folder, run_bounded, running
 
 from hpclb.config import load_recipe
 from hpclb.data import images
@@ -29,16 +28,7 @@ SIZES = ((37, 23), (23, 37), (64, 20), (29, 31), (40, 40))
 
 
 def _folder(root: Path, n_per_class: int = 6, classes=("a", "b")) -> Path:
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for c in classes:
-        (root / c).mkdir(parents=True)
-        for k in range(n_per_class):
-            w, h = SIZES[k % len(SIZES)]
-            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
-                root / c / f"{k:03d}.png")
-    return root
+    return noise_image_folder(root, [SIZES[k % len(SIZES)] for k in range(n_per_class)], classes)
 
 
 def _batches(root: Path, *, workers: int, rank: int, world_size: int, parts: int,

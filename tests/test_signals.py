@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import LAUNCH_ENV as ENV
-from helpers import MPIRUN, descendants, quick_recipe, running
+from helpers import MPIRUN, descendants, noise_image_folder, quick_recipe, running
 
 from hpclb.dist.launcher import stop_session
 
@@ -187,18 +187,10 @@ def test_signals_after_the_run_finished_do_not_kill_it(tmp_path, mnist_dir, sig)
 def _image_recipe(tmp_path: Path) -> Path:
     """A tiny ImageFolder run read by 2 loader workers: 96 noise images of 48x40 (2 classes),
     a depth-8 width-4 ResNet at 224 px, global batch 8, 12 steps per epoch."""
-    import numpy as np
     import yaml
-    from PIL import Image
 
-    rng = np.random.default_rng(0)
     for split, n in (("train", 48), ("val", 8)):
-        for c in ("a", "b"):
-            d = tmp_path / "data" / "imagenet" / split / c
-            d.mkdir(parents=True)
-            for k in range(n):
-                Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(
-                    d / f"{k}.png")
+        noise_image_folder(tmp_path / "data" / "imagenet" / split, [(48, 40)] * n)
     recipe = {"name": "img", "data": {"name": "imagenet", "num_workers": 2},
               "model": {"name": "resnet_small", "depth": 8, "width": 4, "num_classes": 2,
                         "in_channels": 3},

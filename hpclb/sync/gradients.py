@@ -167,9 +167,10 @@ class GradientSync:
         """A parameter belongs to one GradientSync; a communicator to one, at every world size
         (a script with two that ran at 1 process would hang or be refused at 2 ranks)."""
         for n, p in named:
-            other = getattr(p, "_hpclb_sync", None)
-            if other is not None and other() is not None and other()._open:
-                raise ValueError(f"parameter {n} is already synchronised by {other()!r}; "
+            ref = getattr(p, "_hpclb_sync", None)  # a weak reference to its GradientSync
+            other = ref() if ref is not None else None
+            if other is not None and other._open:
+                raise ValueError(f"parameter {n} is already synchronised by {other!r}; "
                                  f"close() that GradientSync first")
         other = GradientSync._live.get(id(self.comm))
         if other is not None and other._open:

@@ -49,7 +49,7 @@ export HPCLB_KERNELS_DIR="$repo/kernels"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
-export HPCLB_SHARE_GPU=1            # two ranks on one GPU (read by hpclb.dist.device)
+export HPCLB_SHARE_GPU=1            # two ranks on one GPU (read by hpclb.comm.device)
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_data.XXXXXX")"  # unpacked data only, not output
 trap 'rm -rf "$scratch"' EXIT
 trap 'rm -rf "$scratch"; exit 143' INT TERM

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 EVAL_BATCH = 2000  # test samples per forward, as hpclb's evaluation
 FRAMEWORK = ("hpclb.train", "hpclb.sync", "hpclb.tasks", "hpclb.schedules", "hpclb.config",
-             "hpclb.dist", "hpclb.optim")
+             "hpclb.comm", "hpclb.optim")
 
 
 def lr_at(step: int, a) -> float:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpclb.dist.base import Communicator
-from hpclb.dist.watchdog import install_abort_on_exception
-from hpclb.dist.world import current_communicator, get_communicator, has_communicator
+from hpclb.comm.base import Communicator
+from hpclb.comm.watchdog import install_abort_on_exception
+from hpclb.comm.world import current_communicator, get_communicator, has_communicator
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
 from hpclb.sync.options import LIBRARY_STALL_ABORT_S, set_default_stall_abort_s
@@ -43,7 +43,7 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     otherwise), ``mpi``, ``torch``, ``horovod`` or ``self``. ``device``: ``auto`` (this rank's
     GPU, ``cuda:<local_rank % visible GPUs>``, when CUDA is available, else the CPU), ``cpu`` or
     ``cuda``; ``share_gpu`` allows more ranks than GPUs on a node. Returns the
-    :class:`~hpclb.dist.base.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
+    :class:`~hpclb.comm.base.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
     calling it again returns the same one. Raises ConfigError (a ValueError) when the launcher
     and backend do not fit, or the device cannot be had.
 
@@ -65,7 +65,7 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
 
 
 def communicator() -> Communicator:
-    """The communicator :func:`init` made (the one :func:`hpclb.dist.world.get_communicator` holds).
+    """The communicator :func:`init` made (the one :func:`hpclb.comm.world.get_communicator` holds).
     Raises RuntimeError naming the fix before init."""
     return current_communicator()
 

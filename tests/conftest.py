@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpclb.dist.launcher import remove_stale_session_dirs
+from hpclb.comm.launcher import remove_stale_session_dirs
 
 REPO = Path(__file__).resolve().parents[1]
 _LEFT_BEHIND: list[str] = []
@@ -19,7 +19,7 @@ def _no_left_behind_mpirun_sessions(request):
     every test, and name the tests that left some (in the terminal summary). A SIGKILLed
     ``mpirun`` leaves ``$TMPDIR/ompi.<pid>`` behind, and a later ``mpirun`` given the same
     process id fails at start-up ("The PMIx server's listener thread failed to start"):
-    ``hpclb/dist/launcher.py``."""
+    ``hpclb/comm/launcher.py``."""
     remove_stale_session_dirs()
     yield
     if remove_stale_session_dirs():
@@ -45,7 +45,7 @@ def mnist_dir() -> Path:
 @pytest.fixture(scope="session")
 def comm():
     """The world communicator (mpi under mpirun, else self); checks HPCLB_EXPECT_WORLD_SIZE."""
-    from hpclb.dist.world import get_communicator
+    from hpclb.comm.world import get_communicator
 
     c = get_communicator("auto")
     expected = os.environ.get("HPCLB_EXPECT_WORLD_SIZE")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hpclb.comm.launcher import stop_session
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.dist.launcher import stop_session
-from hpclb.dist.local import SelfCommunicator
 from hpclb.train import loop as train_mod
 
 

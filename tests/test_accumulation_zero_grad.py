@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpclb.dist.local import SelfCommunicator
+from hpclb.comm.local import SelfCommunicator
 from hpclb.sync.optimizer import DistributedOptimizer
 
 

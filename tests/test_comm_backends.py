@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import all_ranks_ok
 
-from hpclb.dist.env import launcher_kind
-from hpclb.dist.local import SelfCommunicator
-from hpclb.dist.registry import BACKENDS, resolve_backend
-from hpclb.dist.testing import assert_all
-from hpclb.dist.world import get_communicator
+from hpclb.comm.env import launcher_kind
+from hpclb.comm.local import SelfCommunicator
+from hpclb.comm.registry import BACKENDS, resolve_backend
+from hpclb.comm.testing import assert_all
+from hpclb.comm.world import get_communicator
 
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16)
 LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD", "SLURM_STEP_ID",
@@ -124,7 +124,7 @@ def torch_comm():
     """One torch.distributed (Gloo) world per test process, created beside the MPI one."""
     global _torch_comm
     if _torch_comm is None:
-        from hpclb.dist.torch_dist import TorchCommunicator
+        from hpclb.comm.torch_dist import TorchCommunicator
         _torch_comm = TorchCommunicator(device="cpu")
     return _torch_comm
 
@@ -175,7 +175,7 @@ def test_gradient_sync_over_gloo_equals_over_mpi(comm):
 
 
 def test_get_communicator_refuses_a_second_backend(no_launcher):
-    import hpclb.dist.world as hc
+    import hpclb.comm.world as hc
     saved = hc._world
     try:
         hc._world = SelfCommunicator()

@@ -29,7 +29,7 @@ _hvd_comm = None
 def hvd_comm():
     global _hvd_comm
     if _hvd_comm is None:
-        from hpclb.dist.horovod import HorovodCommunicator
+        from hpclb.comm.horovod import HorovodCommunicator
         _hvd_comm = HorovodCommunicator()
     return _hvd_comm
 

@@ -1,5 +1,5 @@
 """CUDA tensors through the mpi backend without a GPU: the staging/ordering logic
-(hpclb/dist/mpi.py HostStaging) runs with CPU stand-ins for streams and events that record the
+(hpclb/comm/mpi.py HostStaging) runs with CPU stand-ins for streams and events that record the
 order of record/wait/copy calls; CUDA-aware MPI detection; the torch backend's routing of CPU
 tensors and objects to a Gloo group. MPI-marked tests pass at any world size."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import all_ranks_ok
 
-from hpclb.dist.mpi import HostStaging, _DeviceBuffer, _MPIHandle, cuda_aware_mpi
+from hpclb.comm.mpi import HostStaging, _DeviceBuffer, _MPIHandle, cuda_aware_mpi
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 
@@ -178,7 +178,7 @@ def test_cuda_aware_override_and_detection(monkeypatch):
 def test_ctypes_query_finds_the_loaded_mpi(monkeypatch):
     from mpi4py import MPI
 
-    from hpclb.dist.mpi import _ctypes_cuda_support
+    from hpclb.comm.mpi import _ctypes_cuda_support
     monkeypatch.delenv("HPCLB_CUDA_AWARE_MPI", raising=False)
     found = _ctypes_cuda_support()
     assert isinstance(found, bool), "no loaded libmpi has MPIX_Query_cuda_support"
@@ -198,7 +198,7 @@ def test_device_buffer_interface():
 def _mpi_comm(comm):
     if comm.backend == "mpi":
         return comm
-    from hpclb.dist.mpi import MPICommunicator
+    from hpclb.comm.mpi import MPICommunicator
     return MPICommunicator()  # one process with --with-mpi: the fixture is the self backend
 
 
@@ -307,7 +307,7 @@ def test_cuda_aware_path_hands_the_device_buffer_after_the_producer(comm, monkey
 def test_torch_backend_routes_cpu_tensors_and_objects_to_its_gloo_group(comm):
     import torch.distributed as dist
 
-    from hpclb.dist.torch_dist import TorchCommunicator
+    from hpclb.comm.torch_dist import TorchCommunicator
     tc = TorchCommunicator(device="cpu")
     tc._cpu_group = dist.new_group(backend="gloo")  # as beside an NCCL default group
     W, r = tc.world_size, tc.rank
@@ -341,7 +341,7 @@ def test_horovod_binds_its_local_ranks_gpu(monkeypatch):
     hvd.Sum, hvd.Max, hvd.Min = "sum", "max", "min"
     monkeypatch.setitem(sys.modules, "horovod", types.ModuleType("horovod"))
     monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
-    from hpclb.dist.horovod import HorovodCommunicator
+    from hpclb.comm.horovod import HorovodCommunicator
     assert HorovodCommunicator(device="cpu").device == torch.device("cpu")
     bound = _fake_gpus(monkeypatch, 2)
     c = HorovodCommunicator(device="auto")
@@ -350,7 +350,7 @@ def test_horovod_binds_its_local_ranks_gpu(monkeypatch):
 
 
 def test_torch_backend_picks_the_local_ranks_gpu(monkeypatch):
-    from hpclb.dist.torch_dist import TorchCommunicator
+    from hpclb.comm.torch_dist import TorchCommunicator
     tc = TorchCommunicator.__new__(TorchCommunicator)
     tc.local_rank = 5
     bound = _fake_gpus(monkeypatch, 4)

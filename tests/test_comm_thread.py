@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from hpclb.dist.streams import TorchCudaAPI
+from hpclb.comm.streams import TorchCudaAPI
 from hpclb.sync.buckets import make_bucket
 from hpclb.sync.drivers import ThreadDriver
 

@@ -1,12 +1,12 @@
-"""The rank -> device mapping (hpclb/dist/device.py) over the launchers' environments, with faked GPU
+"""The rank -> device mapping (hpclb/comm/device.py) over the launchers' environments, with faked GPU
 counts: no GPU is needed."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hpclb.dist.device import device_info, gpus_idle_warning, select_device
-from hpclb.dist.env import LOCAL_RANK_VARS, env_local_rank
+from hpclb.comm.device import device_info, gpus_idle_warning, select_device
+from hpclb.comm.env import LOCAL_RANK_VARS, env_local_rank
 from hpclb.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -144,8 +144,8 @@ class _NodeComm:
 def testgpu_peers_per_task_binding_is_not_sharing(env):
     import socket
 
-    import hpclb.dist.world as hw
-    from hpclb.dist.world import gpu_peers
+    import hpclb.comm.world as hw
+    from hpclb.comm.world import gpu_peers
     env.setattr(hw, "visible_gpu_uuids", lambda: None)  # a torch without UUIDs: the strings
     host = socket.gethostname()
     # srun --gpus-per-task=1: rank 2 of 4 on this node sees only its own GPU
@@ -177,7 +177,7 @@ def test_gpu_peers_tell_gpus_apart_by_uuid_under_cgroup_binding(env):
     old string comparison made it 2 ranks on 1 GPU: an error without --share-gpu)."""
     import socket
 
-    from hpclb.dist.world import gpu_peers
+    from hpclb.comm.world import gpu_peers
     host = socket.gethostname()
     env.setenv("CUDA_VISIBLE_DEVICES", "0")
     _fake_gpus(env, ["aaaa-1"])
@@ -193,7 +193,7 @@ def test_gpu_peers_tell_gpus_apart_by_uuid_under_cgroup_binding(env):
 
 
 def test_visible_gpu_uuids_from_the_device_properties(env):
-    from hpclb.dist.device import visible_gpu_uuids
+    from hpclb.comm.device import visible_gpu_uuids
     _fake_gpus(env, ["0a1b", "2c3d"])
     assert visible_gpu_uuids() == ("GPU-0a1b", "GPU-2c3d")
     env.setattr(torch.cuda, "is_available", lambda: False)
@@ -224,7 +224,7 @@ def test_bad_hpclb_share_gpu_names_the_variable(env):
 
 def test_get_communicator_honours_hpclb_share_gpu(env):
     """Through get_communicator: a backend whose node holds 2 ranks, 1 faked GPU."""
-    import hpclb.dist.world as hc
+    import hpclb.comm.world as hc
 
     class TwoOnANode(_NodeComm):
         backend = "self"
@@ -253,7 +253,7 @@ def test_get_communicator_honours_hpclb_share_gpu(env):
 
 
 def test_get_communicator_sets_the_device_and_checks_the_launcher(env):
-    import hpclb.dist.world as hc
+    import hpclb.comm.world as hc
     for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD", "SLURM_STEP_ID",
               "HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "MASTER_ADDR"):
         env.delenv(v, raising=False)

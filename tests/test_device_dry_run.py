@@ -8,8 +8,8 @@ import pytest
 import torch
 import yaml
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.dist.local import SelfCommunicator
 from hpclb.train.loop import train_step
 from hpclb.train.setup import setup_run
 from tests.conftest import REPO

@@ -5,8 +5,8 @@ import pytest
 from helpers import quick_recipe
 
 from hpclb import cli
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import resolve
-from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.tools.evaluate import evaluate_run
 from hpclb.train import loop as train_mod

@@ -94,7 +94,7 @@ def test_the_dry_run_fails_on_a_defect_of_the_script(tmp_path, mnist_dir):
     for d in ("hpclb", "kernels", "tests"):
         (repo / d).symlink_to(REPO / d)
     helper = repo / "benchmarks" / "gpu_check" / "stream_order.py"
-    helper.write_text(helper.read_text().replace("from hpclb.dist.world import",
+    helper.write_text(helper.read_text().replace("from hpclb.comm.world import",
                                                  "from hpclb.comm import"))
     script = repo / "benchmarks" / "gpu_check.sh"
     text = script.read_text()

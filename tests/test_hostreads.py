@@ -16,9 +16,9 @@ import pytest
 import torch
 import yaml
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import resolve
 from hpclb.config.recipe import load_recipe
-from hpclb.dist.local import SelfCommunicator
 from hpclb.train.hostreads import HostReadCounter, reads_per_step
 
 DATA = Path(os.environ.get("HPCLB_DATA", Path(__file__).resolve().parents[1] / "data"))

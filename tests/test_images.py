@@ -8,6 +8,7 @@ import torch
 from conftest import REPO
 from helpers import noise_image_folder
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
 from hpclb.data import load_dataset
 from hpclb.data.images import (
@@ -23,7 +24,6 @@ from hpclb.data.images import (
     sample_seed,
     train_crop,
 )
-from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError, DataError
 from hpclb.models import ResNet50, SmallResNet
 from hpclb.tasks import ClassificationTask, build_task

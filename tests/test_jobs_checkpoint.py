@@ -4,8 +4,8 @@ import pytest
 import torch
 from helpers import quick_recipe
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import resolve
-from hpclb.dist.local import SelfCommunicator
 from hpclb.train import loop as train_mod
 from hpclb.train.checkpoint import CheckpointStore, load_checkpoint
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpclb.dist.local import SelfCommunicator
+from hpclb.comm.local import SelfCommunicator
 from hpclb.models import LSTMLanguageModel, MnistLSTM, SmallResNet
 from hpclb.optim import LAMB, LARS
 from hpclb.optim import fused as K

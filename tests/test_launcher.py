@@ -1,4 +1,4 @@
-"""Starting ``mpirun`` reliably (``hpclb/dist/launcher.py``), with the venv's real Open MPI: a
+"""Starting ``mpirun`` reliably (``hpclb/comm/launcher.py``), with the venv's real Open MPI: a
 SIGKILLed mpirun leaves its session directory behind; a later mpirun given the same process id
 fails at start-up with "The PMIx server's listener thread failed to start" (the failure that
 stopped a CI run); removing the left-behind directories cures it; ``stop_session`` ends the
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import LAUNCH_ENV, MPIRUN, run_bounded
 
-from hpclb.dist.launcher import (
+from hpclb.comm.launcher import (
     LISTENER_FAILURE,
     explain_launch_failure,
     mpirun_path,
@@ -115,7 +115,7 @@ def test_a_reused_process_id_stops_mpirun_until_the_left_behind_directory_is_rem
     if proc.pid not in planted:
         pytest.skip(f"another process took the planted ids (mpirun ran as {proc.pid})")
     assert proc.returncode != 0 and LISTENER_FAILURE in out, out
-    assert "python -m hpclb.dist.launcher" in explain_launch_failure(out)
+    assert "python -m hpclb.comm.launcher" in explain_launch_failure(out)
     removed = remove_stale_session_dirs(tmp)
     assert stale_session_dirs(tmp) == []
     assert len(removed) >= len(planted) - 20  # a few ids may have gone to live processes since
@@ -157,7 +157,7 @@ def test_the_launch_failure_is_explained_only_when_it_is_that_failure():
 
 def test_the_cleanup_command_names_what_it_removed(tmp_path):
     (tmp_path / "ompi.999999999").mkdir()  # beyond any pid_max: no such process
-    r = subprocess.run([sys.executable, "-m", "hpclb.dist.launcher"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "hpclb.comm.launcher"], capture_output=True,
                        text=True, timeout=60, env={**ENV, "TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert f"removed {tmp_path / 'ompi.999999999'}" in r.stdout and "1 left-behind" in r.stdout

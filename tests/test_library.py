@@ -14,8 +14,8 @@ from helpers import LAUNCH_ENV, MPIRUN, run_bounded
 from torch import nn
 
 import hpclb
-from hpclb.dist.local import SelfCommunicator
-from hpclb.dist.testing import ScaledComm
+from hpclb.comm.local import SelfCommunicator
+from hpclb.comm.testing import ScaledComm
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import hpclb
-from hpclb.dist.testing import assert_all
+from hpclb.comm.testing import assert_all
 from hpclb.errors import ModelMismatchError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120, method="thread")]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hpclb
-from hpclb.dist.local import SelfCommunicator
+from hpclb.comm.local import SelfCommunicator
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import hpclb
-from hpclb.dist.testing import assert_all
+from hpclb.comm.testing import assert_all
 from tests.conftest import REPO
 from tests.test_library_abort import run_ranks
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(150)
 
 SCRIPT = """
 import os, sys
-from hpclb.dist.world import get_communicator
+from hpclb.comm.world import get_communicator
 from hpclb.errors import ConfigError
 try:
     c = get_communicator(sys.argv[1], device="cpu")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hpclb import LARS, NonFiniteError
-from hpclb.dist.local import SelfCommunicator
+from hpclb.comm.local import SelfCommunicator
 from hpclb.sync.optimizer import DistributedOptimizer
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from hpclb.dist.base import SideChannel
-from hpclb.dist.local import SelfCommunicator
-from hpclb.dist.testing import ScaledComm
-from hpclb.dist.watchdog import StallWatchdog
+from hpclb.comm.base import SideChannel
+from hpclb.comm.local import SelfCommunicator
+from hpclb.comm.testing import ScaledComm
+from hpclb.comm.watchdog import StallWatchdog
 from hpclb.errors import ModelMismatchError
 from hpclb.sync.agree import agree_num_steps
 from hpclb.sync.gradients import GradientSync

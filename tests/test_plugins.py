@@ -19,8 +19,8 @@ import yaml
 from conftest import REPO, all_ranks_ok
 from helpers import run_hpclb, train_multi_and_single
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.models import build_model
 from hpclb.tasks import DatasetSplit, build_task

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import resolve
-from hpclb.dist.local import SelfCommunicator
 from hpclb.train import loop as train_mod
 from hpclb.train import setup as run_mod
 from hpclb.train.checkpoint import load_checkpoint

@@ -8,10 +8,10 @@ import torch
 from conftest import REPO, all_ranks_ok
 from helpers import preempt_at, train_multi_and_single
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
 from hpclb.data.fetch import _treebank_strings
 from hpclb.data.ptb import EOS, load_ptb, rank_streams, stream_layout
-from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError, DataError
 from hpclb.models import LSTMLanguageModel
 from hpclb.train import loop as train_mod

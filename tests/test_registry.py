@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import ConfigError, load_recipe, parse_recipe, resolve
 from hpclb.data.registry import DATASETS, DataSet, register_dataset, train_set_sizes
-from hpclb.dist.local import SelfCommunicator
 from hpclb.models import MODELS
 from hpclb.optim import OPTIMIZERS
 from hpclb.tasks import ClassificationTask, build_task

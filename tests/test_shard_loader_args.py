@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hpclb
-from hpclb.dist.testing import ScaledComm
+from hpclb.comm.testing import ScaledComm
 
 DATA = torch.utils.data.TensorDataset(torch.arange(100))
 

@@ -20,7 +20,7 @@ import pytest
 from helpers import LAUNCH_ENV as ENV
 from helpers import MPIRUN, descendants, noise_image_folder, quick_recipe, running
 
-from hpclb.dist.launcher import stop_session
+from hpclb.comm.launcher import stop_session
 
 BLOCK = ["env", "--block-signal=USR2", "--block-signal=TERM"]
 HEAVY = ("torch", "numpy", "mpi4py", "yaml", "jinja2")

@@ -15,8 +15,8 @@ import yaml
 from conftest import REPO
 from helpers import LAUNCH_ENV, run_hpclb
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.tasks.spec import metric_mode, primary_metric
 

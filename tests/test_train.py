@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import preempt_at, quick_recipe
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import resolve
-from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError, DataError
 from hpclb.train import loop as train_mod
 from hpclb.train.checkpoint import load_checkpoint

@@ -81,7 +81,7 @@ def test_seq2seq_trains_and_scores_bleu(tmp_path):
     import yaml
     from conftest import REPO
 
-    from hpclb.dist.local import SelfCommunicator
+    from hpclb.comm.local import SelfCommunicator
     from hpclb.train import loop as train_mod
     base = Path(os.environ.get("HPCLB_DATA", REPO / "data"))
     if not (base / "bible-en-es" / "pairs.tsv").is_file():
@@ -276,7 +276,7 @@ def test_seq2seq_evaluation_uses_the_recipes_decoder(one_thread, monkeypatch):
     beam_size and length_penalty (tiny synthetic pairs, untrained model)."""
     import random
 
-    from hpclb.dist.local import SelfCommunicator
+    from hpclb.comm.local import SelfCommunicator
     from hpclb.tasks import Seq2seqTask
     en = "the cat dog sat ran on a mat home and big small".split()
     es = "el gato perro se sento corrio en una casa y grande chico".split()

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from hpclb.dist.base import SideChannel
-from hpclb.dist.testing import ScaledComm
-from hpclb.dist.watchdog import HISTORY, StallWatchdog
+from hpclb.comm.base import SideChannel
+from hpclb.comm.testing import ScaledComm
+from hpclb.comm.watchdog import HISTORY, StallWatchdog
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 G = "step 3 gradient bucket 1/2 (0.50 MiB float32, 4 tensors from gen.fc.weight)"

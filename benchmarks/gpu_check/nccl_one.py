@@ -11,7 +11,7 @@ import sys
 import torch
 from torch import nn
 
-from hpclb.dist.world import get_communicator
+from hpclb.comm.world import get_communicator
 from hpclb.sync.gradients import GradientSync
 
 comm = get_communicator("torch", device=sys.argv[1])

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hpclb.dist.world import get_communicator
+from hpclb.comm.world import get_communicator
 from hpclb.models import build_model
 from hpclb.sync.gradients import GradientSync
 

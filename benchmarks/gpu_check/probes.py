@@ -23,8 +23,8 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import resolve
-from hpclb.dist.local import SelfCommunicator
 from hpclb.train.loop import train_step
 from hpclb.train.setup import setup_run
 

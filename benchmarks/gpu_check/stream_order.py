@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from hpclb.dist.world import get_communicator
+from hpclb.comm.world import get_communicator
 
 comm = get_communicator("mpi", device=sys.argv[1], share_gpu=True)
 dev = comm.device

@@ -203,7 +203,7 @@ def bench_steps(comm, timer: Timer, rounds: int, model: str, with_ddp: bool) -> 
     x, y = step_data(comm, model)
     extra = {}
     if with_ddp:
-        from hpclb.dist.torch_dist import TorchCommunicator
+        from hpclb.comm.torch_dist import TorchCommunicator
         TorchCommunicator(device="cpu")  # the default group DDP uses (Gloo)
         net, opt = build(model)
         ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=DDP_BUCKET_MB)
@@ -282,7 +282,7 @@ def worker(args) -> int:
     suite (raw mpi4py and Gloo Allreduce, GradientSync against the raw schedules, step times
     with DDP) or the ``horovod`` suite; rank 0 writes the results and the conditions to
     ``args.out`` as JSON. Returns 0; a failing part raises (the job fails, the driver says so)."""
-    from hpclb.dist.world import get_communicator
+    from hpclb.comm.world import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
     res = run_suite(comm, args)
@@ -319,7 +319,7 @@ def run_suite(comm, args) -> dict:
 
 def gloo():
     """The Gloo communicator of ``torch.distributed`` (created on first use)."""
-    from hpclb.dist.torch_dist import TorchCommunicator
+    from hpclb.comm.torch_dist import TorchCommunicator
     return TorchCommunicator(device="cpu")
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpclb.dist.launcher import (
+from hpclb.comm.launcher import (
     explain_launch_failure,
     mpirun_path,
     remove_stale_session_dirs,
@@ -25,7 +25,7 @@ def run_group(argv: list[str], env: dict[str, str], timeout_s: float
     ran past ``timeout_s`` seconds, after stopping the whole session (a launcher and every
     process it started: mpirun's ranks, torchrun's workers; SIGTERM, then SIGKILL), not the
     launcher alone. Session directories left by killed launchers are removed first
-    (``hpclb.dist.launcher``), so a reused process id cannot stop ``mpirun`` at start-up."""
+    (``hpclb.comm.launcher``), so a reused process id cannot stop ``mpirun`` at start-up."""
     remove_stale_session_dirs()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

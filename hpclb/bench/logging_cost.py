@@ -176,8 +176,8 @@ def worker(args) -> int:
     import torch
 
     from hpclb.bench.measure import conditions
+    from hpclb.comm.world import get_communicator
     from hpclb.config import resolve
-    from hpclb.dist.world import get_communicator
     from hpclb.train.loop import train
 
     comm = get_communicator("mpi")

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from hpclb.bench.launch import run_group
-from hpclb.dist.launcher import mpirun_path
+from hpclb.comm.launcher import mpirun_path
 
 __all__ = ["LOSS_RTOL", "WORKLOADS", "add_run_arguments", "commands", "driver", "summarize"]
 

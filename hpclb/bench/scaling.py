@@ -141,7 +141,7 @@ def worker(args) -> int:
     """One rank of an ``mpirun`` job (``python -m hpclb.bench.scaling worker``): weak and strong
     :func:`measure` of each of ``args.models``; rank 0 writes them with the conditions to
     ``args.out`` as JSON. Returns 0."""
-    from hpclb.dist.world import get_communicator
+    from hpclb.comm.world import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
     timer = Timer(comm)

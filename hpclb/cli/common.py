@@ -103,8 +103,8 @@ def start_comm(backend: str, device: str = "cpu", share_gpu: bool = False):
     start) with logging set up for its rank; None (after printing why) when the launcher, the
     backend or the device do not fit, for the command to exit 2. Rank 0 warns when GPUs are
     visible but the run uses the CPU."""
-    from hpclb.dist.device import gpus_idle_warning
-    from hpclb.dist.world import get_communicator  # heavy (torch): after the signal handlers
+    from hpclb.comm.device import gpus_idle_warning
+    from hpclb.comm.world import get_communicator  # heavy (torch): after the signal handlers
 
     try:
         comm = get_communicator(backend, device=device, share_gpu=share_gpu)

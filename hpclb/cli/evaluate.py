@@ -15,7 +15,7 @@ HELP = ("score a run's checkpoint again (e.g. seq2seq with another beam size); p
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb evaluate`` on the top-level subparsers."""
-    from hpclb.dist.registry import BACKENDS
+    from hpclb.comm.registry import BACKENDS
 
     e = subparsers.add_parser("evaluate", help=HELP)
     e.add_argument("run_dir", help="a run directory written by hpclb train --out")

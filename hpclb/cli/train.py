@@ -29,8 +29,8 @@ HELP = "train one experiment (run under mpirun for several ranks)"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb train`` on the top-level subparsers."""
+    from hpclb.comm.registry import BACKENDS
     from hpclb.config import OPTIMIZERS, available_experiments
-    from hpclb.dist.registry import BACKENDS
     from hpclb.schedules import SCHEMES
 
     t = subparsers.add_parser("train", help=HELP)

@@ -32,8 +32,8 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from hpclb.dist.env import local_size
-from hpclb.dist.launcher import process_alive
+from hpclb.comm.env import local_size
+from hpclb.comm.launcher import process_alive
 
 __all__ = ["MAX_DEFAULT_WORKERS", "EpochKeyed", "StepBatchSampler", "StepLoader",
            "check_shard_loader_args", "default_num_workers", "pin_batch"]

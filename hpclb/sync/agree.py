@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import nn
 
-from hpclb.dist.base import Communicator
+from hpclb.comm.base import Communicator
 from hpclb.errors import ModelMismatchError
 
 __all__ = ["agree_num_steps", "average_buffers", "broadcast_parameters", "check_model_consistency",

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hpclb.dist.base import Handle
+from hpclb.comm.base import Handle
 from hpclb.sync.options import DEFAULT_FIRST_BUCKET_BYTES, MiB
 
 __all__ = ["ALIGN_BYTES", "Bucket", "make_bucket", "plan_buckets"]

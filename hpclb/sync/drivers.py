@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from hpclb.dist.base import Communicator
-from hpclb.dist.streams import TorchCudaAPI
+from hpclb.comm.base import Communicator
+from hpclb.comm.streams import TorchCudaAPI
 
 __all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
 
@@ -87,7 +87,7 @@ class ThreadDriver(BlockingDriver):
     """``overlap="thread"``: a daemon thread runs the collectives in bucket order. ``owner`` is
     the object whose garbage collection stops the thread (the GradientSync). ``device``: the
     gradients' device; for a CUDA device the thread binds it and buckets are ordered by events
-    (module docstring) through ``api`` (default :class:`~hpclb.dist.streams.TorchCudaAPI`;
+    (module docstring) through ``api`` (default :class:`~hpclb.comm.streams.TorchCudaAPI`;
     tests pass a stand-in)."""
 
     def __init__(self, comm: Communicator, poll_s: float, owner=None, *,

@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from hpclb.dist.base import Communicator
-from hpclb.dist.watchdog import StallReport, watchdog_for
+from hpclb.comm.base import Communicator
+from hpclb.comm.watchdog import StallReport, watchdog_for
 from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
 from hpclb.sync.drivers import DRIVERS
@@ -66,7 +66,7 @@ class GradientSync:
         stall_timeout_s: report a wait longer than this many seconds, naming the ranks that have
             not joined (default $HPCLB_STALL_TIMEOUT_S or 60).
         stall_abort_s: end the job after a wait this long (default $HPCLB_STALL_ABORT_S or never).
-        on_stall: called with a :class:`~hpclb.dist.watchdog.StallReport` (default: print it).
+        on_stall: called with a :class:`~hpclb.comm.watchdog.StallReport` (default: print it).
         track_local_norm: also keep, per step, the squared L2 norm of this rank's own gradient
             (the mean over its samples, before the allreduce) for the gradient noise scale
             (:attr:`local_sq_norm`); one norm per bucket on the device, no host sync.

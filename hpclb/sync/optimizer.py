@@ -32,8 +32,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from hpclb.dist.base import Communicator
-from hpclb.dist.world import current_communicator
+from hpclb.comm.base import Communicator
+from hpclb.comm.world import current_communicator
 from hpclb.errors import NonFiniteError  # noqa: F401  (hpclb.NonFiniteError is read from here)
 from hpclb.sync.agree import verify_replicas
 from hpclb.sync.contracts import GradGuard, SynchronizeMixin, zero_grad_action

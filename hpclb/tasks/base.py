@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from hpclb.comm.base import Communicator
 from hpclb.data.loader import pin_batch
-from hpclb.dist.base import Communicator
 
 __all__ = ["EVAL_BATCH_SIZE", "DatasetSplit", "Task", "device_of", "to_device"]
 

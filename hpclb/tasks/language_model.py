@@ -6,8 +6,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hpclb.comm.base import Communicator
 from hpclb.data.ptb import Corpus
-from hpclb.dist.base import Communicator
 from hpclb.tasks.base import Task, device_of
 
 __all__ = ["LanguageModelTask"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hpclb.dist.base import Communicator
+from hpclb.comm.base import Communicator
 from hpclb.errors import ConfigError
 from hpclb.models import build_model
 from hpclb.tasks import build_task

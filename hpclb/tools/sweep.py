@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from hpclb.comm.launcher import explain_launch_failure, mpirun_path, remove_stale_session_dirs
+from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
 from hpclb.config.outputs import check_run_dir, point_name
-from hpclb.dist.launcher import explain_launch_failure, mpirun_path, remove_stale_session_dirs
-from hpclb.dist.local import SelfCommunicator
 from hpclb.errors import ConfigError
 from hpclb.schedules import SCHEMES
 from hpclb.tasks.spec import metric_mode, primary_metric

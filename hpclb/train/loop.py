@@ -43,9 +43,9 @@ import torch
 from tqdm import tqdm
 
 from hpclb._io import write_json
+from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig, check_checkpoint_interval
 from hpclb.data.paths import data_dir
-from hpclb.dist.base import Communicator
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
 from hpclb.sync.agree import average_buffers
 from hpclb.tasks import to_device
@@ -278,7 +278,7 @@ class _Say:
 
 
 def _header(run: Run, say: _Say) -> None:
-    from hpclb.dist.device import device_info
+    from hpclb.comm.device import device_info
 
     cfg, comm, sched = run.cfg, run.comm, run.schedule
     info = device_info(run.device)
@@ -363,7 +363,7 @@ def _epoch_line(row: dict, n_epochs: int) -> str:
 
 
 def _summary(run: Run) -> dict:
-    from hpclb.dist.device import device_info
+    from hpclb.comm.device import device_info
 
     cfg, history, sched = run.cfg, run.pos.history, run.schedule
     target = cfg.spec.target

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpclb.dist.base import Communicator
-from hpclb.dist.world import current_communicator
+from hpclb.comm.base import Communicator
+from hpclb.comm.world import current_communicator
 from hpclb.errors import PREEMPTED_EXIT_CODE
 from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.loop import PreemptionFlag

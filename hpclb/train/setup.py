@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
 from hpclb.config.outputs import check_run_dir, clear_run
-from hpclb.dist.base import Communicator
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError, HpclbError
 from hpclb.models import build_model
 from hpclb.noise import check_world_size

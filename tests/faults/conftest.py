@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpclb.dist.launcher import stop_session
+from hpclb.comm.launcher import stop_session
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent

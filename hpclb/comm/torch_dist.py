@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
-from hpclb.dist.env import (
+from hpclb.comm.base import Communicator, Handle, SideChannel, check_op
+from hpclb.comm.env import (
     env_local_rank,
     launcher_world_size,
     local_size,
@@ -197,7 +197,7 @@ class TorchCommunicator(Communicator):
 
     def _pick_device(self, device) -> torch.device:
         """The rank's device; CUDA: this rank's local GPU, made current."""
-        from hpclb.dist.device import bind_local_gpu
+        from hpclb.comm.device import bind_local_gpu
 
         return bind_local_gpu(device, self.local_rank)
 

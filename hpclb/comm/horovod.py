@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
+from hpclb.comm.base import Communicator, Handle, SideChannel, check_op
 
 __all__ = ["HorovodCommunicator"]
 
@@ -81,7 +81,7 @@ class HorovodCommunicator(Communicator):
 
     def _bind(self, device) -> torch.device:
         """The rank's device; CUDA: this rank's local GPU, made current."""
-        from hpclb.dist.device import bind_local_gpu
+        from hpclb.comm.device import bind_local_gpu
 
         return bind_local_gpu(device, self.local_rank)
 
@@ -139,7 +139,7 @@ class HorovodCommunicator(Communicator):
         if self._side is None:
             from mpi4py import MPI
 
-            from hpclb.dist.mpi import MPISideChannel
+            from hpclb.comm.mpi import MPISideChannel
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 return None
             self._side = MPISideChannel(MPI.COMM_WORLD.Dup(), MPI)

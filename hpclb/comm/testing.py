@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hpclb.dist.base import Communicator, SideChannel, check_op
+from hpclb.comm.base import Communicator, SideChannel, check_op
 
 __all__ = ["assert_all", "ScaledComm"]
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hpclb.dist.base import Communicator, Handle, SideChannel, check_op
-from hpclb.dist.env import launcher_world_size, node_split_key
-from hpclb.dist.streams import TorchCudaAPI
+from hpclb.comm.base import Communicator, Handle, SideChannel, check_op
+from hpclb.comm.env import launcher_world_size, node_split_key
+from hpclb.comm.streams import TorchCudaAPI
 
 __all__ = [
     "CUDA_AWARE_ENV", "SIDE_TAG", "HostStaging", "MPICommunicator", "MPISideChannel",
@@ -152,7 +152,7 @@ class HostStaging:
     once its collective has finished (torch's pinned-memory cache reuses it; a copy still
     reading it holds it), so one-off collectives pin at most their largest tensor, not a
     model's worth of memory per rank. ``api``: a
-    :class:`~hpclb.dist.streams.TorchCudaAPI` (tests: a stand-in recording calls).
+    :class:`~hpclb.comm.streams.TorchCudaAPI` (tests: a stand-in recording calls).
     """
 
     def __init__(self, api):

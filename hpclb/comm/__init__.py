@@ -5,8 +5,8 @@
 launcher's environment), :mod:`.device` (one device per rank), the backends :mod:`.mpi`,
 :mod:`.torch_dist`, :mod:`.horovod`, :mod:`.local`, :mod:`.watchdog` (stalled collectives), and
 :mod:`.launcher` (starting ``mpirun`` from hpclb's own tools).
-Import from the submodules: this package imports nothing, so ``hpclb.dist.registry`` and
-``hpclb.dist.env`` load without torch.
+Import from the submodules: this package imports nothing, so ``hpclb.comm.registry`` and
+``hpclb.comm.env`` load without torch.
 """
 
 __all__: list[str] = []

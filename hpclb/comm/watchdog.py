@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from hpclb.dist.base import Communicator
+from hpclb.comm.base import Communicator
 
 __all__ = ["ABORT_ON_EXCEPTION_ENV", "DEFAULT_POLL_S", "HISTORY", "StallReport",
            "install_abort_on_exception", "print_report", "StallWatchdog",

@@ -2,24 +2,24 @@
 line can offer them as choices without loading torch).
 
 Each backend names its class as ``"module:Class"``, imported only when that backend is created;
-the class is built with :meth:`hpclb.dist.base.Communicator.create`.
+the class is built with :meth:`hpclb.comm.base.Communicator.create`.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 
-from hpclb.dist.env import launcher_kind
+from hpclb.comm.env import launcher_kind
 
 __all__ = ["BACKENDS", "BACKEND_CLASSES", "resolve_backend", "backend_available",
            "backend_class"]
 
 # name -> (the communicator class, the library it needs: None for none)
 BACKEND_CLASSES: dict[str, tuple[str, str | None]] = {
-    "mpi": ("hpclb.dist.mpi:MPICommunicator", "mpi4py"),
-    "horovod": ("hpclb.dist.horovod:HorovodCommunicator", "horovod"),
-    "torch": ("hpclb.dist.torch_dist:TorchCommunicator", "torch.distributed"),
-    "self": ("hpclb.dist.local:SelfCommunicator", None),
+    "mpi": ("hpclb.comm.mpi:MPICommunicator", "mpi4py"),
+    "horovod": ("hpclb.comm.horovod:HorovodCommunicator", "horovod"),
+    "torch": ("hpclb.comm.torch_dist:TorchCommunicator", "torch.distributed"),
+    "self": ("hpclb.comm.local:SelfCommunicator", None),
 }
 #: every name ``--backend`` takes: ``auto`` and the backends
 BACKENDS = ("auto", *BACKEND_CLASSES)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import socket
 
-from hpclb.dist.base import Communicator
-from hpclb.dist.device import select_device, share_gpu_requested, visible_gpu_uuids
-from hpclb.dist.env import env_local_rank
-from hpclb.dist.registry import backend_class, resolve_backend
+from hpclb.comm.base import Communicator
+from hpclb.comm.device import select_device, share_gpu_requested, visible_gpu_uuids
+from hpclb.comm.env import env_local_rank
+from hpclb.comm.registry import backend_class, resolve_backend
 from hpclb.errors import ConfigError
 
 __all__ = ["get_communicator", "current_communicator", "has_communicator", "gpu_peers"]
@@ -25,7 +25,7 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
     backend: see :func:`resolve_backend`. device: ``auto`` (cuda when a GPU is visible),
     ``cpu`` or ``cuda``; share_gpu: allow more ranks than GPUs on a node (tests on one GPU;
     ``$HPCLB_SHARE_GPU=1`` allows it as well, for scripts: :func:`share_gpu_requested`).
-    Where the launcher sets a node-local rank (:func:`hpclb.dist.device.env_local_rank`) the GPU is
+    Where the launcher sets a node-local rank (:func:`hpclb.comm.device.env_local_rank`) the GPU is
     bound *before* MPI/NCCL initialise; afterwards the communicator's node-local rank (MPI's
     shared-memory split) must agree with the launcher's, and the device is chosen among the
     ranks of the node that see the same GPUs (so per-task GPU binding, one GPU per rank, is

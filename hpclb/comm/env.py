@@ -91,7 +91,7 @@ def node_split_key(rank: int) -> int:
     node-local rank where it set one, so the split numbers the ranks as the launcher did (Open
     MPI oversubscribing a node numbers them 0, 2, 1, 3 by world rank), else the world rank
     (also when the launcher's variables disagree: that is reported after the split, on every
-    rank, by ``hpclb.dist.world``; raising here would leave the other ranks in the split)."""
+    rank, by ``hpclb.comm.world``; raising here would leave the other ranks in the split)."""
     try:
         env = env_local_rank()
     except ConfigError:

@@ -4,7 +4,7 @@ Each rank takes GPU ``local_rank % visible_gpus`` of its node (``CUDA_VISIBLE_DE
 what is visible: torch counts only those). The node-local rank comes from the launcher's
 environment (:func:`env_local_rank`) so the device can be bound *before* MPI/NCCL initialise
 (a CUDA-aware MPI or NCCL otherwise opens a context on GPU 0 from every rank); the
-communicator's own node-local split confirms it afterwards (``hpclb.dist.world.get_communicator``).
+communicator's own node-local split confirms it afterwards (``hpclb.comm.world.get_communicator``).
 More ranks than GPUs on a node is an error unless sharing is asked for (``--share-gpu``, or
 ``HPCLB_SHARE_GPU=1`` in the environment: :func:`share_gpu_requested`). GPUs are told apart by
 UUID (:func:`visible_gpu_uuids`), not by ``CUDA_VISIBLE_DEVICES``, which is "0" in every task

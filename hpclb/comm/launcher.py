@@ -95,7 +95,7 @@ def explain_launch_failure(output: str) -> str | None:
     return (f"mpirun could not start (\"{LISTENER_FAILURE}\"): a session directory left by an "
             f"mpirun that was killed is in {tempfile.gettempdir()} under this launcher's "
             f"process id. hpclb removes such directories before each launch it makes; remove "
-            f"them by hand with `python -m hpclb.dist.launcher` and launch again")
+            f"them by hand with `python -m hpclb.comm.launcher` and launch again")
 
 
 def _session_members(sid: int) -> list[int]:
@@ -145,7 +145,7 @@ def stop_session(proc: subprocess.Popen, grace_s: float = 10.0) -> tuple[str, st
 
 
 def main() -> int:
-    """``python -m hpclb.dist.launcher``: remove left-behind session directories, naming each."""
+    """``python -m hpclb.comm.launcher``: remove left-behind session directories, naming each."""
     removed = remove_stale_session_dirs()
     for path in removed:
         print(f"removed {path}")

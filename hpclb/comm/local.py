@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hpclb.dist.base import Communicator, check_op
+from hpclb.comm.base import Communicator, check_op
 
 __all__ = ["SelfCommunicator"]
 

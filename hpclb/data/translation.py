@@ -29,6 +29,8 @@ VALID_BOOKS = ("Esther", "Philippians", "I John")  # pysword book names
 
 @dataclass(frozen=True)
 class Pair:
+    """One verse-aligned sentence pair: KJV book, chapter and verse, English and Spanish text."""
+
     book: str
     chapter: int
     verse: int
@@ -74,6 +76,9 @@ def read_sword_pairs(sword_root: str | Path) -> list[Pair]:
 
 
 def write_pairs(path: Path, pairs: list[Pair]) -> None:
+    """Write ``pairs`` to ``path`` as tab-separated lines (book, chapter, verse, en, es).
+
+    Atomic: written to ``<path>.part`` and renamed, so a reader never sees a partial file."""
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "w", encoding="utf-8") as f:
         for p in pairs:

@@ -95,7 +95,7 @@ def test_the_dry_run_fails_on_a_defect_of_the_script(tmp_path, mnist_dir):
         (repo / d).symlink_to(REPO / d)
     helper = repo / "benchmarks" / "gpu_check" / "stream_order.py"
     helper.write_text(helper.read_text().replace("from hpclb.comm.world import",
-                                                 "from hpclb.comm import"))
+                                                 "from hpclb.no_such_layer.world import"))
     script = repo / "benchmarks" / "gpu_check.sh"
     text = script.read_text()
     assert "train 55 fp16_lars --optimizer lars --scaling sqrt" in text
@@ -109,7 +109,7 @@ def test_the_dry_run_fails_on_a_defect_of_the_script(tmp_path, mnist_dir):
     res = json.loads((out / "gpu_check.json").read_text())
     assert res["failed"] == ["fp16_lars", "stream_order"]
     assert "exit 2" in {p["phase"]: p for p in res["phases"]}["fp16_lars"]["detail"]
-    assert "No module named 'hpclb.comm'" in (out / "stream_order.log").read_text()
+    assert "No module named 'hpclb.no_such_layer'" in (out / "stream_order.log").read_text()
     assert "warmup" in (out / "fp16_lars.log").read_text()
 
 

@@ -362,8 +362,8 @@ def check_builtin_data(data: dict, kind: str, where: str) -> None:
         require(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
                 f"{where}: data.num_workers",
                 f"must be an integer >= 0 (DataLoader worker processes per rank that decode the "
-                f"training images; 0: in the training thread; default min(4, CPUs per rank)), "
-                f"got {n!r}")
+                f"training images; 0: in the training thread; default min(16, CPUs per rank - "
+                f"1)), got {n!r}")
         require("num_workers" in options, f"{where}: data.num_workers",
                 f"only the {_readers_of('num_workers')} reader (image files) uses loader "
                 f"workers; {data['name']!r} is read from memory: remove the field")

@@ -276,12 +276,19 @@ class ImageFolder(EncodedImages):
 
 
 def load_imagenet(root: str | Path | None = None, image_size: int = 224, *,
-                  augment: bool = True):
+                  augment: bool = True, shards: bool = False):
     """(train, val) ImageFolders from ``<data dir>/imagenet/{train,val}`` (or ``root`` holding
-    ``train`` and ``val``); the user provides the images. The train split augments (random-
-    resized crop + flip) unless ``augment`` is False; val is always resize 256 + centre crop.
-    Raises DataError when absent."""
+    ``train`` and ``val``); the user provides the images. ``shards``: read the tar shards
+    ``shards/train`` and ``shards/val`` there instead (:mod:`hpclb.data.shards`, written by
+    ``hpclb data shards``; the same samples). The train split augments (random-resized crop +
+    flip) unless ``augment`` is False; val is always resize 256 + centre crop. Raises DataError
+    when absent."""
     base = data_dir(root)
     root = base / "imagenet" if (base / "imagenet").is_dir() else base
+    if shards:
+        from hpclb.data.shards import TarShards
+
+        return (TarShards(root / "shards" / "train", image_size, augment=augment),
+                TarShards(root / "shards" / "val", image_size))
     return (ImageFolder(root / "train", image_size, augment=augment),
             ImageFolder(root / "val", image_size))

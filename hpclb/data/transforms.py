@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -109,13 +108,14 @@ def _draft(im, width: int, height: int) -> int:
 
 def _pixels(im, box: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The decoded ``im`` (or its ``box``: left, top, right, bottom) as uint8 ``[1, 3, h, w]``
-    (channels-last memory, what the uint8 resize is fastest on); a copy PIL no longer holds."""
+    (channels-last memory, what the uint8 resize is fastest on), in memory of its own."""
     if im.mode != "RGB":
         im = im.convert("RGB")
-    arr = np.asarray(im)
     if box is not None:
-        arr = arr[box[1]:box[3], box[0]:box[2]]
-    return torch.from_numpy(np.array(arr, copy=True)).permute(2, 0, 1).unsqueeze(0)
+        im = im.crop(box)
+    width, height = im.size
+    pixels = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+    return pixels.view(height, width, 3).permute(2, 0, 1).unsqueeze(0)
 
 
 def _resize(x: torch.Tensor, width: int, height: int) -> torch.Tensor:

@@ -156,7 +156,8 @@ def _batch_bytes(root: Path, batch: int, size: int) -> dict:
 
 
 def _scaled_fraction(root: Path, n: int, rounds: int, size: int) -> float:
-    """Fraction of the train crops decoded at a DCT scale below full size."""
+    """Fraction of the train crops at least ``2 * size`` pixels on both sides: those decoded
+    at a DCT scale of 1/2 or smaller."""
     from PIL import Image
 
     from hpclb.data.images import ImageFolder, train_crop

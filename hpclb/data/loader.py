@@ -38,8 +38,8 @@ from hpclb.comm.launcher import process_alive
 __all__ = ["MAX_DEFAULT_WORKERS", "EpochKeyed", "StepBatchSampler", "StepLoader",
            "check_shard_loader_args", "default_num_workers", "pin_batch"]
 
-# A worker decodes about 400-900 ImageNet images/s (results/bench_loader.json); 16 per rank feed
-# any single GPU, and each holds a copy of the split's file list.
+# A worker decodes a few hundred ImageNet-sized JPEGs per second (make bench-loader,
+# docs/recipes.md); 16 per rank feed a GPU, and each worker holds a copy of the split's file list.
 MAX_DEFAULT_WORKERS = 16
 
 

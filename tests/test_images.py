@@ -14,8 +14,6 @@ from hpclb.data import load_dataset
 from hpclb.data.images import (
     CROP_RATIO,
     CROP_SCALE,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     ImageFolder,
     SyntheticImages,
     load_fashion_mnist,

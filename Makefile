@@ -180,6 +180,13 @@ gpu-check-bundle: $(HPCLB_DATA)/mnist/.verified
 	    t10k-labels-idx1-ubyte; do gzip -9 -n -c $(HPCLB_DATA)/mnist/$$f > shared-data/mnist/$$f.gz; done
 	du -sh shared-data
 
+# Image loader (issue 28): images/s per core of the ImageNet train and eval transforms (DCT-scaled
+# decode, uint8) against the path before, in one process, on synthetic ImageNet-sized JPEGs it
+# writes itself (200 images x 5 rounds, under a minute on one quiet core; docs/recipes.md).
+.PHONY: bench-loader
+bench-loader: install
+	$(PY) -m hpclb bench loader --out results/bench_loader.json
+
 # Per-step logging cost (issue 13): one 2-rank job, --log-every 50 / 0 / --noise-scale alternated.
 .PHONY: bench-logging
 bench-logging: install data

@@ -14,8 +14,6 @@ from hpclb.data import load_dataset
 from hpclb.data.images import (
     CROP_RATIO,
     CROP_SCALE,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     ImageFolder,
     SyntheticImages,
     load_fashion_mnist,
@@ -82,7 +80,9 @@ def test_image_folder_reads_classes_and_pixels(tmp_path):
     ds = ImageFolder(tmp_path, image_size=16, resize=20)
     assert len(ds) == 4 and ds.classes == ["cat", "dog"]
     x, y = ds.batch(torch.tensor([0, 3]))
-    assert x.shape == (2, 3, 16, 16) and y.tolist() == [0, 1]
+    assert x.shape == (2, 3, 16, 16) and x.dtype == torch.uint8 and y.tolist() == [0, 1]
+    x = ds.normalize(x)
+    assert x.dtype == torch.float32
     assert x[0, 0].mean() > 2 and x[1, 2].mean() > 2  # red cat, blue dog after normalisation
     with pytest.raises(DataError, match="no class"):
         ImageFolder(tmp_path / "cat")
@@ -92,27 +92,40 @@ def test_image_folder_reads_classes_and_pixels(tmp_path):
 ODD_SIZES = ((37, 23), (23, 37), (64, 20), (29, 31))
 
 
-def _normalised(im) -> torch.Tensor:
-    """A PIL RGB image as the reader's float32 ``[3, H, W]`` with the ImageNet statistics."""
+def _pixels(im) -> torch.Tensor:
+    """A PIL RGB image as uint8 ``[3, H, W]``."""
     import numpy as np
-    t = torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0).permute(2, 0, 1)
-    mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
-    return (t - mean[:, None, None]) / std[:, None, None]
+    return torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)
+
+
+def _resized(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """uint8 ``[3, h, w]`` resized as the reader resizes (bilinear, antialiased, uint8)."""
+    return torch.nn.functional.interpolate(x[None], size=(height, width), mode="bilinear",
+                                           antialias=True, align_corners=False)[0]
+
+
+def _close_to_pil(x: torch.Tensor, im) -> None:
+    """``x`` (uint8 ``[3, h, w]``) is PIL's bilinear resize ``im`` to one grey level."""
+    assert (x.int() - _pixels(im).int()).abs().max() <= 1
 
 
 def test_image_folder_eval_split_is_resize_and_centre_crop(tmp_path):
-    """augment=False (the default, val/test): shorter side to ``resize``, centre crop, exactly."""
+    """augment=False (the default, val/test): shorter side to ``resize``, centre crop, exactly;
+    within one grey level of PIL's bilinear resize (the reader's path before issue 28)."""
     from PIL import Image
     ds = ImageFolder(noise_image_folder(tmp_path, ODD_SIZES), image_size=16, resize=20)
     assert not ds.augment
     x, _ = ds.batch(torch.arange(len(ds)))
+    assert x.dtype == torch.uint8
     for k, (path, _) in enumerate(ds.files):
         with Image.open(path) as im:
             w, h = im.size
             s = 20 / min(w, h)
-            im = im.convert("RGB").resize((round(w * s), round(h * s)), Image.BILINEAR)
-            left, top = (im.size[0] - 16) // 2, (im.size[1] - 16) // 2
-            want = _normalised(im.crop((left, top, left + 16, top + 16)))
+            size = (round(w * s), round(h * s))
+            left, top = (size[0] - 16) // 2, (size[1] - 16) // 2
+            want = _resized(_pixels(im), *size)[:, top:top + 16, left:left + 16]
+            pil = im.convert("RGB").resize(size, Image.BILINEAR)
+            _close_to_pil(x[k], pil.crop((left, top, left + 16, top + 16)))
         assert torch.equal(x[k], want), path
     ds.set_epoch(3, seed=9)  # no effect without augmentation
     assert torch.equal(ds.batch(torch.arange(len(ds)))[0], x)
@@ -124,7 +137,7 @@ def test_image_folder_train_augmentation_is_deterministic_per_sample(tmp_path):
     n = len(ds)
     ds.set_epoch(2)
     x, y = ds.batch(torch.arange(n))
-    assert x.shape == (n, 3, 16, 16) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert x.shape == (n, 3, 16, 16) and x.dtype == torch.uint8 and y.dtype == torch.int64
     assert y.tolist() == [0] * 4 + [1] * 4
     assert torch.equal(ds.batch(torch.arange(n))[0], x)
     # another reader (another rank, a resumed run): other order, other batches, same samples
@@ -143,7 +156,8 @@ def test_image_folder_train_augmentation_is_deterministic_per_sample(tmp_path):
 
 def test_image_folder_train_augmentation_is_crop_resize_flip(tmp_path):
     """Each sample is its train_crop box of the decoded image, resized bilinearly to
-    image_size, mirrored when its flip draw says so; both cases occur."""
+    image_size, mirrored when its flip draw says so (PNGs: no DCT scaling, the box exactly);
+    within one grey level of PIL's crop + bilinear resize. Both flip cases occur."""
     from PIL import Image
     ds = ImageFolder(noise_image_folder(tmp_path, ODD_SIZES), image_size=12, augment=True, seed=1)
     flips = []
@@ -154,9 +168,11 @@ def test_image_folder_train_augmentation_is_crop_resize_flip(tmp_path):
             with Image.open(path) as im:
                 im = im.convert("RGB")
                 (left, top, w, h), flip = train_crop(*im.size, 1, epoch, k)
-                crop = _normalised(im.crop((left, top, left + w, top + h)).resize(
-                    (12, 12), Image.BILINEAR))
-            assert torch.equal(x[k], crop.flip(-1) if flip else crop), (epoch, path)
+                crop = _resized(_pixels(im)[:, top:top + h, left:left + w], 12, 12)
+                pil = im.crop((left, top, left + w, top + h)).resize((12, 12), Image.BILINEAR)
+            got = x[k].flip(-1) if flip else x[k]
+            assert torch.equal(got, crop), (epoch, path)
+            _close_to_pil(got, pil)
             flips.append(flip)
     assert 0 < sum(flips) < len(flips)
     share = sum(train_crop(37, 23, 0, 0, i)[1] for i in range(4000)) / 4000

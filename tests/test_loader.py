@@ -60,7 +60,7 @@ def test_worker_batches_equal_the_training_thread(tmp_path, world_size, parts):
         assert task._loader() is not None and task._loader().loader.num_workers == 2
         assert [k for k, _ in loaded] == [k for k, _ in threaded] and len(loaded) >= 6
         for (key, (x0, y0)), (_, (x1, y1)) in zip(threaded, loaded):
-            assert x1.dtype == torch.float32 and y1.dtype == torch.int64, key
+            assert x1.dtype == torch.uint8 and y1.dtype == torch.int64, key
             assert torch.equal(x0, x1) and torch.equal(y0, y1), key
         # epoch 0 and 1 draw different augmentations of the same sample
         assert not torch.equal(threaded[0][1][0], threaded[len(threaded) // 2][1][0])
@@ -115,9 +115,14 @@ def test_default_num_workers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
-    assert default_num_workers() == 2           # 16 CPUs shared by 8 ranks
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
-    assert default_num_workers() == 4           # capped
+    assert default_num_workers() == 1           # 16 CPUs shared by 8 ranks: 2, one trains
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    assert default_num_workers() == 7           # 8 CPUs per rank
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
+    assert default_num_workers() == 16          # capped (64 CPUs per rank)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8, 16)))
+    assert default_num_workers() == 7           # bound by the launcher to 8 CPUs
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
     assert default_num_workers() == 0           # bound to one CPU: the training thread reads
 

@@ -1,4 +1,4 @@
-"""``hpclb bench trust-ratio|model|allreduce|scaling|overhead|logging``: benchmarks.
+"""``hpclb bench trust-ratio|model|allreduce|scaling|overhead|logging|loader``: benchmarks.
 
 The arguments and the drivers are the benchmark modules' own (:mod:`hpclb.bench`); this module
 only registers them.
@@ -17,7 +17,15 @@ HELP = "benchmarks"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
-    from hpclb.bench import allreduce, logging_cost, overhead, projection, scaling, trust_ratio
+    from hpclb.bench import (
+        allreduce,
+        loader,
+        logging_cost,
+        overhead,
+        projection,
+        scaling,
+        trust_ratio,
+    )
 
     b = subparsers.add_parser("bench", help=HELP)
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -49,6 +57,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")
     logging_cost.add_run_arguments(lc)
     lc.set_defaults(func=logging_cost.driver)
+    ld = bsub.add_parser("loader", help="images/s per core of the ImageNet train and eval "
+                         "transforms (DCT-scaled decode, uint8) against the path before, on "
+                         "synthetic ImageNet-sized JPEGs; writes results/bench_loader.json")
+    loader.add_run_arguments(ld)
+    ld.set_defaults(func=loader.driver)
     return b
 
 

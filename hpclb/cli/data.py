@@ -1,4 +1,5 @@
-"""``hpclb data fetch NAME...``: stage data sets into the data directory."""
+"""``hpclb data fetch NAME...``: stage data sets into the data directory; ``hpclb data shards
+SRC OUT``: pack an ImageFolder into tar shards."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +8,10 @@ from hpclb.cli.common import error, setup_logging
 from hpclb.data.registry import fetchable
 from hpclb.errors import DataError
 
-__all__ = ["HELP", "add_parser", "run"]
+__all__ = ["HELP", "add_parser", "run", "run_shards"]
 
-HELP = "stage data sets"
+HELP = "stage data sets; pack an ImageFolder into tar shards"
+SHARD_DEFAULT = 5000  # hpclb.data.shards.SAMPLES_PER_SHARD (that module imports torch)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -21,6 +23,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"data sets to stage: {', '.join(sorted(fetchable()))}")
     f.add_argument("--data-dir", help="default $HPCLB_DATA or ./data")
     f.set_defaults(func=run)
+    sh = dsub.add_parser("shards", help="pack an ImageFolder (<class>/<image> files) into tar "
+                         "shards (WebDataset layout: key.jpg + key.cls) with an index, for "
+                         "parallel file systems; a recipe reads them with data.shards: true")
+    sh.add_argument("src", help="the ImageFolder, e.g. $HPCLB_DATA/imagenet/train")
+    sh.add_argument("out", help="the shard directory, e.g. $HPCLB_DATA/imagenet/shards/train")
+    sh.add_argument("--samples-per-shard", type=int, default=SHARD_DEFAULT,
+                    help=f"images per tar file (default {SHARD_DEFAULT}: ImageNet's train split "
+                    f"in 257 files of about 550 MB)")
+    sh.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
+    sh.set_defaults(func=run_shards)
     return d
 
 
@@ -35,4 +47,25 @@ def run(args: argparse.Namespace) -> int:
     except DataError as e:
         error(str(e))
         return e.exit_code
+    return 0
+
+
+def run_shards(args: argparse.Namespace) -> int:
+    """``hpclb data shards``: print the shard directory; 1 for a data error, 2 for a bad
+    ``--samples-per-shard``."""
+    from hpclb.data.shards import read_index, write_shards
+
+    setup_logging(0)
+    if args.samples_per_shard < 1:
+        error(f"--samples-per-shard must be >= 1, got {args.samples_per_shard}")
+        return 2
+    try:
+        out = write_shards(args.src, args.out, samples_per_shard=args.samples_per_shard,
+                           overwrite=args.overwrite)
+    except DataError as e:
+        error(str(e))
+        return e.exit_code
+    index = read_index(out)
+    print(f"{out}: {len(index['label'])} images of {len(index['classes'])} classes in "
+          f"{len(index['shards'])} shards")
     return 0

@@ -357,13 +357,21 @@ def check_builtin_data(data: dict, kind: str, where: str) -> None:
         require("augment" in options, f"{where}: data.augment",
                 f"only the {_readers_of('augment')} reader augments its training split; remove "
                 f"the field for data.name {data['name']!r}")
+    if "shards" in data:
+        require(isinstance(data["shards"], bool), f"{where}: data.shards",
+                f"must be true or false (read the tar shards <data dir>/imagenet/shards/train "
+                f"and .../val, written by `hpclb data shards`; default false), got "
+                f"{data['shards']!r}")
+        require("shards" in options, f"{where}: data.shards",
+                f"only the {_readers_of('shards')} reader reads tar shards; remove the field "
+                f"for data.name {data['name']!r}")
     if "num_workers" in data:
         n = data["num_workers"]
         require(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
                 f"{where}: data.num_workers",
                 f"must be an integer >= 0 (DataLoader worker processes per rank that decode the "
-                f"training images; 0: in the training thread; default min(4, CPUs per rank)), "
-                f"got {n!r}")
+                f"training images; 0: in the training thread; default min(16, CPUs per rank - "
+                f"1)), got {n!r}")
         require("num_workers" in options, f"{where}: data.num_workers",
                 f"only the {_readers_of('num_workers')} reader (image files) uses loader "
                 f"workers; {data['name']!r} is read from memory: remove the field")

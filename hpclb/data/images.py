@@ -3,7 +3,8 @@
 synthetic images (throughput runs, no data needed).
 
 Every split has ``len()``, ``subset(n)`` and ``batch(indices) -> (x, y)``: ``x`` float32
-``[b, C, H, W]`` normalised per channel, ``y`` int64 ``[b]`` class ids. A split that draws
+``[b, C, H, W]`` normalised per channel (an ImageFolder: uint8, and a ``normalize(x)`` that the
+task applies on the device), ``y`` int64 ``[b]`` class ids. A split that draws
 random augmentation also has ``set_epoch(epoch, seed)`` (called by the task at each epoch).
 """
 from __future__ import annotations
@@ -11,17 +12,26 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from hpclb.data.idx import read_idx
 from hpclb.data.paths import data_dir
+from hpclb.data.transforms import (
+    CROP_RATIO,
+    CROP_SCALE,
+    CROP_TRIES,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    EncodedImages,
+    random_resized_crop_box,
+    sample_seed,
+    train_crop,
+)
 from hpclb.errors import DataError
 
 __all__ = ["CROP_RATIO", "CROP_SCALE", "CROP_TRIES", "FASHION_FILES", "IMAGENET_MEAN",
@@ -38,81 +48,13 @@ FASHION_FILES = {
     "test-labels": ("t10k-labels-idx1-ubyte.gz", "0d30e22e447f3c33dab9ed536400ac01"),
 }
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530  # training-set pixel statistics on [0, 1]
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp")
-# RandomResizedCrop's bounds in the common reference (torchvision.transforms.RandomResizedCrop,
-# the ImageNet training transform of Goyal et al. 2017 and You et al.'s LARS runs): crop area a
-# fraction U[0.08, 1] of the image, aspect ratio w/h log-uniform in [3/4, 4/3], 10 tries.
-CROP_SCALE = (0.08, 1.0)
-CROP_RATIO = (3 / 4, 4 / 3)
-CROP_TRIES = 10
-_MASK64 = (1 << 64) - 1
 # ImageFolder's file index, cached next to the images (or in the user's cache when the data
 # directory is read-only) so that it is listed once, not by every rank of every run.
 INDEX_NAME = ".hpclb-index.json"
 INDEX_VERSION = 1
 INDEX_WAIT_S = 600.0   # how long a rank waits for another process that is building the index
 log = logging.getLogger(__name__)
-
-
-def _splitmix64(x: int) -> int:
-    """SplitMix64's output function (Steele et al. 2014) on a 64-bit integer."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of sample ``index``'s augmentation in ``epoch`` of a run seeded ``seed``: a
-    SplitMix64 mix of the three integers (no ``hash()``, so the same in every process and
-    Python), 63 bits (a valid ``torch.Generator.manual_seed`` everywhere)."""
-    h = 0x1A6E_C0FF_EE5E_ED00  # a fixed start, so that (0, 0, 0) is not seed 0
-    for v in (seed, epoch, index):
-        h = _splitmix64(h ^ (int(v) & _MASK64))
-    return h >> 1
-
-
-def random_resized_crop_box(width: int, height: int, gen: torch.Generator,
-                            scale: tuple[float, float] = CROP_SCALE,
-                            ratio: tuple[float, float] = CROP_RATIO,
-                            tries: int = CROP_TRIES) -> tuple[int, int, int, int]:
-    """A random crop ``(left, top, w, h)`` (pixels, inside ``width`` x ``height``), drawn from
-    ``gen`` as torchvision's ``RandomResizedCrop.get_params`` draws it (same draws in the same
-    order): up to ``tries`` times, area ``U[scale] * width * height`` and aspect ratio ``w / h``
-    ``exp(U[log ratio])``, ``w, h`` rounded; the first that fits gets a uniform position. If none
-    fits, the centre crop of the whole image with its aspect ratio clamped to ``ratio``."""
-    area = width * height
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for _ in range(tries):
-        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=gen).item()
-        aspect = math.exp(torch.empty(1).uniform_(log_lo, log_hi, generator=gen).item())
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, (1,), generator=gen).item())
-            left = int(torch.randint(0, width - w + 1, (1,), generator=gen).item())
-            return left, top, w, h
-    in_ratio = width / height
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        w, h = int(round(height * max(ratio))), height
-    else:
-        w, h = width, height
-    return (width - w) // 2, (height - h) // 2, w, h
-
-
-def train_crop(width: int, height: int, seed: int, epoch: int,
-               index: int) -> tuple[tuple[int, int, int, int], bool]:
-    """The augmentation of sample ``index`` in ``epoch``: its crop box ``(left, top, w, h)``
-    (:func:`random_resized_crop_box`) and whether it is flipped left-right (p = 0.5), both from
-    a ``torch.Generator`` seeded with :func:`sample_seed` ``(seed, epoch, index)``, so the same
-    on whichever rank reads the sample and after a resumption."""
-    gen = torch.Generator().manual_seed(sample_seed(seed, epoch, index))
-    box = random_resized_crop_box(width, height, gen)
-    return box, bool(torch.rand(1, generator=gen).item() < 0.5)
 
 
 @dataclass
@@ -288,31 +230,33 @@ def folder_index(root: str | Path, *, wait_s: float = INDEX_WAIT_S
                      for name in index["files"][c]]
 
 
-class ImageFolder:
+class ImageFolder(EncodedImages):
     """``root/<class>/<image>`` (ImageNet's ``train``/``val`` layout): classes are the sorted
-    sub-directory names, images their files with an image suffix, sorted. A batch is read with
-    PIL and converted to RGB, then
+    sub-directory names, images their files with an image suffix, sorted. A sample is decoded
+    as :mod:`hpclb.data.transforms` describes:
 
     - ``augment=False`` (evaluation): resized (shorter side ``resize``, bilinear) and
       centre-cropped to ``image_size``;
     - ``augment=True`` (the training split): the standard ImageNet training augmentation of the
       large-batch ResNet-50 recipes (Goyal et al. 2017; You et al.), as torchvision's
       ``RandomResizedCrop(image_size)`` + ``RandomHorizontalFlip()``: a random crop of the
-      decoded image (area 8-100 %, aspect ratio 3/4-4/3, :func:`random_resized_crop_box`)
-      resized to ``image_size`` x ``image_size`` (PIL bilinear), flipped left-right with
-      p = 0.5. The draws for sample ``i`` come from :func:`train_crop` ``(seed, epoch, i)``
+      image (area 8-100 %, aspect ratio 3/4-4/3, :func:`random_resized_crop_box`) resized to
+      ``image_size`` x ``image_size`` (bilinear, antialiased), flipped left-right with p = 0.5.
+      The draws for sample ``i`` come from :func:`train_crop` ``(seed, epoch, i)``
       (``set_epoch`` sets both; ``i`` is the index into this split), so they do not depend on
-      the world size, the batch or the order, and a resumed run reads bit-identical images;
+      the world size, the batch or the order, and a resumed run reads bit-identical images.
+      A JPEG is decoded only at the resolution its crop needs (DCT scaling).
 
-    and normalised with the ImageNet statistics: float32 ``[b, 3, image_size, image_size]``.
+    Batches are uint8 ``[b, 3, image_size, image_size]``; :meth:`normalize` (the task calls it
+    on the device) makes them float32, normalised with the ImageNet statistics.
     Raises DataError for a missing directory, no classes, or an unreadable image.
     """
 
     def __init__(self, root: str | Path, image_size: int = 224, resize: int = 256,
                  files: list[tuple[Path, int]] | None = None, classes: list[str] | None = None,
                  *, augment: bool = False, seed: int = 0):
-        self.root, self.image_size, self.resize = Path(root), image_size, resize
-        self.augment, self.seed, self.epoch = bool(augment), int(seed), 0
+        super().__init__(image_size, resize, augment, seed)
+        self.root = Path(root)
         if files is None:
             classes, files = folder_index(self.root)
         self.files, self.classes = files, classes
@@ -326,66 +270,25 @@ class ImageFolder:
         sub.epoch = self.epoch
         return sub
 
-    def set_epoch(self, epoch: int, seed: int | None = None) -> None:
-        """Draw the augmentation of ``epoch`` (and of run seed ``seed``, if given) from now on."""
-        self.epoch = int(epoch)
-        if seed is not None:
-            self.seed = int(seed)
-
-    def sample(self, index: int, epoch: int | None = None) -> tuple[torch.Tensor, int]:
-        """Sample ``index``: ``(x, y)``, x float32 ``[3, image_size, image_size]``, y its class
-        id; augmented as in ``epoch`` (default the epoch of :meth:`set_epoch`). A DataLoader
-        worker passes the epoch with the index (its copy of the split never sees set_epoch)."""
-        path, label = self.files[int(index)]
-        return self._load(path, int(index), self.epoch if epoch is None else int(epoch)), label
-
-    def _load(self, path: Path, index: int, epoch: int) -> torch.Tensor:
-        """Sample ``index`` (file ``path``) of ``epoch``: float32 ``[3, image_size,
-        image_size]``."""
-        from hpclb.extras import require
-
-        Image = require("PIL.Image", "reading ImageFolder images")
-        size = self.image_size
-        try:
-            with Image.open(path) as im:
-                im = im.convert("RGB")
-                w, h = im.size
-                if self.augment:
-                    (left, top, cw, ch), flip = train_crop(w, h, self.seed, epoch, index)
-                    im = im.crop((left, top, left + cw, top + ch)).resize((size, size),
-                                                                          Image.BILINEAR)
-                    if flip:
-                        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-                else:
-                    scale = self.resize / min(w, h)
-                    im = im.resize((max(1, round(w * scale)), max(1, round(h * scale))),
-                                   Image.BILINEAR)
-                    w, h = im.size
-                    left, top = (w - size) // 2, (h - size) // 2
-                    im = im.crop((left, top, left + size, top + size))
-                arr = np.asarray(im, dtype=np.float32) / 255.0
-        except OSError as e:
-            raise DataError(f"{path}: cannot read image ({e})") from e
-        t = torch.from_numpy(arr).permute(2, 0, 1)
-        return (t - torch.tensor(IMAGENET_MEAN)[:, None, None]) / \
-            torch.tensor(IMAGENET_STD)[:, None, None]
-
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        items = [self.sample(int(i)) for i in indices]
-        if not items:  # an empty share (a short last step)
-            size = self.image_size
-            return torch.zeros(0, 3, size, size), torch.zeros(0, dtype=torch.int64)
-        return (torch.stack([x for x, _ in items]),
-                torch.tensor([c for _, c in items], dtype=torch.int64))
+    def _source(self, index: int) -> tuple[Path, int, Path]:
+        path, label = self.files[index]
+        return path, label, path
 
 
 def load_imagenet(root: str | Path | None = None, image_size: int = 224, *,
-                  augment: bool = True):
+                  augment: bool = True, shards: bool = False):
     """(train, val) ImageFolders from ``<data dir>/imagenet/{train,val}`` (or ``root`` holding
-    ``train`` and ``val``); the user provides the images. The train split augments (random-
-    resized crop + flip) unless ``augment`` is False; val is always resize 256 + centre crop.
-    Raises DataError when absent."""
+    ``train`` and ``val``); the user provides the images. ``shards``: read the tar shards
+    ``shards/train`` and ``shards/val`` there instead (:mod:`hpclb.data.shards`, written by
+    ``hpclb data shards``; the same samples). The train split augments (random-resized crop +
+    flip) unless ``augment`` is False; val is always resize 256 + centre crop. Raises DataError
+    when absent."""
     base = data_dir(root)
     root = base / "imagenet" if (base / "imagenet").is_dir() else base
+    if shards:
+        from hpclb.data.shards import TarShards
+
+        return (TarShards(root / "shards" / "train", image_size, augment=augment),
+                TarShards(root / "shards" / "val", image_size))
     return (ImageFolder(root / "train", image_size, augment=augment),
             ImageFolder(root / "val", image_size))

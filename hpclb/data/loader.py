@@ -38,7 +38,9 @@ from hpclb.comm.launcher import process_alive
 __all__ = ["MAX_DEFAULT_WORKERS", "EpochKeyed", "StepBatchSampler", "StepLoader",
            "check_shard_loader_args", "default_num_workers", "pin_batch"]
 
-MAX_DEFAULT_WORKERS = 4
+# A worker decodes a few hundred ImageNet-sized JPEGs per second (make bench-loader,
+# docs/recipes.md); 16 per rank feed a GPU, and each worker holds a copy of the split's file list.
+MAX_DEFAULT_WORKERS = 16
 
 
 def pin_batch(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,19 +77,22 @@ def check_shard_loader_args(batch_size, world_size: int, loader_kwargs: dict) ->
 
 
 def default_num_workers() -> int:
-    """``min(4, CPUs per rank)``: the CPUs this process may run on, divided by the ranks on the
-    node unless the launcher already bound each rank to its own CPUs (affinity smaller than the
+    """Loader workers per rank by default: the rank's CPUs minus one (its training thread), at
+    most :data:`MAX_DEFAULT_WORKERS`. The rank's CPUs are those this process may run on
+    (``os.sched_getaffinity``), divided by the ranks on the node (the launcher's local size)
+    unless the launcher already bound each rank to its own CPUs (affinity smaller than the
     machine). 0 (read in the training thread) on a one-CPU share."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpus = cpus or 1
     if cpus >= (os.cpu_count() or cpus):  # not bound per rank: share the node's CPUs
         cpus //= local_size()
-    return min(MAX_DEFAULT_WORKERS, cpus) if cpus > 1 else 0
+    return min(MAX_DEFAULT_WORKERS, cpus - 1) if cpus > 1 else 0
 
 
 class EpochKeyed(Dataset):
     """``split`` as a map-style Dataset keyed by ``(epoch, index)``: item ``(e, i)`` is
-    ``split.sample(i, e)``, an ``(x, y)`` pair (x float32 tensor, y int class id)."""
+    ``split.sample(i, e)``, an ``(x, y)`` pair (x a tensor: uint8 images of an ImageFolder,
+    y an int class id)."""
 
     def __init__(self, split):
         self.split = split
@@ -186,8 +191,9 @@ class StepLoader:
         prefetch_factor: batches in flight per worker (>= 1).
 
     :meth:`batch` ``(epoch, i, part, parts)`` returns ``(x, y)`` as ``split.batch`` would (x
-    float32 ``[n, ...]``, y int64 ``[n]``); asked for anything but the next batch in order (a
-    resumed epoch, another ``parts``) it restarts the workers' queue at that step.
+    ``[n, ...]``, uint8 images for an ImageFolder, y int64 ``[n]``); asked for anything but the
+    next batch in order (a resumed epoch, another ``parts``) it restarts the workers' queue at
+    that step.
     """
 
     def __init__(self, split, part_indices, *, steps_per_epoch: int, num_workers: int,

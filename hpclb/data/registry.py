@@ -82,7 +82,8 @@ def _fashion_mnist(root, data):
 def _imagenet(root, data):
     from hpclb.data.images import load_imagenet
 
-    return load_imagenet(root, augment=data.get("augment", True))
+    return load_imagenet(root, augment=data.get("augment", True),
+                         shards=data.get("shards", False))
 
 
 def _synthetic(root, data):  # throughput runs: ImageNet-sized random images
@@ -111,7 +112,7 @@ for _ds in (
     DataSet("fashion-mnist", _fashion_mnist, ("classification",), 60_000, "images",
             "Fashion-MNIST train split", "hpclb.data.fetch:fetch_fashion_mnist"),
     DataSet("imagenet", _imagenet, ("classification",), 1_281_167, "images",
-            "ILSVRC-2012 train split", options=("augment", "num_workers")),
+            "ILSVRC-2012 train split", options=("augment", "num_workers", "shards")),
     DataSet("synthetic", _synthetic, ("classification",), 1_281_167, "images",
             "synthetic ImageNet stand-in, same size"),
     DataSet("ptb", _ptb, ("language_model",), 929_589, "tokens",

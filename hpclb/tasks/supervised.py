@@ -80,7 +80,7 @@ class SupervisedTask(ClassificationTask):
 
     def loss(self, model, batch):
         x, y = batch
-        loss = self._loss(model(x), y)
+        loss = self._loss(model(self._inputs(self.train_set, x)), y)
         with torch.no_grad():  # on the device: no host sync per step
             n = torch.tensor(float(len(y)), dtype=torch.float64, device=loss.device)
             stats = torch.stack([loss.detach().double() * n, torch.zeros_like(n), n])
@@ -100,7 +100,7 @@ class SupervisedTask(ClassificationTask):
         sums = torch.zeros(2 + len(self.metric_fns), dtype=torch.float64, device=device)
         for start in range(0, len(idx), batch_size):
             x, y = to_device(self.test_set.batch(idx[start:start + batch_size]), device)
-            out = model(x)
+            out = model(self._inputs(self.test_set, x))
             n = float(len(y))
             sums += torch.stack([self._loss(out, y).double() * n,
                                  torch.tensor(n, dtype=torch.float64, device=device),

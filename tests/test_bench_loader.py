@@ -1,0 +1,73 @@
+"""`hpclb bench loader` at a tiny size (make test; the real run is `make bench-loader`): it
+exits 0 and writes every rate and the batch bytes; no timed asserts. The old path it is measured
+against reads the same crop boxes as the new one."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+from hpclb.bench.loader import reference_sample, synthetic_jpegs
+from hpclb.data.images import ImageFolder
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_bench_loader_writes_its_json(tmp_path):
+    out = tmp_path / "bench_loader.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "hpclb", "bench", "loader", "--images", "4",
+                        "--rounds", "2", "--batch-size", "8", "--out", str(out)],
+                       capture_output=True, text=True, timeout=100, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    for transform in ("train", "eval"):
+        rates = doc["images_per_s_per_core"][transform]
+        assert set(rates) == {"current", "fast", "fast_shards", "full_decode"}
+        assert all(math.isfinite(v) and v > 0 for v in rates.values())
+        assert len(doc["per_round"][transform]["fast"]) == 2 and doc["speedup"][transform] > 0
+    per_sample = 3 * 224 * 224
+    assert doc["batch_bytes"]["current"] == 8 * (4 * per_sample + 8)  # float32 x, int64 y
+    assert doc["batch_bytes"]["fast"] == 8 * (per_sample + 8)         # uint8 x
+    assert doc["target_images_per_s_per_core"] == 800
+    assert isinstance(doc["train_meets_target"], bool)
+    assert 60_000 < doc["setup"]["mean_file_bytes"] < 200_000  # about ImageNet's 110 KB
+    r = subprocess.run([sys.executable, "-m", "hpclb", "bench", "loader", "--images", "0",
+                        "--out", str(out)], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0 and "--images and --rounds must be >= 1" in r.stderr
+
+
+def test_the_baseline_and_the_fast_path_crop_the_same_boxes(tmp_path):
+    """On PNGs (no DCT scaling) the path before issue 28, normalised, and the fast one agree to
+    one grey level: the same seeded crop boxes and flips, the same eval crop."""
+    from helpers import noise_image_folder
+
+    root = noise_image_folder(tmp_path, ((37, 23), (23, 37), (64, 20)))
+    for augment in (True, False):
+        ds = ImageFolder(root, image_size=12, resize=14, augment=augment, seed=3)
+        for i in range(len(ds)):
+            fast = ds.normalize(ds.sample(i, 2)[0][None])[0]
+            old = reference_sample(ds.files[i][0], 12, 14, augment, 3, 2, i)
+            assert (fast - old).abs().max() <= 1.01 / 255 / min(0.229, 0.224, 0.225), (augment, i)
+
+
+def test_synthetic_jpegs_are_imagenet_sized(tmp_path):
+    from PIL import Image
+
+    root = synthetic_jpegs(tmp_path, 6, seed=1)
+    files = sorted(root.glob("*/*.jpg"))
+    assert len(files) == 6
+    for f in files:
+        with Image.open(f) as im:
+            w, h = im.size
+            assert im.format == "JPEG" and 500 <= w <= 800 and h == round(w * 3 / 4)
+    again = synthetic_jpegs(tmp_path / "again", 6, seed=1)
+    assert [p.read_bytes() for p in sorted(again.glob("*/*.jpg"))] == [
+        p.read_bytes() for p in files]
+    assert torch.is_tensor(ImageFolder(root).sample(0)[0])

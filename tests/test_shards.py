@@ -19,7 +19,8 @@ from helpers import noise_image_folder
 from hpclb.config import load_recipe
 from hpclb.data import shards as shards_mod
 from hpclb.data.images import ImageFolder, load_imagenet
-from hpclb.data.shards import INDEX, TarShards, read_index, write_shards
+from hpclb.data.shard_writer import write_shards
+from hpclb.data.shards import INDEX, TarShards, read_index
 from hpclb.errors import ConfigError, DataError
 from hpclb.tasks import ClassificationTask
 

@@ -196,7 +196,7 @@ def driver(args) -> int:
     import torch
     from PIL import features
 
-    from hpclb.data.shards import write_shards
+    from hpclb.data.shard_writer import write_shards
 
     if args.images < 1 or args.rounds < 1:
         raise SystemExit("hpclb bench loader: --images and --rounds must be >= 1")

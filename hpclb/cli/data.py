@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 def run_shards(args: argparse.Namespace) -> int:
     """``hpclb data shards``: print the shard directory; 1 for a data error, 2 for a bad
     ``--samples-per-shard``."""
-    from hpclb.data.shards import read_index, write_shards
+    from hpclb.data.shard_writer import write_shards
+    from hpclb.data.shards import read_index
 
     setup_logging(0)
     if args.samples_per_shard < 1:

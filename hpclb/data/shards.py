@@ -1,9 +1,9 @@
 """Tar shards of an ImageFolder (the WebDataset layout), for parallel file systems.
 
 Reading ImageNet's 1.28 M files costs a metadata operation (open, close) per image per epoch,
-which is what a parallel file system does worst. :func:`write_shards` (``hpclb data shards SRC
-OUT``) packs a folder into ``shard-000000.tar``, ``shard-000001.tar``, ... of
-``samples_per_shard`` consecutive samples each: ``<key>.jpg`` (the image file's bytes,
+which is what a parallel file system does worst. :func:`~hpclb.data.shard_writer.write_shards`
+(``hpclb data shards SRC OUT``) packs a folder into ``shard-000000.tar``, ``shard-000001.tar``,
+... of ``samples_per_shard`` consecutive samples each: ``<key>.jpg`` (the image file's bytes,
 unchanged; another format keeps its suffix) and ``<key>.cls`` (the class id, decimal ASCII),
 ``key`` the sample's index in the folder (9 digits), as WebDataset reads them; and last
 ``index.npz`` (every sample's shard, byte offset, size and class, the class names and the shard
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import os
-import tarfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -27,70 +26,14 @@ import numpy as np
 from hpclb.data.transforms import EncodedImages
 from hpclb.errors import DataError
 
-__all__ = ["INDEX", "INDEX_VERSION", "MAX_OPEN_SHARDS", "SAMPLES_PER_SHARD", "TarShards",
-           "read_index", "write_shards"]
+__all__ = ["COLUMNS", "INDEX", "INDEX_VERSION", "MAX_OPEN_SHARDS", "SAMPLES_PER_SHARD", "TarShards",
+           "read_index"]
 
 INDEX = "index.npz"
 INDEX_VERSION = 1
 SAMPLES_PER_SHARD = 5000  # ImageNet's train split: 257 shards of about 550 MB
 MAX_OPEN_SHARDS = 256     # file descriptors a process keeps open (least recently used closed)
-_ARRAYS = ("shard", "offset", "size", "label")
-
-
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(data), 0o444, 0
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _suffix(path: Path) -> str:
-    suffix = path.suffix.lower()
-    return ".jpg" if suffix == ".jpeg" else suffix
-
-
-def _write_shard(path: Path, files: list[tuple[Path, int]], first: int) -> list[tuple[int, int]]:
-    """One shard of ``files`` (samples ``first``, ``first + 1``, ...): ``(offset, size)`` of
-    each image's bytes in it, as a reader of the tar finds them."""
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for key, (image, label) in enumerate(files, first):
-            _add(tar, f"{key:09d}{_suffix(image)}", image.read_bytes())
-            _add(tar, f"{key:09d}.cls", str(label).encode())
-    with tarfile.open(path) as tar:
-        return [(m.offset_data, m.size) for m in tar.getmembers() if not m.name.endswith(".cls")]
-
-
-def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = SAMPLES_PER_SHARD,
-                 overwrite: bool = False) -> Path:
-    """Pack the ImageFolder ``src`` into tar shards in ``out`` (module docstring); returns
-    ``out``. Raises DataError when ``out`` already holds shards (unless ``overwrite``: they are
-    deleted first) or ``src`` is not an ImageFolder, ValueError for ``samples_per_shard`` < 1."""
-    from hpclb.data.images import folder_index
-
-    if samples_per_shard < 1:
-        raise ValueError(f"write_shards: samples_per_shard must be >= 1, got {samples_per_shard}")
-    classes, files = folder_index(src)
-    out = Path(out)
-    old = sorted(out.glob("shard-*.tar")) + ([out / INDEX] if (out / INDEX).exists() else [])
-    if old and not overwrite:
-        raise DataError(f"{out}: holds tar shards already ({len(old)} files); choose another "
-                        f"directory or pass --overwrite to replace them")
-    for path in old:
-        path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    names, columns = [], {k: [] for k in _ARRAYS}
-    for k, first in enumerate(range(0, len(files), samples_per_shard)):
-        names.append(f"shard-{k:06d}.tar")
-        chunk = files[first:first + samples_per_shard]
-        for (offset, size), (_, label) in zip(_write_shard(out / names[-1], chunk, first), chunk):
-            for key, value in zip(_ARRAYS, (k, offset, size, label)):
-                columns[key].append(value)
-    tmp = out / f".{INDEX}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, version=np.int64(INDEX_VERSION), classes=np.array(classes),
-                 shards=np.array(names), **{k: np.array(v, dtype=np.int64)
-                                            for k, v in columns.items()})
-    os.replace(tmp, out / INDEX)
-    return out
+COLUMNS = ("shard", "offset", "size", "label")
 
 
 def read_index(root: str | Path) -> dict:
@@ -100,7 +43,7 @@ def read_index(root: str | Path) -> dict:
     path = Path(root) / INDEX
     try:
         with np.load(path, allow_pickle=False) as z:
-            index = {k: z[k] for k in ("version", "classes", "shards", *_ARRAYS)}
+            index = {k: z[k] for k in ("version", "classes", "shards", *COLUMNS)}
     except FileNotFoundError:
         raise DataError(f"{root}: no {INDEX}; write the shards with `hpclb data shards "
                         f"IMAGEFOLDER {root}` (a set without it was not finished)") from None
@@ -114,11 +57,11 @@ def read_index(root: str | Path) -> dict:
 
 
 class TarShards(EncodedImages):
-    """The samples of the shard set ``root`` (:func:`write_shards`), sample ``i`` being the
-    folder's sample ``i``: the same ``len()``, ``subset``, ``sample``, ``batch`` (uint8),
-    ``set_epoch`` and ``normalize`` as :class:`~hpclb.data.images.ImageFolder`, decoded by
-    :mod:`hpclb.data.transforms`. Raises DataError for a missing or old index, a missing shard
-    or a short read."""
+    """The samples of the shard set ``root`` (:func:`~hpclb.data.shard_writer.write_shards`),
+    sample ``i`` being the folder's sample ``i``: the same ``len()``, ``subset``, ``sample``,
+    ``batch`` (uint8), ``set_epoch`` and ``normalize`` as
+    :class:`~hpclb.data.images.ImageFolder`, decoded by :mod:`hpclb.data.transforms`. Raises
+    DataError for a missing or old index, a missing shard or a short read."""
 
     def __init__(self, root: str | Path, image_size: int = 224, resize: int = 256, *,
                  augment: bool = False, seed: int = 0, index: dict | None = None):
@@ -135,7 +78,7 @@ class TarShards(EncodedImages):
         return {**self.__dict__, "_open": OrderedDict()}  # descriptors stay in their process
 
     def subset(self, n: int) -> "TarShards":
-        index = {k: (v[:n] if k in _ARRAYS else v) for k, v in self.index.items()}
+        index = {k: (v[:n] if k in COLUMNS else v) for k, v in self.index.items()}
         sub = TarShards(self.root, self.image_size, self.resize, augment=self.augment,
                         seed=self.seed, index=index)
         sub.epoch = self.epoch

@@ -1,0 +1,70 @@
+"""``hpclb data shards SRC OUT``: pack an ImageFolder into tar shards (:mod:`hpclb.data.shards`
+has the layout and the reader)."""
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+from hpclb.data.images import folder_index
+from hpclb.data.shards import COLUMNS, INDEX, INDEX_VERSION, SAMPLES_PER_SHARD
+from hpclb.errors import DataError
+
+__all__ = ["write_shards"]
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o444, 0
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    return ".jpg" if suffix == ".jpeg" else suffix
+
+
+def _write_shard(path: Path, files: list[tuple[Path, int]], first: int) -> list[tuple[int, int]]:
+    """One shard of ``files`` (samples ``first``, ``first + 1``, ...): ``(offset, size)`` of
+    each image's bytes in it, as a reader of the tar finds them."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, (image, label) in enumerate(files, first):
+            _add(tar, f"{key:09d}{_suffix(image)}", image.read_bytes())
+            _add(tar, f"{key:09d}.cls", str(label).encode())
+    with tarfile.open(path) as tar:
+        return [(m.offset_data, m.size) for m in tar.getmembers() if not m.name.endswith(".cls")]
+
+
+def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = SAMPLES_PER_SHARD,
+                 overwrite: bool = False) -> Path:
+    """Pack the ImageFolder ``src`` into tar shards in ``out`` (module docstring); returns
+    ``out``. Raises DataError when ``out`` already holds shards (unless ``overwrite``: they are
+    deleted first) or ``src`` is not an ImageFolder, ValueError for ``samples_per_shard`` < 1."""
+    if samples_per_shard < 1:
+        raise ValueError(f"write_shards: samples_per_shard must be >= 1, got {samples_per_shard}")
+    classes, files = folder_index(src)
+    out = Path(out)
+    old = sorted(out.glob("shard-*.tar")) + ([out / INDEX] if (out / INDEX).exists() else [])
+    if old and not overwrite:
+        raise DataError(f"{out}: holds tar shards already ({len(old)} files); choose another "
+                        f"directory or pass --overwrite to replace them")
+    for path in old:
+        path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    names, columns = [], {k: [] for k in COLUMNS}
+    for k, first in enumerate(range(0, len(files), samples_per_shard)):
+        names.append(f"shard-{k:06d}.tar")
+        chunk = files[first:first + samples_per_shard]
+        for (offset, size), (_, label) in zip(_write_shard(out / names[-1], chunk, first), chunk):
+            for key, value in zip(COLUMNS, (k, offset, size, label)):
+                columns[key].append(value)
+    tmp = out / f".{INDEX}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, version=np.int64(INDEX_VERSION), classes=np.array(classes),
+                 shards=np.array(names), **{k: np.array(v, dtype=np.int64)
+                                            for k, v in columns.items()})
+    os.replace(tmp, out / INDEX)
+    return out

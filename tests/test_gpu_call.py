@@ -277,3 +277,29 @@ def test_usage_error(tmp_path):
     r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path),
                         "--bogus"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "usage:" in r.stderr
+
+
+@pytest.mark.parametrize("path, passed", [("cupy", True), ("torch", False)])
+def test_missed_aims_are_figures_not_the_verdict(tmp_path, path, passed):
+    """A GPU benchmark that misses every aim (host 536 us per step, as the Python step costs
+    at ResNet-50 shapes) passes when the fused kernel ran every row, and says what it missed;
+    a row on the torch path fails (the kernel did not run)."""
+    import phases
+    from check import GPU_SIZES
+
+    result = {"sets": {"resnet50": {"lars": {"path": path, "host_us": 536.0}}},
+              "targets": {"asserted": True, "reason": None, "checks": [],
+                          "failed": ["resnet50 lars host_us 536.0 (target <= 50.0)"]}}
+
+    class FakeCheck:
+        dry, size, py, out = False, GPU_SIZES, sys.executable, tmp_path
+
+        def sh(self, name, argv, limit, env=None, phase_end=None):
+            assert "--assert-targets" not in argv
+            (tmp_path / "bench_trust_ratio.json").write_text(json.dumps(result))
+            return 0
+
+    ok, detail, figures = phases.phase_bench(FakeCheck(), time.monotonic() + 60)
+    assert ok is passed and "host_us 536.0" in detail, detail
+    assert figures["aims"]["missed"] == result["targets"]["failed"]
+    assert figures["rows"]["resnet50"]["lars"]["host_us"] == 536.0

@@ -144,16 +144,17 @@ class Check:
         lines = p.read_text(errors="replace").strip().splitlines() if p.is_file() else []
         return " | ".join(lines[-n:])[:400]
 
-    def mpi(self, *extra_vars: str) -> list[str]:
+    def mpi(self) -> list[str]:
         """``mpirun -n 2`` with the variables the ranks need (Open MPI's ``-x``), CUDA support
         of Open MPI turned off (the staged path through pinned host memory is under test)."""
         if self.runtime.get("flavor", "openmpi") != "openmpi":
             return [self.mpirun, "-n", "2"]  # MPICH's Hydra passes the whole environment
         names = ["PYTHONPATH", "HPCLB_DATA", "HPCLB_SHARE_GPU", "HPCLB_KERNELS_DIR",
                  "OMP_NUM_THREADS", "CUPY_CACHE_DIR", "TMPDIR", "MPI4PY_LIBMPI",
-                 "HPCLB_CUDA_AWARE_MPI", "OMPI_MCA_opal_cuda_support", *extra_vars]
+                 "HPCLB_CUDA_AWARE_MPI", "OMPI_MCA_opal_cuda_support",
+                 *sorted(k for k in self.env if k.startswith("OMPI_MCA_"))]
         argv = [self.mpirun, "-n", "2", "--bind-to", "none", "--mca", "opal_cuda_support", "0"]
-        for n in names:
+        for n in dict.fromkeys(names):
             if n in self.env or n in STAGED:
                 argv += ["-x", n]
         return argv

@@ -58,12 +58,19 @@ def install_runtime(c) -> None:
     flavor = c.sh("runtime_version", [c.mpirun, "--version"], 20)
     c.runtime["flavor"] = "openmpi" if flavor == 0 and "Open MPI" in c.log_tail(
         "runtime_version", 5) else "other"
-    c.mpi_ok = _hello(c)
-    if not c.mpi_ok and c.runtime["flavor"] == "openmpi":
-        # single-copy shared memory (CMA) may be missing in a sandboxed kernel: copy-in/out
-        c.env["OMPI_MCA_btl_sm_single_copy_mechanism"] = "none"
-        c.runtime["btl_sm_single_copy_mechanism"] = "none (the default failed)"
+    for fallback in HELLO_FALLBACKS:  # the first that works stays set for every MPI phase
+        c.env.update(fallback)
         c.mpi_ok = _hello(c)
+        if c.mpi_ok or c.runtime["flavor"] != "openmpi":
+            break
+    c.runtime["mca"] = {k: v for k, v in c.env.items() if k.startswith("OMPI_MCA_")}
+
+
+#: Open MPI settings tried in turn when ``mpirun -n 2`` fails: the defaults; single-copy shared
+#: memory (CMA) off, which a sandboxed kernel may lack; then TCP over loopback with ob1
+HELLO_FALLBACKS = [{}, {"OMPI_MCA_btl_sm_single_copy_mechanism": "none"},
+                   {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,tcp",
+                    "OMPI_MCA_btl_tcp_if_include": "lo"}]
 
 
 HELLO = ("from mpi4py import MPI; import mpi4py, json, numpy as np; w = MPI.COMM_WORLD; "
@@ -76,9 +83,12 @@ HELLO = ("from mpi4py import MPI; import mpi4py, json, numpy as np; w = MPI.COMM
 def _hello(c) -> bool:
     """``mpirun -n 2``: a small and a 64 MiB allreduce through mpi4py; True when both sum 3."""
     log = c.logs / "runtime_hello.log"
-    log.unlink(missing_ok=True)
-    rc = c.sh("runtime_hello", c.mpi() + [c.py, "-c", HELLO], 60, env=STAGED)
-    got = [json.loads(x[6:]) for x in log.read_text().splitlines() if x.startswith("HELLO ")]
+    start = log.stat().st_size if log.is_file() else 0
+    rc = c.sh("runtime_hello", c.mpi() + [c.py, "-c", HELLO], 30, env=STAGED)
+    with open(log, "rb") as f:  # this attempt's lines only (the log keeps every attempt's)
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    got = [json.loads(x[6:]) for x in text.splitlines() if x.startswith("HELLO ")]
     if got:
         size, total, lo, hi, where, lib = got[0]
         c.runtime.update(world_size=size, allreduce=total, allreduce_64mib=[lo, hi],

@@ -167,17 +167,16 @@ bench-overhead: install $(HPCLB_DATA)/mnist/.verified
 bench-kernel: install
 	$(PY) -m hpclb bench trust-ratio --out results/bench_trust_ratio.json
 
-# The GPU check (docs/gpus.md): on a GPU machine, `make gpu-check OUT=dir`; gpu-check-bundle puts
-# the MNIST files (gzip, 11 MiB) into shared-data/ so they travel with the tree.
+# The GPU check (docs/gpus.md): on a GPU machine, `make gpu-check OUT=dir`; gpu-check-bundle is
+# the call's prepare (benchmarks/gpu_check/device_run.json): MNIST (gzip) and the Open MPI +
+# mpi4py wheels into shared-data/, which the call carries.
 .PHONY: gpu-check gpu-check-bundle
 GPU_CHECK_OUT ?= runs/gpu_check
 gpu-check:
 	bash benchmarks/gpu_check.sh $(GPU_CHECK_OUT)
 
 gpu-check-bundle: $(HPCLB_DATA)/mnist/.verified
-	mkdir -p shared-data/mnist
-	for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte \
-	    t10k-labels-idx1-ubyte; do gzip -9 -n -c $(HPCLB_DATA)/mnist/$$f > shared-data/mnist/$$f.gz; done
+	$(PY) benchmarks/gpu_check/prepare.py
 	du -sh shared-data
 
 # Image loader (issue 28): images/s per core of the ImageNet train and eval transforms (DCT-scaled

@@ -77,8 +77,9 @@ def _mnist(found: dict, missing: list, data: Path) -> None:
            for n, size in MNIST.items() if sizes[n] != size]
     found["mnist"] = str(root) if not bad else None
     if bad:
-        missing.append(f"MNIST in {root}: {', '.join(bad)}; run `make gpu-check-bundle` before "
-                       "copying the tree (the GPU machine has no network), or set HPCLB_DATA")
+        missing.append(f"MNIST in {root}: {', '.join(bad)}; run benchmarks/gpu_check/prepare.py "
+                       "(device_run.json's prepare) before the tree travels (the GPU machine "
+                       "has no network), or set HPCLB_DATA")
 
 
 def main() -> int:

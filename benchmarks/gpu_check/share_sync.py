@@ -4,13 +4,15 @@
 
 Each rank starts from its own random weights (the broadcast must fix them) and its own data;
 after 5 SGD steps with averaged gradients every rank's parameter checksum must be the same.
-Prints ``CHECKSUMS BACKEND DEVICE [...]``; exit 1 when they differ.
+Prints ``CHECKSUMS BACKEND DEVICE WORLD [...] cuda_aware False``; exit 1 when they differ, or
+(backend mpi) when the MPI library is CUDA-aware: the staged path is the one under test.
 """
 import sys
 
 import torch
 from torch import nn
 
+from hpclb.comm.mpi import cuda_aware_mpi
 from hpclb.comm.world import get_communicator
 from hpclb.sync.agree import broadcast_parameters
 from hpclb.sync.gradients import GradientSync
@@ -30,6 +32,7 @@ for _ in range(5):
     sync.synchronize()
     opt.step()
 sums = comm.allgather_object(float(sum(p.double().sum() for p in model.parameters())))
-print("CHECKSUMS", backend, dev, comm.world_size, sums, flush=True)
+aware = backend == "mpi" and cuda_aware_mpi()
+print("CHECKSUMS", backend, dev, comm.world_size, sums, "cuda_aware", aware, flush=True)
 sync.close()
-sys.exit(0 if comm.world_size == 2 and len(set(sums)) == 1 else 1)
+sys.exit(0 if comm.world_size == 2 and len(set(sums)) == 1 and not aware else 1)

@@ -4,13 +4,15 @@
 
 On CUDA the producer stream is held ~0.1 s by torch.cuda._sleep before the values exist; the
 sum must see them. On the CPU (dry run) the same allreduce runs without streams. Prints
-``STREAM rank (min, max) want W``; exit 1 on a wrong sum.
+``STREAM rank (min, max) want W cuda_aware False``; exit 1 on a wrong sum, or when the MPI
+library is CUDA-aware (``HPCLB_CUDA_AWARE_MPI=0`` makes the staged path the one under test).
 """
 import contextlib
 import sys
 
 import torch
 
+from hpclb.comm.mpi import cuda_aware_mpi
 from hpclb.comm.world import get_communicator
 
 comm = get_communicator("mpi", device=sys.argv[1], share_gpu=True)
@@ -28,5 +30,6 @@ if cuda:
     torch.cuda.synchronize()
 want = comm.world_size * (comm.world_size + 1) / 2
 got = float(t.min()), float(t.max())
-print("STREAM", comm.rank, dev, got, "want", want, flush=True)
-sys.exit(0 if comm.world_size == 2 and got == (want, want) else 1)
+aware = cuda_aware_mpi()
+print("STREAM", comm.rank, dev, got, "want", want, "cuda_aware", aware, flush=True)
+sys.exit(0 if comm.world_size == 2 and got == (want, want) and not aware else 1)

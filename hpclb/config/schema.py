@@ -488,12 +488,21 @@ def check_run_setting(key: str, value: Any, where: str) -> Any:
     return value
 
 
-def check_settings(recipe: dict, where: str) -> None:
-    """Numeric training settings: ranges, with units in the messages."""
-    w0, epochs = recipe["warmup_epochs"], recipe["epochs"]
-    require(w0 < epochs, f"{where}: warmup_epochs",
-            f"{w0:g} epochs of warmup (at base_batch_size) is not shorter than training "
-            f"(epochs: {epochs:g}); shorten warmup_epochs or train more epochs")
+def check_settings(recipe: dict, where: str, epochs: float | None = None) -> None:
+    """Numeric training settings: ranges, with units in the messages. ``epochs``: the run's
+    budget when the command line sets it (``--epochs``; checked by the caller), which the
+    warmup is compared with instead of the recipe's ``epochs``."""
+    w0 = recipe["warmup_epochs"]
+    if epochs is None:
+        require(w0 < recipe["epochs"], f"{where}: warmup_epochs",
+                f"{w0:g} epochs of warmup (at base_batch_size) is not shorter than training "
+                f"(epochs: {recipe['epochs']:g}); shorten warmup_epochs or train more epochs")
+    else:
+        require(positive_number(epochs), "--epochs",
+                f"must be a finite number > 0, got {epochs}")
+        require(w0 < epochs, f"--epochs {epochs:g}", f"the recipe's warmup ({where}: "
+                f"warmup_epochs {w0:g}, at base_batch_size) must be shorter than training "
+                f"({epochs:g} epochs); train more than {w0:g} epochs or shorten warmup_epochs")
     _check_optimizers(recipe, where)
     clip = recipe.get("grad_clip_norm")
     require(clip is None or positive_number(clip), f"{where}: grad_clip_norm",

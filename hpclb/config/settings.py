@@ -178,7 +178,7 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     command-line flag;
     warns (:class:`RecipeWarning`) for valid values outside their sensible range.
     """
-    recipe = load_recipe(experiment)
+    recipe = load_recipe(experiment, epochs=epochs)  # the warmup against the run's budget
     spec = Recipe.from_dict(recipe)
     try:
         check_environment()  # HPCLB_* gradient-sync variables, before any rank trains
@@ -195,8 +195,6 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
             f"the recipe {spec.name} has no tuned hyper-parameters for {opt!r}; add "
             f"optimizers.{opt} to it or choose one of {sorted(spec.optimizers)}")
     n_epochs = spec.epochs if epochs is None else epochs
-    require(positive_number(n_epochs), "--epochs",
-            f"must be a finite number > 0, got {n_epochs}")
     require(lr is None or positive_number(lr), "--lr",
             f"must be a positive number, got {lr}")
     if lr is not None:

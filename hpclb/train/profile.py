@@ -90,10 +90,6 @@ class StepProfiler:
             log.warning("--profile %d:%d: this run resumed after step %d; the trace covers "
                         "steps %d to %d", window[0], window[1], done, done + 1, window[1])
 
-    @property
-    def active(self) -> bool:
-        return self._prof is not None
-
     def label(self, name: str):
         """``torch.profiler.record_function(name)`` inside the window, else a null context."""
         return torch.profiler.record_function(name) if self._prof is not None else \
@@ -138,14 +134,17 @@ class StepProfiler:
         again by :meth:`_unwrap_collectives`)."""
         for method, name in COLLECTIVES.items():
             fn = getattr(self.comm, method, None)
-            if fn is None or method in vars(self.comm):  # absent, or not a plain method
+            if fn is None or method in getattr(self.comm, "__dict__", {}):  # not a method
                 continue
 
             @functools.wraps(fn)
             def labelled(*args, _fn=fn, _name=name, **kwargs):
                 with torch.profiler.record_function(_name):
                     return _fn(*args, **kwargs)
-            setattr(self.comm, method, labelled)
+            try:
+                setattr(self.comm, method, labelled)
+            except AttributeError:  # a communicator without instance attributes: unlabelled
+                continue
             self._wrapped.append(method)
 
     def _unwrap_collectives(self) -> None:

@@ -188,16 +188,16 @@ def test_warmup_message_names_the_command_line_fixes(tmp_path, mnist_dir):
     from hpclb.errors import ConfigError
     recipe = quick_recipe(tmp_path)  # 4,096 images, B0 128, warmup 0.25 epochs = 8 steps
     with pytest.raises(ConfigError) as e:
-        resolve(recipe, batch_size=256, epochs=0.1).schedule(4096)  # 16 steps/epoch, warmup 8
+        resolve(recipe, batch_size=256, epochs=0.3).schedule(4096)  # 16 steps/epoch, warmup 8
     msg = str(e.value)
-    assert re.search(r"warmup \(8 steps.*must be shorter than training \(2 steps", msg), msg
+    assert re.search(r"warmup \(8 steps.*must be shorter than training \(5 steps", msg), msg
     assert "train more epochs (--epochs, at least 0.563 for this batch)" in msg, msg
     assert "use a smaller --batch-size" in msg and "shorten the recipe's warmup_epochs" in msg
     resolve(recipe, batch_size=256, epochs=0.563).schedule(4096)  # the bound it names works
     with pytest.raises(ConfigError) as e:  # fixed-epoch warmup: a smaller batch does not help
         resolve(recipe, batch_size=256, epochs=0.1, scaling="linear").schedule(4096)
-    assert "--batch-size 256 (--scaling linear)" in str(e.value)
-    assert "smaller --batch-size" not in str(e.value) and "--epochs, at least" in str(e.value)
+    assert "--epochs 0.1: the recipe's warmup" in str(e.value)  # refused before the data
+    assert "smaller --batch-size" not in str(e.value) and "train more than 0.25" in str(e.value)
 
 
 # --- help without torch: the parser is built from name lists, each command's only when run --
@@ -211,6 +211,7 @@ _HELP_CODE = ("import sys\nfrom hpclb.cli import main\ntry:\n    main(sys.argv[1
     ["--help"], ["advise", "--help"], ["train", "--help"], ["jobs", "render", "--help"],
     ["data", "fetch", "--help"], ["evaluate", "--help"], ["sweep", "--help"],
     ["scale", "--help"], ["plot", "runs", "--help"], ["jobs", "examples", "--help"],
+    ["compare", "--help"],
 ], ids=" ".join)
 def test_help_does_not_import_torch(argv):
     """`hpclb --help` and a command's --help print without loading torch (seconds of start-up,
@@ -267,5 +268,24 @@ def test_parser_of_one_command_lists_the_others_by_name():
     full, one = build_parser(), build_parser(only="advise")
     assert full.format_help() == one.format_help()
     assert one.parse_args(["advise", "run", "--last", "2"]).last == 2
-    assert set(COMMANDS) == {"train", "evaluate", "sweep", "data", "jobs", "bench", "plot",
-                             "scale", "advise"}
+    assert set(COMMANDS) == {"train", "evaluate", "sweep", "compare", "data", "jobs", "bench",
+                             "plot", "scale", "advise"}
+
+
+def test_warmup_check_uses_the_epochs_of_the_command_line(tmp_path):
+    """The recipe's warmup is compared with the run's budget: ``--epochs`` when given (a recipe
+    whose own ``epochs`` is shorter than its warmup trains with a longer --epochs; a --epochs
+    shorter than the warmup is refused naming --epochs, before any data is read)."""
+    from hpclb.config import resolve
+    from hpclb.errors import ConfigError
+    short = quick_recipe(tmp_path, epochs=0.2)  # warmup_epochs 0.25 > the recipe's 0.2 epochs
+    with pytest.raises(ConfigError, match=r"quick.yaml: warmup_epochs: 0.25 epochs of warmup"):
+        resolve(short)
+    assert resolve(short, epochs=2).epochs == 2.0  # --epochs 2: longer than the warmup
+    with pytest.raises(ConfigError) as e:
+        resolve(quick_recipe(tmp_path), epochs=0.2)  # the recipe's 1 epoch would pass
+    assert re.search(r"--epochs 0.2: the recipe's warmup \(quick.yaml: warmup_epochs 0.25, at "
+                     r"base_batch_size\) must be shorter than training \(0.2 epochs\); train "
+                     r"more than 0.25 epochs", str(e.value)), e.value
+    with pytest.raises(ConfigError, match=r"--epochs: must be a finite number > 0, got -1"):
+        resolve(short, epochs=-1)

@@ -36,6 +36,8 @@ CASES = {  # name: (precision, environment)
     "nan-from-step-11-last-rank": ("fp32", {"NONFINITE_MODE": "nan_from",
                                             "NONFINITE_STEP": "11", "NONFINITE_RANK": "last"}),
     "nan-in-the-test-split": ("fp32", {"NONFINITE_MODE": "nan_test"}),
+    "nan-sample-at-step-4-last-rank": ("fp32", {"NONFINITE_MODE": "nan_sample",
+                                                "NONFINITE_STEP": "4", "NONFINITE_RANK": "last"}),
 }
 
 
@@ -118,3 +120,23 @@ def test_a_nan_in_the_test_split_is_reported_as_the_data_not_a_divergence(tmp_pa
                      r"\([0-9.]+\) and every weight are finite: .*a non-finite value in the test "
                      r"split \(check the data\)", text), text
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("optimizer", ["lars", pytest.param("adam", marks=pytest.mark.extended)])
+def test_the_step_line_of_a_skipped_step_says_skipped_without_ratios(tmp_path, optimizer):
+    """The skipped step 4 is a log point (log_every 2): its line says ``step_skipped`` and
+    reports no gradient norm or LARS trust ratios (a masked step's ratios read 1.0 but were
+    never applied); the other lines report them."""
+    rc, text, out = _train(tmp_path, 1, optimizer, "nan-sample-at-step-4-last-rank")
+    assert rc == 0, text
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in lines if r["kind"] == "step"}
+    assert steps[4]["step_skipped"] is True and steps[4]["grad_norm"] is None, steps[4]
+    trust = ("trust_min", "trust_median", "trust_max")
+    if optimizer == "lars":
+        assert all(steps[4][k] is None for k in trust), steps[4]
+    for step, row in steps.items():
+        if step != 4:
+            assert row["step_skipped"] is False and row["grad_norm"] > 0, row
+            assert optimizer != "lars" or all(0 < row[k] for k in trust), row

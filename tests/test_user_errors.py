@@ -44,12 +44,20 @@ import torch
 from torch.utils.data import TensorDataset
 
 
-def blobs(data_dir, missing=False):
+class BadSamples(TensorDataset):
+    def __getitem__(self, i):
+        if i >= 64:  # in the first batch already (the samples are shuffled)
+            raise OSError("sample %d unreadable" % i)  # BUG-GETITEM
+        return super().__getitem__(i)
+
+
+def blobs(data_dir, missing=False, faulty=False):
     if missing:
         os.listdir(os.path.join(data_dir, "no-such-dir"))  # BUG-DATA
     x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
     y = (x[:, 0] > 0).long()
-    return TensorDataset(x, y), TensorDataset(x[:64], y[:64])
+    train = (BadSamples if faulty else TensorDataset)(x, y)
+    return train, TensorDataset(x[:64], y[:64])
 '''
 
 
@@ -89,6 +97,39 @@ USER_FAULTS = [
     ("BadForward", {}, "in the forward/backward of global step 3",
      f"u_models.py:{line_of(MODELS, 'BUG-FORWARD')} (in forward)", "my forward broke"),
 ]
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.extended)])
+def test_a_failing_getitem_is_a_data_loading_error_naming_the_data_set(tmp_path, ranks):
+    """A data set whose ``__getitem__`` raises is reported as a data loading error in that data
+    set (its data.name and class), not as the forward/backward."""
+    path = write(tmp_path, "BadForward", faulty=True)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["model"] = {"name": "u_models:Plain"}
+    path.write_text(yaml.safe_dump(recipe))
+    (tmp_path / "u_models.py").write_text(textwrap.dedent(MODELS) + PLAIN)
+    rc, out = train(path, ranks)
+    assert rc == 1, out
+    errors = error_lines(out)
+    assert errors, out
+    for err in errors:
+        assert "OSError" in err and "unreadable" in err, err
+        assert "forward/backward" not in err, err
+        assert re.search(r"a data loading error, in the data set data.name 'u_data:blobs' "
+                         r"\(BadSamples.__getitem__\) for global step [0-9]+, at \S*u_data.py:"
+                         + str(line_of(DATA, "BUG-GETITEM")) + r" \(in __getitem__\)", err), err
+
+
+PLAIN = '''
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+'''
 
 
 @pytest.mark.parametrize("ranks,model,data,phase,line,text", [

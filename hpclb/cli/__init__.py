@@ -1,4 +1,4 @@
-"""``hpclb train|evaluate|sweep|data|jobs|bench|plot|scale|advise`` command line.
+"""``hpclb train|evaluate|sweep|compare|data|jobs|bench|plot|scale|advise`` command line.
 
 One module per command (``hpclb.cli.<command>``: ``HELP``, ``add_parser(subparsers)``,
 ``run(args) -> int``); what they share is in :mod:`hpclb.cli.common`. Importing this package
@@ -16,13 +16,26 @@ import argparse
 import sys
 
 from hpclb import __version__
-from hpclb.cli import advise, bench, common, data, evaluate, jobs, plot, scale, sweep, train
+from hpclb.cli import (
+    advise,
+    bench,
+    common,
+    compare,
+    data,
+    evaluate,
+    jobs,
+    plot,
+    scale,
+    sweep,
+    train,
+)
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 # hpclb <command>, in the order `hpclb --help` lists them
-COMMANDS = {"train": train, "evaluate": evaluate, "sweep": sweep, "data": data, "jobs": jobs,
-            "bench": bench, "plot": plot, "scale": scale, "advise": advise}
+COMMANDS = {"train": train, "evaluate": evaluate, "sweep": sweep, "compare": compare,
+            "data": data, "jobs": jobs, "bench": bench, "plot": plot, "scale": scale,
+            "advise": advise}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -53,7 +53,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
     t.add_argument("--out", help="run directory (default runs/<experiment>/<scaling>-b<B>); "
                    "one that holds a run is refused unless --resume or --overwrite")
-    t.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    t.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_mode,
+                   metavar="auto", help="continue from the newest checkpoint in --out that "
+                   "verifies (exit 2 when there is none); --resume auto: continue when --out "
+                   "holds one, else start afresh (a run stopped before its first checkpoint is "
+                   "started again from step 0, its logs replaced): what a requeued or restarted "
+                   "job needs. Write it after EXPERIMENT")
     t.add_argument("--overwrite", action="store_true", help="delete the run already in --out "
                    "(summary, metrics, checkpoints) and start afresh")
     t.add_argument("--backend", default="auto", choices=list(BACKENDS),
@@ -89,6 +94,24 @@ def _add_run_options(t: argparse.ArgumentParser) -> None:
                    "non-finite steps in a row, each skipped (default: the recipe's, else 3)")
     t.add_argument("--keep-checkpoints", type=int, metavar="K", help="checkpoint generations "
                    "kept, each verified by SHA-256 (default: the recipe's, else 2)")
+    t.add_argument("--profile", metavar="START:END", help="torch.profiler trace of global steps "
+                   "START+1 to END (a Python slice: 10:15 traces steps 11-15), per rank in "
+                   "OUT/profile/rank<r>/ (a Chrome trace that TensorBoard also reads); data, "
+                   "forward/backward, allreduce wait, collectives and optimizer labelled")
+    t.add_argument("--dry-run", action="store_true", help="print the resolved plan (batch per "
+                   "rank, peak LR, warmup, total steps, LEGW warmup fraction, devices, backend) "
+                   "and exit 0 without training or creating OUT; warns when warmup takes more "
+                   "than half the run")
+
+
+def _resume_mode(value: str):
+    """``--resume``'s optional value: only ``auto``."""
+    if value != "auto":
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: --resume takes no value (continue the run in --out) or auto (continue "
+            f"when --out holds a checkpoint, else start afresh); write the experiment before "
+            f"--resume")
+    return value
 
 
 def _recipe_device(args: argparse.Namespace) -> str:
@@ -108,8 +131,10 @@ def _resolve(args: argparse.Namespace, comm):
     """The run's RunConfig from the flags, after the checks that need the world size;
     ConfigError (on every rank alike) for a bad setting."""
     from hpclb.config import check_checkpoint_interval, check_expect_world_size, resolve
+    from hpclb.train.profile import parse_profile_steps
 
     check_checkpoint_interval(args.checkpoint_interval)
+    args.profile_window = parse_profile_steps(args.profile)
     check_expect_world_size(args.expect_world_size)
     if args.expect_world_size is not None and args.expect_world_size != comm.world_size:
         raise ConfigError(
@@ -141,7 +166,7 @@ def _train(args: argparse.Namespace, comm, cfg, early) -> int:
         return PREEMPTED_EXIT_CODE
     try:
         train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval,
-              tensorboard=None if args.tensorboard else False)
+              tensorboard=None if args.tensorboard else False, profile=args.profile_window)
     except Preempted as p:
         print(f"hpclb: rank {comm.rank} of {comm.world_size}: preempted after step {p.args[0]}"
               f", checkpoint saved; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
@@ -154,12 +179,18 @@ def _train(args: argparse.Namespace, comm, cfg, early) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``hpclb train``: the exit status (0, 2 bad input, 3 diverged, 75 preempted, 1 failed)."""
+    """``hpclb train``: the exit status (0, 2 bad input, 3 diverged, 75 preempted, 1 failed);
+    ``--dry-run``: 0 after printing the plan, 2 for bad input."""
     early = install_early_signals(["train"], fresh=False)  # main() did it; for direct calls
     comm = start_comm(args.backend, _recipe_device(args), args.share_gpu)
     if comm is None:
         return EXIT_USAGE
     try:
-        return _train(args, comm, _resolve(args, comm), early)
+        cfg = _resolve(args, comm)
+        if args.dry_run:
+            from hpclb.tools.dryrun import dry_run
+
+            return dry_run(cfg, comm, profile=args.profile_window)
+        return _train(args, comm, cfg, early)
     except Exception as e:  # ConfigError, DataError, CheckpointError, anything else
         return exit_status(e, comm)

@@ -104,8 +104,10 @@ def _plugin_path(recipe: dict, path: Path, where: str) -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
-def load_recipe(experiment: str) -> dict[str, Any]:
+def load_recipe(experiment: str, epochs: float | None = None) -> dict[str, Any]:
     """Read and validate a recipe by packaged name (``mnist-lstm``) or path to a YAML file.
+    ``epochs``: the command line's ``--epochs`` (a number > 0), if any: the budget the warmup
+    must be shorter than, instead of the recipe's own ``epochs``.
 
     Returns the recipe as a dict (:func:`parse_recipe`: as a :class:`Recipe`); a recipe with a
     plug-in ``model.name``/``data.name`` (``package.module:attribute``, :mod:`hpclb.plugins`)
@@ -136,7 +138,7 @@ def load_recipe(experiment: str) -> dict[str, Any]:
         schedules.validate_decay(decay.pop("name"), decay)
     except ValueError as e:
         raise ConfigError(f"{where}: decay: {e}") from e
-    check_settings(recipe, where)
+    check_settings(recipe, where, epochs)
     return recipe
 
 

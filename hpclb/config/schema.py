@@ -23,9 +23,8 @@ from hpclb.tasks.spec import task_name
 __all__ = ["DEVICES", "LR_WARN_ABOVE", "PRECISIONS", "RECIPE_KEYS", "RUN_SETTINGS",
            "check_builtin_data", "check_lr", "check_model", "check_plugin_data",
            "check_run_setting", "check_sample_counts", "check_settings", "check_target_metric",
-           "check_task_functions", "check_types",
-           "did_you_mean", "number", "optimizer_arguments", "positive_int",
-           "positive_number", "require", "warn"]
+           "check_task_functions", "check_types", "did_you_mean", "number", "optimizer_arguments",
+           "positive_int", "positive_number", "require", "warn"]
 
 # Every top-level recipe field the code reads; any other key is a typo and is rejected.
 RECIPE_KEYS = (
@@ -496,12 +495,19 @@ def check_run_setting(key: str, value: Any, where: str) -> Any:
     return value
 
 
-def check_settings(recipe: dict, where: str) -> None:
-    """Numeric training settings: ranges, with units in the messages."""
-    w0, epochs = recipe["warmup_epochs"], recipe["epochs"]
-    require(w0 < epochs, f"{where}: warmup_epochs",
-            f"{w0:g} epochs of warmup (at base_batch_size) is not shorter than training "
-            f"(epochs: {epochs:g}); shorten warmup_epochs or train more epochs")
+def check_settings(recipe: dict, where: str, epochs: float | None = None) -> None:
+    """Numeric training settings: ranges, with units in the messages. ``epochs``: the run's
+    budget when the command line sets it (``--epochs``; checked by the caller), which the
+    warmup is compared with instead of the recipe's ``epochs``."""
+    w0, given = recipe["warmup_epochs"], epochs is not None
+    require(not given or positive_number(epochs), "--epochs",
+            f"must be a finite number > 0, got {epochs}")
+    budget = epochs if given else recipe["epochs"]
+    require(w0 < budget, f"--epochs {epochs:g}" if given else f"{where}: warmup_epochs",
+            f"the recipe's warmup ({where}: warmup_epochs {w0:g}, at base_batch_size) must be "
+            f"shorter than training ({budget:g} epochs); train more than {w0:g} epochs or shorten "
+            f"warmup_epochs" if given else f"{w0:g} epochs of warmup (at base_batch_size) is not "
+            f"shorter than training (epochs: {budget:g}); shorten warmup_epochs or train more")
     _check_optimizers(recipe, where)
     clip = recipe.get("grad_clip_norm")
     require(clip is None or positive_number(clip), f"{where}: grad_clip_norm",

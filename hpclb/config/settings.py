@@ -39,7 +39,8 @@ class RunConfig:
     ``max_nonfinite_steps`` (consecutive skipped non-finite steps before the run stops) and
     ``keep_checkpoints`` (checkpoint generations kept): command line, else recipe, else the
     defaults of :data:`RUN_SETTINGS`. ``out`` (default ``runs/<experiment>/<scaling>-b<B>``)
-    must not hold a run unless ``resume`` or ``overwrite`` (:mod:`hpclb.config.outputs`)."""
+    must not hold a run unless ``resume`` (True, or ``"auto"``: resume when it holds a
+    checkpoint) or ``overwrite`` (:mod:`hpclb.config.outputs`)."""
 
     experiment: str
     recipe: dict
@@ -51,7 +52,7 @@ class RunConfig:
     seed: int
     data_dir: str | None
     out: str
-    resume: bool
+    resume: bool | str
     lr: float | None = None
     overwrite: bool = False
     accumulation_steps: int = 1
@@ -159,7 +160,8 @@ def check_expect_world_size(n: int | None) -> int | None:
 
 def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "legw",
             optimizer: str | None = None, epochs: float | None = None, seed: int = 0,
-            data_dir: str | None = None, out: str | None = None, resume: bool = False,
+            data_dir: str | None = None, out: str | None = None,
+            resume: bool | str = False,
             lr: float | None = None, accumulation_steps: int | None = None,
             device: str | None = None, precision: str | None = None,
             log_every: int | None = None, noise_scale: bool | None = None,
@@ -172,13 +174,15 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     the global batch (the unit of the scaling rules) does not change. ``device``,
     ``precision``, ``log_every``, ``noise_scale``, ``max_nonfinite_steps`` and
     ``keep_checkpoints`` override the recipe fields of the same name (defaults in
-    :data:`RUN_SETTINGS`). ``out`` defaults to ``runs/<name>/<scaling>-b<batch>``;
+    :data:`RUN_SETTINGS`). ``resume``: True continues the run in ``out`` (a checkpoint must be
+    there), ``"auto"`` continues it when ``out`` holds a checkpoint, else starts afresh. ``out``
+    defaults to ``runs/<name>/<scaling>-b<batch>``;
     ``overwrite`` lets a new run replace a run already there (checked by
     :func:`hpclb.train.setup.setup_run`). Raises ConfigError naming the bad field and its
     command-line flag;
     warns (:class:`RecipeWarning`) for valid values outside their sensible range.
     """
-    recipe = load_recipe(experiment)
+    recipe = load_recipe(experiment, epochs=epochs)  # the warmup against the run's budget
     spec = Recipe.from_dict(recipe)
     try:
         check_environment()  # HPCLB_* gradient-sync variables, before any rank trains
@@ -195,13 +199,13 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
             f"the recipe {spec.name} has no tuned hyper-parameters for {opt!r}; add "
             f"optimizers.{opt} to it or choose one of {sorted(spec.optimizers)}")
     n_epochs = spec.epochs if epochs is None else epochs
-    require(positive_number(n_epochs), "--epochs",
-            f"must be a finite number > 0, got {n_epochs}")
     require(lr is None or positive_number(lr), "--lr",
             f"must be a positive number, got {lr}")
     if lr is not None:
         check_lr(lr, "--lr")
     require(isinstance(seed, int) and seed >= 0, "--seed", f"must be >= 0, got {seed}")
+    require(resume in (False, True, "auto"), "--resume", f"must be True, False or 'auto' "
+            f"(resume when --out holds a checkpoint, else start afresh), got {resume!r}")
     acc = spec.accumulation_steps if accumulation_steps is None else accumulation_steps
     require(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1,
             "--accumulation-steps", f"must be an integer >= 1 (micro-batches per optimizer "

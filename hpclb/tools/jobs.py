@@ -298,7 +298,7 @@ def _launch(spec: JobSpec, ranks: int, tasks: int, cpus: int,
 def _plan(spec: JobSpec) -> tuple[dict[str, Any], Plan, int]:
     """(recipe, plan, ranks per node) of a validated ``spec``."""
     try:
-        recipe = load_recipe(spec.experiment)
+        recipe = load_recipe(spec.experiment, epochs=spec.epochs)
     except ConfigError as e:
         raise JobError(str(e)) from e
     tasks = spec.tasks_per_node or spec.gpus_per_node or 1

@@ -287,7 +287,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     directory holding a run of other settings (another budget, seed or rank count) is
     deleted only with ``overwrite``; otherwise ConfigError names ``--overwrite``.
     """
-    recipe = load_recipe(experiment)
+    recipe = load_recipe(experiment, epochs=epochs)
     batch_sizes, schemes = _checked(batch_sizes, schemes, ranks)
     probe = resolve(experiment, optimizer=optimizer, epochs=epochs, seed=seed)  # validates
     settings = {"epochs": probe.epochs, "ranks": ranks, "seed": seed,

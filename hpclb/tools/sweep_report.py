@@ -9,11 +9,12 @@ from pathlib import Path
 from hpclb.schedules import SCHEMES, Schedule
 from hpclb.tools.figures import pyplot, save
 
-__all__ = ["BUDGET_KEYS", "budgets", "budget_label", "markdown_table", "lr_curve", "plot",
-           "write_results"]
+__all__ = ["BUDGET_KEYS", "budgets", "budget_label", "format_metric", "markdown_table", "lr_curve",
+           "plot", "write_results"]
 
 
-def _fmt(metric: str, value: float | None) -> str:
+def format_metric(metric: str, value: float | None) -> str:
+    """``value`` of ``metric`` for a table: accuracies in %, "—" for None."""
     if value is None:
         return "—"
     if "accuracy" in metric:
@@ -75,7 +76,7 @@ def _budget_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
                 cells.append("—")
                 continue
             ref = by.get((base, s))
-            txt = _fmt(metric, r["metric"])
+            txt = format_metric(metric, r["metric"])
             if b != base and ref and ref.get("metric") is not None:
                 d = r["metric"] - ref["metric"]
                 txt += f" ({100 * d:+.2f})" if "accuracy" in metric else \
@@ -94,7 +95,8 @@ def _budget_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
         lines.append(
             f"| {r['batch_size']} | {r['scheme']} | {r['batch_ratio_k']:g} | {r['peak_lr']:.4g} | "
             f"{r['warmup_steps']} ({r['warmup_epochs']:.3g}) | {r['steps']} | {r['epochs']:g} | "
-            f"{_fmt(metric, r['metric'])} | {_fmt(metric, r.get('best_metric'))} | "
+            f"{format_metric(metric, r['metric'])} | "
+            f"{format_metric(metric, r.get('best_metric'))} | "
             f"{r['wall_time_s']:.0f} | {'—' if ttt is None else f'{ttt:.0f}'} | {r['ranks']} | "
             f"{r.get('note') or ''} |")
     return "\n".join(lines) + "\n"

@@ -31,6 +31,7 @@ the first applied step's; the last finite checkpoint is kept and no summary is w
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -115,6 +116,7 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
     Returns the optimizer's verdict (False: partial window or a step skipped on the host)."""
     task, opt, k = run.task, run.optimizer, run.cfg.accumulation_steps
     w = run.comm.world_size
+    label = run.profiler.label if run.profiler is not None else _no_label
     opt.zero_grad()
     n_global = task.global_size(i)
     before = sums.clone()
@@ -124,14 +126,19 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
         # divides by W*K) the mean over the global batch; exactly 1 when the shares are even.
         n_part, _ = task.part_size(i, part, k)
         if n_part:
-            batch = to_device(task.batch(i, part, k), run.device)
-            with run.autocast():
-                loss, stats = task.loss(run.model, batch)
-            weight = w * k * n_part / n_global
-            loss = loss if weight == 1 else loss * weight
-            (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
+            with label("hpclb/data"):
+                batch = to_device(task.batch(i, part, k), run.device)
+            with label("hpclb/forward_backward"):
+                with run.autocast():
+                    loss, stats = task.loss(run.model, batch)
+                weight = w * k * n_part / n_global
+                loss = loss if weight == 1 else loss * weight
+                (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
             sums += stats
-        stepped = opt.step()  # communicates and updates on the last part only
+        with label("hpclb/allreduce_wait"):
+            opt.synchronize()  # the wait for the allreduce (step() would do it; False: no part)
+        with label("hpclb/optimizer"):
+            stepped = opt.step()  # updates on the last part only
     skipped = opt.step_skipped
     if skipped is not None:  # a skipped step adds nothing to the epoch's statistics
         sums.copy_(torch.where(skipped.to(sums.device), before, sums))
@@ -140,6 +147,10 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
     run.scheduler.step()
     run.pos.global_step += 1
     return stepped
+
+
+def _no_label(_name: str):
+    return contextlib.nullcontext()
 
 
 def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed: bool,
@@ -228,8 +239,12 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
     for i in bar:
         at = pos.global_step + 1  # the step raising (the host path) or logging (device path)
         try:
+            if run.profiler is not None:
+                run.profiler.before_step(pos.global_step)
             stepped = train_step(run, i, sums, first)
             steplog.after_step(sums, stepped)  # a log point also checks the skip limit
+            if run.profiler is not None:
+                run.profiler.after_step(pos.global_step)
         except NonFiniteError as e:
             raise _diverged(run, e, f"global step {at}, epoch {epoch + 1}, step {i + 1}/"
                                     f"{steps}") from e
@@ -301,12 +316,16 @@ def _header(run: Run, say: _Say) -> None:
 
 def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
           checkpoint_interval_s: float | None = None,
-          tensorboard: bool | None = None) -> dict[str, Any]:
+          tensorboard: bool | None = None,
+          profile: tuple[int, int] | None = None) -> dict[str, Any]:
     """Run one experiment on this rank; returns the summary (identical on every rank).
 
     ``checkpoint_interval_s``: also checkpoint mid-epoch when this many seconds (rank 0's clock)
     have passed since the last checkpoint (None/0: at epoch ends and on preemption only).
     ``tensorboard``: False writes no event files (None: when the package is installed).
+    ``profile``: ``(START, END)`` global steps to trace with torch.profiler into
+    ``<out>/profile/rank<r>/`` (:mod:`hpclb.train.profile`; ConfigError when END is past the
+    run's last step).
 
     Raises ConfigError (bad settings, same on every rank), DataError (missing/corrupt data),
     CheckpointError (``--resume`` without a usable checkpoint), :class:`Preempted` after a
@@ -315,7 +334,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     check_checkpoint_interval(checkpoint_interval_s)
     say = _Say(comm.rank == 0 and not quiet)
     _set_threads(comm)
-    run = setup_run(cfg, comm)
+    run = setup_run(cfg, comm, profile=profile)
     _header(run, say)
     if comm.rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)

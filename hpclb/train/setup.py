@@ -42,6 +42,7 @@ from hpclb.sync.agree import (
 from hpclb.sync.optimizer import DistributedOptimizer
 from hpclb.tasks import Task, build_task
 from hpclb.train.checkpoint import CheckpointStore
+from hpclb.train.profile import StepProfiler, check_profile_window
 from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
 from hpclb.train.usercode import describe
 
@@ -114,6 +115,7 @@ class Run:
     resumed_from: dict | None = None
     resumed_path: str | None = None
     out_lock: Any = None
+    profiler: Any = None  # hpclb.train.profile.StepProfiler (--profile), else None
     t_start: float = field(default_factory=time.perf_counter)
 
     @property
@@ -125,7 +127,9 @@ class Run:
 
     def close(self) -> None:
         """Release the communicator (the optimizer's hooks and thread), the image loader's
-        workers and rank 0's lock on the run directory."""
+        workers and rank 0's lock on the run directory; write an open profiler trace."""
+        if self.profiler is not None:
+            self.profiler.close()  # a run stopped inside the window: its trace so far
         self.optimizer.close()
         loader = getattr(self.task, "_step_loader", None)
         if loader is not None:
@@ -164,15 +168,18 @@ def build_optimizer(name: str, model: nn.Module, params: dict[str, Any]) -> torc
         raise ConfigError(f"optimizers.{name}: {e}") from e
 
 
-def _local_checks(cfg: RunConfig, comm: Communicator):
-    """Everything a rank checks before any work: batch split, data, schedule."""
+def _local_checks(cfg: RunConfig, comm: Communicator, profile: tuple[int, int] | None):
+    """Everything a rank checks before any work: batch split, data, schedule, the profiled
+    steps."""
     per_rank = cfg.per_rank_batch_size(comm.world_size)
     micro = cfg.micro_batch_size(comm.world_size)  # B % (W * K): fails before any work
     check_world_size(cfg.noise_scale, comm.world_size)  # --noise-scale needs >= 2 ranks
     data = cfg.spec.data
     task = build_task(cfg.spec, cfg.data_dir, train_samples=data.train_samples,
                       test_samples=data.test_samples)
-    return per_rank, micro, task, cfg.schedule(task.num_train_samples)
+    sched = cfg.schedule(task.num_train_samples)
+    check_profile_window(profile, sched.total_steps)  # --profile: inside the run
+    return per_rank, micro, task, sched
 
 
 def _lock_out(out: Path):
@@ -207,11 +214,13 @@ def _lock_out(out: Path):
 
 def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
     """Rank 0 locks the run directory and decides (None: start afresh; else the checkpoint's
-    path); every rank loads it. Returns ``(checkpoint or None, its path, rank 0's lock)``."""
+    path; ``--resume auto``: the newest checkpoint that verifies, else afresh); every rank
+    loads it (the decision is broadcast). Returns ``(checkpoint or None, its path, rank 0's
+    lock)``."""
     lock = []
 
     def decide():
-        found = check_run_dir(store.out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+        found = check_run_dir(store.out_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         lock.append(_lock_out(store.out_dir))
         if not cfg.resume:
             if found:  # --overwrite: no stale summary, metrics or checkpoint survives
@@ -220,10 +229,12 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
                 clear_run(store.out_dir)
             return None
         loaded = store.latest()
+        if loaded is None and cfg.resume == "auto":
+            return _start_afresh(store.out_dir, found)
         if loaded is None:  # a usage error, the same for every rank: exit 2
             raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
                               f"drop --resume to start afresh (add --overwrite if the "
-                              f"directory holds a run)")
+                              f"directory holds a run), or use --resume auto")
         for path, why in loaded.skipped:
             log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
                         loaded.path)
@@ -236,6 +247,23 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
         if lock:
             lock[0].close()  # a failed start-up leaves the run directory free
         raise
+
+
+def _start_afresh(out: Path, found: list[str]) -> None:
+    """``--resume auto`` without a checkpoint in ``out`` (rank 0): start afresh. The logs of a
+    run stopped before its first checkpoint are replaced; a finished run (``summary.json``)
+    whose checkpoints are gone is refused (ConfigError naming --overwrite), never deleted."""
+    if "summary.json" in found:
+        raise ConfigError(f"--resume auto: {out} holds a finished run without a checkpoint; "
+                          f"add --overwrite (instead of --resume) to delete it ({', '.join(found)})"
+                          f" and start afresh, or choose another --out")
+    if found:
+        log.warning("--resume auto: no checkpoint in %s, only the logs of a run stopped before "
+                    "its first one (%s); starting afresh from step 0", out, ", ".join(found))
+        clear_run(out)
+    else:
+        log.info("--resume auto: no checkpoint in %s; starting afresh", out)
+    return None
 
 
 def _load_decided(cfg: RunConfig, comm: Communicator, path: str | None, held):
@@ -271,23 +299,26 @@ def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
     return model
 
 
-def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = None) -> Run:
+def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = None,
+              profile: tuple[int, int] | None = None) -> Run:
     """Build (or resume) the run of ``cfg`` on this rank; collective.
 
     ``device``: where the model, optimizer state and batches live (default the communicator's,
-    bound by ``--device``; tests pass ``meta`` for a device dry run). Raises ConfigError (same on
+    bound by ``--device``; tests pass ``meta`` for a device dry run). ``profile``: the
+    ``--profile`` window, checked against the run's steps with the other settings (then
+    ``run.profiler`` traces it: :mod:`hpclb.train.profile`). Raises ConfigError (same on
     every rank), DataError, CheckpointError."""
     device = torch.device(device or getattr(comm, "device", "cpu"))
     # a run directory that may not be written is refused before any rank loads data
     agreed(comm, "checking --out", lambda: check_run_dir(
-        cfg.out, resume=cfg.resume, overwrite=cfg.overwrite) if comm.rank == 0 else None)
+        cfg.out, resume=bool(cfg.resume), overwrite=cfg.overwrite) if comm.rank == 0 else None)
     per_rank, micro, task, sched = agreed(comm, "checking settings and data",
-                                          lambda: _local_checks(cfg, comm))
+                                          lambda: _local_checks(cfg, comm, profile))
     store = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints)
     ckpt, ckpt_path, out_lock = _decide_resume(cfg, comm, store)
     try:
         return _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
-                      out_lock)
+                      out_lock, profile)
     except BaseException:
         if out_lock is not None:
             out_lock.close()
@@ -295,7 +326,7 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
 
 
 def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
-           out_lock) -> Run:
+           out_lock, profile) -> Run:
     """The model, optimizer, schedule and task of :func:`setup_run`, restored from ``ckpt``."""
     model = _build_model(cfg, task, device)
     check_model_consistency(model, comm)
@@ -317,6 +348,8 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_pa
     run.out_lock, run.resumed_path = out_lock, ckpt_path
     if ckpt is not None:
         _restore(run, ckpt)
+    if profile is not None:
+        run.profiler = StepProfiler(profile, run.out, comm, device, run.pos.global_step)
     return run
 
 

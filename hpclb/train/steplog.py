@@ -7,10 +7,12 @@ the interval's samples or tokens, all ranks), ``lr``, ``grad_norm`` (the average
 norm before clipping, last step), ``trust_min/median/max`` (LARS/LAMB adapted layers, last step),
 ``samples_per_s``, ``step_time_s`` split into ``comm_wait_s`` (host time waiting for the
 allreduce: communication backward did not hide) and ``compute_s`` (the rest), ``skipped_steps``
+``step_skipped`` (the line's own step, the last of the interval, was skipped as non-finite)
 and, on a GPU, ``max_memory_bytes``. Steps that are not logged read nothing from the device;
 a logged one reads its numbers in one copy. A skipped (non-finite) step adds nothing: its loss
-and noise terms are masked on the device, and a non-finite ``grad_norm`` or trust ratio (the
-last step was skipped) is written as null.
+and noise terms are masked on the device, and when the line's step was skipped its
+``grad_norm`` and trust ratios (never applied: a masked LARS/LAMB step computes ratios of 1.0)
+are written as null.
 
 Gradient noise scale (``--noise-scale``, world size > 1): McCandlish et al. 2018, App. A, from
 each rank's local gradient (batch B/W, :attr:`GradientSync.local_sq_norm`) and the averaged one
@@ -75,7 +77,8 @@ class StepLog:
     def _read(self, sums: torch.Tensor) -> tuple[list[float], list[float]]:
         """One read from the device: ``[loss sum, count, local squared norms]`` of the interval
         summed over the ranks (one allreduce) and this rank's ``[averaged squared norms, noise
-        steps, grad_norm, trust min, median, max]`` (the same on every rank)."""
+        steps, grad_norm, trust min, median, max, last step skipped (1.0/0.0)]`` (the same on
+        every rank)."""
         d = sums - self._last
         opt = self.run.optimizer
         ratios = getattr(opt.optimizer, "trust_ratios", None)
@@ -83,8 +86,11 @@ class StepLog:
         q = nan.expand(3) if ratios is None or ratios.numel() == 0 else torch.quantile(
             ratios.detach().float(), torch.linspace(0, 1, 3, device=ratios.device)).double()
         norm = nan if opt.grad_norm is None else opt.grad_norm.detach().double().reshape(1)
+        found = opt.step_skipped
+        last_skipped = nan.new_zeros(1) if found is None else \
+            found.detach().to(sums.device).double().reshape(1)
         vec = torch.cat([torch.stack([d[0], d[2]]).double(), self._noise_sums.double(),
-                         norm.to(sums.device), q.to(sums.device)]).cpu()
+                         norm.to(sums.device), q.to(sums.device), last_skipped]).cpu()
         reduced = torch.stack([vec[0], vec[1], vec[2]])
         if self.run.comm.world_size > 1:
             self.run.comm.allreduce_(reduced)
@@ -100,15 +106,17 @@ class StepLog:
         run, opt = self.run, self.run.optimizer
         dt = time.perf_counter() - self.t0
         skipped = opt.check_nonfinite()   # raises at the limit (the device path's check)
-        (loss, count, small), (big, n, norm, *trust) = self._read(sums)
+        (loss, count, small), (big, n, norm, *trust, last_skipped) = self._read(sums)
         self._update_noise(small, big, n)
         wait = (opt.sync_wait_s - self.sync0) / self.steps
+        applied = last_skipped != 1.0  # a skipped step's norm and ratios were never applied
         scalars = {"loss": loss / count if count else None,
                    "lr": run.schedule.lr(run.pos.global_step - 1),
-                   "grad_norm": _finite_or_none(norm),
+                   "grad_norm": _finite_or_none(norm) if applied else None,
                    **({} if math.isnan(trust[0]) else dict(zip(
                        ("trust_min", "trust_median", "trust_max"),
-                       map(_finite_or_none, trust)))),
+                       map(_finite_or_none, trust) if applied else (None,) * 3))),
+                   "step_skipped": not applied,
                    "samples_per_s": self.steps * run.cfg.global_batch_size / dt,
                    "step_time_s": dt / self.steps, "comm_wait_s": wait,
                    "compute_s": dt / self.steps - wait, "skipped_steps": skipped}
@@ -134,8 +142,12 @@ class StepLog:
         return {"noise": out}
 
     def epoch_histograms(self) -> None:
-        """TensorBoard histogram of the last step's per-layer trust ratios (rank 0)."""
+        """TensorBoard histogram of the last step's per-layer trust ratios (rank 0; none when
+        that step was skipped: its ratios were never applied)."""
         ratios = getattr(self.run.optimizer.optimizer, "trust_ratios", None)
+        found = self.run.optimizer.step_skipped
+        if not self.logger.enabled or (found is not None and bool(found)):
+            return
         if ratios is not None and ratios.numel():
             self.logger.histogram("trust_ratio", ratios.detach().float().cpu(),
                                   self.run.pos.global_step)

@@ -1,11 +1,13 @@
 """Where an exception from a user's plug-in came from: the phase of the run and the user's line.
 
-An exception raised inside a plug-in (model constructor, data function, forward/backward, loss or
-metric function) reaches the command line with a traceback that runs through hpclb. :func:`describe`
-turns it into one line for the error message: the phase (the innermost hpclb function of
-:data:`PHASES` on the traceback; the training step's global step read from its frame), the user's
-``file:line`` (the innermost frame outside the hpclb package and outside installed libraries; else
-the innermost outside hpclb) and how to get the whole traceback (``HPCLB_TRACEBACK=1``).
+An exception raised inside a plug-in (model constructor, data function, a data set's
+``__getitem__``, forward/backward, loss or metric function) reaches the command line with a
+traceback that runs through hpclb. :func:`describe` turns it into one line for the error message:
+the phase (the innermost hpclb function of :data:`PHASES` on the traceback; the training step's
+global step read from its frame; a failure inside a batch read, :data:`DATA_LOADING`, is a data
+loading error naming the data set), the user's ``file:line`` (the innermost frame outside the
+hpclb package and outside installed libraries; else the innermost outside hpclb) and how to get
+the whole traceback (``HPCLB_TRACEBACK=1``).
 Standard library only.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sysconfig
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["PHASES", "TRACEBACK_HINT", "describe", "phase_of", "user_frame"]
+__all__ = ["DATA_LOADING", "PHASES", "TRACEBACK_HINT", "describe", "phase_of", "user_frame"]
 
 _HPCLB = str(Path(__file__).resolve().parents[1]) + os.sep
 _LIBRARIES = tuple({str(Path(p).resolve()) + os.sep for p in (
@@ -33,6 +35,10 @@ PHASES = {
     ("loop.py", "train_step"): "in the forward/backward",
     ("loop.py", "_epoch_row"): "in the evaluation after an epoch",
 }
+#: hpclb functions that read a batch from a data set (a failure inside is the data's, not the
+#: forward/backward's)
+DATA_LOADING = {("base.py", "batch"), ("classification.py", "batch"),
+                ("language_model.py", "batch"), ("seq2seq.py", "batch")}
 
 
 def _frames(tb: TracebackType | None):
@@ -66,16 +72,43 @@ def _global_step(frame) -> int | None:
     return step + 1 if isinstance(step, int) else None  # the step being computed, 1-based
 
 
+def _data_set(frame, run) -> str:
+    """The data set a data-loading frame reads: a plug-in split's ``data.name`` and the class
+    whose ``__getitem__`` (or ``__getitems__``) it calls; else the run's ``data.name``."""
+    split = frame.f_locals.get("self")
+    dataset = getattr(split, "dataset", None)
+    while type(dataset).__name__ == "Subset":  # train_samples/test_samples: the first n
+        dataset = getattr(dataset, "dataset", None)
+    where = getattr(split, "where", None)
+    if isinstance(where, str) and dataset is not None:
+        get = "__getitems__" if hasattr(dataset, "__getitems__") else "__getitem__"
+        return f"{where} ({type(dataset).__name__}.{get})"
+    name = getattr(getattr(getattr(getattr(run, "cfg", None), "spec", None), "data", None),
+                   "name", None)
+    return f"data.name {name!r}" if name else "the recipe's data.name"
+
+
 def phase_of(exc: BaseException) -> str | None:
-    """The phase of :data:`PHASES` whose hpclb function is innermost on ``exc``'s traceback."""
-    phase, step = None, None
+    """The phase of :data:`PHASES` whose hpclb function is innermost on ``exc``'s traceback; a
+    failure inside a batch read (:data:`DATA_LOADING`) is a data loading error naming the
+    data set, in the phase around it (a training step, the evaluation)."""
+    phase, step, data, run = None, None, None, None
     for tb in _frames(exc.__traceback__):
         code = tb.tb_frame.f_code
         key = (Path(code.co_filename).name, code.co_name)
-        if key in PHASES and _in_hpclb(code.co_filename):
+        if not _in_hpclb(code.co_filename):
+            continue
+        if key in PHASES:
             phase = PHASES[key]
             if key[1] == "train_step":
-                step = _global_step(tb.tb_frame)
+                step, run = _global_step(tb.tb_frame), tb.tb_frame.f_locals.get("run")
+        elif key in DATA_LOADING:
+            data = tb.tb_frame
+    if data is not None:
+        text = f"a data loading error, in the data set {_data_set(data, run)}"
+        if step is not None:
+            return f"{text} for global step {step}"
+        return text if phase is None else f"{text}, {phase}"
     if phase is None:
         return None
     return phase if step is None else f"{phase} of global step {step}"

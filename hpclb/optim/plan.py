@@ -21,7 +21,8 @@ place while keeping its length.
 """
 from __future__ import annotations
 
-from operator import is_, itemgetter
+from itertools import chain
+from operator import attrgetter, is_, itemgetter
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -36,7 +37,10 @@ __all__ = ["StepPlan", "all_grads", "same_objects"]
 
 def all_grads(groups: Sequence[dict]) -> list[Tensor | None]:
     """Every parameter's ``.grad`` (None included), group by group: what the plan is keyed by."""
-    return [p.grad for g in groups for p in g["params"]]
+    return list(map(_GRAD, chain.from_iterable(map(_PARAMS, groups))))   # C-speed loops
+
+
+_GRAD, _PARAMS = attrgetter("grad"), itemgetter("params")
 
 
 def same_objects(a: Sequence, b: Sequence) -> bool:
@@ -87,7 +91,7 @@ class StepPlan:
         from :func:`all_grads`."""
         return (opt.state is self.state_dict_obj and same_objects(grads_all, self.grads_all)
                 and [g.get("exclude") for g in opt.param_groups] == self.exclude
-                and all(same_objects(list(map(itemgetter(k), self.states)), ts)
+                and all(all(map(is_, map(itemgetter(k), self.states), ts))
                         for k, ts in self.tensors.items()))
 
     def heads(self) -> list[Tensor]:

@@ -162,6 +162,14 @@ OVERHEAD_ARGS ?=
 bench-overhead: install $(HPCLB_DATA)/mnist/.verified
 	$(PY) -m hpclb bench overhead --out results/bench_overhead.json $(OVERHEAD_ARGS)
 
+# Host time hpclb adds per step over a plain torch loop (issue 26): a tiny model at 16 and 160
+# parameter tensors, SGD/Adam/LARS/LAMB, 1 process and mpirun -n 2, interleaved blocks (~5 min on
+# 2 quiet cores). HOST_OVERHEAD_ARGS shortens it (e.g. --steps 50 --rounds 3).
+HOST_OVERHEAD_ARGS ?=
+.PHONY: bench-host-overhead
+bench-host-overhead: install
+	$(PY) -m hpclb bench host-overhead --out results/bench_host_overhead.json $(HOST_OVERHEAD_ARGS)
+
 # Fused trust-ratio kernel benchmark: CPU part always, GPU part where CUDA + CuPy are present.
 .PHONY: bench-kernel
 bench-kernel: install

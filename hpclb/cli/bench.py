@@ -1,4 +1,5 @@
-"""``hpclb bench trust-ratio|model|allreduce|scaling|overhead|logging``: benchmarks.
+"""``hpclb bench trust-ratio|model|allreduce|scaling|overhead|host-overhead|logging``:
+benchmarks.
 
 The arguments and the drivers are the benchmark modules' own (:mod:`hpclb.bench`); this module
 only registers them.
@@ -17,7 +18,15 @@ HELP = "benchmarks"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
-    from hpclb.bench import allreduce, logging_cost, overhead, projection, scaling, trust_ratio
+    from hpclb.bench import (
+        allreduce,
+        host_overhead,
+        logging_cost,
+        overhead,
+        projection,
+        scaling,
+        trust_ratio,
+    )
 
     b = subparsers.add_parser("bench", help=HELP)
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -44,6 +53,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "and DDP over Gloo (2 ranks): paired whole-process runs")
     overhead.add_run_arguments(o)
     o.set_defaults(func=overhead.driver)
+    h = bsub.add_parser("host-overhead", help="host time hpclb adds per step over a plain torch "
+                        "loop: tiny model, 16 and 160 tensors, SGD/Adam/LARS/LAMB, 1 process "
+                        "and 2 ranks (launches mpirun itself)")
+    host_overhead.add_run_arguments(h)
+    h.set_defaults(func=host_overhead.driver)
     # bench logging (per-step logging cost, issue #13)
     lc = bsub.add_parser("logging", help="per-step logging and noise-scale cost: 2-rank "
                          "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")

@@ -23,14 +23,10 @@ from __future__ import annotations
 
 from itertools import chain
 from operator import attrgetter, is_, itemgetter
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from hpclb.optim import fused as kernels
-    from hpclb.optim.base import LayerwiseOptimizer
 
 __all__ = ["StepPlan", "all_grads", "same_objects"]
 
@@ -61,7 +57,7 @@ class StepPlan:
     optimizer derives from the hyper-parameters (refilled when they change).
     """
 
-    def __init__(self, opt: "LayerwiseOptimizer", grads_all: list, state_keys: Sequence[str]):
+    def __init__(self, opt: Any, grads_all: list, state_keys: Sequence[str]):
         self.state_dict_obj = opt.state
         self.grads_all = grads_all
         self.exclude = [g.get("exclude") for g in opt.param_groups]
@@ -76,7 +72,7 @@ class StepPlan:
         opt._init_state(self.params)
         self.states = [opt.state[p] for p in self.params]
         self.tensors = {k: [st[k] for st in self.states] for k in state_keys}
-        self.fused: "kernels.FusedTrust | None" = None
+        self.fused: Any = None   # hpclb.optim.fused.FusedTrust or None
         self.table: Any = None
         self.stream = 0
         self.rows: list[int] = list(self.group_index)
@@ -86,7 +82,7 @@ class StepPlan:
         self.cache: dict[str, Any] = {}
         self._heads: list[Tensor] | None = None
 
-    def fits(self, opt: "LayerwiseOptimizer", grads_all: list) -> bool:
+    def fits(self, opt: Any, grads_all: list) -> bool:
         """True when the plan still describes ``opt`` (see the module docstring); ``grads_all``
         from :func:`all_grads`."""
         return (opt.state is self.state_dict_obj and same_objects(grads_all, self.grads_all)

@@ -99,8 +99,9 @@ class LAMB(LayerwiseOptimizer):
 
     _STATE_KEYS = ("exp_avg", "exp_avg_sq")
     _KIND = "lamb"
-    #: the group values a step reads (a change refills the plan's lists)
-    _HP = ("lr", "betas", "eps", "weight_decay", "trust_clamp")
+    #: the group values the plan's lists derive from (a change refills them; the LR, which a
+    #: schedule changes every step, is read per step)
+    _HP = ("betas", "eps", "weight_decay", "trust_clamp")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -101,8 +101,9 @@ class LARS(LayerwiseOptimizer):
 
     _STATE_KEYS = ("momentum_buffer",)
     _KIND = "lars"
-    #: the group values a step reads (a change refills the plan's rows and lists)
-    _HP = ("lr", "trust_coefficient", "weight_decay", "eps", "momentum", "trust_clamp")
+    #: the group values the plan's lists derive from (a change refills them; the LR is
+    #: compared on its own: a schedule changes it every step)
+    _HP = ("trust_coefficient", "weight_decay", "eps", "momentum", "trust_clamp")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -148,16 +149,20 @@ class LARS(LayerwiseOptimizer):
 
     def _refresh(self, plan: StepPlan) -> None:
         """Per-layer hyper-parameter lists (torch path) and the kernel's rows, one per group
-        (fused path, uploaded), refilled when a group's value changed since the last step."""
+        (fused path, uploaded), refilled when a group's value changed since the last step (the
+        LR, which a schedule changes every step, alone: only its list and the rows)."""
+        lrs = [g["lr"] for g in self.param_groups]
         key = [tuple(g[k] for k in self._HP) for g in self.param_groups]
-        if key == plan.hp_key:
-            return
-        plan.hp_key = key
-        groups = [self.param_groups[k] for k in plan.group_index]
         c = plan.cache
-        for name in ("lr", "trust_coefficient", "eps", "momentum", "trust_clamp"):
-            c[name] = [g.get(name) for g in groups]
-        c["wd"] = [g["weight_decay"] if a else 0.0 for g, a in zip(groups, plan.adapt)]
+        if key == plan.hp_key and lrs == c.get("group_lr"):
+            return
+        if key != plan.hp_key:
+            plan.hp_key = key
+            groups = [self.param_groups[k] for k in plan.group_index]
+            for name in ("trust_coefficient", "eps", "momentum", "trust_clamp"):
+                c[name] = [g.get(name) for g in groups]
+            c["wd"] = [g["weight_decay"] if a else 0.0 for g, a in zip(groups, plan.adapt)]
+        c["group_lr"], c["lr"] = lrs, list(map(lrs.__getitem__, plan.group_index))
         if plan.fused is None:
             return
         hp = np.zeros((len(self.param_groups), kernels.HP_WORDS), dtype=np.float32)

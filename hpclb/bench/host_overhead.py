@@ -50,17 +50,19 @@ class TinyModel(torch.nn.Module):
         self.ps = torch.nn.ParameterList(
             torch.nn.Parameter(torch.randn((4, 4) if i % 2 == 0 else (4,), generator=g))
             for i in range(n))
+        self._flat = list(self.ps)   # ParameterList's indexing costs ~1.5 us a tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (torch.cat([p.reshape(-1) for p in self.ps]) * x).square().sum()
+        return (torch.cat([p.reshape(-1) for p in self._flat]) * x).square().sum()
 
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
-    """SGD (momentum 0.9), Adam, LARS or LAMB over ``params`` at small LRs."""
+    """SGD (momentum 0.9), Adam (both ``foreach``: torch's per-tensor loop is its CPU default),
+    LARS or LAMB over ``params`` at small LRs."""
     from hpclb.optim import LAMB, LARS
 
-    makers = {"sgd": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-              "adam": lambda: torch.optim.Adam(params, lr=1e-4),
+    makers = {"sgd": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+              "adam": lambda: torch.optim.Adam(params, lr=1e-4, foreach=True),
               "lars": lambda: LARS(params, lr=1e-3), "lamb": lambda: LAMB(params, lr=1e-4)}
     return makers[kind]()
 

@@ -154,7 +154,8 @@ install-simgrid:
 
 # Framework overhead: `hpclb train` against a plain PyTorch loop (benchmarks/plain_loop.py, 1
 # process) and the same loop under DDP over Gloo (torchrun, 2 ranks); MNIST-LSTM and the plug-in
-# CNN, batch 1024, 2 epochs, paired whole-process runs (~10-15 min on 2 quiet cores). Exits 1
+# CNN, batch 1024, 2 epochs, paired whole-process runs, and hpclb train --compile against eager
+# (~15-20 min on 2 quiet cores). Exits 1
 # when a run fails or the two sides end with different test losses. OVERHEAD_ARGS shortens it
 # (e.g. --train-samples 8192 --rounds 2).
 OVERHEAD_ARGS ?=

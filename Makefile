@@ -154,13 +154,22 @@ install-simgrid:
 
 # Framework overhead: `hpclb train` against a plain PyTorch loop (benchmarks/plain_loop.py, 1
 # process) and the same loop under DDP over Gloo (torchrun, 2 ranks); MNIST-LSTM and the plug-in
-# CNN, batch 1024, 2 epochs, paired whole-process runs (~10-15 min on 2 quiet cores). Exits 1
+# CNN, batch 1024, 2 epochs, paired whole-process runs, and hpclb train --compile against eager
+# (~15-20 min on 2 quiet cores). Exits 1
 # when a run fails or the two sides end with different test losses. OVERHEAD_ARGS shortens it
 # (e.g. --train-samples 8192 --rounds 2).
 OVERHEAD_ARGS ?=
 .PHONY: bench-overhead
 bench-overhead: install $(HPCLB_DATA)/mnist/.verified
 	$(PY) -m hpclb bench overhead --out results/bench_overhead.json $(OVERHEAD_ARGS)
+
+# Host time hpclb adds per step over a plain torch loop (issue 26): a tiny model at 16 and 160
+# parameter tensors, SGD/Adam/LARS/LAMB, 1 process and mpirun -n 2, interleaved blocks (~5 min on
+# 2 quiet cores). HOST_OVERHEAD_ARGS shortens it (e.g. --steps 50 --rounds 3).
+HOST_OVERHEAD_ARGS ?=
+.PHONY: bench-host-overhead
+bench-host-overhead: install
+	$(PY) -m hpclb bench host-overhead --out results/bench_host_overhead.json $(HOST_OVERHEAD_ARGS)
 
 # Fused trust-ratio kernel benchmark: CPU part always, GPU part where CUDA + CuPy are present.
 .PHONY: bench-kernel

@@ -140,11 +140,12 @@ TINY_OVERHEAD = ["--workloads", "plugin-cnn", "--train-samples", "512", "--batch
                  "--epochs", "1", "--rounds", "1"]
 
 
-@pytest.mark.parametrize("setting", ["1proc", pytest.param("2ranks",
-                                                             marks=pytest.mark.extended)])
+@pytest.mark.parametrize("setting", ["1proc", pytest.param("2ranks", marks=pytest.mark.extended),
+                                     pytest.param("compile", marks=pytest.mark.extended)])
 def test_overhead_cli_reports_ratios_and_same_result(tmp_path, setting):
     """`hpclb bench overhead` at 1 process (plain loop) and, extended, 2 ranks (mpirun against
-    DDP under torchrun): exit 0, ratios in the JSON, both sides end with the same test loss."""
+    DDP under torchrun) and --compile against eager: exit 0, ratios in the JSON, both sides end
+    with the same test loss."""
     out = tmp_path / "o.json"
     r = hpclb("bench", "overhead", *TINY_OVERHEAD, "--settings", setting, "--out", str(out),
               timeout=180)
@@ -155,6 +156,17 @@ def test_overhead_cli_reports_ratios_and_same_result(tmp_path, setting):
     assert v["same_result"], v["final_test_loss"]
     assert math.isfinite(v["final_test_loss"]["hpclb"])
     assert res["errors"] == [] and res["results_disagree"] == []
+
+
+def test_overhead_compile_setting_runs_hpclb_train_compiled_against_eager(tmp_path):
+    from hpclb.bench import overhead
+    args = Namespace(train_samples=512, batch_size=128, epochs=1.0)
+    cmds = overhead.commands("plugin-cnn", "compile", args, tmp_path / "r")
+    (compiled, s1), (eager, s0) = cmds["hpclb"], cmds["baseline"]
+    assert compiled[-1] == "--compile" and "--compile" not in eager
+    assert compiled[:-1] != eager and s0 != s1
+    assert [a for a in compiled[:-1] if a != str(s1.parent)] == \
+        [a for a in eager if a != str(s0.parent)]      # the same run, another directory
 
 
 def test_overhead_rounds_alternate_in_fresh_directories(tmp_path, monkeypatch):

@@ -53,7 +53,8 @@ def test_bytes_per_step_counts_the_kernels_words():
 def test_cpu_run_reports_the_torch_path(tmp_path, capsys):
     out = tmp_path / "b.json"
     rc = tr.main(["--sets", "resnet50", "--optimizers", "lars,lamb", "--device", "cpu",
-                  "--steps", "1", "--warmup", "1", "--assert-targets", "--out", str(out)])
+                  "--steps", "1", "--warmup", "1", "--host-rounds", "1", "--assert-targets",
+                  "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["gpu_skipped"] == "device is the CPU" and not res["targets"]["asserted"]
@@ -62,6 +63,13 @@ def test_cpu_run_reports_the_torch_path(tmp_path, capsys):
         assert row["n_tensors"] == 161 and row["bytes_per_step"] == words * 4 * 25_557_032
         assert row["step_ms_torch"] > 0
         assert all(row[k] is None for k in tr.GPU_FIELDS)
+        # the host path with a launcher that does nothing: plan and plan-less, same run
+        assert row["host_path"] == "null" and row["host_us_per_step"] > 0
+        lo, hi = row["host_us_per_step_range"]
+        assert lo <= row["host_us_per_step"] <= hi
+        assert row["planless_over_plan"] == pytest.approx(
+            row["host_us_per_step_planless"] / row["host_us_per_step"])
+    assert res["host_target_us"] == 100.0
     assert "targets: not asserted (no GPU measurement: device is the CPU)" in capsys.readouterr().out
 
 

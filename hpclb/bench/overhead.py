@@ -6,15 +6,18 @@ and per-epoch evaluation:
 
 * ``1proc``: ``hpclb train`` in one process against ``benchmarks/plain_loop.py`` (torch only);
 * ``2ranks``: ``mpirun -n 2 hpclb train`` against the same loop under DistributedDataParallel
-  over Gloo, started by ``torchrun --nproc-per-node 2``.
+  over Gloo, started by ``torchrun --nproc-per-node 2``;
+* ``compile``: ``hpclb train --compile`` (``torch.compile`` of the model's forward, inductor)
+  against the same ``hpclb train`` run eager, 1 process (the time includes compiling).
 
 Whole processes are timed (start to exit, seconds), in pairs: each round runs both, the order
 alternating between rounds (AB, BA, ...), so load that drifts hits both sides alike. Reported:
 each side's median and range, the ratio of medians and the median of the per-round ratios
 (hpclb / baseline: below 1 hpclb is faster); targets: <= 1.02 against the plain loop, <= 1.0
-against DDP. Both sides must end with the same test loss (relative difference below
-``LOSS_RTOL``): the same model trained on the same batches in the same order, which is what makes
-the comparison fair. A failed run or a disagreeing result makes the command exit 1.
+against DDP, <= 1.0 compiled against eager. Both sides must end with the same test loss
+(relative difference below ``LOSS_RTOL``): the same model trained on the same batches in the
+same order, which is what makes the comparison fair. A failed run or a disagreeing result
+makes the command exit 1.
 
 Writes ``results/bench_overhead.json``.
 """
@@ -38,9 +41,10 @@ __all__ = ["LOSS_RTOL", "WORKLOADS", "add_run_arguments", "commands", "driver", 
 
 REPO = Path(__file__).resolve().parents[2]
 LOSS_RTOL = 1e-3  # relative test-loss difference allowed (2 ranks: sums in another order)
-TARGETS = {"1proc": 1.02, "2ranks": 1.0}
+TARGETS = {"1proc": 1.02, "2ranks": 1.0, "compile": 1.0}
 BASELINES = {"1proc": "plain PyTorch loop, 1 process",
-             "2ranks": "plain loop under DDP (Gloo), torchrun, 2 ranks"}
+             "2ranks": "plain loop under DDP (Gloo), torchrun, 2 ranks",
+             "compile": "hpclb train eager (without --compile), 1 process"}
 # what both sides train: the recipe hpclb reads and the plain loop's arguments
 WORKLOADS = {
     "mnist-lstm": {"data": {"name": "mnist"}, "model": {"name": "mnist_lstm",
@@ -80,6 +84,11 @@ def commands(workload: str, setting: str, args, where: Path) -> dict[str, tuple[
     if setting == "1proc":
         return {"hpclb": ([py, *train], where / "hpclb" / "summary.json"),
                 "baseline": ([py, *plain], where / "plain.json")}
+    if setting == "compile":   # the same run with the model's forward compiled (inductor)
+        eager = [*train[:train.index("--out") + 1], str(where / "eager"),
+                 *train[train.index("--out") + 2:]]
+        return {"hpclb": ([py, *train, "--compile"], where / "hpclb" / "summary.json"),
+                "baseline": ([py, *eager], where / "eager" / "summary.json")}
     mpi = [mpirun_path(), "-n", "2", "--oversubscribe", "--bind-to", "none"]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     return {"hpclb": ([*mpi, py, *train, "--expect-world-size", "2"],

@@ -1,4 +1,5 @@
-"""``hpclb bench trust-ratio|model|allreduce|scaling|overhead|logging|loader``: benchmarks.
+"""``hpclb bench trust-ratio|model|allreduce|scaling|overhead|host-overhead|logging|loader``:
+benchmarks.
 
 The arguments and the drivers are the benchmark modules' own (:mod:`hpclb.bench`); this module
 only registers them.
@@ -19,6 +20,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
     from hpclb.bench import (
         allreduce,
+        host_overhead,
         loader,
         logging_cost,
         overhead,
@@ -52,6 +54,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "and DDP over Gloo (2 ranks): paired whole-process runs")
     overhead.add_run_arguments(o)
     o.set_defaults(func=overhead.driver)
+    h = bsub.add_parser("host-overhead", help="host time hpclb adds per step over a plain torch "
+                        "loop: tiny model, 16 and 160 tensors, SGD/Adam/LARS/LAMB, 1 process "
+                        "and 2 ranks (launches mpirun itself)")
+    host_overhead.add_run_arguments(h)
+    h.set_defaults(func=host_overhead.driver)
     # bench logging (per-step logging cost, issue #13)
     lc = bsub.add_parser("logging", help="per-step logging and noise-scale cost: 2-rank "
                          "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")

@@ -82,6 +82,9 @@ def _add_run_options(t: argparse.ArgumentParser) -> None:
                    "the recipe's device, else auto)")
     t.add_argument("--share-gpu", action="store_true", help="allow more ranks than GPUs on a "
                    "node (ranks share GPUs round-robin; for tests)")
+    t.add_argument("--compile", nargs="?", const="default", metavar="MODE",
+                   help="torch.compile the model's forward (MODE: default, reduce-overhead, "
+                   "max-autotune; bare --compile: default); off by default")
     t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute precision "
                    "(autocast; fp16 with a loss scaler; parameters stay fp32; default: the "
                    "recipe's, else fp32)")
@@ -149,7 +152,8 @@ def _resolve(args: argparse.Namespace, comm):
                    accumulation_steps=args.accumulation_steps, device=args.device,
                    precision=args.precision, log_every=args.log_every,
                    noise_scale=args.noise_scale, max_nonfinite_steps=args.max_nonfinite_steps,
-                   keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite)
+                   keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
+                   compile=args.compile)
 
 
 def _train(args: argparse.Namespace, comm, cfg, early) -> int:

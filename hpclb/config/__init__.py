@@ -23,6 +23,7 @@ from hpclb.config.schema import (
     RUN_SETTINGS,
 )
 from hpclb.config.settings import (
+    COMPILE_MODES,
     RunConfig,
     check_checkpoint_interval,
     check_expect_world_size,
@@ -40,7 +41,7 @@ from hpclb.tasks.spec import (
 
 __all__ = ["DATASETS", "DEVICES", "LR_WARN_ABOVE", "OPTIMIZERS", "PRECISIONS", "RECIPE_KEYS",
            "RUN_SETTINGS", "TASKS", "ConfigError", "DataSpec", "ModelSpec", "OptimizerSpec",
-           "Recipe", "RecipeWarning", "RunConfig", "ScheduleSpec", "TargetSpec",
+           "COMPILE_MODES", "Recipe", "RecipeWarning", "RunConfig", "ScheduleSpec", "TargetSpec",
            "available_experiments", "check_checkpoint_interval", "check_expect_world_size",
            "load_recipe", "parse_recipe", "resolve"]
 

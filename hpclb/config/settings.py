@@ -26,7 +26,11 @@ from hpclb.sync.options import check_environment
 from hpclb.tasks.registry import TASKS
 from hpclb.tasks.spec import Recipe
 
-__all__ = ["RunConfig", "check_checkpoint_interval", "check_expect_world_size", "resolve"]
+__all__ = ["COMPILE_MODES", "RunConfig", "check_checkpoint_interval", "check_expect_world_size",
+           "resolve"]
+
+#: ``torch.compile`` modes ``hpclb train --compile MODE`` takes (torch's documented ones)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class RunConfig:
     steps between progress lines; 0: off), ``noise_scale`` (measure the gradient noise scale),
     ``max_nonfinite_steps`` (consecutive skipped non-finite steps before the run stops) and
     ``keep_checkpoints`` (checkpoint generations kept): command line, else recipe, else the
-    defaults of :data:`RUN_SETTINGS`. ``out`` (default ``runs/<experiment>/<scaling>-b<B>``)
+    defaults of :data:`RUN_SETTINGS`. ``compile``: None (eager) or a ``torch.compile`` mode of
+    :data:`COMPILE_MODES` (``--compile``). ``out`` (default ``runs/<experiment>/<scaling>-b<B>``)
     must not hold a run unless ``resume`` (True, or ``"auto"``: resume when it holds a
     checkpoint) or ``overwrite`` (:mod:`hpclb.config.outputs`)."""
 
@@ -62,6 +67,7 @@ class RunConfig:
     noise_scale: bool = False
     max_nonfinite_steps: int = 3
     keep_checkpoints: int = 2
+    compile: str | None = None
 
     @cached_property
     def spec(self) -> Recipe:
@@ -158,6 +164,14 @@ def check_expect_world_size(n: int | None) -> int | None:
     return n
 
 
+def _check_environment() -> None:
+    """The ``HPCLB_*`` gradient-sync variables, before any rank trains (ConfigError)."""
+    try:
+        check_environment()
+    except ValueError as e:
+        raise ConfigError(f"environment: {e}") from e
+
+
 def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "legw",
             optimizer: str | None = None, epochs: float | None = None, seed: int = 0,
             data_dir: str | None = None, out: str | None = None,
@@ -166,7 +180,8 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
             device: str | None = None, precision: str | None = None,
             log_every: int | None = None, noise_scale: bool | None = None,
             max_nonfinite_steps: int | None = None,
-            keep_checkpoints: int | None = None, overwrite: bool = False) -> RunConfig:
+            keep_checkpoints: int | None = None, overwrite: bool = False,
+            compile: str | None = None) -> RunConfig:
     """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
 
     ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``accumulation_steps``
@@ -178,16 +193,14 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     there), ``"auto"`` continues it when ``out`` holds a checkpoint, else starts afresh. ``out``
     defaults to ``runs/<name>/<scaling>-b<batch>``;
     ``overwrite`` lets a new run replace a run already there (checked by
-    :func:`hpclb.train.setup.setup_run`). Raises ConfigError naming the bad field and its
-    command-line flag;
+    :func:`hpclb.train.setup.setup_run`). ``compile``: None, or the ``torch.compile`` mode the
+    model's forward is compiled with (:data:`COMPILE_MODES`). Raises ConfigError naming the bad
+    field and its command-line flag;
     warns (:class:`RecipeWarning`) for valid values outside their sensible range.
     """
     recipe = load_recipe(experiment, epochs=epochs)  # the warmup against the run's budget
     spec = Recipe.from_dict(recipe)
-    try:
-        check_environment()  # HPCLB_* gradient-sync variables, before any rank trains
-    except ValueError as e:
-        raise ConfigError(f"environment: {e}") from e
+    _check_environment()
     require(scaling in schedules.SCHEMES, "--scaling",
             f"{scaling!r} is not one of {tuple(schedules.SCHEMES)}")
     batch = spec.base_batch_size if batch_size is None else batch_size
@@ -210,6 +223,8 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     require(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1,
             "--accumulation-steps", f"must be an integer >= 1 (micro-batches per optimizer "
             f"step; 1: no accumulation), got {acc!r}")
+    require(compile is None or compile in COMPILE_MODES, "--compile",
+            f"{compile!r} is not one of {COMPILE_MODES}")
     given = {"device": device, "precision": precision, "log_every": log_every,
              "noise_scale": noise_scale, "max_nonfinite_steps": max_nonfinite_steps,
              "keep_checkpoints": keep_checkpoints}
@@ -220,7 +235,7 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
                      epochs=float(n_epochs), seed=seed, data_dir=data_dir,
                      out=out or default_run_dir(spec.name, scaling, batch), resume=resume,
                      overwrite=overwrite, lr=lr,
-                     accumulation_steps=acc, **settings)
+                     accumulation_steps=acc, compile=compile, **settings)
 
 
 def _setting(spec: Recipe, key: str, value):

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from hpclb.optim import fused as kernels
+from hpclb.optim.plan import StepPlan, all_grads
 from hpclb.optim.trust import check_trust_clamp
 
 __all__ = ["check_range", "check_eps", "LayerwiseOptimizer", "clamp_row", "select_"]
@@ -77,6 +78,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.path: str | None = None
         self._paths_logged: set[tuple[str, str]] = set()
         self._adapted_index: tuple[tuple, Tensor] | None = None
+        self._step_plan: StepPlan | None = None
+
+    def invalidate_plan(self) -> None:
+        """Drop the step plan (:mod:`hpclb.optim.plan`): the next :meth:`step` gathers the layers,
+        checks them and finds the kernel table again. Needed only after a change the plan does
+        not see (a parameter's state dict replaced wholesale, a group's ``params`` list edited
+        in place)."""
+        self._step_plan = None
 
     def __setstate__(self, state: dict) -> None:
         """``copy.deepcopy`` and ``pickle``: torch restores the state and groups; the step's
@@ -86,6 +95,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        self._step_plan = None
         group = self.param_groups[-1]
         check_eps(group["eps"], self._EPS_TYPICAL)
         group["trust_clamp"] = check_trust_clamp(group.get("trust_clamp"))
@@ -133,19 +143,70 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                  for j, p in enumerate(g["params"])}
         return [where[id(p)] for _, p in pairs]
 
-    def _fused_for(self, pairs: list[tuple[dict, Tensor]],
-                   *lists: list[Tensor]) -> kernels.FusedTrust | None:
-        """The fused kernel when it serves these layer-aligned lists (weights first), else None
-        (the torch path); announces the path once (see the module docstring)."""
-        device = lists[0][0].device
-        fused = kernels.fused_for(device)
+    #: the optimizer-state tensors a step reads and writes, per layer (in the kernel's order)
+    _STATE_KEYS: tuple[str, ...] = ()
+    _KIND = ""
+
+    def _init_state(self, params: list[Tensor]) -> None:
+        """Create the state of ``params`` that have none (called as a plan is built)."""
+
+    def _plan_rows(self, plan: StepPlan) -> None:
+        """Set ``plan.rows`` (each layer's hyper-parameter row); default: its group."""
+
+    def _plan(self) -> StepPlan:
+        """The step plan (:mod:`hpclb.optim.plan`): the one of the last step when it still fits,
+        else a new one (layers gathered and checked, state created, fused path chosen, its
+        table found). Raises RuntimeError naming a parameter whose gradient is sparse."""
+        grads_all = all_grads(self.param_groups)
+        plan = self._step_plan
+        if plan is not None and plan.fits(self, grads_all) and self._fused_fits(plan):
+            return plan
+        plan = StepPlan(self, grads_all, self._STATE_KEYS)
+        self._plan_rows(plan)
+        if plan.params:
+            self._choose_fused(plan)
+        self._step_plan = plan
+        return plan
+
+    @staticmethod
+    def _stream_key(fused: kernels.FusedTrust) -> int:
+        return int(getattr(fused.launcher, "stream_key", lambda: 0)())
+
+    def _fused_fits(self, plan: StepPlan) -> bool:
+        if not plan.params:
+            return True
+        fused = kernels.fused_for(plan.device)
+        return fused is plan.fused and (fused is None or self._stream_key(fused) == plan.stream)
+
+    def _choose_fused(self, plan: StepPlan) -> None:
+        """The fused kernel when it serves the plan's layers (``plan.fused``, ``plan.table``),
+        else the torch path (``plan.fused`` None); announces the path once (module
+        docstring)."""
+        lists = (plan.params, plan.grads, *plan.tensors.values())
+        fused = kernels.fused_for(plan.device)
         reason = ""
         if fused is not None:
-            reason = fused.why_not(*lists, names=self._layer_names(pairs)) or ""
+            reason = fused.why_not(*lists, names=self._layer_names(plan.pairs)) or ""
             if reason:
                 fused = None
-        self._announce("torch" if fused is None else fused.launcher.name, device, reason)
-        return fused
+        if fused is not None:
+            plan.fused, plan.stream = fused, self._stream_key(fused)
+            plan.table = fused.table(*lists, adapt=plan.adapt, rows=plan.rows)
+        self._announce("torch" if fused is None else fused.launcher.name, plan.device, reason)
+
+    def _run_fused(self, plan: StepPlan) -> kernels.TrustResult | None:
+        """Both passes of the fused step over the plan (its rows uploaded); None when a launch
+        failed in the GPU stack (:func:`hpclb.optim.fused.is_backend_error`): the device is
+        refused from then on (one warning) and the caller runs the torch path instead (pass 1
+        writes no parameter or state, and a failed launch runs nothing)."""
+        try:
+            return plan.fused.run_step(self._KIND, plan.table, plan.hp)
+        except Exception as e:
+            if not kernels.is_backend_error(e):
+                raise
+            kernels.refuse(plan.device, e, "launch")
+            self._step_plan = None
+            return None
 
     def _announce(self, path: str, device: torch.device, reason: str) -> None:
         self.path = path

@@ -22,6 +22,9 @@ default) take the Adam direction without weight decay and ratio 1.
 """
 from __future__ import annotations
 
+from collections import deque
+from itertools import repeat
+from operator import itemgetter, setitem
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -30,6 +33,7 @@ from torch import Tensor
 
 from hpclb.optim import fused as kernels
 from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
+from hpclb.optim.plan import StepPlan
 from hpclb.optim.trust import host_to_device, lamb_trust_ratios, nan_if_found, unscale_grads_
 
 __all__ = ["lamb_direction", "LAMB"]
@@ -93,16 +97,39 @@ class LAMB(LayerwiseOptimizer):
                                       weight_decay=weight_decay, exclude=None,
                                       trust_clamp=trust_clamp))
 
+    _STATE_KEYS = ("exp_avg", "exp_avg_sq")
+    _KIND = "lamb"
+    #: the group values the plan's lists derive from (a change refills them; the LR, which a
+    #: schedule changes every step, is read per step)
+    _HP = ("betas", "eps", "weight_decay", "trust_clamp")
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pairs = self._gather()
-        if not pairs:
+        plan = self._plan()
+        if not plan.params:
             return loss
-        for _, p in pairs:
+        plan = self._advance(plan)
+        found_inf = getattr(self, "found_inf", None)
+        unscale_grads_(plan.nonempty, getattr(self, "grad_scale", None))
+        self._refresh(plan)
+        if plan.fused is not None:
+            self._upload_rows(plan)
+            with nan_if_found(plan.heads() if found_inf is not None else [], found_inf):
+                res = self._run_fused(plan)
+            if res is not None:
+                self._record(res.ratio, res.nonfinite, plan.adapt)
+                return loss
+            plan = self._plan()   # the launch failed: the torch path from now on
+            self._refresh(plan)
+        self._torch_step(plan, found_inf)
+        return loss
+
+    def _init_state(self, params: list[Tensor]) -> None:
+        for p in params:
             state = self.state[p]
             if not state:
                 state["step"] = 0
@@ -110,44 +137,65 @@ class LAMB(LayerwiseOptimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p)
             elif torch.is_tensor(state["step"]):   # torch Adam's format: once, then an int
                 state["step"] = int(state["step"].item())
-            state["step"] += 1
-        params = [p for _, p in pairs]
-        m = [self.state[p]["exp_avg"] for p in params]
-        v = [self.state[p]["exp_avg_sq"] for p in params]
-        found_inf = getattr(self, "found_inf", None)
-        unscale_grads_([p.grad for p in params], getattr(self, "grad_scale", None))
-        fused = self._fused_for(pairs, params, [p.grad for p in params], m, v)
-        if fused is not None:
-            with nan_if_found([p.grad for p in params], found_inf):
-                self._fused_step(fused, pairs, m, v)
-        else:
-            self._torch_step(pairs, found_inf)
-        return loss
 
-    def _torch_step(self, pairs: list[tuple[dict, Tensor]], found_inf: Tensor | None) -> None:
-        """The step with torch._foreach ops; layers grouped by (group, step count); nothing
-        changes where ``found_inf`` > 0."""
+    def _plan_rows(self, plan: StepPlan) -> None:
+        """One row per (group, step count), in order of first use (fused path); the torch
+        path's segments: per group, its layers of one step count, step counts ascending."""
+        steps = [st["step"] for st in plan.states]
+        index: dict[tuple[int, int], int] = {}
+        for k, step in zip(plan.group_index, steps):
+            index.setdefault((k, step), len(index))
+        plan.rows = [index[key] for key in zip(plan.group_index, steps)]
+        plan.cache["steps"], plan.cache["row_keys"] = steps, list(index)
+        plan.cache["segments"] = [
+            (k, [i for i, (g, s) in enumerate(zip(plan.group_index, steps)) if (g, s) == (k, s0)])
+            for k in range(len(self.param_groups))
+            for s0 in sorted({s for g, s in zip(plan.group_index, steps) if g == k})]
+
+    def _advance(self, plan: StepPlan) -> StepPlan:
+        """Every layer's step count + 1 (``state["step"]``); a count that is not the one the plan
+        expects (set by hand) rebuilds the plan first."""
+        if list(map(_STEP, plan.states)) != plan.cache["steps"]:
+            self._step_plan = None
+            plan = self._plan()
+        new = list(map((1).__add__, plan.cache["steps"]))
+        deque(map(setitem, plan.states, repeat("step"), new), maxlen=0)   # C-speed loop
+        plan.cache["steps"] = new
+        plan.cache["row_keys"] = [(k, s + 1) for k, s in plan.cache["row_keys"]]
+        return plan
+
+    def _refresh(self, plan: StepPlan) -> None:
+        """Checks eps against the parameters' dtypes and refills the per-layer weight decay,
+        when a group's value changed since the last step."""
+        key = [tuple(g[k] for k in self._HP) for g in self.param_groups]
+        if key == plan.hp_key:
+            return
+        plan.hp_key = key
+        for k, idx in plan.cache["segments"]:
+            self._check_eps_dtype(self.param_groups[k], [plan.params[i] for i in idx])
+        groups = [self.param_groups[k] for k in plan.group_index]
+        plan.cache["wd"] = [g["weight_decay"] if a else 0.0 for g, a in zip(groups, plan.adapt)]
+
+    def _torch_step(self, plan: StepPlan, found_inf: Tensor | None) -> None:
+        """The step with torch._foreach ops; layers in the plan's segments (group, step count);
+        nothing changes where ``found_inf`` > 0."""
         params, us, ms, vs, m_new, v_new, adapt, lrs, clamps = ([] for _ in range(9))
-        for group in self.param_groups:
-            ps = [p for g, p in pairs if g is group]
-            if ps:
-                self._check_eps_dtype(group, ps)
+        m_all, v_all, wd_all = plan.tensors["exp_avg"], plan.tensors["exp_avg_sq"], \
+            plan.cache["wd"]
+        for k, idx in plan.cache["segments"]:
+            group = self.param_groups[k]
             beta1, beta2 = group["betas"]
-            # One foreach call per distinct step count (all of a group's, unless added late).
-            for step in sorted({self.state[p]["step"] for p in ps}):
-                same = [p for p in ps if self.state[p]["step"] == step]
-                flags = [self.is_adapted(p, group) for p in same]
-                m, v = [self.state[p]["exp_avg"] for p in same], \
-                    [self.state[p]["exp_avg_sq"] for p in same]
-                u, mn, vn = lamb_direction(
-                    same, [p.grad for p in same], m, v, step=step, beta1=beta1, beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=[group["weight_decay"] if a else 0.0 for a in flags])
-                for acc, part in ((params, same), (us, u), (ms, m), (vs, v), (m_new, mn),
-                                  (v_new, vn), (adapt, flags)):
-                    acc += part
-                lrs += [group["lr"]] * len(same)
-                clamps += [group.get("trust_clamp")] * len(same)
+            same = [plan.params[i] for i in idx]
+            m, v = [m_all[i] for i in idx], [v_all[i] for i in idx]
+            u, mn, vn = lamb_direction(
+                same, [plan.grads[i] for i in idx], m, v,
+                step=plan.cache["steps"][idx[0]], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=[wd_all[i] for i in idx])
+            for acc, part in ((params, same), (us, u), (ms, m), (vs, v), (m_new, mn),
+                              (v_new, vn), (adapt, [plan.adapt[i] for i in idx])):
+                acc += part
+            lrs += [group["lr"]] * len(same)
+            clamps += [group.get("trust_clamp")] * len(same)
         ratios, w_norm, u_norm = lamb_trust_ratios(params, us, adapt=adapt, trust_clamp=clamps)
         ok = self._finite(w_norm, u_norm)
         if found_inf is not None:   # the whole step masked on the device
@@ -177,26 +225,20 @@ class LAMB(LayerwiseOptimizer):
                                  f"{torch.finfo(dtype).smallest_normal:.1e} or fp32 parameters")
             self._eps_checked.add(key)
 
-    def _fused_step(self, fused: kernels.FusedTrust, pairs: list[tuple[dict, Tensor]],
-                    m: list[Tensor], v: list[Tensor]) -> None:
-        """Both passes of the fused kernel (one hyper-parameter row per group and step count)."""
-        params = [p for _, p in pairs]
-        grads = [p.grad for p in params]
-        rows, index, adapt = [], {}, []
-        for group, p in pairs:
-            key = (id(group), self.state[p]["step"])
-            if key not in index:
-                index[key] = len(index)
-                rows.append((group, self.state[p]["step"]))
-            adapt.append(self.is_adapted(p, group))
-        hp = np.zeros((len(rows), kernels.HP_WORDS), dtype=np.float32)
-        for k, (g, step) in enumerate(rows):
+    def _upload_rows(self, plan: StepPlan) -> None:
+        """The kernel's rows, one per (group, step count), filled and uploaded (every step: the
+        bias corrections change)."""
+        hp = np.zeros((len(plan.cache["row_keys"]), kernels.HP_WORDS), dtype=np.float32)
+        for k, (gi, step) in enumerate(plan.cache["row_keys"]):
+            g = self.param_groups[gi]
             b1, b2 = g["betas"]
-            hp[k, [kernels.HP_LR, kernels.HP_WD, kernels.HP_EPS, kernels.HP_BETA1,
-                   kernels.HP_BETA2, kernels.HP_BC1, kernels.HP_BC2, kernels.HP_OMB1,
-                   kernels.HP_OMB2, kernels.HP_TMIN, kernels.HP_TMAX]] = (
-                g["lr"], g["weight_decay"], g["eps"], b1, b2, 1 - b1 ** step, 1 - b2 ** step,
-                1 - b1, 1 - b2, *clamp_row(g))
-        res = fused.lamb_step(params, grads, m, v, hp,
-                              [index[(id(g), self.state[p]["step"])] for g, p in pairs], adapt)
-        self._record(res.ratio, res.nonfinite, adapt)
+            hp[k, _ROW_SLOTS] = (g["lr"], g["weight_decay"], g["eps"], b1, b2, 1 - b1 ** step,
+                                 1 - b2 ** step, 1 - b1, 1 - b2, *clamp_row(g))
+        plan.upload(hp)
+
+
+_STEP = itemgetter("step")
+#: the hyper-parameter slots of a LAMB row, in the order :meth:`LAMB._upload_rows` fills them
+_ROW_SLOTS = [kernels.HP_LR, kernels.HP_WD, kernels.HP_EPS, kernels.HP_BETA1, kernels.HP_BETA2,
+              kernels.HP_BC1, kernels.HP_BC2, kernels.HP_OMB1, kernels.HP_OMB2, kernels.HP_TMIN,
+              kernels.HP_TMAX]

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from hpclb.optim import fused as kernels
 from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
+from hpclb.optim.plan import StepPlan
 from hpclb.optim.trust import host_to_device, lars_trust_ratios, nan_if_found, unscale_grads_
 
 __all__ = ["lars_update_", "LARS"]
@@ -98,60 +99,76 @@ class LARS(LayerwiseOptimizer):
                                       trust_coefficient=trust_coefficient, eps=eps, exclude=None,
                                       trust_clamp=trust_clamp))
 
+    _STATE_KEYS = ("momentum_buffer",)
+    _KIND = "lars"
+    #: the group values the plan's lists derive from (a change refills them; the LR is
+    #: compared on its own: a schedule changes it every step)
+    _HP = ("trust_coefficient", "weight_decay", "eps", "momentum", "trust_clamp")
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pairs = self._gather()
-        if not pairs:
+        plan = self._plan()
+        if not plan.params:
             return loss
-        params = [p for _, p in pairs]
-        grads = [p.grad for p in params]
-        adapt = [self.is_adapted(p, g) for g, p in pairs]
-        wd = [g["weight_decay"] if a else 0.0 for (g, _), a in zip(pairs, adapt)]
-        bufs = self._momentum_buffers(params)
         found_inf = getattr(self, "found_inf", None)
-        unscale_grads_(grads, getattr(self, "grad_scale", None))
-        fused = self._fused_for(pairs, params, grads, bufs)
-        if fused is not None:
-            with nan_if_found(grads, found_inf):
-                res = self._fused_step(fused, pairs, grads, bufs, adapt)
-            self._record(res.ratio, res.nonfinite, adapt)
-            return loss
+        unscale_grads_(plan.nonempty, getattr(self, "grad_scale", None))
+        self._refresh(plan)
+        if plan.fused is not None:
+            with nan_if_found(plan.heads() if found_inf is not None else [], found_inf):
+                res = self._run_fused(plan)
+            if res is not None:
+                self._record(res.ratio, res.nonfinite, plan.adapt)
+                return loss
+            plan = self._plan()   # the launch failed: the torch path from now on
+            self._refresh(plan)
+        self._torch_step(plan, found_inf)
+        return loss
+
+    def _torch_step(self, plan: StepPlan, found_inf: Tensor | None) -> None:
+        c = plan.cache
         ratios, w_norm, g_norm = lars_trust_ratios(
-            params, grads, trust_coefficient=[g["trust_coefficient"] for g, _ in pairs],
-            weight_decay=wd, eps=[g["eps"] for g, _ in pairs], adapt=adapt,
-            trust_clamp=[g.get("trust_clamp") for g, _ in pairs])
-        lrs = host_to_device([g["lr"] for g, _ in pairs], ratios.dtype, ratios.device)
+            plan.params, plan.grads, trust_coefficient=c["trust_coefficient"],
+            weight_decay=c["wd"], eps=c["eps"], adapt=plan.adapt, trust_clamp=c["trust_clamp"])
+        lrs = host_to_device(c["lr"], ratios.dtype, ratios.device)
         ok = self._finite(w_norm, g_norm)
         if found_inf is not None:   # the whole step masked on the device
             ok &= found_inf.to(ok.device) == 0
-        lars_update_(params, grads, bufs, lrs * ratios, [g["momentum"] for g, _ in pairs], wd,
-                     update=ok)
-        self._record(ratios, (~ok).sum(dtype=torch.int32), adapt)
-        return loss
+        lars_update_(plan.params, plan.grads, plan.tensors["momentum_buffer"], lrs * ratios,
+                     c["momentum"], c["wd"], update=ok)
+        self._record(ratios, (~ok).sum(dtype=torch.int32), plan.adapt)
 
-    def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
-        bufs = []
+    def _init_state(self, params: list[Tensor]) -> None:
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
-            bufs.append(state["momentum_buffer"])
-        return bufs
 
-    def _fused_step(self, fused: kernels.FusedTrust, pairs: list[tuple[dict, Tensor]],
-                    grads: list[Tensor], bufs: list[Tensor],
-                    adapt: list[bool]) -> kernels.TrustResult:
-        """Both passes of the fused kernel; one hyper-parameter row per parameter group."""
-        index = {id(g): k for k, g in enumerate(self.param_groups)}
+    def _refresh(self, plan: StepPlan) -> None:
+        """Per-layer hyper-parameter lists (torch path) and the kernel's rows, one per group
+        (fused path, uploaded), refilled when a group's value changed since the last step (the
+        LR, which a schedule changes every step, alone: only its list and the rows)."""
+        lrs = [g["lr"] for g in self.param_groups]
+        key = [tuple(g[k] for k in self._HP) for g in self.param_groups]
+        c = plan.cache
+        if key == plan.hp_key and lrs == c.get("group_lr"):
+            return
+        if key != plan.hp_key:
+            plan.hp_key = key
+            groups = [self.param_groups[k] for k in plan.group_index]
+            for name in ("trust_coefficient", "eps", "momentum", "trust_clamp"):
+                c[name] = [g.get(name) for g in groups]
+            c["wd"] = [g["weight_decay"] if a else 0.0 for g, a in zip(groups, plan.adapt)]
+        c["group_lr"], c["lr"] = lrs, list(map(lrs.__getitem__, plan.group_index))
+        if plan.fused is None:
+            return
         hp = np.zeros((len(self.param_groups), kernels.HP_WORDS), dtype=np.float32)
         for k, g in enumerate(self.param_groups):
             hp[k, [kernels.HP_LR, kernels.HP_ETA, kernels.HP_WD, kernels.HP_EPS,
                    kernels.HP_BETA1, kernels.HP_TMIN, kernels.HP_TMAX]] = (
                 g["lr"], g["trust_coefficient"], g["weight_decay"], g["eps"], g["momentum"],
                 *clamp_row(g))
-        return fused.lars_step([p for _, p in pairs], grads, bufs, hp,
-                               [index[id(g)] for g, _ in pairs], adapt)
+        plan.upload(hp)

@@ -134,22 +134,23 @@ def unscale_grads_(grads: Sequence[Tensor], grad_scale: Tensor | None) -> None:
     """Divide ``grads`` by ``grad_scale`` in place (as ``GradScaler.unscale_`` does); no-op for
     None. Part of torch's ``_step_supports_amp_scaling`` contract (``GradScaler.step`` sets
     ``optimizer.grad_scale`` when the gradients are still scaled)."""
+    if grad_scale is None:
+        return
     grads = [g for g in grads if g.numel()]
-    if grad_scale is not None and grads:
+    if grads:
         torch._foreach_div_(grads, grad_scale.to(grads[0].device))
 
 
 @contextmanager
-def nan_if_found(grads: Sequence[Tensor], found_inf: Tensor | None) -> Iterator[None]:
+def nan_if_found(heads: Sequence[Tensor], found_inf: Tensor | None) -> Iterator[None]:
     """For a kernel that leaves a layer untouched when its norms are not finite (the fused
-    LARS/LAMB step): while the block runs, the first element of every gradient is NaN where
-    ``found_inf`` (0-d, > 0 = skip the step) is set, so the whole step is masked; the first
+    LARS/LAMB step): while the block runs, every gradient's first element (``heads``: 1-element
+    views, ``g.view(-1)[:1]`` of each non-empty gradient, made once by the step plan) is NaN
+    where ``found_inf`` (0-d, > 0 = skip the step) is set, so the whole step is masked; the first
     elements are restored afterwards, bit for bit. Device-side only, no host read."""
-    grads = [g for g in grads if g.numel()]
-    if found_inf is None or not grads:
+    if found_inf is None or not heads:
         yield
         return
-    heads = [g.view(-1)[:1] for g in grads]
     saved = torch._foreach_mul(heads, 1.0)   # exact copies (x * 1 = x, signs of 0 kept)
     torch._foreach_mul_(heads, torch.where(found_inf.to(heads[0].device) > 0, math.nan, 1.0))
     try:

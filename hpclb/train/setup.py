@@ -296,6 +296,8 @@ def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
         torch.backends.cudnn.benchmark = True
         if any(isinstance(m, nn.Conv2d) for m in model.modules()):
             model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:   # in place: the same module, parameters and state_dict keys as eager
+        model.compile(mode=cfg.compile)
     return model
 
 

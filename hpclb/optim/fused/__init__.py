@@ -70,6 +70,7 @@ from hpclb.optim.fused.layout import (
     Table,
     build_layout,
     dtype_code,
+    upload,
     vector_chunks,
 )
 from hpclb.optim.fused.nvrtc import find_nvrtc, nvrtc_compile, nvrtc_version
@@ -82,7 +83,14 @@ from hpclb.optim.fused.source import (
     REPO_KERNELS_DIR,
     kernel_source,
 )
-from hpclb.optim.fused.trust import FusedTrust, TrustResult, fused_for, use_fused
+from hpclb.optim.fused.trust import (
+    FusedTrust,
+    TrustResult,
+    fused_for,
+    is_backend_error,
+    refuse,
+    use_fused,
+)
 
 __all__ = [
     "BF16", "D_FIRST", "D_G", "D_M", "D_META", "D_NUMEL", "D_ROW", "D_V", "D_W", "DEFAULT_BLOCK",
@@ -91,5 +99,5 @@ __all__ = [
     "KERNEL_PATH", "KERNELS", "KERNELS_DIR", "MODE_LAMB_FUSED", "MODE_LAMB_NORMS", "MODE_LARS",
     "NVRTC_OPTIONS", "PACKAGE_KERNELS_DIR", "REPO_KERNELS_DIR", "CupyLauncher", "FusedTrust",
     "KernelCompileError", "Table", "TrustResult", "build_layout", "cupy_available", "dtype_code",
-    "find_nvrtc", "fused_for", "kernel_source", "nvrtc_compile", "nvrtc_version", "use_fused",
-    "vector_chunks"]
+    "find_nvrtc", "fused_for", "is_backend_error", "kernel_source", "nvrtc_compile",
+    "nvrtc_version", "refuse", "upload", "use_fused", "vector_chunks"]

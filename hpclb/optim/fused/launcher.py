@@ -5,7 +5,8 @@ Compiled with :data:`~hpclb.optim.fused.source.NVRTC_OPTIONS`, which include the
 appends to every compile (``-ftz=true``), so the binary that runs is the one the compile gate
 checks. CuPy caches the binary on disk in ``$CUPY_CACHE_DIR``; where that is unset this module
 points it at :func:`cupy_cache_dir` (CuPy's default when writable, else a directory under the
-temporary directory), so a read-only home does not fail the first step. The grid of a launch is
+temporary directory) before CuPy is imported (CuPy reads it then), so a read-only home does not
+fail the first step. The grid of a launch is
 what stays resident on the GPU at once (:func:`resident_blocks_per_sm` from the kernel's
 registers and shared memory), not a guess.
 """
@@ -33,6 +34,8 @@ CUPY_CACHE_ENV = "CUPY_CACHE_DIR"
 
 @functools.lru_cache(maxsize=1)
 def _cupy() -> Any:
+    # before the import: CuPy reads $CUPY_CACHE_DIR as it is imported
+    os.environ.setdefault(CUPY_CACHE_ENV, cupy_cache_dir())
     import cupy  # noqa: F401  (the `gpu` extra)
 
     return cupy
@@ -116,7 +119,7 @@ class CupyLauncher:
         or OSError when CuPy cannot write its cache directory)."""
         if self._module is None:
             cp = _cupy()
-            os.environ.setdefault(CUPY_CACHE_ENV, cupy_cache_dir())
+            os.environ.setdefault(CUPY_CACHE_ENV, cupy_cache_dir())   # CuPy imported elsewhere
             with cp.cuda.Device(self.index):
                 mod = cp.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
                 try:

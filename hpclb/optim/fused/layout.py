@@ -14,7 +14,7 @@ __all__ = [
     "D_NUMEL", "D_ROW", "D_V", "D_W", "F16", "F32", "HP_BC1", "HP_BC2", "HP_BETA1", "HP_BETA2",
     "HP_EPS", "HP_ETA", "HP_LR", "HP_OMB1", "HP_OMB2", "HP_TMAX", "HP_TMIN", "HP_WD", "HP_WORDS",
     "MODE_LAMB_FUSED", "MODE_LAMB_NORMS", "MODE_LARS", "Table", "build_layout", "dtype_code",
-    "vector_chunks"]
+    "upload", "vector_chunks"]
 
 # Layout constants shared with the .cu file (tests check that both agree).
 DESC_WORDS = 8
@@ -84,12 +84,31 @@ def vector_chunks(desc: np.ndarray, chunk_tensor: np.ndarray, chunk_size: int,
     return int(ok.sum())
 
 
+def upload(host: np.ndarray, device: "torch.device", pinned: bool) -> tuple["torch.Tensor",
+                                                                            "torch.Tensor"]:
+    """``(on_device, source)``: a copy of ``host`` on ``device``, queued on the device's current
+    stream without waiting (``non_blocking``). With ``pinned`` (a CUDA device) the source is a
+    page-locked copy of ``host``, so the copy is truly asynchronous (from pageable memory CUDA
+    stages it and the host waits). The caller keeps ``source`` alive until the copy is done
+    (:class:`Table` keeps it as long as the table lives)."""
+    import torch
+
+    src = torch.from_numpy(np.ascontiguousarray(host))
+    if pinned:
+        src = src.pin_memory()
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+    dst.copy_(src, non_blocking=True)
+    return dst, src
+
+
 class Table:
     """Device-side tables for one parameter list (see the module docstring), and the number of
-    vectorised chunks per kernel (``vector[kernel]``)."""
+    vectorised chunks per kernel (``vector[kernel]``). Uploaded once, at construction, from
+    pinned host memory when ``pinned`` (:func:`upload`); the host copies live as long as the
+    table (``host``)."""
 
     def __init__(self, desc: np.ndarray, chunk_tensor: np.ndarray, device: "torch.device",
-                 chunk_size: int, stream: int = 0):
+                 chunk_size: int, stream: int = 0, *, pinned: bool = False):
         import torch
 
         self.n = desc.shape[0]
@@ -97,8 +116,9 @@ class Table:
         self.stream = stream
         self.vector = {k: vector_chunks(desc, chunk_tensor, chunk_size, slots)
                        for k, slots in _KERNEL_SLOTS.items()}
-        self.desc = torch.from_numpy(desc.reshape(-1)).to(device, non_blocking=True)
-        self.chunk_tensor = torch.from_numpy(chunk_tensor).to(device, non_blocking=True)
+        self.desc, desc_host = upload(desc.reshape(-1), device, pinned)
+        self.chunk_tensor, chunk_host = upload(chunk_tensor, device, pinned)
+        self.host = (desc_host, chunk_host)
         self.partials = torch.empty(2 * self.n_chunks, dtype=torch.float32, device=device)
         self.tickets = torch.zeros(self.n, dtype=torch.int32, device=device)
 

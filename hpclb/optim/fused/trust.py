@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from hpclb.errors import KernelCompileError
 from hpclb.optim.fused.launcher import CUPY_CACHE_ENV, CupyLauncher, cupy_available
 from hpclb.optim.fused.layout import (
     D_FIRST,
@@ -35,6 +36,7 @@ from hpclb.optim.fused.layout import (
     Table,
     build_layout,
     dtype_code,
+    upload,
 )
 from hpclb.optim.fused.source import KERNELS
 
@@ -42,9 +44,12 @@ if TYPE_CHECKING:  # torch is imported lazily so kernels/testing can run this un
     import torch
     from torch import Tensor
 
-__all__ = ["FusedTrust", "TrustResult", "fused_for", "use_fused"]
+__all__ = ["FusedTrust", "TrustResult", "fused_for", "is_backend_error", "refuse", "use_fused"]
 
 _TABLE_CACHE_SIZE = 8
+#: kind -> (pass-1 kernel, pass-2 kernel, pass-1 mode)
+_STEPS = {"lars": ("hl_norms_pass1", "hl_lars_apply", MODE_LARS),
+          "lamb": ("hl_lamb_pass1", "hl_lamb_apply", MODE_LAMB_FUSED)}
 log = logging.getLogger(__name__)
 
 
@@ -106,8 +111,9 @@ class FusedTrust:
 
     ``counters``: ``launches``, ``chunks`` and ``vector_chunks`` (chunks on the 16-byte vector
     path) summed over launches, ``vector_launches`` (launches whose every chunk was
-    vectorised), ``validations`` (full checks of the tensors, :meth:`why_not`) and ``tables``
-    (descriptor tables built and uploaded, :meth:`table`).
+    vectorised), ``validations`` (full checks of the tensors, :meth:`why_not`), ``tables``
+    (descriptor tables built and uploaded, :meth:`table`) and ``hp_uploads`` (hyper-parameter
+    rows copied to the device, :meth:`upload_hp`).
 
     Caching: a step passes the same tensors every time (parameters, bucket views, optimizer
     state), so the checks and the table are done once per *tensor set*, keyed by every tensor's
@@ -126,13 +132,16 @@ class FusedTrust:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.launcher = launcher
         self.device = launcher.device
+        #: host-to-device copies (tables, hyper-parameters) from pinned memory: a CUDA device,
+        #: unless the launcher says otherwise (``pinned_uploads``)
+        self.pinned = bool(getattr(launcher, "pinned_uploads", self.device.type == "cuda"))
         self.chunk_size = int(chunk_size)
         self.block = int(block)
         self._layouts: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._tables: OrderedDict[tuple, Table] = OrderedDict()
         self._valid: OrderedDict[tuple, None] = OrderedDict()
         self.counters = {"launches": 0, "vector_launches": 0, "chunks": 0, "vector_chunks": 0,
-                         "validations": 0, "tables": 0}
+                         "validations": 0, "tables": 0, "hp_uploads": 0}
 
     # -- checks and tables ----------------------------------------------------------------------
     def why_not(self, *lists: Sequence["Tensor | None"],
@@ -236,15 +245,22 @@ class FusedTrust:
                                      f"{t.dtype})")
             desc[:, slot] = np.fromiter((_ptr(t) for t in ts), dtype=np.uint64,
                                         count=n).view(np.int64)
-        return Table(desc, chunk_tensor, self.device, self.chunk_size, stream)
+        return Table(desc, chunk_tensor, self.device, self.chunk_size, stream,
+                     pinned=self.pinned)
 
-    def _upload_hp(self, hp: "np.ndarray | Tensor") -> "Tensor":
+    def upload_hp(self, hp: "np.ndarray | Tensor") -> tuple["Tensor", Any]:
+        """``(on_device, source)``: hyper-parameter rows (float32 ``[R, HP_WORDS]``) on the
+        device, copied from pinned memory without waiting (:func:`~.layout.upload`); keep
+        ``source`` alive until the copy is done (the next upload, or the step's end)."""
         import torch
 
+        self.counters["hp_uploads"] += 1
         if isinstance(hp, torch.Tensor):
-            return hp.to(self.device, torch.float32).contiguous()
-        return torch.from_numpy(np.ascontiguousarray(hp, dtype=np.float32)).to(
-            self.device, non_blocking=True)
+            return hp.to(self.device, torch.float32).contiguous(), hp
+        return upload(np.ascontiguousarray(hp, dtype=np.float32), self.device, self.pinned)
+
+    def _upload_hp(self, hp: "np.ndarray | Tensor") -> "Tensor":
+        return self.upload_hp(hp)[0]
 
     def _outputs(self, n: int, out: TrustResult | None) -> TrustResult:
         import torch
@@ -367,10 +383,18 @@ class FusedTrust:
         if n == 0:
             return self._empty()
         tab = self.table(params, grads, momentum_buffers, adapt=adapt, rows=rows)
-        hp = self._upload_hp(hp_rows)
-        res = self._outputs(n, out)
-        self._pass1("hl_norms_pass1", tab, hp, MODE_LARS, res)
-        self._pass2("hl_lars_apply", tab, hp, res)
+        return self.run_step("lars", tab, self._upload_hp(hp_rows), out=out)
+
+    def run_step(self, kind: str, tab: Table, hp: "Tensor", *,
+                 out: TrustResult | None = None) -> TrustResult:
+        """Both passes of one ``kind`` (``"lars"`` or ``"lamb"``) step over the tensors of
+        ``tab`` (a :meth:`table` of weights, gradients and state, held by the caller's step
+        plan) with the device hyper-parameter rows ``hp``: what :meth:`lars_step` and
+        :meth:`lamb_step` do once the table is found. Returns the pass-1 results."""
+        pass1, pass2, mode = _STEPS[kind]
+        res = self._outputs(tab.n, out)
+        self._pass1(pass1, tab, hp, mode, res)
+        self._pass2(pass2, tab, hp, res)
         return res
 
     def lamb_step(self, params: Sequence["Tensor"], grads: Sequence["Tensor"],
@@ -390,11 +414,7 @@ class FusedTrust:
         if n == 0:
             return self._empty()
         tab = self.table(params, grads, exp_avgs, exp_avg_sqs, adapt=adapt, rows=rows)
-        hp = self._upload_hp(hp_rows)
-        res = self._outputs(n, out)
-        self._pass1("hl_lamb_pass1", tab, hp, MODE_LAMB_FUSED, res)
-        self._pass2("hl_lamb_apply", tab, hp, res)
-        return res
+        return self.run_step("lamb", tab, self._upload_hp(hp_rows), out=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,16 +426,46 @@ _REFUSED: dict[str, str] = {}  # device -> why CuPy's kernel could not be had (w
 _OVERRIDES: dict[str, FusedTrust] = {}
 
 
+def is_backend_error(e: BaseException) -> bool:
+    """True for an error of the GPU stack under the fused kernel, for which the torch path is the
+    answer: CuPy's compile, NVRTC, driver and runtime errors (``cupy``/``cupy_backends``
+    exception types), :class:`~hpclb.errors.KernelCompileError`, and ``OSError`` (a kernel
+    cache that cannot be written)."""
+    module = type(e).__module__ or ""
+    return isinstance(e, (OSError, KernelCompileError)) or module.split(".")[0] in (
+        "cupy", "cupy_backends")
+
+
+def refuse(device: "torch.device | str", error: BaseException, when: str) -> None:
+    """From now on :func:`fused_for` returns None for ``device`` (the torch path); warns once,
+    naming the error and what to do. ``when``: what failed (``"compile"`` or ``"launch"``)."""
+    import torch
+
+    key = str(torch.device(device))
+    if key in _REFUSED:
+        return
+    _REFUSED[key] = f"{type(error).__name__}: {error}"
+    hint = (f"CuPy could not write its kernel cache: set {CUPY_CACHE_ENV} to a writable "
+            "directory" if isinstance(error, OSError) else
+            "check the CUDA driver, CuPy and NVRTC versions (docs/clusters-gpu.md), or set "
+            "HPCLB_TRUST_BACKEND=torch")
+    log.warning("fused trust-ratio kernel unavailable on %s (%s failed: %s); %s. The torch "
+                "path runs instead, from now on.", key, when, _REFUSED[key], hint)
+
+
 def fused_for(device: "torch.device | str") -> FusedTrust | None:
     """The FusedTrust serving ``device``: an installed override (tests), else CuPy's for a CUDA
     device when CuPy imports and the kernel compiles (compiled here, on first use); None means
-    the torch path. Respects ``HPCLB_TRUST_BACKEND=torch``. When CuPy cannot write its kernel
-    cache (an ``OSError``: read-only ``$CUPY_CACHE_DIR``) it warns once and returns None from
-    then on; a compile error raises KernelCompileError."""
+    the torch path. Respects ``HPCLB_TRUST_BACKEND=torch``. When the kernel cannot be had (a
+    compile, NVRTC, driver or CuPy error, or a kernel cache that cannot be written:
+    :func:`is_backend_error`), or a launch failed (:func:`refuse`), it warns once and returns
+    None from then on; any other error propagates."""
     import torch
 
     device = torch.device(device)
     key = str(device)
+    if key in _REFUSED:
+        return None
     if key in _OVERRIDES:
         return _OVERRIDES[key]
     if os.environ.get("HPCLB_TRUST_BACKEND", "auto") == "torch" or device.type != "cuda":
@@ -429,12 +479,11 @@ def fused_for(device: "torch.device | str") -> FusedTrust | None:
             return None
         launcher = CupyLauncher(device)
         try:
-            launcher.module()  # compile now, so that a failure to cache falls back here, once
-        except OSError as e:
-            _REFUSED[key] = str(e)
-            log.warning("fused trust-ratio kernel unavailable on %s: CuPy could not use its "
-                        "kernel cache (%s); set %s to a writable directory. The torch path "
-                        "runs instead.", device, e, CUPY_CACHE_ENV)
+            launcher.module()  # compile now, so that a failure falls back here, once
+        except Exception as e:
+            if not is_backend_error(e):
+                raise
+            refuse(device, e, "compile")
             return None
         hit = _FUSED[key] = FusedTrust(launcher)
     return hit

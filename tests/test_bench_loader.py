@@ -39,6 +39,8 @@ def test_bench_loader_writes_its_json(tmp_path):
         assert len(doc["per_round"][transform][doc["fast"]]) == 2
         assert set(doc["speedup"][transform]) == {"fast_pil", "fast_shards"} | (sj & {
             "fast_simplejpeg"}) and all(v > 0 for v in doc["speedup"][transform].values())
+        assert (doc["simplejpeg_over_pil"][transform] > 0) if jpeg else (
+            doc["simplejpeg_over_pil"] == {})
     per_sample = 3 * 224 * 224
     assert doc["batch_bytes"]["current"] == 8 * (4 * per_sample + 8)  # float32 x, int64 y
     assert doc["batch_bytes"]["fast"] == 8 * (per_sample + 8)         # uint8 x

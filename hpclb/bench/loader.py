@@ -23,9 +23,9 @@ share the machine; ``wall_images_per_s`` per wall second):
 ``train`` is the augmenting transform (random-resized crop 224 + flip, the same seeded crop
 boxes in every variant), ``eval`` the resize-256 + centre-crop-224 one. Rates are medians over
 rounds of images/s; ``speedup`` the median of the per-round ratios of each ``fast_`` variant to
-``current``. ``batch_bytes``: one
-``--batch-size`` batch's ``x`` and ``y`` as each path hands it to the host-to-device copy.
-Writes ``results/bench_loader.json``.
+``current``, ``simplejpeg_over_pil`` that of ``fast_simplejpeg`` to ``fast_pil`` (where both
+ran). ``batch_bytes``: one ``--batch-size`` batch's ``x`` and ``y`` as each path hands it to
+the host-to-device copy. Writes ``results/bench_loader.json``.
 """
 from __future__ import annotations
 
@@ -205,6 +205,9 @@ def report(rates: tuple[dict, dict], setup: dict, batch_bytes: dict, scaled: flo
         "benchmark": "hpclb bench loader", "target_images_per_s_per_core": TARGET_IMAGES_PER_S,
         "fast": fast, "train_meets_target": med["train"][fast] >= TARGET_IMAGES_PER_S,
         "images_per_s_per_core": med, "speedup": speedup, "batch_bytes": batch_bytes,
+        "simplejpeg_over_pil": {t: statistics.median(s / p for s, p in zip(
+            vs["fast_simplejpeg"], vs["fast_pil"])) for t, vs in rates.items()
+            if "fast_simplejpeg" in vs},
         "wall_images_per_s": {t: {v: statistics.median(x) for v, x in vs.items()}
                               for t, vs in wall.items()},
         "train_crops_dct_scaled_fraction": scaled, "per_round": rates, "setup": setup,

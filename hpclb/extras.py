@@ -1,8 +1,9 @@
 """Optional dependencies: import one, or say which ``pip install 'hpclb[<extra>]'`` brings it.
 
 The library itself needs only torch, numpy, mpi4py, PyYAML and tqdm. The recipes' data sets,
-BLEU, plots and job templates use packages of the ``experiments`` extra (setup.cfg); they are
-imported lazily, through :func:`require`, where they are used.
+BLEU, plots and job templates use packages of the ``experiments`` extra (setup.cfg), the ImageNet
+loader's JPEG decoder the ``jpeg`` extra; they are imported lazily, through :func:`require`,
+where they are used.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "pysword": ("pysword", "experiments"),
     "sacrebleu": ("sacrebleu", "experiments"),
     "sentencepiece": ("sentencepiece", "experiments"),
+    "simplejpeg": ("simplejpeg", "jpeg"),
     "tensorboard": ("tensorboard", "tensorboard"),
     "cupy": ("cupy-cuda13x", "gpu"),
     "horovod": ("horovod", "horovod"),

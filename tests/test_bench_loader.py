@@ -15,23 +15,32 @@ from conftest import REPO
 
 from hpclb.bench.loader import reference_sample, synthetic_jpegs
 from hpclb.data.images import ImageFolder
+from hpclb.data.transforms import default_decoder
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_bench_loader_writes_its_json(tmp_path):
     out = tmp_path / "bench_loader.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1",  # the same decoders as here (PYTHONPATH kept)
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "hpclb", "bench", "loader", "--images", "4",
                         "--rounds", "2", "--batch-size", "8", "--out", str(out)],
                        capture_output=True, text=True, timeout=100, env=env, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
+    jpeg = default_decoder() == "simplejpeg"  # both decoders are timed where simplejpeg is there
+    assert doc["fast"] == f"fast_{default_decoder()}" == f"fast_{doc['setup']['default_decoder']}"
     for transform in ("train", "eval"):
         rates = doc["images_per_s_per_core"][transform]
-        assert set(rates) == {"current", "fast", "fast_shards", "full_decode"}
+        sj = {"fast_simplejpeg", "full_decode_simplejpeg"} if jpeg else set()
+        assert set(rates) == {"current", "fast_pil", "fast_shards", "full_decode_pil"} | sj
         assert all(math.isfinite(v) and v > 0 for v in rates.values())
-        assert len(doc["per_round"][transform]["fast"]) == 2 and doc["speedup"][transform] > 0
+        assert len(doc["per_round"][transform][doc["fast"]]) == 2
+        assert set(doc["speedup"][transform]) == {"fast_pil", "fast_shards"} | (sj & {
+            "fast_simplejpeg"}) and all(v > 0 for v in doc["speedup"][transform].values())
+        assert (doc["simplejpeg_over_pil"][transform] > 0) if jpeg else (
+            doc["simplejpeg_over_pil"] == {})
     per_sample = 3 * 224 * 224
     assert doc["batch_bytes"]["current"] == 8 * (4 * per_sample + 8)  # float32 x, int64 y
     assert doc["batch_bytes"]["fast"] == 8 * (per_sample + 8)         # uint8 x

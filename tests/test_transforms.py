@@ -54,7 +54,7 @@ def test_a_jpeg_is_decoded_at_the_smallest_scale_that_covers_its_crop(monkeypatc
     size, scales = 48, set()
     for index in range(60):
         calls.clear()
-        x = decode_train(io.BytesIO(data), size, 3, 0, index)
+        x = decode_train(io.BytesIO(data), size, 3, 0, index, decoder="pil")
         assert x.shape == (3, size, size) and x.dtype == torch.uint8
         (left, top, w, h), _ = train_crop(800, 600, 3, 0, index)
         [(s, decoded)] = calls
@@ -144,3 +144,118 @@ def test_the_task_normalises_uint8_batches_where_they_reach_the_device(tmp_path)
     assert loss.ndim == 0 and stats[2].item() == 4
     metrics = task.evaluate(model, SelfCommunicator())
     assert model.seen.dtype == torch.float32 and 0 <= metrics["test_accuracy"] <= 1
+
+
+def _noisy_jpeg(width: int, height: int, seed: int = 0, mode: str = "RGB") -> bytes:
+    """A JPEG (quality 90) of a gradient plus noise, like the loader benchmark's images: a
+    crop shifted by a pixel or two reads clearly different pixels."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = 127.5 + 100 * np.sin((xx[..., None] / width + 2 * yy[..., None] / height) * np.pi
+                                + np.arange(3))
+    img = np.clip(base + rng.normal(0, 12, (height, width, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).convert(mode).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_dct_scale_is_the_scale_pil_draft_chooses():
+    from PIL import Image
+
+    data = _noisy_jpeg(757, 568)
+    for mw, mh in ((757, 568), (378, 1), (379, 10), (190, 142), (189, 143), (95, 71), (94, 70),
+                   (40, 30), (1, 1), (1000, 1000)):
+        with Image.open(io.BytesIO(data)) as im:
+            assert transforms._draft(im, mw, mh) == transforms.dct_scale(757, 568, mw, mh), (mw, mh)
+
+
+def _simplejpeg_or_skip():
+    if transforms.default_decoder() != "simplejpeg":
+        pytest.skip("simplejpeg (the jpeg extra, part of 'all') is not installed: "
+                    "pip install 'hpclb[jpeg]'")
+
+
+def _crop(data: bytes, box, size: int, decoder: str) -> torch.Tensor:
+    """``box`` (left, top, w, h) of the JPEG ``data`` decoded by ``decoder`` at the DCT scale
+    that keeps ``size`` pixels, resized to ``size`` x ``size``: float32, unflipped."""
+    def plan(width, height):
+        return -(-width * size // box[2]), -(-height * size // box[3]), box, None
+    return transforms._resize(transforms._decode(io.BytesIO(data), plan, decoder)[0], size,
+                              size)[0].float()
+
+
+def test_simplejpeg_reads_the_pil_pixels_of_the_same_crop_boxes():
+    """Both decoders (libjpeg-turbo's accurate DCT, the same DCT scale and box): at most 2 grey
+    levels apart on average, for scaled and full-size decodes, train and eval, and closer than
+    PIL's decode of the box moved by 16 pixels (2 at scale 1/8) in any direction."""
+    _simplejpeg_or_skip()
+    scales = set()
+    for k, (width, height) in enumerate(((800, 600), (501, 376), (640, 480))):
+        data = _noisy_jpeg(width, height, seed=k)
+        for index, size in enumerate((64, 224) * 5):
+            pil = decode_train(io.BytesIO(data), size, 5, 1, index, decoder="pil").float()
+            sj = decode_train(io.BytesIO(data), size, 5, 1, index, decoder="simplejpeg").float()
+            assert sj.shape == pil.shape == (3, size, size)
+            here = (sj - pil).abs().mean().item()
+            assert here <= 2, (width, index, here)
+            (left, top, w, h), flip = train_crop(width, height, 5, 1, index)
+            sj = sj.flip(-1) if flip else sj
+            for dx, dy in ((-16, 0), (16, 0), (0, -16), (0, 16)):
+                x, y = left + dx, top + dy
+                if 0 <= x <= width - w and 0 <= y <= height - h:
+                    moved = _crop(data, (x, y, w, h), size, "pil")
+                    assert here < (sj - moved).abs().mean().item(), (width, index, dx, dy)
+            scales.add(transforms.dct_scale(width, height, -(-width * size // w),
+                                            -(-height * size // h)))
+        for resize, size in ((256, 224), (72, 64)):  # full size, and a DCT-scaled decode
+            pil = decode_eval(io.BytesIO(data), size, resize, decoder="pil").float()
+            sj = decode_eval(io.BytesIO(data), size, resize, decoder="simplejpeg").float()
+            assert sj.shape == pil.shape == (3, size, size)
+            assert (sj - pil).abs().mean().item() <= 2
+    assert {1, 2} <= scales, scales  # scaled and full-size crops both compared
+
+
+def test_simplejpeg_leaves_grey_cmyk_corrupt_and_non_jpeg_files_to_pil(tmp_path):
+    """Grey JPEGs: the same pixels; CMYK ones and PNGs (even named .jpg) are PIL's; a truncated
+    JPEG is rejected, naming the file, with either decoder."""
+    from PIL import Image
+
+    from hpclb.errors import DataError
+
+    _simplejpeg_or_skip()
+    grey, cmyk = _noisy_jpeg(300, 200, mode="L"), _noisy_jpeg(300, 200, mode="CMYK")
+    png = io.BytesIO()
+    Image.open(io.BytesIO(grey)).save(png, "PNG")
+    for data, bound in ((grey, 2), (cmyk, 0), (png.getvalue(), 0)):
+        for index in range(4):
+            a = decode_train(io.BytesIO(data), 32, 0, 0, index, decoder="pil").float()
+            b = decode_train(io.BytesIO(data), 32, 0, 0, index, decoder="simplejpeg").float()
+            assert (a - b).abs().mean().item() <= bound
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "cut.jpg").write_bytes(grey[:len(grey) // 2])
+    folder = ImageFolder(tmp_path, image_size=32, augment=True)
+    with pytest.raises(DataError, match="cut.jpg: cannot read image"):
+        folder.sample(0)
+
+
+def test_a_decoder_is_named_or_its_extra_is_asked_for(monkeypatch):
+    import sys
+
+    from hpclb.errors import MissingExtraError
+
+    data = _noisy_jpeg(80, 60)
+    with pytest.raises(ValueError, match="decoder: 'turbo' is not one of pil, simplejpeg"):
+        decode_train(io.BytesIO(data), 32, 0, 0, 0, decoder="turbo")
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)  # import simplejpeg -> ModuleNotFoundError
+    transforms._simplejpeg.cache_clear()
+    try:
+        assert transforms.default_decoder() == "pil"
+        assert decode_eval(io.BytesIO(data), 32, 40).shape == (3, 32, 32)  # PIL decodes
+        with pytest.raises(MissingExtraError, match=r"pip install 'hpclb\[jpeg\]'"):
+            decode_eval(io.BytesIO(data), 32, 40, decoder="simplejpeg")
+    finally:
+        monkeypatch.undo()
+        transforms._simplejpeg.cache_clear()

@@ -10,18 +10,22 @@ share the machine; ``wall_images_per_s`` per wall second):
 
 * ``current``: the path before issue 28, kept here as :func:`reference_sample`: PIL decodes the
   whole JPEG, crops and resizes it, converts to float32 and normalises on the CPU;
-* ``fast``: :meth:`hpclb.data.images.ImageFolder.sample`: decoded only at the resolution the
-  crop needs (DCT scaling), uint8, normalised later on the device;
-* ``fast_shards``: the same samples read from tar shards
-  (:class:`hpclb.data.shards.TarShards`, written from that folder);
-* ``full_decode``: PIL's decode of the whole image and nothing else, the floor of any path that
-  decodes every pixel with PIL (``fast`` beats it only where DCT scaling applies).
+* ``fast_pil``, ``fast_simplejpeg`` (where simplejpeg, the ``jpeg`` extra, is installed):
+  :func:`hpclb.data.transforms.decode_train` / ``decode_eval`` with that JPEG decoder: decoded
+  only at the resolution the crop needs (DCT scaling), uint8, normalised later on the device;
+  ``fast`` in the JSON names the one a run uses (:func:`~hpclb.data.transforms.default_decoder`);
+* ``fast_shards``: the samples a run reads from tar shards
+  (:class:`hpclb.data.shards.TarShards`, written from that folder; the default decoder);
+* ``full_decode_pil``, ``full_decode_simplejpeg``: that decoder's decode of the whole image and
+  nothing else, the floor of any path that decodes every pixel with it (a ``fast_`` path beats
+  it only where DCT scaling applies).
 
 ``train`` is the augmenting transform (random-resized crop 224 + flip, the same seeded crop
 boxes in every variant), ``eval`` the resize-256 + centre-crop-224 one. Rates are medians over
-rounds of images/s; ``speedup`` the median of the per-round ratios. ``batch_bytes``: one
-``--batch-size`` batch's ``x`` and ``y`` as each path hands it to the host-to-device copy.
-Writes ``results/bench_loader.json``.
+rounds of images/s; ``speedup`` the median of the per-round ratios of each ``fast_`` variant to
+``current``, ``simplejpeg_over_pil`` that of ``fast_simplejpeg`` to ``fast_pil`` (where both
+ran). ``batch_bytes``: one ``--batch-size`` batch's ``x`` and ``y`` as each path hands it to
+the host-to-device copy. Writes ``results/bench_loader.json``.
 """
 from __future__ import annotations
 
@@ -97,27 +101,43 @@ def reference_sample(path: Path, size: int, resize: int, augment: bool, seed: in
 
 
 def _variants(root: Path, shards: Path, size: int, resize: int) -> dict:
-    """{transform: {variant: fn(index, epoch) -> x}} over the folder's samples."""
+    """{transform: {variant: fn(index, epoch) -> x}} over the folder's samples (the
+    simplejpeg variants where it is installed)."""
     from PIL import Image
 
+    from hpclb.data import transforms
     from hpclb.data.images import ImageFolder
     from hpclb.data.shards import TarShards
+    from hpclb.extras import require
 
-    def full_decode(i, e, files=ImageFolder(root).files):
-        with Image.open(files[i][0]) as im:
+    files = [path for path, _ in ImageFolder(root).files]
+    decoders = ["pil"] + (["simplejpeg"] if transforms.default_decoder() == "simplejpeg" else [])
+
+    def full_decode_pil(i, e):
+        with Image.open(files[i]) as im:
             im.load()
+
+    def full_decode_simplejpeg(i, e):
+        require("simplejpeg", "the benchmark").decode_jpeg(
+            files[i].read_bytes(), "RGB", fastdct=False, fastupsample=False)
 
     out = {}
     for transform, augment in (("train", True), ("eval", False)):
-        folder = ImageFolder(root, size, resize, augment=augment)
         tars = TarShards(shards, size, resize, augment=augment)
 
-        def current(i, e, folder=folder, augment=augment):
-            return reference_sample(folder.files[i][0], size, resize, augment, 0, e, i)
+        def current(i, e, augment=augment):
+            return reference_sample(files[i], size, resize, augment, 0, e, i)
+
+        def fast(decoder, augment=augment):
+            if augment:
+                return lambda i, e: transforms.decode_train(files[i], size, 0, e, i, decoder)
+            return lambda i, e: transforms.decode_eval(files[i], size, resize, decoder)
         out[transform] = {"current": current,
-                          "fast": lambda i, e, s=folder: s.sample(i, e)[0],
+                          **{f"fast_{d}": fast(d) for d in decoders},
                           "fast_shards": lambda i, e, s=tars: s.sample(i, e)[0],
-                          "full_decode": full_decode}
+                          "full_decode_pil": full_decode_pil}
+        if "simplejpeg" in decoders:
+            out[transform]["full_decode_simplejpeg"] = full_decode_simplejpeg
     return out
 
 
@@ -174,19 +194,35 @@ def _scaled_fraction(root: Path, n: int, rounds: int, size: int) -> float:
 def report(rates: tuple[dict, dict], setup: dict, batch_bytes: dict, scaled: float,
            load: tuple) -> dict:
     """The JSON document of a run (``rates``: :func:`measure`'s)."""
+    from hpclb.data.transforms import default_decoder
+
     rates, wall = rates
+    fast = f"fast_{default_decoder()}"
     med = {t: {v: statistics.median(x) for v, x in vs.items()} for t, vs in rates.items()}
-    speedup = {t: statistics.median(f / c for f, c in zip(vs["fast"], vs["current"]))
-               for t, vs in rates.items()}
+    speedup = {t: {v: statistics.median(f / c for f, c in zip(x, vs["current"]))
+                   for v, x in vs.items() if v.startswith("fast_")} for t, vs in rates.items()}
     return {
         "benchmark": "hpclb bench loader", "target_images_per_s_per_core": TARGET_IMAGES_PER_S,
-        "train_meets_target": med["train"]["fast"] >= TARGET_IMAGES_PER_S,
+        "fast": fast, "train_meets_target": med["train"][fast] >= TARGET_IMAGES_PER_S,
         "images_per_s_per_core": med, "speedup": speedup, "batch_bytes": batch_bytes,
+        "simplejpeg_over_pil": {t: statistics.median(s / p for s, p in zip(
+            vs["fast_simplejpeg"], vs["fast_pil"])) for t, vs in rates.items()
+            if "fast_simplejpeg" in vs},
         "wall_images_per_s": {t: {v: statistics.median(x) for v, x in vs.items()}
                               for t, vs in wall.items()},
         "train_crops_dct_scaled_fraction": scaled, "per_round": rates, "setup": setup,
         "conditions": {"cpus": os.cpu_count(), "loadavg_start": load[0],
                        "loadavg_end": os.getloadavg(), "python": sys.version.split()[0]}}
+
+
+def _version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, None where it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def driver(args) -> int:
@@ -197,6 +233,7 @@ def driver(args) -> int:
     from PIL import features
 
     from hpclb.data.shard_writer import write_shards
+    from hpclb.data.transforms import default_decoder
 
     if args.images < 1 or args.rounds < 1:
         raise SystemExit("hpclb bench loader: --images and --rounds must be >= 1")
@@ -215,6 +252,7 @@ def driver(args) -> int:
              "jpeg_quality": QUALITY, "mean_file_bytes": float(np.mean(file_bytes)),
              "image_size": 224, "resize": 256, "torch_threads": 1, "torch": torch.__version__,
              "pillow": PIL.__version__, "libjpeg_turbo": bool(features.check("libjpeg_turbo")),
+             "simplejpeg": _version("simplejpeg"), "default_decoder": default_decoder(),
              "note": args.note}
     doc = report(rates, setup, batch_bytes, scaled, load)
     out = Path(args.out)
@@ -223,7 +261,7 @@ def driver(args) -> int:
     med = doc["images_per_s_per_core"]
     for t in med:
         print(f"{t}: " + ", ".join(f"{v} {x:.0f}/s" for v, x in med[t].items()) +
-              f" per core; fast/current {doc['speedup'][t]:.2f}x")
+              f" per core; {doc['fast']}/current {doc['speedup'][t][doc['fast']]:.2f}x")
     print(f"batch of {args.batch_size}: {batch_bytes['current']} -> {batch_bytes['fast']} bytes;"
           f" wrote {out}")
     return 0

@@ -3,7 +3,7 @@
 Training (:func:`decode_train`): the sample's seeded crop box is drawn in the original image's
 pixels first (:func:`train_crop`, torchvision's ``RandomResizedCrop`` draws); then the decoder
 is asked for the smallest version of the image in which that box still covers at least
-``size`` x ``size`` pixels (PIL's ``Image.draft``: libjpeg's DCT scaling by 1/2, 1/4 or 1/8; other
+``size`` x ``size`` pixels (libjpeg-turbo's DCT scaling by 1/2, 1/4 or 1/8, :func:`dct_scale`; other
 formats decode at full size), the box is mapped to the decoded image (divided by the scale,
 rounded to whole pixels: exact when nothing was scaled), cut out and resized to ``size`` x
 ``size`` (bilinear with antialiasing, ``torch.nn.functional.interpolate`` on uint8, as
@@ -11,20 +11,28 @@ torchvision's tensor transforms resize), then flipped when the sample's draw say
 Evaluation (:func:`decode_eval`): shorter side to ``resize`` (the decoder scales down by at most
 as much), centre crop ``size``.
 
+JPEGs are decoded by simplejpeg (libjpeg-turbo, the ``jpeg`` extra) where it is installed, else
+by PIL (which decodes every other format, and the JPEGs simplejpeg refuses: CMYK, corrupt): both
+with libjpeg-turbo's accurate DCT and upsampling at the same scale, so the same pixels up to the
+libjpeg-turbo versions (tests/test_transforms.py bounds the difference); simplejpeg skips PIL's
+per-image overhead (file parser, decode loop, crop and byte copies: ``hpclb bench loader``).
+
 Both return uint8 ``[3, size, size]``: a batch is 4x smaller than float32 to stack, pin and copy
 to the device, where :func:`normalize_images` turns it into the model's float32 input.
 """
 from __future__ import annotations
 
 import functools
+import io
 import math
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CROP_RATIO", "CROP_SCALE", "CROP_TRIES", "IMAGENET_MEAN", "IMAGENET_STD",
-           "EncodedImages", "decode_eval", "decode_train", "normalize_images",
-           "random_resized_crop_box", "sample_seed", "train_crop"]
+__all__ = ["CROP_RATIO", "CROP_SCALE", "CROP_TRIES", "DECODERS", "IMAGENET_MEAN",
+           "IMAGENET_STD", "EncodedImages", "dct_scale", "decode_eval", "decode_train",
+           "default_decoder", "normalize_images", "random_resized_crop_box", "sample_seed",
+           "train_crop"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -34,6 +42,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10
+DECODERS = ("pil", "simplejpeg")  # the JPEG decoders; PIL decodes every other format
 _MASK64 = (1 << 64) - 1
 
 
@@ -97,13 +106,33 @@ def train_crop(width: int, height: int, seed: int, epoch: int,
     return box, bool(torch.rand(1, generator=gen).item() < 0.5)
 
 
+def dct_scale(width: int, height: int, min_width: int, min_height: int) -> int:
+    """The JPEG DCT scale (1, 2, 4 or 8 original pixels per decoded pixel) at which a
+    ``width`` x ``height`` image still decodes to at least ``min_width`` x ``min_height``
+    pixels: the largest with ``scale <= min(width // min_width, height // min_height)``, as
+    PIL's ``draft`` chooses it (so both decoders see the same pixels' grid). Decoded size:
+    ``ceil(width / scale)`` x ``ceil(height / scale)``."""
+    most = min(width // max(1, min_width), height // max(1, min_height))
+    return next(s for s in (8, 4, 2, 1) if s <= max(1, most))
+
+
 def _draft(im, width: int, height: int) -> int:
     """Ask ``im``'s decoder for its smallest version of at least ``width`` x ``height`` pixels
-    (JPEG: DCT scaling by 1/2, 1/4 or 1/8; PIL's ``draft``). Returns the scale (original
-    pixels per decoded pixel): 1 when the image decodes at full size."""
+    (JPEG: DCT scaling by 1/2, 1/4 or 1/8, :func:`dct_scale`; PIL's ``draft``). Returns the
+    scale (original pixels per decoded pixel): 1 when the image decodes at full size."""
     full_width = im.size[0]
     drafted = im.draft("RGB", (max(1, width), max(1, height)))
     return 1 if drafted is None else max(1, round(full_width / drafted[1][2]))
+
+
+def _scaled_box(box, s: int, dw: int, dh: int) -> tuple[int, int, int, int]:
+    """``box`` (left, top, w, h; original pixels) in an image decoded at scale ``s`` to
+    ``dw`` x ``dh``: (left, top, right, bottom), rounded to whole pixels, at least one pixel,
+    inside the image (exactly ``box`` when ``s`` is 1)."""
+    left, top, w, h = box
+    x0, y0 = min(round(left / s), dw - 1), min(round(top / s), dh - 1)
+    return (x0, y0, max(x0 + 1, min(round((left + w) / s), dw)),
+            max(y0 + 1, min(round((top + h) / s), dh)))
 
 
 def _pixels(im, box: tuple[int, int, int, int] | None = None) -> torch.Tensor:
@@ -126,39 +155,111 @@ def _resize(x: torch.Tensor, width: int, height: int) -> torch.Tensor:
                          align_corners=False)
 
 
-def decode_train(src, size: int, seed: int, epoch: int, index: int) -> torch.Tensor:
-    """Sample ``index``'s training view in ``epoch`` (module docstring): the encoded image
-    ``src`` (a path or a binary file object) cropped by :func:`train_crop` ``(width, height,
-    seed, epoch, index)``, resized and maybe flipped: uint8 ``[3, size, size]``. Raises OSError
-    (PIL's) for an unreadable image."""
+@functools.lru_cache(maxsize=None)
+def _simplejpeg():
+    """The ``simplejpeg`` module (the ``jpeg`` extra), or None where it is not installed."""
+    from hpclb.errors import MissingExtraError
+    from hpclb.extras import require
+
+    try:
+        return require("simplejpeg", "decoding JPEGs with libjpeg-turbo")
+    except MissingExtraError:
+        return None
+
+
+def default_decoder() -> str:
+    """The JPEG decoder a sample uses unless told: ``"simplejpeg"`` where that package (the
+    ``jpeg`` extra, part of ``all``) is installed, else ``"pil"``."""
+    return "pil" if _simplejpeg() is None else "simplejpeg"
+
+
+def _decode_pil(src, plan):
+    """``plan`` (:func:`_decode`) carried out with PIL; ``(x uint8 [1, 3, h, w], extra)``."""
     from hpclb.extras import require
 
     Image = require("PIL.Image", "reading ImageFolder images")
     with Image.open(src) as im:
         width, height = im.size
-        (left, top, w, h), flip = train_crop(width, height, seed, epoch, index)
-        s = _draft(im, -(-width * size // w), -(-height * size // h))
-        dw, dh = im.size
-        x0, y0 = min(round(left / s), dw - 1), min(round(top / s), dh - 1)
-        x1 = max(x0 + 1, min(round((left + w) / s), dw))
-        y1 = max(y0 + 1, min(round((top + h) / s), dh))
-        x = _resize(_pixels(im, (x0, y0, x1, y1)), size, size)[0]
+        min_width, min_height, box, extra = plan(width, height)
+        s = _draft(im, min_width, min_height)
+        return _pixels(im, None if box is None else _scaled_box(box, s, *im.size)), extra
+
+
+def _decode_simplejpeg(data: bytes, plan):
+    """``plan`` (:func:`_decode`) carried out with simplejpeg (libjpeg-turbo: the accurate DCT
+    and upsampling, PIL's; the scale of :func:`dct_scale`). Raises ValueError where it does not
+    decode ``data``: a JPEG other than YCbCr or grey (CMYK: PIL converts it), a corrupt or
+    truncated one."""
+    sj = _simplejpeg()
+    height, width, colorspace, _ = sj.decode_jpeg_header(data)
+    if colorspace not in ("YCbCr", "Gray"):  # CMYK, YCCK, RGB: PIL's conversions, as before
+        raise ValueError(f"a {colorspace} JPEG")
+    min_width, min_height, box, extra = plan(width, height)
+    s = dct_scale(width, height, min_width, min_height)
+    x = torch.from_numpy(sj.decode_jpeg(data, "RGB", fastdct=False, fastupsample=False,
+                                        min_height=-(-height // s), min_width=-(-width // s)))
+    if box is not None:
+        x0, y0, x1, y1 = _scaled_box(box, s, x.shape[1], x.shape[0])
+        x = x[y0:y1, x0:x1]
+    return x.permute(2, 0, 1).unsqueeze(0), extra
+
+
+def _decode(src, plan, decoder: str | None):
+    """Decode the encoded image ``src`` (a path or a binary file object) as ``plan(width,
+    height) -> (min_width, min_height, box, extra)`` asks, given its size: at the smallest DCT
+    scale that keeps ``min_width`` x ``min_height`` pixels, cut to ``box`` (left, top, w, h in
+    original pixels; None: the whole image). Returns ``(x uint8 [1, 3, h, w], extra)``.
+    ``decoder``: ``"simplejpeg"`` (JPEGs it can decode; PIL the rest), ``"pil"``, or None
+    (:func:`default_decoder`). Raises OSError (PIL's) for an unreadable image."""
+    decoder = default_decoder() if decoder is None else decoder
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder: {decoder!r} is not one of {', '.join(DECODERS)}")
+    if decoder == "pil":
+        return _decode_pil(src, plan)
+    if _simplejpeg() is None:
+        from hpclb.extras import require
+        require("simplejpeg", "decoder='simplejpeg'")  # raises MissingExtraError naming the fix
+    if hasattr(src, "read"):
+        data = src.read()
+    else:
+        with open(src, "rb") as f:
+            data = f.read()
+    if data[:3] == b"\xff\xd8\xff":  # a JPEG's start-of-image marker
+        try:
+            return _decode_simplejpeg(data, plan)
+        except ValueError:
+            pass  # CMYK, or corrupt: PIL decodes or rejects it, as without simplejpeg
+    return _decode_pil(io.BytesIO(data), plan)
+
+
+def decode_train(src, size: int, seed: int, epoch: int, index: int,
+                 decoder: str | None = None) -> torch.Tensor:
+    """Sample ``index``'s training view in ``epoch`` (module docstring): the encoded image
+    ``src`` (a path or a binary file object) cropped by :func:`train_crop` ``(width, height,
+    seed, epoch, index)``, resized and maybe flipped: uint8 ``[3, size, size]``. ``decoder``:
+    ``"pil"``, ``"simplejpeg"`` or None (:func:`default_decoder`). Raises OSError (PIL's) for
+    an unreadable image, ValueError for another decoder name."""
+    def plan(width, height):
+        box, flip = train_crop(width, height, seed, epoch, index)
+        return -(-width * size // box[2]), -(-height * size // box[3]), box, flip
+
+    x, flip = _decode(src, plan, decoder)
+    x = _resize(x, size, size)[0]
     return x.flip(-1) if flip else x
 
 
-def decode_eval(src, size: int, resize: int) -> torch.Tensor:
+def decode_eval(src, size: int, resize: int, decoder: str | None = None) -> torch.Tensor:
     """The evaluation view of the encoded image ``src`` (a path or a binary file object):
     shorter side to ``resize``, centre ``size`` x ``size`` crop (``resize >= size``): uint8
-    ``[3, size, size]``. Raises OSError (PIL's) for an unreadable image."""
-    from hpclb.extras import require
-
-    Image = require("PIL.Image", "reading ImageFolder images")
-    with Image.open(src) as im:
-        width, height = im.size
+    ``[3, size, size]``. ``decoder`` as for :func:`decode_train`. Raises OSError (PIL's) for
+    an unreadable image, ValueError for another decoder name."""
+    def plan(width, height):
         scale = resize / min(width, height)
         rw, rh = max(size, round(width * scale)), max(size, round(height * scale))
-        _draft(im, rw, rh)
-        x = _resize(_pixels(im), rw, rh)[0]
+        return rw, rh, None, (rw, rh)
+
+    x, (rw, rh) = _decode(src, plan, decoder)
+    x = _resize(x, rw, rh)[0]
     left, top = (rw - size) // 2, (rh - size) // 2
     return x[:, top:top + size, left:left + size]
 

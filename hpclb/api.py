@@ -37,7 +37,8 @@ __all__ = ["init", "communicator", "broadcast_parameters", "broadcast_optimizer_
 
 def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False,
          abort_on_exception: bool = True,
-         stall_abort_s: float | None = LIBRARY_STALL_ABORT_S) -> Communicator:
+         stall_abort_s: float | None = LIBRARY_STALL_ABORT_S,
+         torch_process_group: bool = False) -> Communicator:
     """Start (or return) this process's communicator and bind its device.
 
     ``backend``: ``auto`` (MPI under mpirun/srun, torch.distributed under torchrun, one process
@@ -55,6 +56,11 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     never) ends the job when a gradient allreduce has waited that long (a rank that left the
     loop or skipped a step); ``$HPCLB_STALL_ABORT_S`` and a ``DistributedOptimizer``'s own
     ``stall_abort_s=`` take precedence.
+
+    ``torch_process_group=True``: also set up torch.distributed's default process group over
+    Gloo with this communicator's ranks (under ``mpirun`` too), for code that calls
+    ``torch.distributed`` itself (``DistributedSampler(ds)`` without arguments,
+    ``dist.all_reduce`` of a metric); :func:`hpclb.comm.torch_dist.init_default_group`.
     """
     set_default_stall_abort_s(stall_abort_s)
     if not has_communicator():
@@ -62,6 +68,10 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     comm = current_communicator()
     if comm.world_size > 1:
         watchdog_for(comm)  # made by every rank together: the collectives below are watched
+    if torch_process_group:
+        from hpclb.comm.torch_dist import init_default_group
+
+        init_default_group(comm)
     if abort_on_exception:
         install_abort_on_exception(comm)
     return comm

@@ -228,3 +228,25 @@ def test_legw_and_the_old_state_dict_form_still_work(comm):
         opt.close()
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
         hpclb.DistributedOptimizer(opt, model, comm=comm)
+
+
+def test_init_sets_up_torch_distributed_for_scripts_that_call_it(comm):
+    """Before: under mpirun, DistributedSampler(ds) and dist.all_reduce raised for want of a
+    default process group. hpclb.init(torch_process_group=True) makes one over Gloo."""
+    import torch.distributed as dist
+
+    was = dist.is_initialized()
+    assert hpclb.init(torch_process_group=True) is comm
+    try:
+        sampler = torch.utils.data.distributed.DistributedSampler(range(10), shuffle=False)
+        assert (sampler.num_replicas, sampler.rank) == (comm.world_size, comm.rank)
+        assert list(sampler) == list(range(10))[comm.rank::comm.world_size] + \
+            ([] if 10 % comm.world_size == 0 else [comm.rank])
+        t = torch.tensor([float(comm.rank + 1)])
+        dist.all_reduce(t)
+        assert t.item() == comm.world_size * (comm.world_size + 1) / 2
+        hpclb.init(torch_process_group=True)  # again: the same group is kept
+        assert dist.get_world_size() == comm.world_size
+    finally:
+        if not was and comm.backend != "torch":
+            dist.destroy_process_group()

@@ -82,6 +82,9 @@ class GradientSync:
             (:attr:`local_sq_norm`); one norm per bucket on the device, no host sync.
         track_used: record which parameters got a gradient in each window
             (:attr:`used_in_window`, for ``find_unused_parameters``).
+        divisor: what the reduced sum is divided by (default ``world_size * k``: the mean over
+            ranks and micro-batches). :mod:`hpclb.horovod` passes ``world_size`` (Horovod's
+            Average: micro-batches summed) or 1 (Horovod's Sum).
 
     Every ``p.grad`` becomes a view into a bucket buffer; keep zeroing gradients in place
     (``zero_grad(set_to_none=False)``) to avoid a copy in the hook. A parameter whose hook did
@@ -101,32 +104,19 @@ class GradientSync:
                  accumulation_steps: int = 1, compression: str | None = None,
                  stall_timeout_s: float | None = None, stall_abort_s: float | None = None,
                  on_stall: Callable[[StallReport], None] | None = None,
-                 track_local_norm: bool = False, track_used: bool = False):
+                 track_local_norm: bool = False, track_used: bool = False,
+                 divisor: int | None = None):
         self.comm = comm
         named = self._named(params)
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
-        if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) \
-                or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
-        self.options = SyncOptions.resolve(
+        self._set_options(accumulation_steps, divisor, SyncOptions.resolve(
             fusion_threshold_bytes=fusion_threshold_bytes, first_bucket_bytes=first_bucket_bytes,
             overlap=overlap, compression=compression, stall_timeout_s=stall_timeout_s,
-            stall_abort_s=stall_abort_s)
-        o = self.options
-        self.fusion_threshold_bytes, self.first_bucket_bytes = \
-            o.fusion_threshold_bytes, o.first_bucket_bytes
-        self.overlap = o.overlap_for(comm)
-        self.accumulation_steps = accumulation_steps
-        self.compression = o.compression_dtype
-        if self.compression is torch.bfloat16 and comm.backend == "horovod":
-            raise ValueError("compression='bf16': Horovod 0.28.1 cannot reduce bfloat16; use "
-                             "'fp16' or another backend")
-        self.stall_timeout_s, self.stall_abort_s = o.stall_timeout_s, o.stall_abort_s
-        self.comm_poll_s = o.comm_poll_s
+            stall_abort_s=stall_abort_s))
         self.on_stall = on_stall
         self.track_local_norm = bool(track_local_norm)
-        self.divisor = comm.world_size * accumulation_steps
+        self.track_used = bool(track_used)
         self._check_not_shared(named)
         self.buckets = self._build_buckets()
         for p in self.params:
@@ -140,7 +130,6 @@ class GradientSync:
         self._since_sync = 0    # backward passes ended since the last synchronize()
         self._local = False     # a backward ended under no_sync() since the last window
         self._no_sync = False
-        self.track_used = bool(track_used)
         self.used_in_window: list[tuple[nn.Parameter, bool]] = []
         self._hooks = []
         self._driver = None
@@ -150,6 +139,28 @@ class GradientSync:
             self._add_hooks()
         self._open = True  # the communicator's one GradientSync, at any world size
         GradientSync._live[id(comm)] = self
+
+    def _set_options(self, accumulation_steps: int, divisor: int | None,
+                     o: SyncOptions) -> None:
+        comm = self.comm
+        if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) \
+                or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
+        if divisor is not None and (isinstance(divisor, bool) or not isinstance(divisor, int)
+                                    or divisor < 1):
+            raise ValueError(f"divisor={divisor!r} must be None or an int >= 1")
+        self.options = o
+        self.fusion_threshold_bytes, self.first_bucket_bytes = \
+            o.fusion_threshold_bytes, o.first_bucket_bytes
+        self.overlap = o.overlap_for(comm)
+        self.accumulation_steps = accumulation_steps
+        self.compression = o.compression_dtype
+        if self.compression is torch.bfloat16 and comm.backend == "horovod":
+            raise ValueError("compression='bf16': Horovod 0.28.1 cannot reduce bfloat16; use "
+                             "'fp16' or another backend")
+        self.stall_timeout_s, self.stall_abort_s = o.stall_timeout_s, o.stall_abort_s
+        self.comm_poll_s = o.comm_poll_s
+        self.divisor = comm.world_size * accumulation_steps if divisor is None else divisor
 
     def _start(self) -> None:
         """World size > 1: agree with the other ranks, then register the hooks and the driver."""
@@ -226,7 +237,7 @@ class GradientSync:
                              "first_bucket_bytes": self.first_bucket_bytes,
                              "overlap": self.overlap, "comm_poll_s": self.comm_poll_s,
                              "track_local_norm": self.track_local_norm,
-                             "track_used": self.track_used}}
+                             "track_used": self.track_used, "divisor": self.divisor}}
         check_sync_agreement(self.comm.allgather_object(mine))
 
     # -- backward ------------------------------------------------------------------------------
@@ -295,7 +306,8 @@ class GradientSync:
             b.local_sq = torch.linalg.vector_norm(b.buffer, dtype=torch.float32).square() \
                 / self.accumulation_steps ** 2
         if b.predivide:  # divide each rank's share first, then cast: the sum cannot overflow
-            b.buffer.div_(self.divisor)
+            if self.divisor != 1:
+                b.buffer.div_(self.divisor)
             if b.comm_buffer is not b.buffer:
                 b.comm_buffer.copy_(b.buffer)
         b.launched = True
@@ -427,7 +439,7 @@ class GradientSync:
     def _finish_bucket(self, b: Bucket) -> None:
         if b.comm_buffer is not b.buffer:
             b.buffer.copy_(b.comm_buffer)
-        if not b.predivide:
+        if not b.predivide and self.divisor != 1:
             b.buffer.div_(self.divisor)
         b.ready = [False] * len(b.params)
         b.used = [False] * len(b.params)

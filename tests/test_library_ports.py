@@ -183,9 +183,9 @@ def test_torch_lr_schedulers_take_a_distributed_optimizer(comm, make):
                 "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2,
                                                                           total_steps=5),
                 "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1 / (1 + e))}
-    assert isinstance(opt, torch.optim.SGD) and isinstance(opt, torch.optim.Optimizer)
-    sched, ref_sched = sched_of[make](opt), sched_of[make](ref_opt)
     try:
+        assert isinstance(opt, torch.optim.SGD) and isinstance(opt, torch.optim.Optimizer)
+        sched, ref_sched = sched_of[make](opt), sched_of[make](ref_opt)
         for s in range(4):
             x, y = _global_batch(s, comm.world_size)
             opt.zero_grad()
@@ -211,9 +211,9 @@ def test_torch_lr_schedulers_take_a_distributed_optimizer(comm, make):
 def test_legw_and_the_old_state_dict_form_still_work(comm):
     model = _model()
     opt = _opt(comm, model)
-    sched = hpclb.legw(opt, base_batch_size=8, batch_size=16, num_samples=64, epochs=2,
-                       base_warmup_epochs=0.5)
     try:
+        sched = hpclb.legw(opt, base_batch_size=8, batch_size=16, num_samples=64, epochs=2,
+                           base_warmup_epochs=0.5)
         opt.zero_grad()
         _loss(model, *_global_batch(0, 1)).backward()
         opt.step()

@@ -250,3 +250,24 @@ def test_init_sets_up_torch_distributed_for_scripts_that_call_it(comm):
     finally:
         if not was and comm.backend != "torch":
             dist.destroy_process_group()
+
+
+def test_a_rank_without_samples_in_a_micro_batch_keeps_the_windows_in_step(comm):
+    """hpclb train's loop: a rank whose share of a micro-batch is empty skips its backward but
+    calls step(); that step counts as an empty micro-batch, so no rank waits for another."""
+    k = 2
+    model = _model()
+    opt = _opt(comm, model, accumulation_steps=k)
+    try:
+        for u in range(3):
+            x, y = _global_batch(u, comm.world_size)
+            for m in range(k):
+                opt.zero_grad()
+                if not (m == 1 and comm.rank == comm.world_size - 1):  # the last rank's is empty
+                    _loss(model, _rank_part(comm, x), _rank_part(comm, y)).backward()
+                assert opt.step() is (m == k - 1)
+    finally:
+        opt.close()
+    assert_all(comm, opt.steps == 3, f"{opt.steps} updates")
+    everyone = comm.allgather_object(_flat(model).tolist())
+    assert_all(comm, all(e == everyone[0] for e in everyone), "replicas differ")

@@ -363,9 +363,10 @@ class GradientSync:
     def synchronize(self) -> bool:
         """Call once per optimizer step, after backward. True when an accumulation window was
         completed (and reduced: every ``p.grad`` is the mean over ranks and micro-batches) since
-        the last call; False inside a window. With ``accumulation_steps=1`` a call with no
-        backward since the last one (or one that reached no parameter) ends the micro-batch
-        here, as :meth:`mark_all_ready` does.
+        the last call; False inside a window. A call with no backward since the last one (a
+        rank with no samples in this micro-batch, or a backward that reached no parameter)
+        ends a micro-batch here, as :meth:`mark_all_ready` does, so every rank counts the
+        same windows.
 
         Raises RuntimeError after :meth:`close` (at every world size: at 2 ranks it would wait
         for hooks that are gone), and after a backward under :meth:`no_sync` that no backward
@@ -384,7 +385,7 @@ class GradientSync:
             raise RuntimeError("step() after a backward under no_sync() with no backward outside "
                                "it: the gradients are this rank's local sums. Run the window's "
                                "last backward outside no_sync(), then step()")
-        if not self._reduced and self.accumulation_steps == 1:
+        if not self._reduced and not self._since_sync:
             self._end_backward()
         reduced, self._reduced, self._since_sync = self._reduced, False, 0
         return reduced

@@ -260,8 +260,10 @@ class GradientSync:
                 sync._on_grad(b, j, p)
         return hook
 
-    @torch.no_grad()
     def _on_grad(self, b: Bucket, j: int, p: Tensor) -> None:
+        # no torch.no_grad() here: autograd runs hooks with grad mode off (but for
+        # create_graph=True), and the bucket buffers never require grad (a context manager per
+        # gradient cost more host time than the rest of the hook)
         task = _graph_task_id()
         if task != self._task and task >= 0:  # this backward's first hook: wait at its end
             self._task = task
@@ -285,6 +287,7 @@ class GradientSync:
         else:
             self._driver.progress(self.buckets[:self._next])
 
+    @torch.no_grad()
     def _adopt(self, b: Bucket, j: int) -> None:
         """Make ``p.grad`` the bucket view again if someone replaced it (``set_to_none``)."""
         p, view = b.params[j], b.views[j]

@@ -16,17 +16,18 @@ Source of the schedules: You et al., *Large-Batch Training for LSTM and Beyond*,
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from hpclb.comm.base import Communicator
-from hpclb.comm.watchdog import install_abort_on_exception
+from hpclb.comm.watchdog import install_abort_on_exception, watchdog_for
 from hpclb.comm.world import current_communicator, get_communicator, has_communicator
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
-from hpclb.sync.options import LIBRARY_STALL_ABORT_S, set_default_stall_abort_s
+from hpclb.sync.options import LIBRARY_STALL_ABORT_S, SyncOptions, set_default_stall_abort_s
 
 __all__ = ["init", "communicator", "broadcast_parameters", "broadcast_optimizer_state", "legw",
            "linear_scaling", "sqrt_scaling", "no_scaling", "shard_loader", "share_weight",
@@ -36,7 +37,8 @@ __all__ = ["init", "communicator", "broadcast_parameters", "broadcast_optimizer_
 
 def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False,
          abort_on_exception: bool = True,
-         stall_abort_s: float | None = LIBRARY_STALL_ABORT_S) -> Communicator:
+         stall_abort_s: float | None = LIBRARY_STALL_ABORT_S,
+         torch_process_group: bool = False) -> Communicator:
     """Start (or return) this process's communicator and bind its device.
 
     ``backend``: ``auto`` (MPI under mpirun/srun, torch.distributed under torchrun, one process
@@ -54,14 +56,40 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     never) ends the job when a gradient allreduce has waited that long (a rank that left the
     loop or skipped a step); ``$HPCLB_STALL_ABORT_S`` and a ``DistributedOptimizer``'s own
     ``stall_abort_s=`` take precedence.
+
+    ``torch_process_group=True``: also set up torch.distributed's default process group over
+    Gloo with this communicator's ranks (under ``mpirun`` too), for code that calls
+    ``torch.distributed`` itself (``DistributedSampler(ds)`` without arguments,
+    ``dist.all_reduce`` of a metric); :func:`hpclb.comm.torch_dist.init_default_group`.
     """
     set_default_stall_abort_s(stall_abort_s)
     if not has_communicator():
         get_communicator(backend, device=device, share_gpu=share_gpu)
     comm = current_communicator()
+    if comm.world_size > 1:
+        watchdog_for(comm)  # made by every rank together: the collectives below are watched
+    if torch_process_group:
+        from hpclb.comm.torch_dist import init_default_group
+
+        init_default_group(comm)
     if abort_on_exception:
         install_abort_on_exception(comm)
     return comm
+
+
+@contextmanager
+def _watched(comm: Communicator, label: str):
+    """Number this collective for the stall watchdog (as gradient buckets are) and watch the
+    wait, so that one called on some ranks only is reported as MISMATCHED, naming what the
+    others are in. Every rank calls the same collectives in the same order."""
+    if comm.world_size == 1:
+        yield
+        return
+    opts = SyncOptions.resolve()
+    wd = watchdog_for(comm)
+    wd.register_timeout(opts.stall_timeout_s)
+    with wd.waiting(wd.entered(label), label, opts.stall_timeout_s, None, opts.stall_abort_s):
+        yield
 
 
 def communicator() -> Communicator:
@@ -232,7 +260,8 @@ def mean_over_ranks(value, comm: Communicator | None = None, weight: float = 1.0
         torch.tensor(float(value), dtype=torch.float64)
     t = torch.stack([v * weight, torch.tensor(float(weight), dtype=torch.float64)])
     if comm.world_size > 1:
-        comm.allreduce_(t)
+        with _watched(comm, "mean_over_ranks (allreduce of 2 float64)"):
+            comm.allreduce_(t)
     if t[1].item() == 0:
         raise ValueError("mean_over_ranks: every rank passed weight 0")
     return (t[0] / t[1]).item()
@@ -244,15 +273,22 @@ def allreduce(tensor: torch.Tensor, op: str = "mean", comm: Communicator | None 
               ) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over ranks with ``op`` (``mean`` (default, as Horovod's
     ``hvd.allreduce``), ``sum``, ``max``, ``min``); same shape, dtype and device on every rank.
-    ``tensor`` is left as it is. Raises ValueError for another ``op`` (before communicating)."""
+    ``tensor`` is left as it is. Raises ValueError for another ``op``, and for ``mean`` of an
+    integer or bool tensor (3 and 4 would average to 3; Horovod rounds the same way): reduce
+    ``op="sum"`` and divide, or pass a float tensor. Both before communicating."""
     if op not in ("mean", "sum", "max", "min"):
         raise ValueError(f"allreduce op={op!r}: use 'mean', 'sum', 'max' or 'min'")
+    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"allreduce op='mean' of a {tensor.dtype} tensor would round the mean "
+                         f"down (3 and 4 average to 3): use op='sum' and divide, or pass "
+                         f"tensor.float()")
     comm = comm or communicator()
     out = tensor.detach().clone()
     if comm.world_size > 1:
-        comm.allreduce_(out, op="sum" if op == "mean" else op)
+        with _watched(comm, f"allreduce {op} of {list(out.shape)} {out.dtype}"):
+            comm.allreduce_(out, op="sum" if op == "mean" else op)
     if op == "mean":
-        out = out / comm.world_size if out.is_floating_point() else out // comm.world_size
+        out = out / comm.world_size
     return out
 
 
@@ -261,7 +297,8 @@ def allgather(tensor: torch.Tensor, comm: Communicator | None = None) -> torch.T
     ...]``; the other dims must agree), on this rank's device. Travels as a pickled CPU copy:
     for metrics and small tensors, not for gradients."""
     comm = comm or communicator()
-    parts = comm.allgather_object(tensor.detach().cpu())
+    with _watched(comm, f"allgather of {tensor.dtype}"):
+        parts = comm.allgather_object(tensor.detach().cpu())
     return torch.cat([p.reshape(-1, *tensor.shape[1:]) for p in parts]).to(tensor.device)
 
 
@@ -271,21 +308,26 @@ def broadcast(tensor: torch.Tensor, root: int = 0, comm: Communicator | None = N
     returns it."""
     comm = comm or communicator()
     if comm.world_size > 1:
-        comm.broadcast_(tensor.data, root=root)
+        with _watched(comm, f"broadcast of {list(tensor.shape)} {tensor.dtype} from {root}"):
+            comm.broadcast_(tensor.data, root=root)
     return tensor
 
 
 def broadcast_object(obj: Any, root: int = 0, comm: Communicator | None = None) -> Any:
     """Rank ``root``'s picklable ``obj`` on every rank (e.g. a decision made on rank 0)."""
     comm = comm or communicator()
-    return comm.broadcast_object(obj, root) if comm.world_size > 1 else obj
+    if comm.world_size == 1:
+        return obj
+    with _watched(comm, f"broadcast_object from {root}"):
+        return comm.broadcast_object(obj, root)
 
 
 def barrier(comm: Communicator | None = None) -> None:
     """Return when every rank has entered."""
     comm = comm or communicator()
     if comm.world_size > 1:
-        comm.barrier()
+        with _watched(comm, "barrier"):
+            comm.barrier()
 
 
 @torch.no_grad()
@@ -330,5 +372,6 @@ def _reduce_sums(names, sums, count: int, comm: Communicator) -> dict[str, float
         t[:-1] = sums
     t[-1] = count
     if comm.world_size > 1:
-        comm.allreduce_(t)
+        with _watched(comm, f"evaluate (allreduce of {len(t)} float64)"):
+            comm.allreduce_(t)
     return {k: (t[i] / t[-1]).item() for i, k in enumerate(names)}

@@ -90,3 +90,18 @@ def test_a_rank_that_leaves_the_loop_is_ended_by_the_stall_abort(tmp_path):
     assert rc != 0, out
     assert "rank 0: aborting the job" in err, err[-2000:]
     assert seconds < 100, seconds
+
+
+def test_a_metric_collective_on_one_rank_only_is_reported_as_mismatched(tmp_path):
+    """Rank 0 calls hpclb.mean_over_ranks at step 3, rank 1 does not: before, the blocking
+    allreduce behind it was not numbered by the watchdog, so the report said "slow, not
+    mismatched ... still computing" until the abort; now it names the mismatch."""
+    rc, out, err, seconds = run_ranks(
+        LOOP.replace("INIT", "{'stall_abort_s': 4}")
+        .replace("if step == 3 and comm.rank == 1:", "if step == 3 and comm.rank == 0:")
+        .replace("ACTION", "hpclb.mean_over_ranks(1.0)"),
+        tmp_path, env={"HPCLB_STALL_TIMEOUT_S": "1"})
+    assert rc != 0, out
+    assert "MISMATCHED collective" in err and "mean_over_ranks" in err, err[-3000:]
+    assert "gradient bucket" in err and "aborting the job" in err, err[-3000:]
+    assert seconds < 100, seconds

@@ -72,27 +72,23 @@ def _shard(comm, step):
 # -- p.grad between backward() and step() --------------------------------------------------------
 
 @pytest.mark.parametrize("overlap", OVERLAPS)
-def test_ddp_clip_idiom_is_refused_or_exact_in_every_overlap_mode(comm, overlap):
-    """clip_grad_norm_(model.parameters(), c); opt.step(): before, replicas diverged (thread) or
-    the clip saw the local gradient (0.5x-13x DDP's update). Now: at world size > 1 every rank
-    refuses with the fix; at 1 process p.grad is final, so the result is DDP's."""
+def test_ddp_clip_idiom_is_ddps_update_in_every_overlap_mode(comm, overlap):
+    """clip_grad_norm_(model.parameters(), c); opt.step() right after backward(): before, it
+    passed at 1 process and raised GradientsTouchedError at 2 ranks (earlier still, replicas
+    diverged or the clip saw the local gradient). Now p.grad is the global mean when backward
+    returns (DDP's contract), so the clip is DDP's at every world size."""
     model, opt = _distributed(comm, overlap=overlap)
     try:
         for s in range(3):
             opt.zero_grad()
             _loss(model, *_shard(comm, s)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            if comm.world_size == 1:
-                assert opt.step() is True
-                continue
-            with pytest.raises(RuntimeError, match="changed between backward") as err:
-                opt.step()
-            assert "grad_clip_norm=" in str(err.value) and "synchronize()" in str(err.value)
-            break
+            assert opt.step() is True
     finally:
         opt.close()
-    if comm.world_size == 1:
-        assert torch.allclose(_flat(model), _flat(_ddp_reference(3, 1, 0.05)), atol=1e-6)
+    err = (_flat(model) - _flat(_ddp_reference(3, comm.world_size, 0.05))).abs().max().item()
+    assert_all(comm, err < 1e-6, f"max |w - w_ddp| = {err}")
+    _same_everywhere(comm, _flat(model), "after backward + clip")
 
 
 @pytest.mark.parametrize("overlap", OVERLAPS)
@@ -293,13 +289,14 @@ def test_the_readme_loop_with_accumulation_is_the_big_batch_step(comm):
     assert_all(comm, err < 1e-6, f"max |w - w_big_batch| = {err}")
 
 
-def test_zero_grad_with_gradients_in_flight_is_an_error(comm):
+def test_zero_grad_after_backward_zeroes_at_every_world_size(comm):
+    """Before, at 2 ranks it raised ("gradients are in flight") where 1 process zeroed; the
+    gradients are final when backward returns, so zero_grad() zeroes as in torch everywhere."""
     model, opt = _distributed(comm)
     try:
         _loss(model, *_shard(comm, 0)).backward()
-        if comm.world_size > 1:
-            with pytest.raises(RuntimeError, match="gradients are in flight"):
-                opt.zero_grad()
+        opt.zero_grad()
+        assert_all(comm, all(not p.grad.any() for p in model.parameters()), "not zeroed")
         assert opt.step() is True
     finally:
         opt.close()

@@ -90,3 +90,8 @@ def test_collectives(comm):
     assert_all(comm, ok, f"{mean} {total} {top} {gathered.shape} {b} {obj}")
     with pytest.raises(ValueError, match="op='avg'"):
         hpclb.allreduce(x, op="avg", comm=comm)
+    # before: integer tensors 3 and 4 averaged to 3, silently; now refused on every rank
+    with pytest.raises(ValueError, match="round the mean down.*op='sum'"):
+        hpclb.allreduce(torch.tensor([3 + r]), comm=comm)
+    assert_all(comm, hpclb.allreduce(torch.tensor([3 + r]), op="sum", comm=comm).item()
+               == sum(3 + q for q in range(w)), "integer sum")

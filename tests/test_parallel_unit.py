@@ -138,11 +138,19 @@ def test_replaced_gradients_are_adopted_and_misuse_is_refused():
             assert torch.equal(p.grad, q.grad)
         with pytest.raises(ValueError, match="already synchronised"):
             GradientSync(model.named_parameters(), comm)
-        # a second backward through the last layer after its bucket was sent
-        out = loss(model, 3)
+        # a second backward before synchronize(): before, refused ("arrived after its bucket
+        # was sent"); under DDP's contract each backward ends reduced, so the second adds to
+        # the first's mean and is reduced again: the sum of both, as under DDP / plain torch
+        model.zero_grad(set_to_none=False)
+        ref.zero_grad(set_to_none=False)
+        out, ref_out = loss(model, 3), loss(ref, 3)
         out.backward(retain_graph=True)
-        with pytest.raises(RuntimeError, match="arrived after its bucket was sent"):
-            out.backward()
+        out.backward()
+        ref_out.backward(retain_graph=True)
+        ref_out.backward()
+        assert sync.synchronize() is True
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-7)
     finally:
         sync.close()
     GradientSync(model.named_parameters(), comm).close()  # after close() it may be re-wrapped

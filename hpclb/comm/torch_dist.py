@@ -120,6 +120,42 @@ def _mpi_rendezvous(world_size: int):
     return store, rank, local_rank, local_size
 
 
+def init_default_group(comm: Communicator) -> None:
+    """Give a script that calls ``torch.distributed`` directly (``DistributedSampler(ds)``
+    without arguments, ``dist.all_reduce`` of a metric) a default process group over Gloo whose
+    ranks are ``comm``'s (e.g. MPI's under ``mpirun``): rank 0 serves a TCPStore on a free port
+    (127.0.0.1 when every rank is on one node, else ``$MASTER_ADDR`` or its host name) and
+    ``comm`` tells the others where. Collective. A group that exists already is kept when its
+    rank and size are ``comm``'s (under torchrun it is the communicator's own); RuntimeError
+    otherwise."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (comm.rank, comm.world_size):
+            raise RuntimeError(f"torch.distributed is already initialised as rank "
+                               f"{dist.get_rank()} of {dist.get_world_size()}, but this "
+                               f"process is rank {comm.rank} of {comm.world_size}")
+        return
+    if comm.world_size == 1:
+        store = dist.HashStore()
+    else:
+        where = None
+        if comm.rank == 0:
+            host = "127.0.0.1" if comm.local_size == comm.world_size else \
+                os.environ.get("MASTER_ADDR", socket.gethostname())
+            store = dist.TCPStore(host, 0, comm.world_size, is_master=True,
+                                  timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                                  wait_for_workers=False)
+            where = (host, store.port)
+        host, port = comm.broadcast_object(where, 0)
+        if comm.rank != 0:
+            store = dist.TCPStore(host, port, comm.world_size, is_master=False,
+                                  timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    dist.init_process_group("gloo", store=dist.PrefixStore("hpclb.default", store),
+                            rank=comm.rank, world_size=comm.world_size,
+                            timeout=timedelta(seconds=STORE_TIMEOUT_S))
+
+
 def _default_store(dist):
     """The default group's key-value store (for the side channel), or None where torch keeps
     it private."""

@@ -1,14 +1,13 @@
 """The contracts :class:`~hpclb.sync.optimizer.DistributedOptimizer` keeps for torch.optim, DDP
 and Horovod users (``docs/library.md``), each checked where it can break:
 
-- **Gradients are not touched in flight** (:class:`GradGuard`): between ``backward()`` and
-  ``step()`` a rank's ``p.grad`` is its local gradient (or, with ``overlap="thread"``, a buffer
-  MPI is reducing). An in-place change there (the DDP idiom ``clip_grad_norm_(...); step()``)
-  would clip the wrong gradient or race the allreduce, so ``step()`` refuses it, naming the fixes
-  (``grad_clip_norm=``, or ``synchronize()`` first as in Horovod).
+- **DDP's gradient contract** (kept by :class:`~hpclb.sync.gradients.GradientSync`): when the
+  window's last ``backward()`` returns, every ``p.grad`` is the global mean, so
+  ``clip_grad_norm_`` or a norm logged there is DDP's; Horovod's ``synchronize()`` then only
+  takes the window.
 - **zero_grad() in an accumulation window** (:func:`zero_grad_action`): a no-op inside the
-  window (the gradients accumulate until the window's last ``step()``), an error between
-  ``backward()`` and ``step()`` while gradients are in flight.
+  window (the gradients accumulate until the window's last ``step()``), an error between a
+  ``backward()`` and its ``step()`` (it would drop that micro-batch).
 - **The parameter set** (:func:`check_parameter_set`, :func:`drop_frozen_grads`): a parameter that
   became trainable, or was added with ``add_param_group``, after the optimizer was built is
   refused at the next ``step()`` (its gradient would stay local) until
@@ -18,118 +17,40 @@ and Horovod users (``docs/library.md``), each checked where it can break:
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-__all__ = ["GradGuard", "GradientsTouchedError", "SynchronizeMixin", "check_parameter_set",
-           "drop_frozen_grads", "zero_grad_action"]
+__all__ = ["SynchronizeMixin", "check_parameter_set", "drop_frozen_grads", "drop_unused",
+           "zero_grad_action"]
 
 
-class GradientsTouchedError(RuntimeError):
-    """``p.grad`` was changed in place between ``backward()`` and ``step()``."""
+def drop_unused(used: list, comm) -> None:
+    """After a window's allreduce: ``grad = None`` for every parameter that got no gradient on
+    any rank in the window (``used``: ``(parameter, got a gradient here)`` pairs, the
+    GradientSync's ``used_in_window``; one allreduce (max) of a byte per parameter), as DDP's
+    ``find_unused_parameters`` leaves them."""
+    flags = torch.tensor([u for _, u in used], dtype=torch.uint8)
+    if comm.world_size > 1 and len(flags):
+        comm.allreduce_(flags, op="max")
+    for (p, _), u in zip(used, flags.tolist()):
+        if not u:
+            p.grad = None
 
 
-class GradGuard:
-    """Detects in-place changes to ``p.grad`` after ``backward()`` wrote it.
-
-    A post-accumulate-grad hook per parameter (after GradientSync's own) makes ``p.grad`` an
-    alias of its bucket view with a version counter of its own (``view.data``: same memory, so
-    nothing is copied; the allreduce's own writes to the bucket do not count) and records that
-    counter, which torch bumps on every in-place write through ``p.grad``. :meth:`check`
-    compares: a gradient written since backward's last write was changed by the user. Reads are
-    invisible (read ``p.grad`` after ``synchronize()``). Active when the local gradient is not
-    the final one: world size > 1 or accumulation > 1.
-    """
-
-    def __init__(self, sync, active: bool, track_used: bool = False):
-        self.sync = sync
-        self.active = active
-        self._versions: dict[int, tuple[nn.Parameter, str, torch.Tensor, int]] = {}
-        self.used: set[int] = set()  # ids of parameters with a gradient in this window
-        self._hooks = []
-        if not (active or track_used):
-            return
-        for b in sync.buckets:
-            for p, name in zip(b.params, b.names):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(name)))
-
-    def _hook(self, name: str):
-        def hook(p) -> None:
-            self.used.add(id(p))
-            if not self.active:
-                return
-            g = p.grad
-            if g is not None and g._base is not None:  # the bucket view: alias it
-                p.grad = g = g.data
-            self._versions[id(p)] = (p, name, g, g._version if g is not None else -1)
-        return hook
-
-    def check(self) -> None:
-        """Raise :class:`GradientsTouchedError` naming the first changed gradient and the fixes
-        when a gradient was written after backward's last write to it."""
-        for p, name, g, version in self._versions.values():
-            if p.grad is not g or (g is not None and g._version != version):
-                self.clear()
-                raise GradientsTouchedError(
-                    f"the gradient of {name} was changed between backward() and step(); "
-                    f"before step() p.grad is this rank's local gradient (or a buffer the "
-                    f"allreduce is still reducing), so e.g. clip_grad_norm_ there clips the "
-                    f"wrong gradient and the replicas diverge. Use "
-                    f"DistributedOptimizer(..., grad_clip_norm=c), or call "
-                    f"optimizer.synchronize() first (then p.grad is the average over ranks) "
-                    f"and optimizer.step() after")
-        self.clear()
-
-    @property
-    def backward_pending(self) -> bool:
-        """A backward wrote gradients since the last ``step()`` or ``zero_grad()``."""
-        return bool(self._versions)
-
-    def clear(self) -> None:
-        """Forget the recorded versions (after a step, after ``zero_grad()``)."""
-        self._versions.clear()
-
-    def drop_unused(self, params: list[nn.Parameter], comm) -> None:
-        """After a window's allreduce: ``grad = None`` for every parameter that got no gradient
-        on any rank in the window (one allreduce (max) of a flag per parameter), as DDP's
-        ``find_unused_parameters`` leaves them; then start a new window."""
-        flags = torch.tensor([id(p) in self.used for p in params], dtype=torch.uint8)
-        if comm.world_size > 1 and len(flags):
-            comm.allreduce_(flags, op="max")
-        for p, used in zip(params, flags.tolist()):
-            if not used:
-                p.grad = None
-        self.used.clear()
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self.clear()
-
-
-def zero_grad_action(sync, micro_batches: int, backward_pending: bool = False) -> bool:
-    """True when ``zero_grad()`` should zero now: at the start of an accumulation window.
-    False (a no-op) inside a window (``micro_batches`` of ``sync.accumulation_steps`` done).
-    Raises RuntimeError when backward has already started this window's allreduce (gradients
-    in flight: zeroing would race it or lose this micro-batch), and with
-    ``accumulation_steps`` > 1 whenever a backward ran since the last ``step()`` (zeroing would
-    silently drop that micro-batch from the window; ``backward_pending``: the GradGuard saw a
-    backward since the last ``step()``)."""
-    if sync.comm.world_size > 1 and micro_batches == sync.accumulation_steps - 1 and \
-            any(any(b.ready) for b in sync.buckets):
-        raise RuntimeError(
-            "zero_grad() between backward() and step(): this backward's gradients are in flight "
-            "(the allreduce has started). Call zero_grad() before backward(), or after step()")
-    if sync.accumulation_steps > 1 and backward_pending:
+def zero_grad_action(sync) -> bool:
+    """True when ``zero_grad()`` should zero now: at the start of an accumulation window (with
+    ``accumulation_steps=1``: always, as in torch; the gradients are final once backward
+    returns). False (a no-op) inside a window. Raises RuntimeError with ``accumulation_steps``
+    > 1 when a backward ended since the last ``step()`` (zeroing would silently drop that
+    micro-batch, or the whole reduced window, from the update)."""
+    if sync.accumulation_steps > 1 and sync.backward_pending:
         raise RuntimeError(
             "zero_grad() between backward() and step() with accumulation_steps="
             f"{sync.accumulation_steps}: it would drop this micro-batch's gradients from the "
             "window. Call step() after every backward(), and zero_grad() before backward()")
-    return micro_batches == 0
+    return sync.micro_batches == 0
 
 
 def check_parameter_set(optimizer: torch.optim.Optimizer, synced: set[int],
@@ -167,28 +88,24 @@ class SynchronizeMixin:
     _synchronized: bool | None = None  # the result of synchronize() not yet used by step()
 
     def synchronize(self) -> bool:
-        """Wait for the gradient allreduce now: afterwards every rank's ``p.grad`` is the average
-        over ranks (and the accumulation window), so it may be read, clipped or changed before
-        ``step()``, which then does not synchronise again (as Horovod's ``synchronize()``).
-        Returns False on a micro-batch that is not the window's last (nothing was reduced; the
-        gradients are still local). Raises :class:`GradientsTouchedError` when ``p.grad`` was
-        changed in place since ``backward()``, RuntimeError for a parameter set that changed."""
+        """Horovod's ``synchronize()``. The gradients are already averaged when the window's
+        last ``backward()`` returns (DDP's contract), so this only checks the parameter set and
+        takes the window: afterwards ``p.grad`` may be read, clipped or changed before
+        ``step()``, which then does not synchronise again. Returns False on a micro-batch that
+        is not the window's last (the gradients are still local). Raises RuntimeError for a
+        parameter set that changed, or a backward under ``no_sync()`` with none after it."""
         if self._synchronized is not None:
             raise RuntimeError("synchronize() was already called for this step; call step()")
         try:
-            check_parameter_set(self.optimizer, {id(p) for p in self.params},
-                                self._names_by_id)
-            self._guard.check()
+            check_parameter_set(self.optimizer, self._synced_ids, self._names_by_id)
         except RuntimeError:
-            self.sync.synchronize()  # finish this step's collectives on every rank, then refuse
+            self.sync.synchronize()  # take this window on every rank, then refuse
             raise
-        t0 = time.perf_counter()
         self._synchronized = self.sync.synchronize()
-        self.sync_wait_s += time.perf_counter() - t0
         if self._synchronized:
             drop_frozen_grads(self.params)
             if self.find_unused_parameters:
-                self._guard.drop_unused(self.params, self.comm)
+                drop_unused(self.sync.used_in_window, self.comm)
         return self._synchronized
 
     def _take_synchronized(self) -> bool:
@@ -222,7 +139,6 @@ class SynchronizeMixin:
                 if id(p) not in known:
                     known.add(id(p))
                     self._named.append((f"param_groups[{gi}][{j}]", p))
-        self._guard.close()
         self.sync.close()
         self._build_sync()
 

@@ -5,8 +5,11 @@
 copied (each view starts at a 16-byte aligned offset, so vectorised kernels such as the fused
 trust-ratio kernel take their fast path), and starts a bucket's allreduce from the
 post-accumulate-grad hook of its last gradient, so communication overlaps the rest of backward.
-``synchronize()`` waits for every bucket and divides by ``world_size`` (times the accumulation
-count) exactly once. Every rank starts the buckets in the same order (bucket ``i`` only after
+DDP's contract: at the end of the backward that ends an accumulation window (an autograd
+callback the first hook of each backward queues, as DDP's reducer does) every bucket is waited
+for and divided by ``world_size`` (times the accumulation count) exactly once, so when
+``loss.backward()`` returns every ``p.grad`` holds the global mean; ``synchronize()`` then only
+reports it. Every rank starts the buckets in the same order (bucket ``i`` only after
 bucket ``i-1``), which keeps the MPI rule that all ranks enter collectives in the same order; for
 the same reason one communicator carries one GradientSync at a time.
 
@@ -19,7 +22,9 @@ measurements behind the defaults are in ``docs/gradient-sync.md``.
 from __future__ import annotations
 
 import gc
+import time
 import weakref
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -34,7 +39,12 @@ from hpclb.sync.options import MiB, SyncOptions
 
 __all__ = ["GradientSync"]
 
-
+# id(parameter) -> the GradientSync that owns it. Kept here, not on the parameter, so that
+# torch.save(model) and copy.deepcopy(model) work; an entry lives as long as its GradientSync,
+# which holds its parameters (so their ids cannot be reused meanwhile).
+_OWNERS: "weakref.WeakValueDictionary[int, GradientSync]" = weakref.WeakValueDictionary()
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_graph_task_id = torch._C._current_graph_task_id
 
 class GradientSync:
     """Average gradients across ranks in fused buckets, overlapped with backward.
@@ -56,10 +66,10 @@ class GradientSync:
         overlap: ``"thread"``, ``"nonblocking"``, ``"none"`` or ``"auto"`` (default
             $HPCLB_OVERLAP or auto: ``thread`` for MPI, ``nonblocking`` for backends that
             progress on their own threads); see :mod:`hpclb.sync.drivers`.
-        accumulation_steps: k micro-batches per optimizer step; ``synchronize()`` after each
-            backward returns False for the first k-1 (gradients accumulate locally, no
-            communication) and reduces on the k-th. The result is the mean over ranks and
-            micro-batches (one division by ``world_size * k``).
+        accumulation_steps: k backward passes (micro-batches) per window: the first k-1
+            accumulate locally (no communication), the k-th reduces at its end. The result is
+            the mean over ranks and micro-batches (one division by ``world_size * k``).
+            ``synchronize()`` returns True once per completed window.
         compression: None, ``"fp16"`` or ``"bf16"`` (default $HPCLB_COMPRESSION): buckets travel
             in that dtype, each rank's share divided by ``world_size * k`` *before* the cast
             (the sum of ranks' shares cannot overflow where each gradient does not).
@@ -70,11 +80,17 @@ class GradientSync:
         track_local_norm: also keep, per step, the squared L2 norm of this rank's own gradient
             (the mean over its samples, before the allreduce) for the gradient noise scale
             (:attr:`local_sq_norm`); one norm per bucket on the device, no host sync.
+        track_used: record which parameters got a gradient in each window
+            (:attr:`used_in_window`, for ``find_unused_parameters``).
+        divisor: what the reduced sum is divided by (default ``world_size * k``: the mean over
+            ranks and micro-batches). :mod:`hpclb.horovod` passes ``world_size`` (Horovod's
+            Average: micro-batches summed) or 1 (Horovod's Sum).
 
     Every ``p.grad`` becomes a view into a bucket buffer; keep zeroing gradients in place
     (``zero_grad(set_to_none=False)``) to avoid a copy in the hook. A parameter whose hook did
-    not run in a step is reduced as zeros. A gradient that arrives after its bucket has started
-    raises RuntimeError from backward.
+    not run in a window is reduced as zeros. Backward passes inside :meth:`no_sync` accumulate
+    locally and do not count toward the window. An error of the allreduce is raised from the
+    ``backward()`` that waited for it.
 
     Raises ValueError for a bad setting, :class:`ModelMismatchError` (on every rank) when ranks
     disagree on the buckets (names, shapes, dtypes) or on settings that change what travels.
@@ -88,19 +104,52 @@ class GradientSync:
                  accumulation_steps: int = 1, compression: str | None = None,
                  stall_timeout_s: float | None = None, stall_abort_s: float | None = None,
                  on_stall: Callable[[StallReport], None] | None = None,
-                 track_local_norm: bool = False):
+                 track_local_norm: bool = False, track_used: bool = False,
+                 divisor: int | None = None):
         self.comm = comm
         named = self._named(params)
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
+        self._set_options(accumulation_steps, divisor, SyncOptions.resolve(
+            fusion_threshold_bytes=fusion_threshold_bytes, first_bucket_bytes=first_bucket_bytes,
+            overlap=overlap, compression=compression, stall_timeout_s=stall_timeout_s,
+            stall_abort_s=stall_abort_s))
+        self.on_stall = on_stall
+        self.track_local_norm = bool(track_local_norm)
+        self.track_used = bool(track_used)
+        self._check_not_shared(named)
+        self.buckets = self._build_buckets()
+        for p in self.params:
+            _OWNERS[id(p)] = self
+        self._micro = 0  # micro-batches accumulated in the current window
+        self._next = 0   # next bucket to launch
+        self.steps = 0   # synchronised (optimizer) steps so far
+        self.wait_s = 0.0  # host seconds spent waiting for the allreduce (all windows)
+        self._task = -1    # the backward (autograd graph task) whose end callback is queued
+        self._reduced = False   # a window ended (reduced) and synchronize() has not said so
+        self._since_sync = 0    # backward passes ended since the last synchronize()
+        self._local = False     # a backward ended under no_sync() since the last window
+        self._no_sync = False
+        self.used_in_window: list[tuple[nn.Parameter, bool]] = []
+        self._hooks = []
+        self._driver = None
+        if comm.world_size > 1:
+            self._start()
+        if comm.world_size > 1 or accumulation_steps > 1 or self.track_used:
+            self._add_hooks()
+        self._open = True  # the communicator's one GradientSync, at any world size
+        GradientSync._live[id(comm)] = self
+
+    def _set_options(self, accumulation_steps: int, divisor: int | None,
+                     o: SyncOptions) -> None:
+        comm = self.comm
         if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) \
                 or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
-        self.options = SyncOptions.resolve(
-            fusion_threshold_bytes=fusion_threshold_bytes, first_bucket_bytes=first_bucket_bytes,
-            overlap=overlap, compression=compression, stall_timeout_s=stall_timeout_s,
-            stall_abort_s=stall_abort_s)
-        o = self.options
+        if divisor is not None and (isinstance(divisor, bool) or not isinstance(divisor, int)
+                                    or divisor < 1):
+            raise ValueError(f"divisor={divisor!r} must be None or an int >= 1")
+        self.options = o
         self.fusion_threshold_bytes, self.first_bucket_bytes = \
             o.fusion_threshold_bytes, o.first_bucket_bytes
         self.overlap = o.overlap_for(comm)
@@ -111,22 +160,7 @@ class GradientSync:
                              "'fp16' or another backend")
         self.stall_timeout_s, self.stall_abort_s = o.stall_timeout_s, o.stall_abort_s
         self.comm_poll_s = o.comm_poll_s
-        self.on_stall = on_stall
-        self.track_local_norm = bool(track_local_norm)
-        self.divisor = comm.world_size * accumulation_steps
-        self._check_not_shared(named)
-        self.buckets = self._build_buckets()
-        for p in self.params:
-            p._hpclb_sync = weakref.ref(self)
-        self._micro = 0  # micro-batches accumulated in the current window
-        self._next = 0   # next bucket to launch
-        self.steps = 0   # synchronised (optimizer) steps so far
-        self._hooks = []
-        self._driver = None
-        if comm.world_size > 1:
-            self._start()
-        self._open = True  # the communicator's one GradientSync, at any world size
-        GradientSync._live[id(comm)] = self
+        self.divisor = comm.world_size * accumulation_steps if divisor is None else divisor
 
     def _start(self) -> None:
         """World size > 1: agree with the other ranks, then register the hooks and the driver."""
@@ -135,10 +169,6 @@ class GradientSync:
         comm.register_buckets([b.comm_buffer for b in self.buckets])
         self._watchdog = watchdog_for(comm)
         self._watchdog.register_timeout(self.stall_timeout_s)
-        for b in self.buckets:
-            for j, p in enumerate(b.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    self._make_hook(b, j)))
         driver = DRIVERS[self.overlap]
         self._driver = driver(comm, self.comm_poll_s, owner=self,
                               device=self.buckets[0].buffer.device if self.buckets else None) \
@@ -167,8 +197,7 @@ class GradientSync:
         """A parameter belongs to one GradientSync; a communicator to one, at every world size
         (a script with two that ran at 1 process would hang or be refused at 2 ranks)."""
         for n, p in named:
-            ref = getattr(p, "_hpclb_sync", None)  # a weak reference to its GradientSync
-            other = ref() if ref is not None else None
+            other = _OWNERS.get(id(p))
             if other is not None and other._open:
                 raise ValueError(f"parameter {n} is already synchronised by {other!r}; "
                                  f"close() that GradientSync first")
@@ -207,10 +236,21 @@ class GradientSync:
                              "fusion_threshold_bytes": self.fusion_threshold_bytes,
                              "first_bucket_bytes": self.first_bucket_bytes,
                              "overlap": self.overlap, "comm_poll_s": self.comm_poll_s,
-                             "track_local_norm": self.track_local_norm}}
+                             "track_local_norm": self.track_local_norm,
+                             "track_used": self.track_used, "divisor": self.divisor}}
         check_sync_agreement(self.comm.allgather_object(mine))
 
     # -- backward ------------------------------------------------------------------------------
+    def _add_hooks(self) -> None:
+        """One post-accumulate-grad hook per parameter (once; also at one process, where they
+        count backward passes for accumulation, :meth:`no_sync` and ``track_used``)."""
+        if self._hooks:
+            return
+        for b in self.buckets:
+            for j, p in enumerate(b.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._make_hook(b, j)))
+
     def _make_hook(self, b: Bucket, j: int):
         owner = weakref.ref(self)  # a strong reference here would keep a dropped sync alive
 
@@ -220,12 +260,19 @@ class GradientSync:
                 sync._on_grad(b, j, p)
         return hook
 
-    @torch.no_grad()
     def _on_grad(self, b: Bucket, j: int, p: Tensor) -> None:
-        self._adopt(b, j)
+        # no torch.no_grad() here: autograd runs hooks with grad mode off (but for
+        # create_graph=True), and the bucket buffers never require grad (a context manager per
+        # gradient cost more host time than the rest of the hook)
+        task = _graph_task_id()
+        if task != self._task and task >= 0:  # this backward's first hook: wait at its end
+            self._task = task
+            _queue_callback(self._end_backward)
+        if p.grad is not b.views[j]:
+            self._adopt(b, j)
         b.used[j] = True
-        if self._micro != self.accumulation_steps - 1:
-            return  # accumulating locally
+        if self._no_sync or self._micro != self.accumulation_steps - 1 or self._driver is None:
+            return  # accumulating locally (or one process: all is done at the window's end)
         if b.ready[j]:
             if b.launched:
                 raise RuntimeError(
@@ -240,6 +287,7 @@ class GradientSync:
         else:
             self._driver.progress(self.buckets[:self._next])
 
+    @torch.no_grad()
     def _adopt(self, b: Bucket, j: int) -> None:
         """Make ``p.grad`` the bucket view again if someone replaced it (``set_to_none``)."""
         p, view = b.params[j], b.views[j]
@@ -261,7 +309,8 @@ class GradientSync:
             b.local_sq = torch.linalg.vector_norm(b.buffer, dtype=torch.float32).square() \
                 / self.accumulation_steps ** 2
         if b.predivide:  # divide each rank's share first, then cast: the sum cannot overflow
-            b.buffer.div_(self.divisor)
+            if self.divisor != 1:
+                b.buffer.div_(self.divisor)
             if b.comm_buffer is not b.buffer:
                 b.comm_buffer.copy_(b.buffer)
         b.launched = True
@@ -270,39 +319,88 @@ class GradientSync:
         self._driver.launch(b)
 
     def mark_all_ready(self) -> None:
-        """Declare every gradient of this step final, as the hooks do during backward, which
-        starts every bucket not yet started. For gradients written without autograd (manual
-        gradients, benchmarks); call :meth:`synchronize` afterwards as usual."""
-        if self.comm.world_size == 1 or self._micro != self.accumulation_steps - 1:
+        """End a micro-batch whose gradients were written without autograd (manual gradients,
+        benchmarks) as the end of a backward does: on a window's last micro-batch every bucket
+        is reduced now. :meth:`synchronize` afterwards reports it as usual."""
+        self._end_backward()
+
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        """The end of a backward pass (autograd callback): count the micro-batch; on a window's
+        last, reduce every bucket and divide, so ``p.grad`` is the global mean on return."""
+        self._task = -1
+        if self._no_sync:
+            self._local = True
             return
-        for b in self.buckets:
-            for j, p in enumerate(b.params):
-                if not b.ready[j]:
-                    self._on_grad(b, j, p)
+        self._since_sync += 1
+        self._micro += 1
+        if self._micro < self.accumulation_steps:
+            return
+        self._micro = 0
+        self.steps += 1
+        if self.track_used:
+            self.used_in_window = [(p, u) for b in self.buckets for p, u in zip(b.params, b.used)]
+        t0 = time.perf_counter()
+        try:
+            if self._driver is None:
+                self._finish_alone()
+            else:
+                self._reduce()
+        finally:
+            self._reduced, self._local = True, False
+            self.wait_s += time.perf_counter() - t0
+
+    @contextmanager
+    def no_sync(self):
+        """DDP's ``no_sync()``: backward passes inside accumulate this rank's gradients locally
+        (no communication) and do not count toward ``accumulation_steps``; the next backward
+        outside reduces the sum. (Every rank enters it for the same backward passes.)"""
+        self._add_hooks()
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
 
     # -- after backward -----------------------------------------------------------------------
-    @torch.no_grad()
     def synchronize(self) -> bool:
-        """Call after each backward. On the last micro-batch of an accumulation window (every
-        call when ``accumulation_steps`` is 1): wait for every bucket, so that every rank's
-        ``p.grad`` is the mean over ranks (and micro-batches), and return True. Otherwise return
-        False at once (no communication; gradients keep accumulating locally).
+        """Call once per optimizer step, after backward. True when an accumulation window was
+        completed (and reduced: every ``p.grad`` is the mean over ranks and micro-batches) since
+        the last call; False inside a window. A call with no backward since the last one (a
+        rank with no samples in this micro-batch, or a backward that reached no parameter)
+        ends a micro-batch here, as :meth:`mark_all_ready` does, so every rank counts the
+        same windows.
 
-        Raises the communication thread's error, if any, naming the bucket; RuntimeError after
-        :meth:`close` (at every world size: at 2 ranks it would wait for hooks that are gone).
+        Raises RuntimeError after :meth:`close` (at every world size: at 2 ranks it would wait
+        for hooks that are gone), and after a backward under :meth:`no_sync` that no backward
+        outside it followed (the gradients are this rank's own).
         """
         if not self._open:
             raise RuntimeError(f"{self!r} was closed: its hooks are removed and nothing is "
                                f"averaged; build a new DistributedOptimizer / GradientSync "
                                f"(or refresh_parameters()) instead of stepping a closed one")
-        self._micro += 1
-        if self._micro < self.accumulation_steps:
-            return False
-        self._micro = 0
-        self.steps += 1
-        if self.comm.world_size == 1:
+        if not self._hooks:  # one process, no accumulation: every backward is a window
+            self._since_sync = 0
+            self.steps += 1
             self._finish_alone()
             return True
+        if self._local and not self._reduced:
+            raise RuntimeError("step() after a backward under no_sync() with no backward outside "
+                               "it: the gradients are this rank's local sums. Run the window's "
+                               "last backward outside no_sync(), then step()")
+        if not self._reduced and not self._since_sync:
+            self._end_backward()
+        reduced, self._reduced, self._since_sync = self._reduced, False, 0
+        return reduced
+
+    @property
+    def backward_pending(self) -> bool:
+        """A backward ended since the last :meth:`synchronize` (``zero_grad()`` then would drop
+        its gradients from the window)."""
+        return self._since_sync > 0
+
+    def _reduce(self) -> None:
+        """World size > 1: start what is left, wait for every bucket in order, divide."""
         self._fill_missing()
         self._launch_ready()
         error = None
@@ -318,12 +416,12 @@ class GradientSync:
         self._driver.end_step()
         if error is not None:
             raise error
-        return True
 
     def _finish_alone(self) -> None:
         for b in self.buckets:
             for j in range(len(b.params)):
                 self._adopt(b, j)
+            b.used = [False] * len(b.params)
             if self.track_local_norm:
                 b.local_sq = torch.linalg.vector_norm(b.buffer, dtype=torch.float32).square() \
                     / self.accumulation_steps ** 2
@@ -345,7 +443,7 @@ class GradientSync:
     def _finish_bucket(self, b: Bucket) -> None:
         if b.comm_buffer is not b.buffer:
             b.buffer.copy_(b.comm_buffer)
-        if not b.predivide:
+        if not b.predivide and self.divisor != 1:
             b.buffer.div_(self.divisor)
         b.ready = [False] * len(b.params)
         b.used = [False] * len(b.params)
@@ -370,7 +468,7 @@ class GradientSync:
     def reset_epoch(self) -> int:
         """Start a new accumulation window at an epoch boundary; returns how many micro-batches
         of an unfinished window are dropped (their gradients stay local: zero them)."""
-        dropped, self._micro = self._micro, 0
+        dropped, self._micro, self._since_sync = self._micro, 0, 0
         return dropped
 
     @property
@@ -389,8 +487,8 @@ class GradientSync:
             h.remove()
         self._hooks.clear()
         for p in self.params:
-            if getattr(p, "_hpclb_sync", None) is not None and p._hpclb_sync() is self:
-                p._hpclb_sync = None
+            if _OWNERS.get(id(p)) is self:
+                del _OWNERS[id(p)]
         if GradientSync._live.get(id(self.comm)) is self:
             del GradientSync._live[id(self.comm)]
             self.comm.register_buckets([])

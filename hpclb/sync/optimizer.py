@@ -23,7 +23,13 @@
 4. optional clipping to ``grad_clip_norm`` (after the averaging, once);
 5. the wrapped optimizer's step.
 
-Forgetting the synchronisation is impossible: the allreduce happens inside ``step()``.
+The allreduce itself runs during backward and is waited for at the end of the window's last
+``backward()`` (DDP's contract: ``p.grad`` is then the global mean); ``step()`` only takes the
+window, so forgetting the synchronisation is impossible.
+
+A DistributedOptimizer is an instance of the wrapped optimizer's class (a subclass made once per
+class, as Horovod's wrapper is), so torch's LR schedulers and ``isinstance`` checks take it; its
+``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from hpclb.comm.base import Communicator
 from hpclb.comm.world import current_communicator
 from hpclb.errors import NonFiniteError  # noqa: F401  (hpclb.NonFiniteError is read from here)
 from hpclb.sync.agree import verify_replicas
-from hpclb.sync.contracts import GradGuard, SynchronizeMixin, zero_grad_action
+from hpclb.sync.contracts import SynchronizeMixin, zero_grad_action
 from hpclb.sync.gradients import GradientSync
 from hpclb.sync.guard import NonFiniteGuard
 
@@ -52,7 +58,19 @@ def _named(model_or_named_parameters) -> list[tuple[str, nn.Parameter]]:
     return items
 
 
-class DistributedOptimizer(SynchronizeMixin):
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _subclass_for(cls: type) -> type:
+    """``DistributedOptimizer`` mixed with the optimizer class ``cls`` (made once per class)."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = _SUBCLASSES[cls] = type(f"Distributed{cls.__name__}", (DistributedOptimizer, cls),
+                                      {"__module__": __name__})
+    return sub
+
+
+class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
     """A torch optimizer whose ``step()`` averages gradients across ranks first.
 
     Args:
@@ -95,15 +113,23 @@ class DistributedOptimizer(SynchronizeMixin):
     waiting for the allreduce, all steps: the communication that backward did not hide),
     ``sync`` (the GradientSync).
 
-    The contract with the caller (``docs/library.md``; :mod:`hpclb.sync.contracts`): ``p.grad``
-    is final only after :meth:`synchronize` (or inside ``step()``); changing it in place before
-    that makes ``step()`` raise; ``zero_grad()`` is a no-op inside an accumulation window;
-    parameters frozen at a step are not updated; a parameter set that grows needs
-    :meth:`refresh_parameters` (or :meth:`add_param_group`).
+    The contract with the caller (``docs/library.md``; :mod:`hpclb.sync.contracts`): when the
+    window's last ``backward()`` returns, ``p.grad`` is the global mean (clip, log or change it
+    there, as under DDP); :meth:`no_sync` is DDP's ``no_sync()``; ``zero_grad()`` is a no-op
+    inside an accumulation window; parameters frozen at a step are not updated; a parameter set
+    that grows needs :meth:`refresh_parameters` (or :meth:`add_param_group`). The object is an
+    instance of ``type(optimizer)`` (torch's LR schedulers take it).
 
     Raises ValueError when the optimizer updates a parameter that is not in
-    ``model_or_named_parameters`` (its gradient would never be averaged) or for a bad setting.
+    ``model_or_named_parameters`` (its gradient would never be averaged) or for a bad setting,
+    TypeError for something that is not a torch optimizer (or is already distributed).
     """
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        if cls is DistributedOptimizer and isinstance(optimizer, torch.optim.Optimizer) \
+                and not isinstance(optimizer, DistributedOptimizer):
+            cls = _subclass_for(type(optimizer))
+        return object.__new__(cls)
 
     def __init__(self, optimizer: torch.optim.Optimizer, model_or_named_parameters, *,
                  comm: Communicator | None = None, accumulation_steps: int = 1,
@@ -111,7 +137,8 @@ class DistributedOptimizer(SynchronizeMixin):
                  scaler: "torch.amp.GradScaler | None" = None, broadcast_mismatch: bool = True,
                  find_unused_parameters: bool = False, check_nonfinite_every: int = 100,
                  **sync_options):
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer) or \
+                isinstance(optimizer, DistributedOptimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
         if grad_clip_norm is not None and not (grad_clip_norm > 0
@@ -151,28 +178,51 @@ class DistributedOptimizer(SynchronizeMixin):
         self.scaler = scaler
         self.grad_norm: Tensor | None = None
         self.steps = 0
-        self.sync_wait_s = 0.0  # host seconds spent waiting in the allreduce (all steps)
         self.guard = NonFiniteGuard(optimizer, max_nonfinite_steps, scaler)
 
     def _build_sync(self) -> None:
-        """The GradientSync (and its GradGuard) over the trainable parameters of ``_named``."""
+        """The GradientSync over the trainable parameters of ``_named``."""
         trainable = [(n, p) for n, p in self._named if p.requires_grad]
         self.names = [n for n, _ in trainable]
         self.params = [p for _, p in trainable]
+        self._synced_ids = {id(p) for p in self.params}
         self._names_by_id = {id(p): n for n, p in self._named}
-        self.sync = GradientSync(trainable, self.comm, **self._sync_kwargs)
-        self._guard = GradGuard(self.sync, self.comm.world_size > 1
-                                or self.sync.accumulation_steps > 1,
-                                track_used=self.find_unused_parameters)
+        self.sync = GradientSync(trainable, self.comm, track_used=self.find_unused_parameters,
+                                 **self._sync_kwargs)
 
-    # the torch.optim.Optimizer surface LR schedulers and user code read
+    # the torch.optim.Optimizer surface LR schedulers and user code read: the wrapped one's
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups) -> None:
+        self.optimizer.param_groups = groups
+
     @property
     def state(self):
         return self.optimizer.state
+
+    @state.setter
+    def state(self, state) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @property
+    def sync_wait_s(self) -> float:
+        """Host seconds spent waiting for the allreduce at the end of backward, all windows."""
+        return self.sync.wait_s
+
+    def no_sync(self):
+        """DDP's ``model.no_sync()``, as a context manager on the optimizer: backward passes
+        inside accumulate this rank's gradients (no communication, not counted toward
+        ``accumulation_steps``); the next backward outside reduces the sum (divided by
+        ``world_size``: scale the loss as under DDP). ``step()`` after a backward inside with
+        none outside raises RuntimeError. Every rank uses it for the same backward passes."""
+        return self.sync.no_sync()
 
     @property
     def accumulation_steps(self) -> int:
@@ -182,13 +232,11 @@ class DistributedOptimizer(SynchronizeMixin):
         """Zero the gradients in place (they are views into the communication buckets;
         ``set_to_none`` is accepted and ignored, since re-allocating would cost a copy). Inside
         an accumulation window (after a ``step()`` that returned False) a no-op: the window's
-        gradients accumulate until its last ``step()``. Raises RuntimeError between
-        ``backward()`` and ``step()`` while the allreduce is in flight, and with accumulation
-        whenever it would drop a micro-batch's gradients (after its backward, before its
-        ``step()``)."""
-        if zero_grad_action(self.sync, self.sync.micro_batches, self._guard.backward_pending):
+        gradients accumulate until its last ``step()``. With ``accumulation_steps`` > 1 raises
+        RuntimeError whenever it would drop a micro-batch's gradients (after its backward,
+        before its ``step()``)."""
+        if zero_grad_action(self.sync):
             self.optimizer.zero_grad(set_to_none=False)
-            self._guard.clear()
 
     def step(self, closure=None) -> bool:
         """Average, check, clip and step (module docstring). Returns False on a partial
@@ -273,16 +321,21 @@ class DistributedOptimizer(SynchronizeMixin):
         return None
 
     def state_dict(self) -> dict:
-        """The wrapped optimizer's state plus the guard's counters."""
-        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps,
+        """The wrapped optimizer's state dict (``state``, ``param_groups``: the plain optimizer
+        class loads it as it is) plus the counters ``steps``, ``skipped_steps`` and, with a
+        scaler, ``scaler`` (which torch's ``load_state_dict`` ignores)."""
+        return {**self.optimizer.state_dict(), "steps": self.steps,
                 "skipped_steps": self.skipped_steps,
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
-        if "optimizer" not in state:  # a plain optimizer state dict
-            self.optimizer.load_state_dict(state)
+        """Load :meth:`state_dict`'s dict, a plain optimizer's, or the older form that nested
+        the optimizer's under ``"optimizer"``."""
+        if "optimizer" in state and "param_groups" not in state:
+            state = {**state["optimizer"], **{k: v for k, v in state.items() if k != "optimizer"}}
+        self.optimizer.load_state_dict(state)
+        if "steps" not in state:  # a plain optimizer state dict
             return
-        self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state.get("steps", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if self.scaler is not None and state.get("scaler"):
@@ -290,7 +343,6 @@ class DistributedOptimizer(SynchronizeMixin):
 
     def close(self) -> None:
         """Release the communicator (hooks, communication thread)."""
-        self._guard.close()
         self.sync.close()
 
     def __repr__(self) -> str:

@@ -81,7 +81,7 @@ def test_missing_or_resized_file_and_old_empty_record(staged):
 def test_train_refuses_changed_data_at_start(staged, tmp_path):
     _overwrite_in_place(staged / "train-images-idx3-ubyte", 1_000_000)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "hpclb", "train", "mnist-lstm", "--epochs", "0.01",
+    p = subprocess.run([sys.executable, "-m", "hpclb", "train", "mnist-lstm", "--epochs", "0.5",
                         "--data-dir", str(staged.parent), "--out", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=220, env=env,
                        stdin=subprocess.DEVNULL)

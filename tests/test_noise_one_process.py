@@ -22,7 +22,7 @@ def test_check_world_size():
 @pytest.mark.timeout(180)
 def test_train_refuses_noise_scale_at_one_process(tmp_path):
     p = subprocess.run([sys.executable, "-m", "hpclb", "train", "mnist-lstm", "--noise-scale",
-                        "--accumulation-steps", "2", "--epochs", "0.01",
+                        "--accumulation-steps", "2", "--epochs", "0.5",
                         "--out", str(tmp_path / "run"), "--data-dir", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=170, stdin=subprocess.DEVNULL)
     err = p.stdout + p.stderr

@@ -198,9 +198,9 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     field and its command-line flag;
     warns (:class:`RecipeWarning`) for valid values outside their sensible range.
     """
+    _check_environment()
     recipe = load_recipe(experiment, epochs=epochs)  # the warmup against the run's budget
     spec = Recipe.from_dict(recipe)
-    _check_environment()
     require(scaling in schedules.SCHEMES, "--scaling",
             f"{scaling!r} is not one of {tuple(schedules.SCHEMES)}")
     batch = spec.base_batch_size if batch_size is None else batch_size

@@ -17,8 +17,10 @@ GPU. Inside the window the training step is labelled with ``record_function`` ra
 (waiting for the gradient allreduce: the communication backward did not hide),
 ``hpclb/optimizer`` (the synchronised optimizer step: guard, clipping, update), and every call
 of the communicator's collectives (``hpclb/allreduce``, ``hpclb/iallreduce``,
-``hpclb/allgather_object``, ``hpclb/broadcast``), which the gradient buckets issue from
-backward's hooks. Outside the window nothing is recorded and the labels cost nothing.
+``hpclb/allgather_object``, ``hpclb/broadcast``). The gradient buckets' calls show under
+``overlap=nonblocking`` (issued from backward's hooks); under ``overlap=thread`` they run on the
+communication thread, which the profiler does not record, and show as ``hpclb/allreduce_wait``.
+Outside the window nothing is recorded and the labels cost nothing.
 """
 from __future__ import annotations
 

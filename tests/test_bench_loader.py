@@ -47,9 +47,15 @@ def test_bench_loader_writes_its_json(tmp_path):
     assert doc["target_images_per_s_per_core"] == 800
     assert isinstance(doc["train_meets_target"], bool)
     assert 60_000 < doc["setup"]["mean_file_bytes"] < 200_000  # about ImageNet's 110 KB
-    r = subprocess.run([sys.executable, "-m", "hpclb", "bench", "loader", "--images", "0",
-                        "--out", str(out)], capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode != 0 and "--images and --rounds must be >= 1" in r.stderr
+    for flag, value in (("--images", "0"), ("--rounds", "x")):
+        r = subprocess.run([sys.executable, "-m", "hpclb", "bench", "loader", flag, value,
+                            "--out", str(out)], capture_output=True, text=True, timeout=60,
+                           env=env)
+        assert r.returncode == 2 and f"argument {flag}: must be an integer >= 1, got '{value}'" \
+            in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "hpclb", "bench", "loader", "--help"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert "(default results/bench_loader.json)" in " ".join(r.stdout.split())
 
 
 def test_the_baseline_and_the_fast_path_crop_the_same_boxes(tmp_path):

@@ -228,6 +228,28 @@ def test_only_imagenet_train_split_augments(tmp_path):
     assert task.train_set.augment and not task.test_set.augment and len(task.train_set) == 6
 
 
+def test_imagenet_refuses_an_empty_class_and_splits_with_other_classes(tmp_path):
+    """An empty class directory (train's ``aardvark/``) would shift train's labels against
+    val's: refused, also from a cached index; so are train/val class lists that differ."""
+    root = tmp_path / "imagenet"
+    noise_image_folder(root / "train", ODD_SIZES[:1], classes=("cat", "dog", "eel"))
+    noise_image_folder(root / "val", ODD_SIZES[:1], classes=("cat", "dog", "eel"))
+    (root / "train" / "aardvark").mkdir()
+    (root / "train" / "aardvark" / "notes.txt").write_text("no images here")
+    for _ in range(2):  # the second call reads the cached index
+        with pytest.raises(DataError, match=r"train/aardvark: a class directory without images.*"
+                           r"remove it or add images"):
+            load_imagenet(tmp_path, image_size=8)
+    (root / "train" / "aardvark" / "notes.txt").unlink()
+    (root / "train" / "aardvark").rmdir()
+    noise_image_folder(root / "val", ODD_SIZES[:1], classes=("fox",))
+    with pytest.raises(DataError, match=r"different classes \(only in \S+/val: fox\)"):
+        load_imagenet(tmp_path, image_size=8)
+    noise_image_folder(root / "train", ODD_SIZES[:1], classes=("fox",))
+    train, val = load_imagenet(tmp_path, image_size=8)
+    assert train.classes == val.classes == ["cat", "dog", "eel", "fox"]
+
+
 def _task_batches(root: Path, world_size: int, epoch: int, seed: int = 7) -> dict:
     """{sample index: image tensor} of every rank's steps of ``epoch``, read through
     ClassificationTask as the training loop reads it (fresh objects: a new process)."""

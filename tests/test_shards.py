@@ -146,6 +146,15 @@ def test_imagenet_reads_shards_when_the_recipe_says_so(tmp_path):
     assert load_recipe(str(path))["data"]["shards"] is True
 
 
+def test_imagenet_shards_of_splits_with_other_classes_are_refused(tmp_path):
+    _folder(tmp_path / "folders" / "train")
+    noise_image_folder(_folder(tmp_path / "folders" / "val"), SIZES[:1], classes=("c",))
+    for split in ("train", "val"):
+        write_shards(tmp_path / "folders" / split, tmp_path / "imagenet" / "shards" / split)
+    with pytest.raises(DataError, match=r"different classes \(only in \S+shards/val: c\)"):
+        load_imagenet(tmp_path, image_size=8, shards=True)
+
+
 def test_data_shards_command(tmp_path):
     src = _folder(tmp_path / "train")
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -161,6 +170,16 @@ def test_data_shards_command(tmp_path):
     assert r.returncode == 0 and "in 1 shards" in r.stdout
     r = hpclb(str(src), str(tmp_path / "t"), "--samples-per-shard", "0")
     assert r.returncode == 2 and "--samples-per-shard must be >= 1" in r.stderr
+    for out in (src / "sub", src):  # would become a class of SRC
+        r = hpclb(str(src), str(out))
+        assert r.returncode == 2 and f"{out}: inside the ImageFolder {src}" in r.stderr, r.stderr
+        assert not (src / "sub").exists() and not list(src.glob("*.tar"))
+    (tmp_path / "file").write_text("mine")
+    for out in (tmp_path / "file", tmp_path / "file" / "s"):
+        r = hpclb(str(src), str(out))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"{out}:" in r.stderr and "choose another OUT" in r.stderr
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 @pytest.mark.slow

@@ -235,8 +235,6 @@ def driver(args) -> int:
     from hpclb.data.shard_writer import write_shards
     from hpclb.data.transforms import default_decoder
 
-    if args.images < 1 or args.rounds < 1:
-        raise SystemExit("hpclb bench loader: --images and --rounds must be >= 1")
     torch.set_num_threads(1)
     load = (os.getloadavg(),)
     with tempfile.TemporaryDirectory(prefix="hpclb-bench-loader-") as tmp:
@@ -267,10 +265,24 @@ def driver(args) -> int:
     return 0
 
 
+def _count(raw: str) -> int:
+    """An integer >= 1 (argparse names the flag and exits 2 otherwise)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {raw!r}")
+    return value
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``hpclb bench loader``."""
-    p.add_argument("--images", type=int, default=200, help="synthetic JPEGs (default 200)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds; each times every variant once")
-    p.add_argument("--batch-size", type=int, default=256, help="batch for batch_bytes")
+    p.add_argument("--images", type=_count, default=200, help="synthetic JPEGs (default 200)")
+    p.add_argument("--rounds", type=_count, default=5,
+                   help="rounds; each times every variant once (default 5)")
+    p.add_argument("--batch-size", type=_count, default=256,
+                   help="batch for batch_bytes (default 256)")
     p.add_argument("--note", default="", help="free text kept in the JSON (the machine, its load)")
-    p.add_argument("--out", default="results/bench_loader.json")
+    p.add_argument("--out", default="results/bench_loader.json",
+                   help="the JSON file to write (default results/bench_loader.json)")

@@ -211,7 +211,8 @@ def folder_index(root: str | Path, *, wait_s: float = INDEX_WAIT_S
     ``~/.cache/hpclb/imagefolder-<hash>.json``), claiming the job with an O_EXCL lock file
     so that the others wait for it (up to ``wait_s`` seconds) instead of listing too. The index
     is valid while the class directories and their mtimes and sizes are unchanged (one stat per
-    class). Raises DataError for a missing directory, no classes or no images.
+    class). Raises DataError for a missing directory, no classes, no images or a class
+    directory without images.
     """
     root = Path(root)
     _class_dirs(root)  # DataError for a missing directory, before any cache is looked at
@@ -226,6 +227,11 @@ def folder_index(root: str | Path, *, wait_s: float = INDEX_WAIT_S
                     " or ".join(map(str, paths)))
         index = _scan(root)
     classes = index["classes"]
+    empty = [c for c in classes if not index["files"][c]]
+    if empty:  # a label is a class's position: an empty class shifts every label after it
+        raise DataError(f"{', '.join(str(root / c) for c in empty)}: a class directory "
+                        f"without images ({', '.join(IMAGE_SUFFIXES)}); remove it or add "
+                        f"images (every sub-directory of {root} is a class)")
     return classes, [(root / c / name, k) for k, c in enumerate(classes)
                      for name in index["files"][c]]
 
@@ -282,13 +288,28 @@ def load_imagenet(root: str | Path | None = None, image_size: int = 224, *,
     ``shards/train`` and ``shards/val`` there instead (:mod:`hpclb.data.shards`, written by
     ``hpclb data shards``; the same samples). The train split augments (random-resized crop +
     flip) unless ``augment`` is False; val is always resize 256 + centre crop. Raises DataError
-    when absent."""
+    when absent, or when train and val have different classes (naming those in one only)."""
     base = data_dir(root)
     root = base / "imagenet" if (base / "imagenet").is_dir() else base
     if shards:
         from hpclb.data.shards import TarShards
 
-        return (TarShards(root / "shards" / "train", image_size, augment=augment),
-                TarShards(root / "shards" / "val", image_size))
-    return (ImageFolder(root / "train", image_size, augment=augment),
-            ImageFolder(root / "val", image_size))
+        splits = (TarShards(root / "shards" / "train", image_size, augment=augment),
+                  TarShards(root / "shards" / "val", image_size))
+    else:
+        splits = (ImageFolder(root / "train", image_size, augment=augment),
+                  ImageFolder(root / "val", image_size))
+    _same_classes(*splits)
+    return splits
+
+
+def _same_classes(train, val) -> None:
+    """DataError unless the two splits have the same class list (a label is a class's position
+    in it, so a class in one split only shifts the labels of the other)."""
+    if train.classes == val.classes:
+        return
+    only = [sorted(set(a.classes) - set(b.classes)) for a, b in ((train, val), (val, train))]
+    detail = "; ".join(f"only in {s.root}: {', '.join(o)}" for s, o in zip((train, val), only)
+                       if o) or "the same classes in another order"
+    raise DataError(f"{train.root} and {val.root} have different classes ({detail}); give both "
+                    f"splits the same class directories")

@@ -11,7 +11,7 @@ import numpy as np
 
 from hpclb.data.images import folder_index
 from hpclb.data.shards import COLUMNS, INDEX, INDEX_VERSION, SAMPLES_PER_SHARD
-from hpclb.errors import DataError
+from hpclb.errors import EXIT_USAGE, DataError
 
 __all__ = ["write_shards"]
 
@@ -38,22 +38,40 @@ def _write_shard(path: Path, files: list[tuple[Path, int]], first: int) -> list[
         return [(m.offset_data, m.size) for m in tar.getmembers() if not m.name.endswith(".cls")]
 
 
+def _bad_out(message: str) -> DataError:
+    """A DataError for a bad OUT path: bad input, so the command line exits 2."""
+    error = DataError(message)
+    error.exit_code = EXIT_USAGE
+    return error
+
+
 def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = SAMPLES_PER_SHARD,
                  overwrite: bool = False) -> Path:
     """Pack the ImageFolder ``src`` into tar shards in ``out`` (module docstring); returns
     ``out``. Raises DataError when ``out`` already holds shards (unless ``overwrite``: they are
-    deleted first) or ``src`` is not an ImageFolder, ValueError for ``samples_per_shard`` < 1."""
+    deleted first), when ``out`` is inside ``src``, is not a directory or cannot be created
+    (these with ``exit_code`` 2: the command line's bad input), or ``src`` is not an ImageFolder;
+    ValueError for ``samples_per_shard`` < 1."""
     if samples_per_shard < 1:
         raise ValueError(f"write_shards: samples_per_shard must be >= 1, got {samples_per_shard}")
+    src, out = Path(src), Path(out)
+    if out.resolve().is_relative_to(src.resolve()):
+        raise _bad_out(f"{out}: inside the ImageFolder {src} (its shards would become a class "
+                       f"of it); choose an OUT outside SRC")
+    if out.exists() and not out.is_dir():
+        raise _bad_out(f"{out}: exists and is not a directory; choose another OUT")
     classes, files = folder_index(src)
-    out = Path(out)
     old = sorted(out.glob("shard-*.tar")) + ([out / INDEX] if (out / INDEX).exists() else [])
     if old and not overwrite:
         raise DataError(f"{out}: holds tar shards already ({len(old)} files); choose another "
                         f"directory or pass --overwrite to replace them")
     for path in old:
         path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent is a file, or not writable
+        raise _bad_out(f"{out}: cannot create the shard directory ({e}); choose another OUT") \
+            from e
     names, columns = [], {k: [] for k in COLUMNS}
     for k, first in enumerate(range(0, len(files), samples_per_shard)):
         names.append(f"shard-{k:06d}.tar")

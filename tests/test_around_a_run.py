@@ -185,6 +185,17 @@ def test_dry_run_tells_what_happens_to_out(finished):
     assert "steps        8 = 1 epochs x 8 steps/epoch on 1024 images" in stdout, stdout
 
 
+@pytest.mark.parametrize("args", [["--epochs", "2"], ["--optimizer", "sgd"]])
+def test_dry_run_refuses_an_incompatible_resume_as_the_run_does(finished, mnist_dir, args):
+    recipe, out, _ = finished
+    rc, stdout, dry = _dry("--out", out, "--resume", "auto", *args, experiment=recipe)
+    assert rc == 2 and "dry run:" not in stdout, (stdout, dry)
+    rc, text = _train(recipe, out, "--resume", "auto", *args, data=mnist_dir.parent)
+    assert rc == 2, text
+    error = re.search(r"hpclb: error: .*was made with.*", dry)
+    assert error and error.group(0) in text, (dry, text)
+
+
 @pytest.mark.parametrize("ranks,args,message", [
     (1, ["--batch-size", "0"], "--batch-size: must be a positive integer"),
     (2, ["--batch-size", "1023"], "not divisible by the world size 2"),

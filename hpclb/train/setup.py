@@ -280,12 +280,18 @@ def _load_decided(cfg: RunConfig, comm: Communicator, path: str | None, held):
             raise ConfigError(f"cannot read rank 0's checkpoint {path} ({e}); --out must be on "
                               f"a file system every rank sees") from e
     ckpt = agreed(comm, "loading the checkpoint", load)
+    check_resumable(cfg, ckpt, path)
+    return ckpt, path, held
+
+
+def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
+    """Refuse (ConfigError) to resume ``cfg`` from the checkpoint ``ckpt`` read from ``path``
+    where it was made with other settings (experiment, batch, scaling, optimizer, seed...)."""
     for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs", "lr"):
         if ckpt["run"][key] != getattr(cfg, key):
             raise ConfigError(f"--resume: the checkpoint in {path} was made with {key}="
                               f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; resume "
                               f"with the same settings or use another --out")
-    return ckpt, path, held
 
 
 def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:

@@ -54,6 +54,7 @@ def _labels(trace_dir: Path) -> set[str]:
 def test_resume_auto_starts_afresh_then_resumes(finished, mnist_dir):
     recipe, out, text = finished
     assert "resumed from" not in text and "--resume auto: no checkpoint" in text, text
+    assert "optimizer adam, compile off (eager)" in text, text  # the header names the mode
     steps = json.loads((out / "summary.json").read_text())["steps"]
     assert steps == STEPS
     rc, text = _train(recipe, out, "--resume", "auto", data=mnist_dir.parent)

@@ -307,6 +307,16 @@ def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
     return model
 
 
+def warn_eager_rnns(model: nn.Module) -> None:
+    """Warn that torch.compile leaves ``model``'s ``nn.RNNBase`` layers (LSTM, GRU, RNN) eager:
+    dynamo's ``allow_rnn`` is off (hpclb leaves it so), the gain is limited to the others."""
+    rnns = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if rnns:
+        log.warning("--compile: torch.compile leaves the %s layer(s) eager (torch._dynamo's "
+                    "allow_rnn is off), so the gain is limited to the other layers",
+                    ", ".join(rnns))
+
+
 def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = None,
               profile: tuple[int, int] | None = None) -> Run:
     """Build (or resume) the run of ``cfg`` on this rank; collective.
@@ -337,6 +347,8 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_pa
            out_lock, profile) -> Run:
     """The model, optimizer, schedule and task of :func:`setup_run`, restored from ``ckpt``."""
     model = _build_model(cfg, task, device)
+    if cfg.compile and comm.rank == 0:
+        warn_eager_rnns(model)
     check_model_consistency(model, comm)
     broadcast_parameters(model, comm)
     seed_rank(cfg.seed, comm.rank)  # ranks share parameters, never randomness (dropout)

@@ -54,6 +54,7 @@ def _labels(trace_dir: Path) -> set[str]:
 def test_resume_auto_starts_afresh_then_resumes(finished, mnist_dir):
     recipe, out, text = finished
     assert "resumed from" not in text and "--resume auto: no checkpoint" in text, text
+    assert "optimizer adam, compile off (eager)" in text, text  # the header names the mode
     steps = json.loads((out / "summary.json").read_text())["steps"]
     assert steps == STEPS
     rc, text = _train(recipe, out, "--resume", "auto", data=mnist_dir.parent)
@@ -183,6 +184,17 @@ def test_dry_run_tells_what_happens_to_out(finished):
     rc, stdout, stderr = _dry("--out", out, "--resume", "auto", experiment=recipe)
     assert rc == 0 and re.search(rf"{out}: resumes from \S+ \(global step 8\)", stdout), stdout
     assert "steps        8 = 1 epochs x 8 steps/epoch on 1024 images" in stdout, stdout
+
+
+@pytest.mark.parametrize("args", [["--epochs", "2"], ["--optimizer", "sgd"]])
+def test_dry_run_refuses_an_incompatible_resume_as_the_run_does(finished, mnist_dir, args):
+    recipe, out, _ = finished
+    rc, stdout, dry = _dry("--out", out, "--resume", "auto", *args, experiment=recipe)
+    assert rc == 2 and "dry run:" not in stdout, (stdout, dry)
+    rc, text = _train(recipe, out, "--resume", "auto", *args, data=mnist_dir.parent)
+    assert rc == 2, text
+    error = re.search(r"hpclb: error: .*was made with.*", dry)
+    assert error and error.group(0) in text, (dry, text)
 
 
 @pytest.mark.parametrize("ranks,args,message", [

@@ -81,3 +81,23 @@ def test_train_with_compile_matches_eager(tmp_path, mnist_dir):
     assert list(p0) == list(p1)                      # the same state_dict keys
     assert all(torch.allclose(p0[k], p1[k], rtol=1e-4, atol=1e-5) for k in p0)
     assert s1["final_test_loss"] == pytest.approx(s0["final_test_loss"], rel=1e-4)
+
+
+def test_compile_warns_that_rnn_layers_stay_eager(tmp_path, mnist_dir, caplog):
+    """MNIST-LSTM's nn.LSTM is skipped by dynamo (allow_rnn off): `--compile` says so once,
+    before any step (torch.compile is lazy: nothing is compiled here); eager says nothing."""
+    from hpclb.train.setup import setup_run
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 256,
+                                          "test_samples": 100})
+    for mode in (None, "default"):
+        caplog.clear()
+        cfg = resolve(recipe, out=str(tmp_path / str(mode)), data_dir=str(mnist_dir.parent),
+                      compile=mode)
+        with caplog.at_level("WARNING", logger="hpclb"):
+            setup_run(cfg, SelfCommunicator()).close()
+        eager = [r.getMessage() for r in caplog.records if "layer(s) eager" in r.getMessage()]
+        if mode is None:
+            assert eager == [], eager
+        else:
+            assert len(eager) == 1 and "LSTM" in eager[0] and "allow_rnn is off" in eager[0]
+    assert not torch._dynamo.config.allow_rnn   # left as torch has it

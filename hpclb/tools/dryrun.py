@@ -28,7 +28,7 @@ from hpclb.tasks import build_task
 from hpclb.tasks.registry import TASKS
 from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.profile import check_profile_window
-from hpclb.train.setup import agreed
+from hpclb.train.setup import agreed, check_resumable
 
 __all__ = ["WARMUP_WARN_FRACTION", "dry_run", "format_plan", "plan_run", "train_set_size_of",
            "warmup_warning"]
@@ -61,6 +61,7 @@ def _out_plan(cfg: RunConfig) -> str:
         return f"{cfg.out}: a new run"
     loaded = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints).latest()
     if loaded is not None:
+        check_resumable(cfg, loaded.state, loaded.path.resolve())  # the run's words
         return (f"{cfg.out}: resumes from {loaded.path} (global step "
                 f"{loaded.state.get('global_step')})")
     if cfg.resume != "auto":

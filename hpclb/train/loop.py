@@ -306,7 +306,7 @@ def _header(run: Run, say: _Say) -> None:
         f"({info['name']}{mem}), precision {cfg.precision}, global batch {cfg.global_batch_size} "
         f"= {comm.world_size} x {run.per_rank_batch} (B0 {cfg.base_batch_size}, k = {k:g}), "
         f"accumulation_steps {cfg.accumulation_steps} (micro-batch {run.micro_batch}), scaling "
-        f"{cfg.scaling}, optimizer {cfg.optimizer}")
+        f"{cfg.scaling}, optimizer {cfg.optimizer}, compile {cfg.compile or 'off (eager)'}")
     say(f"  peak LR {sched.peak_lr:.4g} (B0: {cfg.base_lr:.4g}), warmup {sched.warmup_steps} steps "
         f"= {sched.warmup_epochs:.3g} epochs, decay {sched.decay}, {sched.steps_per_epoch} "
         f"steps/epoch, {sched.total_steps} steps in {cfg.epochs:g} epochs, "

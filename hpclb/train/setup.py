@@ -280,12 +280,18 @@ def _load_decided(cfg: RunConfig, comm: Communicator, path: str | None, held):
             raise ConfigError(f"cannot read rank 0's checkpoint {path} ({e}); --out must be on "
                               f"a file system every rank sees") from e
     ckpt = agreed(comm, "loading the checkpoint", load)
+    check_resumable(cfg, ckpt, path)
+    return ckpt, path, held
+
+
+def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
+    """Refuse (ConfigError) to resume ``cfg`` from the checkpoint ``ckpt`` read from ``path``
+    where it was made with other settings (experiment, batch, scaling, optimizer, seed...)."""
     for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs", "lr"):
         if ckpt["run"][key] != getattr(cfg, key):
             raise ConfigError(f"--resume: the checkpoint in {path} was made with {key}="
                               f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; resume "
                               f"with the same settings or use another --out")
-    return ckpt, path, held
 
 
 def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
@@ -299,6 +305,16 @@ def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
     if cfg.compile:   # in place: the same module, parameters and state_dict keys as eager
         model.compile(mode=cfg.compile)
     return model
+
+
+def warn_eager_rnns(model: nn.Module) -> None:
+    """Warn that torch.compile leaves ``model``'s ``nn.RNNBase`` layers (LSTM, GRU, RNN) eager:
+    dynamo's ``allow_rnn`` is off (hpclb leaves it so), the gain is limited to the others."""
+    rnns = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if rnns:
+        log.warning("--compile: torch.compile leaves the %s layer(s) eager (torch._dynamo's "
+                    "allow_rnn is off), so the gain is limited to the other layers",
+                    ", ".join(rnns))
 
 
 def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = None,
@@ -331,6 +347,8 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_pa
            out_lock, profile) -> Run:
     """The model, optimizer, schedule and task of :func:`setup_run`, restored from ``ckpt``."""
     model = _build_model(cfg, task, device)
+    if cfg.compile and comm.rank == 0:
+        warn_eager_rnns(model)
     check_model_consistency(model, comm)
     broadcast_parameters(model, comm)
     seed_rank(cfg.seed, comm.rank)  # ranks share parameters, never randomness (dropout)

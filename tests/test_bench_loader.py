@@ -75,7 +75,7 @@ def test_the_baseline_and_the_fast_path_crop_the_same_boxes(tmp_path):
 def test_synthetic_jpegs_are_imagenet_sized(tmp_path):
     from PIL import Image
 
-    root = synthetic_jpegs(tmp_path, 6, seed=1)
+    root = synthetic_jpegs(tmp_path / "first", 6, seed=1)
     files = sorted(root.glob("*/*.jpg"))
     assert len(files) == 6
     for f in files:

@@ -33,10 +33,25 @@ TRAVEL_LIMIT = 64 << 20
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _no_mpirun_path() -> str:
-    """PATH without any folder that holds an mpirun (the GPU machine has none)."""
-    keep = [d for d in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
-            if d and not (Path(d) / "mpirun").exists() and not (Path(d) / "mpiexec").exists()]
+MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "oshrun")
+
+
+def _no_mpirun_path(tmp_path: Path) -> str:
+    """PATH with no MPI launcher on it (the GPU machine has none): a folder that holds one (as
+    /usr/bin does where Debian's Open MPI is installed) is replaced by a folder of links to its
+    other programs, so bash, tar and the rest stay reachable."""
+    keep = []
+    for k, d in enumerate(os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)):
+        folder = Path(d)
+        if not d or not any((folder / name).exists() for name in MPI_LAUNCHERS):
+            keep.append(d)
+            continue
+        links = tmp_path / f"path-{k}"
+        links.mkdir(exist_ok=True)
+        for prog in folder.iterdir():
+            if not prog.name.startswith(MPI_LAUNCHERS) and not (links / prog.name).exists():
+                (links / prog.name).symlink_to(prog)
+        keep.append(str(links))
     return os.pathsep.join(keep)
 
 
@@ -46,7 +61,7 @@ def _env(tmp_path: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(
         ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HPCLB_", "MPI4PY", "MPIRUN", "GPU_CHECK", "CUPY_",
          "XDG_", "PYTHONPATH", "VIRTUAL_ENV"))}
-    env.update(PATH=_no_mpirun_path(), HOME=str(home), PYTHON=sys.executable,
+    env.update(PATH=_no_mpirun_path(tmp_path), HOME=str(home), PYTHON=sys.executable,
                OMP_NUM_THREADS="1", **extra)
     return env
 

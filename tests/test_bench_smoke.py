@@ -45,6 +45,22 @@ def test_allreduce_cli_two_ranks_reports_ratios(tmp_path):
     assert row["raw"]["bucket_allreduce"]["message_bytes"] == row["bucket_bytes"]
     assert res["hpclb_vs_horovod"] is None and res["failed_jobs"] == []
     assert any("Horovod" in n for n in res["notes"])
+    configs = res["runs"]["np2"]["sync"]["mnist_lstm"]["configs"]
+    assert [c["loss_prescaled"] for c in configs] == [False, False, True]
+    assert finite(res["hpclb_divided_vs_raw_mean_allreduce"])
+
+
+def test_allreduce_parts_sync_alone(tmp_path):
+    """`--parts sync`: only GradientSync against the raw schedules is measured (no raw sweep,
+    no step, no DDP ratio), and that is no failure."""
+    out = tmp_path / "a.json"
+    r = hpclb("bench", "allreduce", "--np", "2", *TINY_ALLREDUCE, "--parts", "sync",
+              "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    run = res["runs"]["np2"]
+    assert "sync" in run and not {"raw_mpi", "raw_gloo", "step"} & set(run)
+    assert finite(res["hpclb_vs_raw_mean_allreduce"]) and "hpclb_vs_ddp_gloo" not in res
 
 
 def drive(module, argv: list[str]) -> int:

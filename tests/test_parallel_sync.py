@@ -132,6 +132,50 @@ def test_overlapped_equals_blocking_on_an_lstm(comm):
                  f"equal to blocking: {same}")
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("k", (1, 2))
+def test_a_prescaled_loss_gives_the_divided_mean_bit_for_bit(comm, mode, k):
+    """The mean at the price of a sum: each micro-batch's loss times ``loss_prescale`` (1/(W*K))
+    and no division after the allreduce gives the same gradients, bit for bit, as the division
+    when W*K is a power of two (LSTM and linear layers, several steps, grads replaced once);
+    to rounding otherwise. Every bucket is left undivided (``divisor`` 1)."""
+    grads = {}
+    for prescaled in (False, True):
+        torch.manual_seed(0)
+        model = MnistLSTM(hidden_size=32)
+        sync = GradientSync(model.named_parameters(), comm, overlap=mode, accumulation_steps=k,
+                            fusion_threshold_bytes=16 * KiB, first_bucket_bytes=KiB,
+                            loss_prescaled=prescaled)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        got = []
+        try:
+            assert sync.divisor == (1 if prescaled else comm.world_size * k)
+            for step in range(3):
+                opt.zero_grad(set_to_none=(step == 1))
+                for part in range(k):
+                    g = torch.Generator().manual_seed(100 * step + 10 * part + comm.rank)
+                    x = torch.randn(8, 28, 28, generator=g)
+                    y = torch.randint(0, 10, (8,), generator=g)
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    (loss * sync.loss_prescale if prescaled else loss).backward()
+                    sync.synchronize()
+                got.append(synced(model).clone())
+                opt.step()
+        finally:
+            sync.close()
+        grads[prescaled] = torch.stack(got)
+    n = comm.world_size * k
+    exact = n & (n - 1) == 0
+    a, b = grads[False], grads[True]
+    ok = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-8)
+    all_ranks_ok(comm, ok, f"W*K={n}: max diff {(a - b).abs().max().item():.3g}")
+
+
+def test_loss_prescaled_refuses_a_divisor(comm):
+    with pytest.raises(ValueError, match="does not take a divisor"):
+        GradientSync(small_net().named_parameters(), comm, loss_prescaled=True, divisor=2)
+
+
 @pytest.mark.parametrize("mode", ("thread", "nonblocking"))
 def test_accumulation_over_k_micro_batches_equals_one_k_times_batch(comm, mode):
     k, b = 4, 6

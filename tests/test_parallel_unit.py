@@ -328,3 +328,14 @@ def test_buckets_are_registered_with_the_communicator_while_the_sync_lives():
     assert len(sync.buckets) > 1
     sync.close()
     assert comm.registered[-1] == []
+
+
+@pytest.mark.parametrize("divisor, fp16, expected", [
+    (1, False, False), (2, False, True), (4, False, True), (256, False, True),
+    (3, False, False), (6, False, False), (2, True, False)])
+def test_the_loop_prescales_the_loss_only_where_it_is_exact(divisor, fp16, expected):
+    """hpclb train folds 1/(world_size * accumulation_steps) into the loss (no division pass
+    over the gradients) only for a power of two (an exact scaling: the same bits as dividing)
+    and never under an fp16 loss scaler."""
+    from hpclb.train.setup import prescale_exactly
+    assert prescale_exactly(divisor, object() if fp16 else None) is expected

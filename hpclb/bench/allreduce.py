@@ -47,6 +47,7 @@ KiB, MiB = 2 ** 10, 2 ** 20
 SIZES_BYTES = [4 * KiB * 4 ** i for i in range(9)]  # 4 KiB ... 256 MiB
 SYNC_WORKLOADS = ("resnet50", "ptb_large", "mnist_lstm")
 MODES = ("none", "thread", "nonblocking")
+PARTS = ("raw_mpi", "raw_gloo", "sync", "step")
 THRESHOLDS_BYTES = (4 * MiB, 25 * MiB, 64 * MiB)
 DDP_BUCKET_MB = 25  # torch DDP's default bucket_cap_mb
 HOROVOD_FUSION_DEFAULT_BYTES = 64 * MiB  # Horovod 0.28's default HOROVOD_FUSION_THRESHOLD
@@ -76,12 +77,17 @@ def fake_grads(name: str, seed: int = 0) -> list[nn.Parameter]:
     return params
 
 
-def sync_configs(name: str, quick: bool) -> list[tuple[str, int]]:
-    """``(overlap, fusion threshold bytes)`` timed for workload ``name``: every mode and
-    threshold for ResNet-50, else the two overlapped modes at 25 MiB."""
+def sync_configs(name: str, quick: bool) -> list[tuple[str, int, bool]]:
+    """``(overlap, fusion threshold bytes, loss_prescaled)`` timed for workload ``name``: every
+    mode and threshold for ResNet-50, each mode at 25 MiB also with ``loss_prescaled`` (the
+    mean at the price of a sum: no division pass, what ``hpclb train`` uses when world size
+    times accumulation steps is a power of two); else the two overlapped modes at 25 MiB, the
+    thread mode also prescaled."""
     if name == "resnet50" and not quick:
-        return [(m, t) for m in MODES for t in THRESHOLDS_BYTES]
-    return [(m, 25 * MiB) for m in ("thread", "nonblocking")]
+        return [(m, t, False) for m in MODES for t in THRESHOLDS_BYTES] + \
+            [(m, 25 * MiB, True) for m in MODES]
+    return [(m, 25 * MiB, False) for m in ("thread", "nonblocking")] + \
+        [("thread", 25 * MiB, True)]
 
 
 def bench_sync(comm, timer: Timer, quick: bool, workloads=SYNC_WORKLOADS) -> dict:
@@ -92,19 +98,23 @@ def bench_sync(comm, timer: Timer, quick: bool, workloads=SYNC_WORKLOADS) -> dic
         params = fake_grads(name, comm.rank)
         rounds = iterations(sum(p.numel() for p in params) * 4, quick) + \
             (2 if name == "resnet50" else 0)
-        rows = [sync_config(comm, timer, params, mode, threshold, rounds)
-                for mode, threshold in sync_configs(name, quick)]
+        rows = [sync_config(comm, timer, params, mode, threshold, rounds, prescaled)
+                for mode, threshold, prescaled in sync_configs(name, quick)]
         out[name] = {"bytes": sum(p.numel() for p in params) * 4, "tensors": len(params),
                      "configs": rows}
         del params
     return out
 
 
-def sync_config(comm, timer: Timer, params, mode: str, threshold: int, rounds: int) -> dict:
-    """One GradientSync setting against the raw schedules of its own bucket sizes."""
+def sync_config(comm, timer: Timer, params, mode: str, threshold: int, rounds: int,
+                prescaled: bool = False) -> dict:
+    """One GradientSync setting against the raw schedules of its own bucket sizes.
+    ``prescaled``: ``loss_prescaled=True`` (the caller's loss carries 1/world_size; nothing is
+    divided after the sum)."""
     from hpclb.bench.raw import RawSchedules
     from hpclb.sync.gradients import GradientSync
-    sync = GradientSync(params, comm, overlap=mode, fusion_threshold_bytes=threshold)
+    sync = GradientSync(params, comm, overlap=mode, fusion_threshold_bytes=threshold,
+                        loss_prescaled=prescaled)
     raw = RawSchedules(sync.bucket_sizes_bytes)
 
     def hpclb_sync():
@@ -116,8 +126,8 @@ def sync_config(comm, timer: Timer, params, mode: str, threshold: int, rounds: i
     finally:
         sync.close()
         raw.close()
-    return sync_row(ts, raw.describe(), mode, threshold, sync.bucket_sizes_bytes,
-                    comm.world_size)
+    return {**sync_row(ts, raw.describe(), mode, threshold, sync.bucket_sizes_bytes,
+                       comm.world_size), "loss_prescaled": prescaled}
 
 
 def sync_row(ts: dict[str, list[float]], described: dict, mode: str, threshold: int,
@@ -308,6 +318,8 @@ def run_suite(comm, args) -> dict:
         {"horovod": lambda: bench_horovod(comm, timer, sizes, args.rounds, args.quick,
                                           args.step_model)}
     res["conditions"]["part_wall_s"] = {}
+    if args.suite == "main":
+        parts = {k: v for k, v in parts.items() if k in args.parts}
     for key, part in parts.items():
         t = time.perf_counter()
         res[key] = part()
@@ -327,7 +339,7 @@ def gloo():
 def launch(np_: int, suite: str, out: Path, args, timeout_s: float) -> dict | None:
     argv = ["worker", "--suite", suite, "--rounds", str(args.rounds), "--max-bytes",
             str(args.max_bytes), "--step-model", args.step_model, "--sync-workloads",
-            *args.sync_workloads] + (["--quick"] if args.quick else [])
+            *args.sync_workloads, "--parts", *args.parts] + (["--quick"] if args.quick else [])
     return run_mpi(np_, "hpclb.bench.allreduce", argv, out, timeout_s, "bench-allreduce")
 
 
@@ -381,7 +393,9 @@ def driver(args) -> int:
     failed = sorted(k for k, r in runs.items() if r is None)
     result = {**headline(runs), "targets": TARGETS, "notes": notes, "failed_jobs": failed,
               "runs": runs}
-    missing = [k for k in ("hpclb_vs_raw_allreduce", "hpclb_vs_ddp_gloo") if result.get(k) is None]
+    wanted = [k for k, part in (("hpclb_vs_raw_allreduce", "sync"),
+                                ("hpclb_vs_ddp_gloo", "step")) if part in args.parts]
+    missing = [k for k in wanted if result.get(k) is None]
     out.write_text(json.dumps(result, indent=1) + "\n")
     drew = plot(runs, out.with_suffix(".png"))
     print(f"[bench-allreduce] wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
@@ -403,6 +417,9 @@ def add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument("--sync-workloads", nargs="+", default=list(SYNC_WORKLOADS),
                    choices=SYNC_WORKLOADS, help="gradient lists of the sync benchmark; the "
                    "headline uses the first")
+    s.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                   help="what the main job measures (default: all); e.g. --parts sync for "
+                   "GradientSync against the raw schedules alone")
 
 
 def add_run_arguments(r: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ and Horovod users (``docs/library.md``), each checked where it can break:
 """
 from __future__ import annotations
 
+import operator
 from contextlib import contextmanager
 
 import torch
@@ -24,6 +25,8 @@ from torch import nn
 
 __all__ = ["SynchronizeMixin", "check_parameter_set", "drop_frozen_grads", "drop_unused",
            "zero_grad_action"]
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def drop_unused(used: list, comm) -> None:
@@ -58,7 +61,10 @@ def check_parameter_set(optimizer: torch.optim.Optimizer, synced: set[int],
     """Raise RuntimeError when ``optimizer`` holds a trainable parameter whose id is not in
     ``synced`` (unfrozen or added after the DistributedOptimizer was built), naming it and the
     fix. ``names``: id -> parameter name, for the message."""
-    for gi, group in enumerate(optimizer.param_groups):
+    groups = optimizer.param_groups
+    if all(all(map(synced.__contains__, map(id, g["params"]))) for g in groups):
+        return  # every parameter is synchronised (one C-level pass: the check of every step)
+    for gi, group in enumerate(groups):
         for j, p in enumerate(group["params"]):
             if p.requires_grad and id(p) not in synced:
                 name = names.get(id(p), f"param_groups[{gi}]['params'][{j}]")
@@ -75,6 +81,8 @@ def drop_frozen_grads(params: list[nn.Parameter]) -> None:
     """``grad = None`` for every parameter frozen at this step (``requires_grad=False``): torch
     optimizers skip such parameters (no momentum, weight decay or moment update). The next
     backward that reaches the parameter makes its gradient the bucket view again."""
+    if all(map(_requires_grad, params)):
+        return  # none frozen (one C-level pass: the check of every step)
     for p in params:
         if not p.requires_grad:
             p.grad = None

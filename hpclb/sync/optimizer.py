@@ -177,6 +177,7 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
         self.max_nonfinite_steps = max_nonfinite_steps
         self.scaler = scaler
         self.grad_norm: Tensor | None = None
+        self._views = False  # this step's gradients are the bucket views (GradientSync)
         self.steps = 0
         self.guard = NonFiniteGuard(optimizer, max_nonfinite_steps, scaler)
 
@@ -189,6 +190,9 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
         self._names_by_id = {id(p): n for n, p in self._named}
         self.sync = GradientSync(trainable, self.comm, track_used=self.find_unused_parameters,
                                  **self._sync_kwargs)
+        # zero_grad() may zero the buckets when they hold exactly the optimizer's gradients
+        self._zero_by_bucket = self._synced_ids == {
+            id(p) for g in self.optimizer.param_groups for p in g["params"]}
 
     # the torch.optim.Optimizer surface LR schedulers and user code read: the wrapped one's
     @property
@@ -236,7 +240,10 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
         RuntimeError whenever it would drop a micro-batch's gradients (after its backward,
         before its ``step()``)."""
         if zero_grad_action(self.sync):
-            self.optimizer.zero_grad(set_to_none=False)
+            if self._zero_by_bucket and self.sync.grads_are_views():
+                self.sync.zero_grads_()  # the same zeros, one fill per bucket
+            else:
+                self.optimizer.zero_grad(set_to_none=False)
 
     def step(self, closure=None) -> bool:
         """Average, check, clip and step (module docstring). Returns False on a partial
@@ -253,8 +260,11 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
         self.steps += 1
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        self._views = self.sync.grads_are_views()  # the buckets hold exactly the gradients
+        self.grad_norm = self.sync.grad_norm() if self._views else None
+        if self.grad_norm is None:  # a gradient replaced, None or frozen: tensor by tensor
+            grads = [p.grad for p in self.params if p.grad is not None]
+            self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         if self.grad_norm.device.type == "meta":  # a device dry run: nothing to read
             self._apply(None)
             return True
@@ -275,7 +285,10 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
         """Clip and step; ``found`` (device path): the found-inf flag handed to the optimizer."""
         if self.grad_clip_norm:  # a skipped step's norm as 0: clipping leaves its gradients be
             norm = self.grad_norm if found is None else torch.where(found, 0.0, self.grad_norm)
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip_norm, norm)
+            if self._views:  # torch's coefficient, one multiply per bucket
+                self.sync.scale_grads_(torch.clamp(self.grad_clip_norm / (norm + 1e-6), max=1.0))
+            else:
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip_norm, norm)
         if found is None:
             self.optimizer.step()
         else:  # torch's contract (GradScaler.step): grad_scale None = already unscaled

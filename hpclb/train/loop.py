@@ -124,6 +124,8 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
     for part in range(k):
         # Part j's mean loss times W*K*n_j/n_global makes the averaged gradient (GradientSync
         # divides by W*K) the mean over the global batch; exactly 1 when the shares are even.
+        # With loss_prescaled (W*K a power of two) the loss also carries the 1/(W*K) and the
+        # sync divides nothing: the same bits, one pass over the gradients fewer.
         n_part, _ = task.part_size(i, part, k)
         if n_part:
             with label("hpclb/data"):
@@ -131,7 +133,7 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
             with label("hpclb/forward_backward"):
                 with run.autocast():
                     loss, stats = task.loss(run.model, batch)
-                weight = w * k * n_part / n_global
+                weight = w * k * n_part / n_global * opt.sync.loss_prescale
                 loss = loss if weight == 1 else loss * weight
                 (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
             sums += stats

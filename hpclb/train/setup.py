@@ -343,6 +343,15 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
         raise
 
 
+def prescale_exactly(divisor: int, scaler) -> bool:
+    """Whether the loop scales each micro-batch's loss by ``1 / divisor`` (``world_size *
+    accumulation_steps``) instead of the GradientSync dividing every gradient after the sum
+    (``loss_prescaled``): when ``divisor`` is a power of two above 1, where both are the same
+    exact scaling, and without an fp16 loss scaler (whose scale already sits near fp16's
+    range)."""
+    return divisor > 1 and divisor & (divisor - 1) == 0 and scaler is None
+
+
 def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
            out_lock, profile) -> Run:
     """The model, optimizer, schedule and task of :func:`setup_run`, restored from ``ckpt``."""
@@ -358,7 +367,9 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_pa
                                      accumulation_steps=cfg.accumulation_steps,
                                      grad_clip_norm=cfg.spec.grad_clip_norm,
                                      max_nonfinite_steps=cfg.max_nonfinite_steps, scaler=scaler,
-                                     track_local_norm=cfg.noise_scale and comm.world_size > 1)
+                                     track_local_norm=cfg.noise_scale and comm.world_size > 1,
+                                     loss_prescaled=prescale_exactly(
+                                         comm.world_size * cfg.accumulation_steps, scaler))
     scheduler = ScheduleLR(inner, sched)
     task.setup(per_rank_batch=per_rank, global_batch=cfg.global_batch_size, rank=comm.rank,
                world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=sched.steps_per_epoch,

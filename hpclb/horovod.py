@@ -34,7 +34,9 @@ from hpclb.sync.optimizer import DistributedOptimizer as _DistributedOptimizer
 __all__ = ["Average", "Compression", "Max", "Min", "Sum", "Unsupported", "Adasum",
            "DistributedOptimizer", "allgather", "allreduce", "broadcast", "broadcast_",
            "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init",
-           "is_initialized", "join", "local_rank", "local_size", "rank", "size"]
+           "gloo_built", "gloo_enabled", "is_initialized", "join", "local_rank", "local_size",
+           "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank",
+           "shutdown", "size"]
 
 
 class Unsupported(NotImplementedError, AttributeError):
@@ -121,6 +123,54 @@ def local_rank() -> int:
 def local_size() -> int:
     """The number of ranks on this node."""
     return _api.communicator().local_size
+
+
+def shutdown() -> None:
+    """``hvd.shutdown()``: nothing to stop (hpclb runs no background thread outside a
+    DistributedOptimizer; ``close()`` that). The ranks stay initialised until the process
+    exits, so a later :func:`init` keeps them."""
+
+
+def mpi_built() -> bool:
+    """True when mpi4py (hpclb's MPI backend) imports."""
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def gloo_built() -> bool:
+    """True when torch.distributed has Gloo (hpclb's ``torch`` backend on the CPU)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def nccl_built() -> bool:
+    """True when torch.distributed has NCCL (hpclb's ``torch`` backend on GPUs)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def mpi_enabled() -> bool:
+    """True when the ranks talk over MPI (backend ``mpi``)."""
+    return _api.communicator().backend == "mpi"
+
+
+def gloo_enabled() -> bool:
+    """True when the ranks talk over torch.distributed with Gloo."""
+    import torch.distributed as dist
+
+    return _api.communicator().backend == "torch" and dist.get_backend() == "gloo"
+
+
+def mpi_threads_supported() -> bool:
+    """True when MPI was initialised with ``MPI_THREAD_MULTIPLE`` (False without MPI)."""
+    if not mpi_built():
+        return False
+    from mpi4py import MPI
+
+    return MPI.Is_initialized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 # -- the optimizer --------------------------------------------------------------------------------

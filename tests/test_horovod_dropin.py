@@ -59,6 +59,12 @@ def test_the_world_and_the_collectives(comm):
     assert hvd.broadcast_(y, root_rank=w - 1) is y and y.item() == w - 1
     assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}
     assert 0 <= hvd.join() < w
+    assert hvd.mpi_built() and hvd.gloo_built() and isinstance(hvd.nccl_built(), bool)
+    assert hvd.mpi_enabled() == (comm.backend == "mpi") and hvd.gloo_enabled() is False
+    assert isinstance(hvd.mpi_threads_supported(), bool)
+    hvd.shutdown()  # nothing to stop: the ranks stay usable, as after Horovod's re-init
+    hvd.init()
+    assert hvd.allreduce(x, average=False).item() == s
 
 
 def test_what_is_not_provided_fails_naming_the_alternative():

@@ -241,3 +241,21 @@ def test_scheduler_signals_reach_the_rank_not_its_loader_workers(tmp_path):
     assert dead == [], out
     assert rc == 0, out
     assert (tmp_path / "run" / "summary.json").is_file(), out
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, mnist_dir):
+    """Ctrl-C (SIGINT) in a training run: one line naming the checkpoint kept and how to resume,
+    no Python traceback, the shell's status for an interrupt (130)."""
+    p = subprocess.Popen(train_argv(tmp_path, mnist_dir), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=ENV)
+    lines = []
+    for line in p.stdout:  # the header's second line is printed just before the first step
+        lines.append(line)
+        if "peak LR" in line:
+            p.send_signal(signal.SIGINT)
+            break
+    code, rest = finish(p)
+    out = "".join(lines) + rest
+    assert code == 130 and "interrupted (Ctrl-C)" in out and "--resume" in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]

@@ -59,4 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     common.install_early_signals(argv)  # before any heavy import
     args = build_parser(only=common.command_of(argv) or "").parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; the shell's status for it
+        print(f"hpclb {common.command_of(argv) or ''}: interrupted (Ctrl-C); a run keeps its "
+              f"last checkpoint (resume with --resume)", file=sys.stderr)
+        return 130

@@ -45,6 +45,10 @@ __all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver"]
 class BlockingDriver:
     """``overlap="none"``: nothing happens before ``synchronize()``."""
 
+    #: the backward hooks call progress() (a non-blocking collective the library does not
+    #: advance on its own threads); False spares every hook the call
+    needs_progress = False
+
     def __init__(self, comm: Communicator, poll_s: float = 0.0):
         self.comm = comm
 
@@ -66,6 +70,10 @@ class BlockingDriver:
 
 class NonblockingDriver(BlockingDriver):
     """``overlap="nonblocking"``: ``iallreduce_`` from the hook, ``Handle.wait()`` at the end."""
+
+    def __init__(self, comm: Communicator, poll_s: float = 0.0):
+        super().__init__(comm, poll_s)
+        self.needs_progress = not comm.async_progress
 
     def launch(self, b) -> None:
         b.handle = self.comm.iallreduce_(b.comm_buffer, "sum", name=f"hpclb.grad.{b.index}",

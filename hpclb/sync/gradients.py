@@ -308,7 +308,7 @@ class GradientSync:
         b.pending -= 1
         if b.pending == 0:
             self._launch_ready()
-        else:
+        elif self._driver.needs_progress:
             self._driver.progress(self.buckets[:self._next])
 
     @torch.no_grad()

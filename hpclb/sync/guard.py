@@ -18,6 +18,7 @@ With an fp16 scaler, a skip counts toward the limit only once the loss scale has
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -52,6 +53,7 @@ class NonFiniteGuard:
         self.skipped_host = 0    # skips counted on the host (and those of a loaded state)
         self.streak = 0          # host path: skips in a row that count toward the limit
         self._counts: Tensor | None = None   # device: skipped, streak, step the limit was hit
+        self._flags: dict = {}  # device -> (False, True) 0-d bool tensors (the host path's flag)
 
     def found(self, grad_norm: Tensor) -> Tensor:
         """The step's found-inf flag (0-d bool, on ``grad_norm``'s device; no read)."""
@@ -75,6 +77,27 @@ class NonFiniteGuard:
         streak = torch.where(found, c[1] + self._counted(found).long(), 0)
         hit = (streak >= self.max_steps) & (c[2] == 0)
         c.copy_(torch.stack([c[0] + found.long(), streak, torch.where(hit, step, c[2])]))
+
+    def skip_on_host_norm(self, grad_norm: Tensor) -> bool:
+        """The host path without a scaler: one read of the norm itself (``item()``, the same
+        one read ``bool(found)`` makes) and the finiteness decided on the host, no tensor op;
+        ``found_inf`` is a cached 0-d bool on the norm's device. With a scaler:
+        :meth:`found` then :meth:`skip_on_host`."""
+        if self.scaler is not None:
+            return self.skip_on_host(self.found(grad_norm))
+        bad = not math.isfinite(grad_norm.item())
+        flags = self._flags.get(grad_norm.device)
+        if flags is None:
+            flags = self._flags[grad_norm.device] = (
+                torch.tensor(False, device=grad_norm.device),
+                torch.tensor(True, device=grad_norm.device))
+        self.found_inf = flags[bad]
+        if not bad:
+            self.streak = 0
+            return False
+        self.skipped_host += 1
+        self.streak += 1
+        return True
 
     def skip_on_host(self, found: Tensor) -> bool:
         """One read: True when the step must be skipped (then counted; the caller raises

@@ -268,14 +268,14 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
         if self.grad_norm.device.type == "meta":  # a device dry run: nothing to read
             self._apply(None)
             return True
-        found = self.guard.found(self.grad_norm)
         if self.guard.on_device:  # the optimizer masks the update: no host read
+            found = self.guard.found(self.grad_norm)
             self.guard.record_on_device(found, self.steps)
             self._apply(found)
             if self.check_nonfinite_every and self.steps % self.check_nonfinite_every == 0:
                 self.check_nonfinite()  # one read every N steps: raises at the limit
             return True
-        if self.guard.skip_on_host(found):  # the one host read per step
+        if self.guard.skip_on_host_norm(self.grad_norm):  # the one host read per step
             self._skip()
             return False
         self._apply(None)

@@ -133,6 +133,28 @@ def test_overlapped_equals_blocking_on_an_lstm(comm):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_gradients_written_by_hand_are_averaged_by_mark_all_ready(comm, mode):
+    """mark_all_ready() ends a micro-batch whose gradients were written without autograd: they
+    are averaged as they are (before: at more than one rank every such gradient was taken for
+    an unused parameter and reduced as zeros)."""
+    model = small_net()
+    sync = GradientSync(model.named_parameters(), comm, overlap=mode,
+                        fusion_threshold_bytes=4 * KiB, first_bucket_bytes=KiB)
+    try:
+        grads = local_grads(model, *data(comm, seed=5))
+        for p, g in zip(model.parameters(), grads):
+            p.grad.copy_(g)  # written in place into the bucket view
+        sync.mark_all_ready()
+        assert sync.synchronize()
+        got, ref = synced(model), flat_mean(comm, grads)
+        all_ranks_ok(comm, torch.equal(got, ref) if exact_expected(comm) else
+                     torch.allclose(got, ref, rtol=1e-6, atol=1e-8),
+                     f"{mode}: max diff {(got - ref).abs().max().item():.3g}")
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", (1, 2))
 def test_a_prescaled_loss_gives_the_divided_mean_bit_for_bit(comm, mode, k):
     """The mean at the price of a sum: each micro-batch's loss times ``loss_prescale`` (1/(W*K))

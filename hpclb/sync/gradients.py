@@ -344,7 +344,10 @@ class GradientSync:
     def mark_all_ready(self) -> None:
         """End a micro-batch whose gradients were written without autograd (manual gradients,
         benchmarks) as the end of a backward does: on a window's last micro-batch every bucket
-        is reduced now. :meth:`synchronize` afterwards reports it as usual."""
+        is reduced now. :meth:`synchronize` afterwards reports it as usual. Every gradient
+        counts as written (none is taken for an unused parameter and reduced as zeros)."""
+        for b in self.buckets:
+            b.used = [True] * len(b.params)
         self._end_backward()
 
     @torch.no_grad()

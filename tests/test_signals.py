@@ -37,6 +37,20 @@ def finish(p: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     return p.returncode, out
 
 
+def signal_at_first_step(tmp_path: Path, mnist_dir: Path, sig) -> tuple[int, str]:
+    """A training run sent ``sig`` as its first step starts; (exit status, all its output)."""
+    p = subprocess.Popen(train_argv(tmp_path, mnist_dir), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=ENV)
+    lines = []
+    for line in p.stdout:  # the header's second line is printed just before the first step
+        lines.append(line)
+        if "peak LR" in line:
+            p.send_signal(sig)
+            break
+    rc, rest = finish(p)
+    return rc, "".join(lines) + rest
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("entry", ["cli", "main"])
 def test_nothing_heavy_is_imported_before_the_handler(entry):
@@ -119,16 +133,7 @@ def test_other_commands_keep_the_default_action_and_are_unblocked(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_signal_once_training_runs_checkpoints_and_exits_75(tmp_path, mnist_dir):
-    p = subprocess.Popen(train_argv(tmp_path, mnist_dir), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env=ENV)
-    lines = []
-    for line in p.stdout:  # the header's second line is printed just before the first step
-        lines.append(line)
-        if "peak LR" in line:
-            p.send_signal(signal.SIGUSR2)
-            break
-    rc, rest = finish(p)
-    out = "".join(lines) + rest
+    rc, out = signal_at_first_step(tmp_path, mnist_dir, signal.SIGUSR2)
     assert rc == 75, out
     assert START_UP not in out and "preempted: checkpoint of step" in out
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
@@ -247,15 +252,6 @@ def test_scheduler_signals_reach_the_rank_not_its_loader_workers(tmp_path):
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, mnist_dir):
     """Ctrl-C (SIGINT) in a training run: one line naming the checkpoint kept and how to resume,
     no Python traceback, the shell's status for an interrupt (130)."""
-    p = subprocess.Popen(train_argv(tmp_path, mnist_dir), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env=ENV)
-    lines = []
-    for line in p.stdout:  # the header's second line is printed just before the first step
-        lines.append(line)
-        if "peak LR" in line:
-            p.send_signal(signal.SIGINT)
-            break
-    code, rest = finish(p)
-    out = "".join(lines) + rest
+    code, out = signal_at_first_step(tmp_path, mnist_dir, signal.SIGINT)
     assert code == 130 and "interrupted (Ctrl-C)" in out and "--resume" in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]

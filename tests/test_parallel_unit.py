@@ -72,6 +72,27 @@ def test_defaults_environment_and_bad_settings(monkeypatch):
             GradientSync(net().parameters(), SelfCommunicator(), **bad)
 
 
+def test_auto_overlap_uses_no_thread_for_one_bucket(monkeypatch):
+    """auto picks the communication thread for MPI-like backends (progress only inside their
+    calls) when there are buckets to overlap with backward; for gradients that make one bucket
+    nothing can overlap, so it takes the non-blocking call from the hook (the same matching
+    rules as the thread's, none of its hand-off); an explicit mode is kept."""
+    monkeypatch.delenv("HPCLB_OVERLAP", raising=False)
+    several = dict(fusion_threshold_bytes=100_000, first_bucket_bytes=1_000)
+    async_comm = ScaledComm(2)
+    async_comm.async_progress = True   # Gloo/NCCL/Horovod: non-blocking at any bucket count
+    cases = [(ScaledComm(2), dict(), nn.Linear(4, 4), 1, "nonblocking"),   # 80 bytes
+             (ScaledComm(2), several, net(), 4, "thread"),
+             (ScaledComm(2), dict(overlap="thread"), nn.Linear(4, 4), 1, "thread"),
+             (async_comm, several, net(), 4, "nonblocking")]
+    for comm, kwargs, model, buckets, want in cases:
+        sync = GradientSync(model.parameters(), comm, **kwargs)
+        try:
+            assert (len(sync.buckets) > 1, sync.overlap) == (buckets > 1, want), kwargs
+        finally:
+            sync.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_bucketed_mean_equals_flat_mean_in_a_pretend_world(mode):
     model, ref = net(), net()

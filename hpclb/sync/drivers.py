@@ -11,13 +11,14 @@ collectives in the same order (a blocking collective never matches a non-blockin
     everything in ``synchronize()``, one blocking allreduce per bucket (the reference).
 ``NonblockingDriver`` (``"nonblocking"``)
     the hook starts ``comm.iallreduce_``; later hooks call ``Handle.test()`` where the library
-    does not progress on its own threads. The default for Gloo, NCCL and Horovod.
+    does not progress on its own threads. The default for Gloo, NCCL and Horovod, and for
+    MPI when the gradients make one bucket (nothing to overlap, no thread hand-off).
 ``ThreadDriver`` (``"thread"``)
     a communication thread owns the collectives; the hook only enqueues the bucket. The thread
     starts the non-blocking allreduce and drives it with ``test()`` every ``poll_s`` seconds,
     sleeping in between, while backward runs (Open MPI spins inside a blocking call and would take
     the core from backward), and blocks in ``wait()`` once ``synchronize()`` waits. The default for
-    MPI, which advances a non-blocking collective only inside MPI calls.
+    MPI with more than one bucket: MPI advances a non-blocking collective only inside its calls.
 
     CUDA buckets: the thread first makes the gradients' device current (else its first CUDA call
     opens a context on GPU 0, from every rank of a multi-GPU node). The hook records a CUDA event

@@ -68,7 +68,8 @@ class GradientSync:
             first; small so communication starts early). Default 1 MiB.
         overlap: ``"thread"``, ``"nonblocking"``, ``"none"`` or ``"auto"`` (default
             $HPCLB_OVERLAP or auto: ``thread`` for MPI, ``nonblocking`` for backends that
-            progress on their own threads); see :mod:`hpclb.sync.drivers`.
+            progress on their own threads and for gradients that fit one bucket, where nothing
+            can overlap); see :mod:`hpclb.sync.drivers`.
         accumulation_steps: k backward passes (micro-batches) per window: the first k-1
             accumulate locally (no communication), the k-th reduces at its end. The result is
             the mean over ranks and micro-batches (one division by ``world_size * k``).
@@ -130,6 +131,7 @@ class GradientSync:
         self.track_used = bool(track_used)
         self._check_not_shared(named)
         self.buckets = self._build_buckets()
+        self.overlap = self.options.overlap_for(comm, len(self.buckets))
         # every parameter and its gradient view, in bucket order: one C-level pass over these
         # (grads_are_views) replaces a Python loop per tensor on every step
         self._bucket_params = [p for b in self.buckets for p in b.params]
@@ -167,7 +169,6 @@ class GradientSync:
         self.options = o
         self.fusion_threshold_bytes, self.first_bucket_bytes = \
             o.fusion_threshold_bytes, o.first_bucket_bytes
-        self.overlap = o.overlap_for(comm)
         self.accumulation_steps = accumulation_steps
         self.compression = o.compression_dtype
         if self.compression is torch.bfloat16 and comm.backend == "horovod":

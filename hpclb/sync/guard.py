@@ -31,6 +31,8 @@ __all__ = ["CALIBRATION_SCALE", "NonFiniteGuard", "masks_on_device"]
 #: fp16 overflows while the loss scale is at least this are the scaler's calibration, not counted
 #: toward ``max_nonfinite_steps``.
 CALIBRATION_SCALE = 1.0
+#: the device counts keep the step at which the limit was hit as ``_HIT_BASE - step``
+_HIT_BASE = 2 ** 62
 
 
 def masks_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -53,6 +55,7 @@ class NonFiniteGuard:
         self.skipped_host = 0    # skips counted on the host (and those of a loaded state)
         self.streak = 0          # host path: skips in a row that count toward the limit
         self._counts: Tensor | None = None   # device: skipped, streak, step the limit was hit
+        self._count_views: tuple[Tensor, ...] = ()   # its three elements (views)
         self._flags: dict = {}  # device -> (False, True) 0-d bool tensors (the host path's flag)
 
     def found(self, grad_norm: Tensor) -> Tensor:
@@ -70,13 +73,17 @@ class NonFiniteGuard:
         return found & (scale.to(found.device) < CALIBRATION_SCALE)
 
     def record_on_device(self, found: Tensor, step: int) -> None:
-        """Count this step (``step``: the optimizer step, 1-based) on the device."""
+        """Count this step (``step``: the optimizer step, 1-based) on the device: six small
+        in-place ops on the three counts, no read. The streak is ``(streak + counted) * found``
+        (a finite step resets it); the step at which it first reached the limit is kept as
+        ``_HIT_BASE - step``, so a later step never replaces it (``clamp_(min=...)``)."""
         if self._counts is None:
             self._counts = torch.zeros(3, dtype=torch.int64, device=found.device)
-        c = self._counts
-        streak = torch.where(found, c[1] + self._counted(found).long(), 0)
-        hit = (streak >= self.max_steps) & (c[2] == 0)
-        c.copy_(torch.stack([c[0] + found.long(), streak, torch.where(hit, step, c[2])]))
+            self._count_views = self._counts.unbind()
+        skipped, streak, hit = self._count_views
+        skipped.add_(found)
+        streak.add_(self._counted(found)).mul_(found)
+        hit.clamp_(min=(streak >= self.max_steps) * (_HIT_BASE - step))
 
     def skip_on_host_norm(self, grad_norm: Tensor) -> bool:
         """The host path without a scaler: one read of the norm itself (``item()``, the same
@@ -125,9 +132,11 @@ class NonFiniteGuard:
         return self.skipped_host + skipped
 
     def _read(self) -> list[int]:
+        """``[skipped, streak, step at which the limit was hit or 0]`` (one read)."""
         if self._counts is None or self._counts.device.type == "meta":
             return [0, 0, 0]
-        return self._counts.tolist()
+        skipped, streak, hit = self._counts.tolist()
+        return [skipped, streak, _HIT_BASE - hit if hit else 0]
 
     def total(self) -> int:
         """Skipped steps so far (one read on the device path; never raises)."""

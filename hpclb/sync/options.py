@@ -185,13 +185,16 @@ class SyncOptions:
         import torch
         return getattr(torch, name)
 
-    def overlap_for(self, comm) -> str:
+    def overlap_for(self, comm, n_buckets: int | None = None) -> str:
         """``auto``: ``thread`` for MPI (progress only inside MPI calls), ``nonblocking`` where
-        the library progresses on its own threads; ``thread`` falls back to ``nonblocking`` for
-        a communicator that is not thread safe."""
+        the library progresses on its own threads, and for gradients that make one bucket
+        (``n_buckets``: complete only when backward ends, nothing to overlap, so no thread
+        hand-off); ``thread`` falls back to ``nonblocking`` for a communicator that is not
+        thread safe."""
         mode = self.overlap
         if mode == "auto":
-            mode = "nonblocking" if comm.async_progress else "thread"
+            one = n_buckets is not None and n_buckets <= 1
+            mode = "nonblocking" if comm.async_progress or one else "thread"
         if mode == "thread" and not comm.thread_safe:
             mode = "nonblocking"
         return mode

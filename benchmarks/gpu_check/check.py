@@ -53,6 +53,7 @@ PHASES = {
     "stream_order": (12, 45, True),
     "overlap": (35, 90, True),
     "bench_trust_ratio": (40, 90, False),
+    "compile": (40, 150, False),
 }
 #: what no phase can measure on one GPU: said in the JSON, not hidden behind a pass
 NOT_MEASURED = ["NCCL between ranks (NCCL refuses two ranks on one GPU; needs >= 2 GPUs)",

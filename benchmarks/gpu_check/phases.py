@@ -315,11 +315,43 @@ def phase_bench(c, end):
                 f"verdict): {aims}"), f
 
 
+def phase_compile(c, end):
+    """``hpclb train --compile`` against eager: the plug-in example's MLP (torch.compile takes
+    all of it; the MNIST-LSTM's LSTM would stay eager), 3 epochs (LEGW's warmup at batch 1024
+    is 2), the same seed and batches.
+    Verdict: both runs end and reach the same test loss (relative difference <= 1e-2, rounding
+    of the compiled kernels); the wall-time ratio (compiling included) and samples/s are
+    figures."""
+    recipe = REPO / "examples" / "plugin" / "recipe.yaml"
+    f = {}
+    for mode, extra in (("eager", []), ("compiled", ["--compile"])):
+        run = c.runs / f"compile_{mode}"
+        shutil.rmtree(run, ignore_errors=True)
+        rc = c.sh(f"compile_{mode}", [c.py, "-m", "hpclb", "train", recipe, "--batch-size",
+                                      "1024", "--epochs", "3", "--seed", "0", "--device",
+                                      c.size["dev"], "--data-dir", c.data, "--out", run,
+                                      "--no-tensorboard", *extra], 90, phase_end=end)
+        s = read_json(run / "summary.json") or {}
+        f[mode] = {"exit": rc, **{k: s.get(k) for k in (
+            "wall_time_s", "mean_samples_per_s", "final_test_loss", "final_test_accuracy")}}
+    e, k = f["eager"], f["compiled"]
+    losses = (e["final_test_loss"], k["final_test_loss"])
+    finite = all(isinstance(x, float) and abs(x) < float("inf") for x in losses)
+    f["loss_rel_diff"] = abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-12) \
+        if finite else None
+    f["wall_ratio_compiled_over_eager"] = k["wall_time_s"] / e["wall_time_s"] \
+        if e["wall_time_s"] and k["wall_time_s"] else None
+    ok = e["exit"] == k["exit"] == 0 and finite and f["loss_rel_diff"] <= 1e-2
+    return ok, (f"exit {e['exit']}/{k['exit']} (eager/compiled), test loss {losses[0]} / "
+                f"{losses[1]}, wall {e['wall_time_s']} / {k['wall_time_s']} s (compiling "
+                f"included)"), f
+
+
 PHASE_FUNCTIONS = {
     "preflight": phase_preflight, "kernel": phase_kernel, "mnist_lstm": phase_mnist,
     "host_reads": phase_host_reads, "fused_vs_torch": phase_fused_vs_torch,
     "fp16_lars": phase_fp16, "bf16_lstm_dtype": phase_bf16, "nccl": phase_nccl,
     "share_gpu": phase_share, "stream_order": phase_stream, "overlap": phase_overlap,
-    "bench_trust_ratio": phase_bench,
+    "bench_trust_ratio": phase_bench, "compile": phase_compile,
 }
 assert list(PHASE_FUNCTIONS) == list(PHASES), "phase tables differ"

@@ -60,6 +60,8 @@ def test_allreduce_parts_sync_alone(tmp_path):
     res = json.loads(out.read_text())
     run = res["runs"]["np2"]
     assert "sync" in run and not {"raw_mpi", "raw_gloo", "step"} & set(run)
+    configs = [c for w in run["sync"].values() for c in w["configs"]]
+    assert configs and all(len(c["sync_times_s"]) == 2 for c in configs)  # --rounds 2
     assert finite(res["hpclb_vs_raw_mean_allreduce"]) and "hpclb_vs_ddp_gloo" not in res
 
 

@@ -90,14 +90,14 @@ def sync_configs(name: str, quick: bool) -> list[tuple[str, int, bool]]:
         [("thread", 25 * MiB, True)]
 
 
-def bench_sync(comm, timer: Timer, quick: bool, workloads=SYNC_WORKLOADS) -> dict:
+def bench_sync(comm, timer: Timer, quick: bool, rounds: int,
+               workloads=SYNC_WORKLOADS) -> dict:
     """GradientSync of each workload's real gradient list against the raw mpi4py schedules of
-    the same buckets (:mod:`hpclb.bench.raw`), interleaved round by round in one job."""
+    the same buckets (:mod:`hpclb.bench.raw`), interleaved round by round in one job,
+    ``rounds`` timed rounds per setting (``--rounds``)."""
     out = {}
     for name in workloads:
         params = fake_grads(name, comm.rank)
-        rounds = iterations(sum(p.numel() for p in params) * 4, quick) + \
-            (2 if name == "resnet50" else 0)
         rows = [sync_config(comm, timer, params, mode, threshold, rounds, prescaled)
                 for mode, threshold, prescaled in sync_configs(name, quick)]
         out[name] = {"bytes": sum(p.numel() for p in params) * 4, "tensors": len(params),
@@ -312,7 +312,8 @@ def run_suite(comm, args) -> dict:
     t0 = time.perf_counter()
     parts = {"raw_mpi": lambda: bench_raw(comm, timer, sizes, args.quick),
              "raw_gloo": lambda: bench_raw(gloo(), timer, sizes, args.quick),
-             "sync": lambda: bench_sync(comm, timer, args.quick, args.sync_workloads),
+             "sync": lambda: bench_sync(comm, timer, args.quick, args.rounds,
+                                        args.sync_workloads),
              "step": lambda: bench_steps(comm, timer, args.rounds, args.step_model, True)} \
         if args.suite == "main" else \
         {"horovod": lambda: bench_horovod(comm, timer, sizes, args.rounds, args.quick,
@@ -409,7 +410,9 @@ def driver(args) -> int:
 
 def add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument("--out", default="results/bench_allreduce.json")
-    s.add_argument("--rounds", type=int, default=10, help="timed rounds per variant")
+    s.add_argument("--rounds", type=int, default=10,
+                   help="timed rounds per variant of the sync, step and Horovod parts (the raw "
+                        "size sweep picks its own by message size)")
     s.add_argument("--max-bytes", type=int, default=256 * MiB)
     s.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
     s.add_argument("--step-model", default="resnet50", choices=("resnet50", "mnist_lstm"),

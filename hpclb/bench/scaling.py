@@ -9,7 +9,8 @@ shared machine other processes only add time; the medians are in the JSON too):
 * ``compute_s``: forward + backward + optimizer step, no communication;
 * ``blocking_s``: the same with ``GradientSync(overlap="none")`` (all communication after
   backward);
-* ``overlapped_s``: with the default overlap (``thread`` for MPI);
+* ``overlapped_s``: with the default overlap (``auto``: ``thread`` for MPI when the gradients
+  make more than one bucket, ``nonblocking`` for one);
 * ``comm_s``: the synchronisation alone (gradients ready, ``mark_all_ready()`` +
   ``synchronize()``).
 

@@ -74,7 +74,7 @@ class NonFiniteGuard:
 
     def record_on_device(self, found: Tensor, step: int) -> None:
         """Count this step (``step``: the optimizer step, 1-based) on the device: six small
-        in-place ops on the three counts, no read. The streak is ``(streak + counted) * found``
+        ops (four in place on the three counts), no read. The streak is ``(streak + counted) * found``
         (a finite step resets it); the step at which it first reached the limit is kept as
         ``_HIT_BASE - step``, so a later step never replaces it (``clamp_(min=...)``)."""
         if self._counts is None:

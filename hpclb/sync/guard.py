@@ -74,9 +74,10 @@ class NonFiniteGuard:
 
     def record_on_device(self, found: Tensor, step: int) -> None:
         """Count this step (``step``: the optimizer step, 1-based) on the device: six small
-        ops (four in place on the three counts), no read. The streak is ``(streak + counted) * found``
-        (a finite step resets it); the step at which it first reached the limit is kept as
-        ``_HIT_BASE - step``, so a later step never replaces it (``clamp_(min=...)``)."""
+        ops (four in place on the three counts), no read. The streak is
+        ``(streak + counted) * found`` (a finite step resets it); the step at which it first
+        reached the limit is kept as ``_HIT_BASE - step``, so a later step never replaces it
+        (``clamp_(min=...)``)."""
         if self._counts is None:
             self._counts = torch.zeros(3, dtype=torch.int64, device=found.device)
             self._count_views = self._counts.unbind()

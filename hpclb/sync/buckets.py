@@ -86,7 +86,7 @@ def bucket_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     ``THP_MEM_ALLOC_ENABLE=1``): the MPI library copies every bucket through shared memory,
     and ``MPI_Allreduce`` of ResNet-50's six 25-MiB buckets took 23.0–23.9 ms on such buffers
     against 27.1–27.5 on ``torch.zeros`` ones (medians, 2 ranks, same job; docs/results.md)."""
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = n * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES:
         return torch.zeros(n, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype)

@@ -185,7 +185,7 @@ class SyncOptions:
         import torch
         return getattr(torch, name)
 
-    def overlap_for(self, comm, n_buckets: int | None = None) -> str:
+    def overlap_for(self, comm, n_buckets: int) -> str:
         """``auto``: ``thread`` for MPI (progress only inside MPI calls), ``nonblocking`` where
         the library progresses on its own threads, and for gradients that make one bucket
         (``n_buckets``: complete only when backward ends, nothing to overlap, so no thread
@@ -193,8 +193,7 @@ class SyncOptions:
         thread safe."""
         mode = self.overlap
         if mode == "auto":
-            one = n_buckets is not None and n_buckets <= 1
-            mode = "nonblocking" if comm.async_progress or one else "thread"
+            mode = "nonblocking" if comm.async_progress or n_buckets <= 1 else "thread"
         if mode == "thread" and not comm.thread_safe:
             mode = "nonblocking"
         return mode

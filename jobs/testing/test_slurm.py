@@ -228,7 +228,6 @@ def test_usr2_checkpoints_requeues_and_resumes_bit_for_bit(cluster, workdir, mni
     ref_script = render_quick(workdir, "ref", epochs=20, name="ref")
     cut_script = render_quick(workdir, "cut", epochs=20, name="cut")
     t0 = time.monotonic()
-    ref = cluster.sbatch(str(ref_script), cwd=workdir)
     cut = cluster.sbatch(str(cut_script), cwd=workdir)
     cut_log = workdir / f"cut-{cut}.out"
     deadline = time.monotonic() + 240
@@ -250,6 +249,10 @@ def test_usr2_checkpoints_requeues_and_resumes_bit_for_bit(cluster, workdir, mni
     subprocess.run(["scancel", "--signal=USR2", "--batch", cut], env=cluster.env(), check=True)
     state = wait_done(cluster, cut, 300, restarts=1)
     assert state == "COMPLETED", f"{state}\n{cut_log.read_text()}"
+    # the uninterrupted reference runs after: two jobs starting MPI at the same moment on this
+    # one-host emulated cluster crashed once in MPI_Init (Open MPI's ob1 matching a stray
+    # fragment, segfault), which is no part of what this test checks
+    ref = cluster.sbatch(str(ref_script), cwd=workdir)
     assert wait_done(cluster, ref, 300) == "COMPLETED", log_of(cluster, ref)
     print(f"\npreemption test jobs: {time.monotonic() - t0:.1f} s")
     log = cut_log.read_text()

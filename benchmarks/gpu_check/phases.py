@@ -182,10 +182,10 @@ def phase_kernel(c, end):
     return ok, f"exit {rc}: {last}", {"tests": last, "exit": rc}
 
 
-def _train(c, name, end, limit, *args, env=None):
+def _train(c, name, end, limit, *args, env=None, recipe=None):
     run = c.runs / name
     shutil.rmtree(run, ignore_errors=True)
-    rc = c.sh(name, [c.py, "-m", "hpclb", "train", c.recipe, "--batch-size", "1024",
+    rc = c.sh(name, [c.py, "-m", "hpclb", "train", recipe or c.recipe, "--batch-size", "1024",
                      "--device", c.size["dev"], "--data-dir", c.data, "--out", run, *args],
               limit, env=env, phase_end=end)
     return rc, read_json(run / "summary.json") or {}
@@ -325,13 +325,8 @@ def phase_compile(c, end):
     recipe = REPO / "examples" / "plugin" / "recipe.yaml"
     f = {}
     for mode, extra in (("eager", []), ("compiled", ["--compile"])):
-        run = c.runs / f"compile_{mode}"
-        shutil.rmtree(run, ignore_errors=True)
-        rc = c.sh(f"compile_{mode}", [c.py, "-m", "hpclb", "train", recipe, "--batch-size",
-                                      "1024", "--epochs", "3", "--seed", "0", "--device",
-                                      c.size["dev"], "--data-dir", c.data, "--out", run,
-                                      "--no-tensorboard", *extra], 90, phase_end=end)
-        s = read_json(run / "summary.json") or {}
+        rc, s = _train(c, f"compile_{mode}", end, 90, "--epochs", "3", "--seed", "0",
+                       "--no-tensorboard", *extra, recipe=recipe)
         f[mode] = {"exit": rc, **{k: s.get(k) for k in (
             "wall_time_s", "mean_samples_per_s", "final_test_loss", "final_test_accuracy")}}
     e, k = f["eager"], f["compiled"]

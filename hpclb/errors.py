@@ -102,10 +102,15 @@ class Preempted(HpclbError):
 
 class Diverged(HpclbError, RuntimeError):
     """Raised on every rank when the run stops on non-finite values (message: global step,
-    epoch, first non-finite layer, the checkpoint kept)."""
+    epoch, first non-finite layer, the checkpoint kept). ``step``: the global step (1-based
+    count of optimizer steps) at which it was detected, or None."""
 
     exit_code = DIVERGED_EXIT_CODE
     agreed = True
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
 
 
 class KernelCompileError(HpclbError, RuntimeError):

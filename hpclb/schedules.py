@@ -8,10 +8,17 @@ epochs) is moved to ``B = k * B0`` by a *scaling scheme*:
 scheme    peak LR          warmup (epochs)     source
 ========  ===============  ==================  ==========================================
 legw      eta0 * sqrt(k)   W0 * k              You et al. 2019 (warmup *iterations* fixed)
-linear    eta0 * k         W0                  Goyal et al. 2017
+goyal     eta0 * k         5, ramp from eta0   Goyal et al. 2017 (the paper's linear baseline)
+linear    eta0 * k         W0                  linear scaling with the recipe's own W0
 sqrt      eta0 * sqrt(k)   W0                  sqrt scaling with a fixed-epoch warmup
 none      eta0             W0                  the B0 recipe unchanged
 ========  ===============  ==================  ==========================================
+
+``goyal`` is Goyal et al.'s *gradual warmup* (arXiv 1706.02677, section 2.2): the LR starts at
+the B0 LR ``eta0`` and grows linearly to ``k * eta0`` over 5 epochs, whatever the recipe's W0.
+``linear`` keeps the recipe's W0 epochs: at large k that can be one or two steps, which is
+"linear with almost no warmup", a weaker baseline than the paper's (a warmup that rounds to 0
+steps is warned about: :class:`WarmupRoundedToZero`).
 
 Decay type, decay boundaries (in epochs) and total epochs never change with ``k``.
 
@@ -22,9 +29,11 @@ samples: ``W`` epochs of warmup last ``round(W * N / B)`` steps, so LEGW's ``W0 
 exactly ``round(W0 * N / B0)`` steps at every ``k`` (counting it as ``W * steps_per_epoch`` would
 let the ceiling drift it by up to ``W`` steps per epoch of warmup). Warmup is a linear
 per-iteration ramp from 0 that multiplies the decayed LR: the update at step ``s`` uses
-``min(1, (s + 1) / warmup_steps) * decay(s)``. Poly and cosine decays start at the end of warmup
-(from ``peak``); step decays (multistep, exponential) keep their epoch boundaries even when a
-long LEGW warmup reaches past one.
+``min(1, s / warmup_steps) * decay(s)``, so the first update's LR is 0, as in the reference code
+(``lr = peak * global_step / warmup_steps``, You et al.'s LARS and TF implementations); Goyal's
+ramp starts at ``eta0`` instead: ``eta0 + (decay(s) - eta0) * s / warmup_steps``. Poly and
+cosine decays start at the end of warmup (from ``peak``); step decays (multistep, exponential)
+keep their epoch boundaries even when a long LEGW warmup reaches past one.
 
 Pitfall the paper warns about: multiplying warmup *steps* by ``k`` gives ``k**2`` in epochs.
 Everything here is a pure function of the step (no torch); :class:`hpclb.optim.lr_scheduler.
@@ -34,21 +43,26 @@ to ``torch.optim.lr_scheduler``.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from hpclb.errors import WarmupTooLong
 
-__all__ = ["SCALING_RULES", "WARMUP_RULES", "DECAYS", "SCHEMES", "steps_per_epoch", "batch_ratio",
-           "scale_lr", "scale_warmup_epochs", "warmup_steps_for", "warmup_factor", "decay_factor",
+__all__ = ["SCALING_RULES", "WARMUP_RULES", "DECAYS", "SCHEMES", "GOYAL_WARMUP_EPOCHS",
+           "WarmupRoundedToZero", "steps_per_epoch", "batch_ratio", "scale_lr",
+           "scale_warmup_epochs", "warmup_steps_for", "warmup_factor", "decay_factor",
            "validate_decay", "Schedule"]
 
 SCALING_RULES = ("none", "linear", "sqrt")
-WARMUP_RULES = ("legw", "fixed", "none")
+WARMUP_RULES = ("legw", "goyal", "fixed", "none")
+# Goyal et al. 2017 (arXiv 1706.02677), section 2.2: "gradual warmup" over 5 epochs from eta0.
+GOYAL_WARMUP_EPOCHS = 5.0
 DECAYS = ("constant", "poly", "exponential", "multistep", "cosine")
 # A scheme is the pair (LR rule, warmup rule) that `--scaling` selects.
 SCHEMES = {
     "legw": ("sqrt", "legw"),
+    "goyal": ("linear", "goyal"),
     "linear": ("linear", "fixed"),
     "sqrt": ("sqrt", "fixed"),
     "none": ("none", "fixed"),
@@ -92,7 +106,8 @@ def scale_lr(base_lr: float, base_batch_size: int, global_batch_size: int, rule:
 
 def scale_warmup_epochs(base_warmup_epochs: float, base_batch_size: int,
                         global_batch_size: int, rule: str) -> float:
-    """Warmup length in epochs at batch ``B``: LEGW ``W0 * k``, fixed ``W0``, none 0.
+    """Warmup length in epochs at batch ``B``: LEGW ``W0 * k``, Goyal 5 (whatever ``W0``),
+    fixed ``W0``, none 0.
 
     Raises ValueError for an unknown rule, a negative ``W0``, or LEGW with ``W0 == 0`` (LEGW
     scales a non-zero base warmup; choose one at B0).
@@ -105,6 +120,8 @@ def scale_warmup_epochs(base_warmup_epochs: float, base_batch_size: int,
             raise ValueError("LEGW needs a non-zero base warmup (warmup_epochs at B0); set "
                              "warmup_epochs > 0 in the recipe")
         return base_warmup_epochs * k
+    if rule == "goyal":
+        return GOYAL_WARMUP_EPOCHS
     if rule == "fixed":
         return base_warmup_epochs
     if rule == "none":
@@ -119,10 +136,16 @@ def warmup_steps_for(warmup_epochs: float, num_samples: int, global_batch_size: 
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
-    """Linear per-iteration ramp from 0: ``min(1, (step + 1) / warmup_steps)``; 1 if no warmup."""
+    """Linear per-iteration ramp from 0: ``min(1, step / warmup_steps)`` (the first update's
+    factor is 0, as in the reference code); 1 if no warmup."""
     if warmup_steps <= 0:
         return 1.0
-    return min(1.0, (step + 1) / warmup_steps)
+    return min(1.0, step / warmup_steps)
+
+
+class WarmupRoundedToZero(UserWarning):
+    """A non-zero warmup in epochs that is less than half a step at this batch: the run has no
+    warmup at all (e.g. a fixed 0.02-epoch warmup at a large batch)."""
 
 
 def decay_factor(step: int, *, steps_per_epoch: int, warmup_steps: int, total_steps: int,
@@ -216,7 +239,9 @@ class Schedule:
     """The LR of every step of one run, a pure function of the global step.
 
     Fields: ``peak_lr`` (after scaling), ``warmup_steps``, ``total_steps``, ``steps_per_epoch``
-    (steps), ``decay`` and ``decay_params``. Build one with :meth:`from_recipe`.
+    (steps), ``decay`` and ``decay_params``, ``warmup_start_lr`` (the LR the ramp starts from at
+    step 0: 0 for LEGW and the fixed-warmup schemes, ``eta0`` for Goyal's). Build one with
+    :meth:`from_recipe`.
     Raises ValueError when the peak LR is not positive, :class:`WarmupTooLong` (a ValueError)
     when warmup is not shorter than training.
     """
@@ -227,6 +252,7 @@ class Schedule:
     steps_per_epoch: int
     decay: str = "constant"
     decay_params: Mapping[str, object] = field(default_factory=dict)
+    warmup_start_lr: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.peak_lr > 0 and math.isfinite(self.peak_lr)):
@@ -238,6 +264,9 @@ class Schedule:
             raise WarmupTooLong(self.warmup_steps, self.total_steps, self.steps_per_epoch,
                                 _round_up((self.warmup_steps + 1) / self.steps_per_epoch))
         validate_decay(self.decay, self.decay_params)
+        if not (0 <= self.warmup_start_lr <= self.peak_lr):
+            raise ValueError(f"warmup_start_lr must be in [0, peak_lr {self.peak_lr}], got "
+                             f"{self.warmup_start_lr}")
 
     @classmethod
     def from_recipe(cls, *, base_lr: float, base_batch_size: int, base_warmup_epochs: float,
@@ -257,13 +286,23 @@ class Schedule:
         spe = steps_per_epoch(num_samples, global_batch_size)
         w_epochs = scale_warmup_epochs(base_warmup_epochs, base_batch_size, global_batch_size,
                                        warmup_rule)
+        w_steps = warmup_steps_for(w_epochs, num_samples, global_batch_size)
+        if w_epochs > 0 and w_steps == 0:
+            steps = w_epochs * num_samples / global_batch_size
+            warnings.warn(WarmupRoundedToZero(
+                f"--scaling {scheme}: a warmup of {w_epochs:g} epochs is {steps:.2f} steps at "
+                f"batch {global_batch_size}, which rounds to 0: this run has no warmup "
+                f"(LEGW keeps the warmup's steps at every batch: --scaling legw; Goyal's 5-epoch "
+                f"warmup: --scaling goyal)"), stacklevel=2)
+        peak = scale_lr(base_lr, base_batch_size, global_batch_size, lr_rule)
         return cls(
-            peak_lr=scale_lr(base_lr, base_batch_size, global_batch_size, lr_rule),
-            warmup_steps=warmup_steps_for(w_epochs, num_samples, global_batch_size),
+            peak_lr=peak,
+            warmup_steps=w_steps,
             total_steps=math.ceil(epochs * spe - 1e-9),
             steps_per_epoch=spe,
             decay=decay,
             decay_params=dict(decay_params or {}),
+            warmup_start_lr=min(base_lr, peak) if warmup_rule == "goyal" else 0.0,
         )
 
     @property
@@ -275,5 +314,6 @@ class Schedule:
         decay = decay_factor(step, steps_per_epoch=self.steps_per_epoch,
                              warmup_steps=self.warmup_steps, total_steps=self.total_steps,
                              decay=self.decay, params=self.decay_params, peak_lr=self.peak_lr)
-        return warmup_factor(step, self.warmup_steps) * decay
+        start = self.warmup_start_lr
+        return start + (decay - start) * warmup_factor(step, self.warmup_steps)
 

@@ -27,10 +27,10 @@ def test_schedule_lines_are_the_schedules(tmp_path):
     path, fig, skipped = plot.plot_schedule("mnist-lstm", [1, 8, 64], out)
     assert path == out and skipped == []
     _png(out)
-    top, bottom = fig.axes[:4], fig.axes[4:]
-    assert [ax.get_title() for ax in top] == [f"mnist-lstm: {s}" for s in
-                                              ("legw", "linear", "sqrt", "none")]
-    for j, scheme in enumerate(("legw", "linear", "sqrt", "none")):
+    schemes = ("legw", "goyal", "linear", "sqrt", "none")
+    top, bottom = fig.axes[:5], fig.axes[5:]
+    assert [ax.get_title() for ax in top] == [f"mnist-lstm: {s}" for s in schemes]
+    for j, scheme in enumerate(schemes):
         for k in (1, 8, 64):
             sched = resolve("mnist-lstm", batch_size=128 * k, scaling=scheme).schedule(60_000)
             xy = _lines(top[j])[f"k={k} (B={128 * k})"]

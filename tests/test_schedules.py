@@ -23,16 +23,17 @@ def test_legw_warmup_iterations_constant_and_peak_sqrt_k(k):
     # in samples, warmup lasts W0 * k epochs (to within one step)
     assert abs(s.warmup_steps * B0 * k / N - 0.25 * k) <= B0 * k / N
     assert max(s.lr(i) for i in range(s.total_steps)) == pytest.approx(0.1 * math.sqrt(k))
-    assert s.lr(s.warmup_steps - 1) == pytest.approx(s.peak_lr)
-    # continuous at the end of warmup: the ramp's last value equals the decay's first
-    assert s.lr(s.warmup_steps) == pytest.approx(s.lr(s.warmup_steps - 1))
+    # the ramp reaches the peak at step warmup_steps, where the decay takes over
+    assert s.lr(s.warmup_steps) == pytest.approx(s.peak_lr)
+    assert s.lr(s.warmup_steps - 1) == pytest.approx(s.peak_lr * (1 - 1 / s.warmup_steps))
 
 
 @pytest.mark.parametrize("k", [1, 2, 8, 64])
 def test_legw_ramp_is_linear_from_zero(k):
     s = legw(k)
-    lrs = [s.lr(i) for i in range(s.warmup_steps)]
-    assert lrs[0] == pytest.approx(s.peak_lr / s.warmup_steps)
+    lrs = [s.lr(i) for i in range(s.warmup_steps + 1)]
+    assert lrs[0] == 0.0  # the reference code's t / T_w: the first update's LR is 0
+    assert lrs[1] == pytest.approx(s.peak_lr / s.warmup_steps)
     diffs = {round(b - a, 12) for a, b in zip(lrs, lrs[1:])}
     assert len(diffs) == 1 and diffs.pop() > 0
 
@@ -51,7 +52,7 @@ def test_step_decay_boundary_inside_a_long_warmup_stays_put():
     s = legw(64, w0=0.25, epochs=40, params={"milestones": [5], "gamma": 0.1})
     spe = s.steps_per_epoch
     assert s.warmup_steps > 5 * spe
-    assert s.lr(5 * spe) / s.lr(5 * spe - 1) == pytest.approx(0.1 * (5 * spe + 1) / (5 * spe))
+    assert s.lr(5 * spe) / s.lr(5 * spe - 1) == pytest.approx(0.1 * (5 * spe) / (5 * spe - 1))
 
 
 def test_legw_warmup_epochs_scale_by_k_but_fixed_do_not():
@@ -65,6 +66,34 @@ def test_legw_warmup_epochs_scale_by_k_but_fixed_do_not():
         assert sched(k, "linear").peak_lr == pytest.approx(k)
         assert sched(k, "sqrt").peak_lr == pytest.approx(math.sqrt(k))
         assert sched(k, "none").peak_lr == pytest.approx(1.0)
+
+
+def test_goyal_ramps_from_eta0_to_k_eta0_over_five_epochs():
+    """Goyal et al.'s gradual warmup: eta0 at step 0, k*eta0 after 5 epochs, whatever W0."""
+    for k in (2, 8, 64):
+        s = S.Schedule.from_recipe(base_lr=0.1, base_batch_size=B0, base_warmup_epochs=0.25,
+                                   global_batch_size=B0 * k, num_samples=N, epochs=20,
+                                   scheme="goyal")
+        assert s.warmup_steps == round(5 * N / (B0 * k))
+        assert s.lr(0) == pytest.approx(0.1) and s.lr(s.warmup_steps) == pytest.approx(0.1 * k)
+        half = s.warmup_steps // 2
+        assert s.lr(half) == pytest.approx(0.1 + (0.1 * k - 0.1) * half / s.warmup_steps)
+        assert s.peak_lr == pytest.approx(0.1 * k) and s.warmup_start_lr == 0.1
+
+
+def test_a_warmup_that_rounds_to_zero_steps_is_warned_about():
+    """A fixed 0.02-epoch warmup at a batch where it is under half a step: no silent 0."""
+    with pytest.warns(S.WarmupRoundedToZero, match="rounds to 0.*--scaling legw"):
+        s = S.Schedule.from_recipe(base_lr=0.1, base_batch_size=B0, base_warmup_epochs=0.002,
+                                   global_batch_size=B0 * 64, num_samples=N, epochs=20,
+                                   scheme="sqrt")
+    assert s.warmup_steps == 0
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # LEGW keeps its steps: no warning
+        S.Schedule.from_recipe(base_lr=0.1, base_batch_size=B0, base_warmup_epochs=0.002,
+                               global_batch_size=B0 * 64, num_samples=N, epochs=20,
+                               scheme="legw")
 
 
 def test_wrong_k_squared_warmup_is_not_what_legw_does():

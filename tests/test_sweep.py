@@ -86,7 +86,7 @@ def test_point_held_by_another_sweep_process_is_skipped(tmp_path):
     import fcntl
     import os
     recipe = quick_recipe(tmp_path)
-    lock = tmp_path / "runs" / "mnist-lstm" / ".linear-b256.lock"
+    lock = tmp_path / "runs" / "mnist-lstm" / ".adam-linear-b256-s0.lock"
     lock.parent.mkdir(parents=True)
     fd = os.open(lock, os.O_CREAT | os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # what the other process's trainer holds
@@ -101,7 +101,7 @@ def test_point_held_by_another_sweep_process_is_skipped(tmp_path):
     finally:
         os.close(fd)
     assert "being trained by another sweep process, skipped" in out
-    assert not (tmp_path / "runs" / "mnist-lstm" / "linear-b256").exists()
+    assert not (tmp_path / "runs" / "mnist-lstm" / "adam-linear-b256-s0").exists()
 
 
 def test_points_run_under_mpirun_with_ranks(tmp_path, mnist_dir):
@@ -116,7 +116,7 @@ def test_points_run_under_mpirun_with_ranks(tmp_path, mnist_dir):
                            data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
                            runs_dir=tmp_path / "runs", log=lambda m: None)
     assert rows[0]["ranks"] == 2 and rows[0]["steps"] == 2 and rows[0]["metric"] is not None
-    summary = json.loads((tmp_path / "runs" / "mnist-lstm" / "linear-b256" / "summary.json")
+    summary = json.loads((tmp_path / "runs" / "mnist-lstm" / "adam-linear-b256-s0" / "summary.json")
                          .read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "mpi"
 

@@ -57,7 +57,7 @@ def test_cli_writes_under_runs_dir_and_fails_on_a_rejected_point(tmp_path, mnist
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280,
                        stdin=subprocess.DEVNULL)
     assert p.returncode == 1, p.stdout + p.stderr
-    assert "hpclb: error: sweep point failed: B=512 legw: " in p.stderr and "warmup" in p.stderr
+    assert "hpclb: error: sweep point failed: B=512 legw seed 0: " in p.stderr and "warmup" in p.stderr
     assert "Traceback" not in p.stderr
     results = tmp_path / "runs" / "mnist-lstm" / "mnist-lstm.json"
     assert json.loads(results.read_text())[0]["error"]

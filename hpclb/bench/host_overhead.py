@@ -71,7 +71,7 @@ def lr_at(step: int, base_lr: float) -> float:
     """LEGW's LR at ``step`` (sqrt scaling, linear warmup, poly(2) decay), by hand."""
     k = BATCH / BASE_BATCH
     total, warmup = int(EPOCHS * SAMPLES / BATCH), int(WARMUP * k * SAMPLES / BATCH)
-    ramp = min(1.0, (step + 1) / warmup)
+    ramp = min(1.0, step / warmup)
     return ramp * base_lr * k ** 0.5 * (1 - max(0.0, (step - warmup) / (total - warmup))) ** 2
 
 

@@ -35,7 +35,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--ranks", type=int, default=1, help="MPI ranks per point (mpirun -n N; 1 runs "
                    "in this process)")
     w.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seeds", default="0", help="comma-separated seeds; each (batch, scheme, "
+                   "seed) is a point of its own, e.g. 0,1,2")
+    w.add_argument("--seed", type=int, help="one seed (the same as --seeds N)")
+    w.add_argument("--status", action="store_true", help="print what is done, running in "
+                   "another sweep process and left, with the hours expected; train nothing")
     w.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
     w.add_argument("--out-dir", help="where the tables and plots go (default: "
                    "RUNS_DIR/<experiment>, beside the points; the committed ones are in "
@@ -51,21 +55,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """``hpclb sweep``: 0, 2 for bad input, 1 when a point failed or was rejected (each is
     named), 75 when stopped by a signal."""
-    from hpclb.tools.sweep import failed_points, run_sweep
+    from hpclb.tools.sweep import failed_points, run_sweep, sweep_status
 
     setup_logging(0)
+    lists = {}
+    for flag, text in (("--batch-sizes", args.batch_sizes), ("--seeds", args.seeds)):
+        try:
+            lists[flag] = [int(b) for b in text.split(",") if b.strip()]
+        except ValueError:
+            error(f"{flag}: expected comma-separated integers, got {text!r}")
+            return EXIT_USAGE
+    batches = lists["--batch-sizes"]
+    seeds = [args.seed] if args.seed is not None else lists["--seeds"]
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    common = dict(epochs=args.epochs, ranks=args.ranks, seeds=seeds, optimizer=args.optimizer,
+                  out_dir=args.out_dir, runs_dir=args.runs_dir)
     try:
-        batches = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    except ValueError:
-        error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
-        return EXIT_USAGE
-    try:
-        schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-        rows = run_sweep(args.experiment, batches, schemes, epochs=args.epochs,
-                         ranks=args.ranks, seed=args.seed, optimizer=args.optimizer,
-                         data_dir=args.data_dir, out_dir=args.out_dir, runs_dir=args.runs_dir,
+        if args.status:
+            print(f"sweep {args.experiment}: "
+                  f"{sweep_status(args.experiment, batches, schemes, **common).line()}")
+            return 0
+        rows = run_sweep(args.experiment, batches, schemes, data_dir=args.data_dir,
                          quiet=not args.verbose, log=lambda m: print(m, flush=True),
-                         overwrite=args.overwrite)
+                         overwrite=args.overwrite, **common)
     except ConfigError as e:
         error(str(e))
         return EXIT_USAGE

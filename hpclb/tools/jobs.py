@@ -188,8 +188,8 @@ def plan_for(recipe: dict[str, Any], global_batch: int, per_rank_batch: int, sca
                 total_steps=s.total_steps, epochs=n_epochs, num_samples=n, sample_unit=unit,
                 data_name=recipe["data"]["name"],
                 lr_rule={"sqrt": "eta0*sqrt(k)", "linear": "eta0*k", "none": "eta0"}[lr_rule],
-                warmup_rule={"legw": "W0*k epochs", "fixed": "W0 epochs",
-                             "none": "no warmup"}[warmup_rule])
+                warmup_rule={"legw": "W0*k epochs", "goyal": "5 epochs from eta0",
+                             "fixed": "W0 epochs", "none": "no warmup"}[warmup_rule])
 
 
 def interconnect(spec: JobSpec) -> list[tuple[str, str]]:

@@ -1,32 +1,32 @@
-"""`hpclb sweep`: batch-size sweeps of one recipe under several scaling schemes (You et al.,
-SC '19, Tables 2-6: LEGW vs linear vs sqrt scaling with a fixed warmup, recipe tuned at B0 only).
+"""`hpclb sweep`: batch-size sweeps of one recipe under several scaling schemes and seeds (You et
+al., SC '19: LEGW vs linear vs sqrt scaling with a fixed warmup, recipe tuned at B0 only).
 
-Every point ``(B, scheme)`` trains the B0 recipe moved to global batch ``B`` by ``scheme`` and
-nothing else (no re-tuning). Points run one after another: in this process for one rank, as an
-``mpirun -n N ... hpclb train`` subprocess for ``N > 1``. Each point's run directory is
-``<runs_dir>/<experiment>/<scheme>-b<B>``; results go to ``<out_dir>/<experiment>.json`` (a list of
-rows), ``.md`` (tables) and ``.png`` (metric vs batch size per scheme; the LR curve of every point,
-one panel per scheme), written by :mod:`hpclb.tools.sweep_report`. ``out_dir`` defaults to
-``<runs_dir>/<experiment>``, beside the points' run directories (the committed tables in
-``results/sweeps`` change only when asked for with ``out_dir``). Points of different budgets
-(epochs, ranks, seed, optimizer) share the files but never a table.
+Every point ``(B, scheme, seed)`` trains the B0 recipe moved to global batch ``B`` by ``scheme``
+and nothing else (no re-tuning). Points run one after another: in this process for one rank, as
+an ``mpirun -n N ... hpclb train`` subprocess for ``N > 1``. A point's identity is its batch,
+scheme, seed, optimizer, epochs and ranks; its run directory is
+``<runs_dir>/<experiment>/<optimizer>-<scheme>-b<B>-s<seed>``. Results go to
+``<out_dir>/<experiment>.json`` (a list of rows), ``.md`` (tables) and ``.png``
+(:mod:`hpclb.tools.sweep_report`), and each finished point's ``summary.json`` and per-epoch
+``metrics.jsonl`` to ``<out_dir>/points/<point>/``, as soon as it ends. ``out_dir`` defaults to
+``<runs_dir>/<experiment>`` (the committed tables in ``results/sweeps`` change only when asked
+for with ``out_dir``).
 
-Resumable: a point whose row is already in the JSON (same epochs, ranks, seed, optimizer) is
-skipped; a point whose run finished but was not recorded is read from its ``summary.json``; a
-point interrupted mid-run continues from its checkpoint (``--resume``), bit for bit.
+Across interruptions: a point whose row is already in the JSON is skipped; a point whose run
+finished but was not recorded is read from its ``summary.json``; a point interrupted mid-run
+continues from its checkpoint (``--resume``), bit for bit. A point that diverges (exit 3) is
+recorded as failed, with the step it diverged at, and the sweep goes on.
 
-Several sweep processes may work on one sweep at once (e.g. each started with the points in a
-different order): a point being trained holds an exclusive ``flock`` on
-``<runs_dir>/<experiment>/.<scheme>-b<B>.lock`` and the others skip it; the results JSON is
-re-read and rewritten under ``<runs_dir>/<experiment>/.results.lock``. Locks die with their process.
+Several sweep processes may work on one sweep at once: a point being trained holds an exclusive
+``flock`` on ``<runs_dir>/<experiment>/.<point>.lock`` and the others skip it (and count it as
+running); the results JSON is re-read and rewritten under ``<runs_dir>/<experiment>/.results.lock``.
+Locks die with their process.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,17 +35,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from hpclb._io import write_text_atomic
 from hpclb.comm.launcher import explain_launch_failure, mpirun_path, remove_stale_session_dirs
 from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.config.outputs import check_run_dir, point_name
-from hpclb.errors import ConfigError
+from hpclb.config.outputs import check_run_dir
+from hpclb.errors import ConfigError, Diverged, NonFiniteError
 from hpclb.schedules import SCHEMES
 from hpclb.tasks.spec import metric_mode, primary_metric
+from hpclb.tools.sweep_points import Point, SweepStatus, flock, load_rows, row_of, shown
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
 
-__all__ = ["failed_points", "metric_of", "run_sweep"]
+__all__ = ["failed_points", "metric_of", "run_sweep", "sweep_status"]
 
 
 def metric_of(recipe: dict) -> tuple[str, str]:
@@ -56,97 +58,62 @@ def metric_of(recipe: dict) -> tuple[str, str]:
     return name, metric_mode(name, recipe)
 
 
-@contextlib.contextmanager
-def _flock(path: Path, *, block: bool = True):
-    """An exclusive ``flock`` on ``path`` for the ``with`` block; yields False (and holds
-    nothing) when ``block`` is False and another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+class _PointDiverged(Exception):
+    """A point's run stopped on non-finite values: ``step`` (or None) and the message."""
+
+    def __init__(self, message: str, step: int | None):
+        super().__init__(message)
+        self.step = step
+
+
+def _run_in_process(experiment: str, p: Point, run_dir: Path, data_dir: str | None,
+                    resume: bool, quiet: bool) -> dict:
+    cfg = resolve(experiment, batch_size=p.batch, scaling=p.scheme, optimizer=p.optimizer,
+                  epochs=p.epochs, seed=p.seed, data_dir=data_dir, out=str(run_dir),
+                  resume=resume)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # releases the lock
+        return train(cfg, SelfCommunicator(), quiet=quiet)
+    except (Diverged, NonFiniteError) as e:
+        raise _PointDiverged(str(e), getattr(e, "step", None)) from e
 
 
-def _load_rows(path: Path) -> list[dict]:
-    return json.loads(path.read_text()) if path.exists() else []
-
-
-def _same_point(row: dict, batch: int, scheme: str, settings: dict) -> bool:
-    return row.get("batch_size") == batch and row.get("scheme") == scheme and \
-        all(row.get(k) == v for k, v in settings.items())
-
-
-def _row(summary: dict, *, batch: int, scheme: str, metric: str, settings: dict,
-         run_dir: Path) -> dict:
-    value = summary.get(f"final_{metric}")
-    best = summary.get(f"best_{metric}")
-    return {"batch_size": batch, "scheme": scheme, "metric_name": metric,
-            "metric": value if value is None or math.isfinite(value) else None,
-            "best_metric": best, **settings,
-            "wall_time_s": summary["wall_time_s"], "steps": summary["steps"],
-            "steps_per_epoch": summary["steps_per_epoch"],
-            "time_to_target_s": summary.get("time_to_target_s"), "target": summary.get("target"),
-            "batch_ratio_k": summary["batch_ratio_k"], "base_lr": summary["base_lr"],
-            "peak_lr": summary["peak_lr"], "warmup_steps": summary["warmup_steps"],
-            "warmup_epochs": summary["warmup_epochs"], "decay": summary["decay"],
-            "mean_samples_per_s": summary.get("mean_samples_per_s"),
-            "run_dir": _shown(run_dir), "error": None, "note": None}
-
-
-def _shown(path: Path) -> str:
-    """``path`` relative to the working directory when it lies under it (the rows of a sweep
-    are committed with a repository and must not name this machine's directories)."""
-    rel = os.path.relpath(Path(path).resolve(), Path.cwd().resolve())
-    return str(path) if rel.startswith("..") else rel
-
-
-def _run_in_process(experiment: str, batch: int, scheme: str, settings: dict, run_dir: Path,
-                    data_dir: str | None, resume: bool, quiet: bool) -> dict:
-    cfg = resolve(experiment, batch_size=batch, scaling=scheme, optimizer=settings["optimizer"],
-                  epochs=settings["epochs"], seed=settings["seed"], data_dir=data_dir,
-                  out=str(run_dir), resume=resume)
-    return train(cfg, SelfCommunicator(), quiet=quiet)
-
-
-def _run_mpi(experiment: str, batch: int, scheme: str, settings: dict, run_dir: Path,
-             data_dir: str | None, resume: bool, quiet: bool) -> dict:
-    ranks = settings["ranks"]
-    cmd = [mpirun_path(), "-n", str(ranks), "--bind-to", "none", sys.executable, "-m", "hpclb",
-           "train", experiment, "--batch-size", str(batch), "--scaling", scheme,
-           "--optimizer", settings["optimizer"], "--epochs", str(settings["epochs"]),
-           "--seed", str(settings["seed"]), "--out", str(run_dir),
-           "--expect-world-size", str(ranks)]
+def _run_mpi(experiment: str, p: Point, run_dir: Path, data_dir: str | None, resume: bool,
+             quiet: bool) -> dict:
+    cmd = [mpirun_path(), "-n", str(p.ranks), "--bind-to", "none", sys.executable, "-m",
+           "hpclb", "train", experiment, "--batch-size", str(p.batch), "--scaling", p.scheme,
+           "--optimizer", p.optimizer, "--epochs", str(p.epochs), "--seed", str(p.seed),
+           "--out", str(run_dir), "--expect-world-size", str(p.ranks)]
     if data_dir:
         cmd += ["--data-dir", str(data_dir)]
     if resume:
         cmd.append("--resume")
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p.ranks)))
     remove_stale_session_dirs()  # a reused process id would stop mpirun at start-up
     proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, text=True,
                           stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE)
+    err = proc.stderr.strip()
     if proc.returncode == 2:
-        raise ConfigError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
-                          "hpclb train rejected the settings")
+        raise ConfigError(err.splitlines()[-1] if err else "hpclb train rejected the settings")
+    if proc.returncode == 3:
+        step = re.findall(r"(?:global|optimizer) step (\d+)", err)
+        raise _PointDiverged(err.splitlines()[-1] if err else "diverged (exit 3)",
+                             int(step[-1]) if step else None)
     if proc.returncode != 0:
         hint = explain_launch_failure(proc.stderr)
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}: "
-                           f"{proc.stderr.strip()[-2000:]}" + (f"\n{hint}" if hint else ""))
+                           f"{err[-2000:]}" + (f"\n{hint}" if hint else ""))
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _checked(batch_sizes: Iterable[int], schemes: Iterable[str],
-             ranks: int) -> tuple[list[int], list[str]]:
-    """(sorted distinct batches, schemes without repeats); ConfigError for a bad argument."""
+def _checked(batch_sizes: Iterable[int], schemes: Iterable[str], ranks: int,
+             seeds: Iterable[int]) -> tuple[list[int], list[str], list[int]]:
+    """(sorted distinct batches, schemes, seeds without repeats); ConfigError for a bad
+    argument."""
     batch_sizes = sorted(set(int(b) for b in batch_sizes))
     schemes = list(dict.fromkeys(schemes))
+    seeds = list(dict.fromkeys(seeds))
     for s in schemes:
         if s not in SCHEMES:
             raise ConfigError(f"--schemes: {s!r} is not one of {tuple(SCHEMES)}")
@@ -156,7 +123,9 @@ def _checked(batch_sizes: Iterable[int], schemes: Iterable[str],
     if not batch_sizes or any(b <= 0 or b % ranks for b in batch_sizes):
         raise ConfigError(f"--batch-sizes: every batch must be a positive multiple of --ranks "
                           f"{ranks}, got {batch_sizes}")
-    return batch_sizes, schemes
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+        raise ConfigError(f"--seeds: expected integers >= 0, got {seeds}")
+    return batch_sizes, schemes, seeds
 
 
 @dataclass
@@ -165,7 +134,6 @@ class _Sweep:
 
     experiment: str
     recipe: dict
-    settings: dict
     out_dir: Path
     runs_dir: Path
     data_dir: str | None
@@ -178,62 +146,61 @@ class _Sweep:
         self.metric, self.mode = metric_of(self.recipe)
         self.json_path = self.out_dir / f"{self.name}.json"
         self.results_lock = self.runs_dir / ".results.lock"
-        self.runner = _run_in_process if self.settings["ranks"] == 1 else _run_mpi
 
     def rows(self) -> list[dict]:
-        with _flock(self.results_lock):
-            return _load_rows(self.json_path)
+        with flock(self.results_lock):
+            return load_rows(self.json_path)
 
-    def record(self, row: dict) -> None:
-        """Replace the point's row in the results (under the results lock) and rewrite them."""
-        with _flock(self.results_lock):
-            current = [r for r in _load_rows(self.json_path)
-                       if not _same_point(r, row["batch_size"], row["scheme"], self.settings)]
+    def record(self, row: dict, run_dir: Path | None = None) -> None:
+        """Copy the point's summary and metrics under ``out_dir/points`` (when it has a run
+        directory), then replace its row in the results (under the results lock)."""
+        p = Point.of_row(row)
+        if run_dir is not None:
+            dest = self.out_dir / "points" / p.dir_name
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in ("summary.json", "metrics.jsonl", "config.json"):
+                if (run_dir / name).exists():
+                    write_text_atomic(dest / name, (run_dir / name).read_text())
+            row = {**row, "points_dir": shown(dest)}
+        with flock(self.results_lock):
+            current = [r for r in load_rows(self.json_path) if Point.of_row(r) != p]
             write_results(current + [row], self.out_dir, self.name, self.metric, self.mode)
 
-    def point(self, batch: int, scheme: str) -> None:
-        """Record ``(batch, scheme)`` unless done: from its twin at k = 1, else by training it
-        (unless another sweep process holds its lock)."""
-        name, rows = self.name, self.rows()
-        if any(_same_point(r, batch, scheme, self.settings) for r in rows):
-            self.log(f"sweep {name}: B={batch} {scheme}: already recorded, skipped")
+    def point(self, p: Point) -> None:
+        """Record ``p`` unless done: from its twin at k = 1, else by training it (unless
+        another sweep process holds its lock)."""
+        rows = self.rows()
+        if any(Point.of_row(r) == p for r in rows):
+            self.log(f"sweep {self.name}: {p}: already recorded, skipped")
             return
-        twin = next((r for r in rows if batch == self.recipe["base_batch_size"]
-                     and not r.get("error") and _same_point(r, batch, r["scheme"], self.settings)),
+        twin = next((r for r in rows if p.batch == self.recipe["base_batch_size"]
+                     and not r.get("error") and Point.of_row(r) == p.with_scheme(r["scheme"])),
                     None)
-        if twin is not None:  # k = 1: every scheme gives the same schedule, the same run
-            self.record({**twin, "scheme": scheme,
-                         "note": f"k = 1: the same run as {twin['scheme']}"})
-            self.log(f"sweep {name}: B={batch} {scheme}: k = 1, same run as {twin['scheme']}")
+        if twin is not None:  # k = 1: every scheme starts from the same B0 recipe
+            self.record({**twin, "scheme": p.scheme,
+                         "note": f"k = 1: the B0 recipe, the run of {twin['scheme']}"})
+            self.log(f"sweep {self.name}: {p}: k = 1, the B0 recipe's run ({twin['scheme']})")
             return
-        with _flock(self.runs_dir / f".{scheme}-b{batch}.lock", block=False) as mine:
+        with flock(self.runs_dir / f".{p.dir_name}.lock", block=False) as mine:
             if not mine:
-                self.log(f"sweep {name}: B={batch} {scheme}: being trained by another sweep "
-                         f"process, skipped")
+                self.log(f"sweep {self.name}: {p}: being trained by another sweep process, "
+                         f"skipped")
                 return
-            self._run_point(batch, scheme)
+            self._run_point(p)
 
-    def _finished_summary(self, run_dir: Path, batch: int, scheme: str) -> dict | None:
+    def _finished_summary(self, run_dir: Path, p: Point) -> dict | None:
         """The summary.json of this very point's finished run, else None."""
         path = run_dir / "summary.json"
         summary = json.loads(path.read_text()) if path.exists() else None
-        st = self.settings
-        if summary is not None and (summary.get("global_batch_size"), summary.get("scaling"),
-                                    summary.get("epochs"), summary.get("world_size"),
-                                    summary.get("seed"), summary.get("optimizer")) != \
-                (batch, scheme, st["epochs"], st["ranks"], st["seed"], st["optimizer"]):
+        if summary is not None and Point.of_summary(summary) != p:
             return None  # a different run left it there: rerun from scratch
         return summary
 
-    def _can_resume(self, run_dir: Path, batch: int, scheme: str) -> bool:
+    def _can_resume(self, run_dir: Path, p: Point) -> bool:
         """True when ``run_dir`` holds a checkpoint of this point; else it is emptied."""
-        st = self.settings
         try:
-            old = json.loads((run_dir / "config.json").read_text())
-            mine = (old.get("global_batch_size"), old.get("scaling"), old.get("epochs"),
-                    old.get("world_size"), old.get("seed")) == \
-                (batch, scheme, st["epochs"], st["ranks"], st["seed"])
-        except (OSError, ValueError):
+            mine = Point.of_summary(json.loads((run_dir / "config.json").read_text())) == p
+        except (OSError, ValueError, KeyError):
             mine = False
         resume = mine and (run_dir / "checkpoint.pt").exists()
         if not resume and run_dir.exists():  # another run's directory: only when told
@@ -242,74 +209,106 @@ class _Sweep:
             shutil.rmtree(run_dir)
         return resume
 
-    def _run_point(self, batch: int, scheme: str) -> None:
+    def _run_point(self, p: Point) -> None:
         """Train (or resume, or read back) one point while holding its lock; record its row."""
-        name, metric, st = self.name, self.metric, self.settings
-        run_dir = self.runs_dir / point_name(scheme, batch)
-        summary = self._finished_summary(run_dir, batch, scheme)
+        run_dir = self.runs_dir / p.dir_name
+        summary = self._finished_summary(run_dir, p)
         if summary is None:
-            resume = self._can_resume(run_dir, batch, scheme)
-            self.log(f"sweep {name}: B={batch} {scheme}: {'resuming' if resume else 'training'} "
-                     f"({st['ranks']} rank(s), {st['epochs']:g} epochs) -> {run_dir}")
+            resume = self._can_resume(run_dir, p)
+            self.log(f"sweep {self.name}: {p}: {'resuming' if resume else 'training'} "
+                     f"({p.ranks} rank(s), {p.epochs:g} epochs) -> {run_dir}")
+            runner = _run_in_process if p.ranks == 1 else _run_mpi
             t0 = time.perf_counter()
             try:
-                summary = self.runner(self.experiment, batch, scheme, st, run_dir,
-                                      self.data_dir, resume, self.quiet)
-            except ConfigError as e:
-                self.log(f"sweep {name}: B={batch} {scheme}: rejected: {e}")
-                self.record({"batch_size": batch, "scheme": scheme, "metric_name": metric,
-                             "metric": None, **st, "wall_time_s": 0.0, "steps": 0,
-                             "time_to_target_s": None, "run_dir": str(run_dir),
-                             "error": str(e)})
+                summary = runner(self.experiment, p, run_dir, self.data_dir, resume, self.quiet)
+            except (ConfigError, _PointDiverged) as e:
+                diverged = isinstance(e, _PointDiverged)
+                self.log(f"sweep {self.name}: {p}: {'diverged' if diverged else 'rejected'}: {e}")
+                self.record(p.failed_row(self.metric, e, run_dir, time.perf_counter() - t0,
+                                         getattr(e, "step", None) if diverged else None),
+                            run_dir if diverged else None)
                 return
-            self.log(f"sweep {name}: B={batch} {scheme}: {metric} "
-                     f"{summary.get('final_' + metric)} in {time.perf_counter() - t0:.0f} s")
-        self.record(_row(summary, batch=batch, scheme=scheme, metric=metric, settings=st,
-                         run_dir=run_dir))
+            self.log(f"sweep {self.name}: {p}: {self.metric} "
+                     f"{summary.get('final_' + self.metric)} in {time.perf_counter() - t0:.0f} s")
+        self.record(row_of(summary, p, metric=self.metric, run_dir=run_dir), run_dir)
+
+
+def _prepare(experiment: str, *, epochs, ranks, optimizer, seeds, out_dir, runs_dir, data_dir,
+             quiet, log, overwrite, batch_sizes, schemes) -> tuple[_Sweep, list[Point]]:
+    """The sweep and its points in run order (batch, then seed, then scheme); ConfigError for
+    bad arguments, before anything is written."""
+    recipe = load_recipe(experiment, epochs=epochs)
+    batch_sizes, schemes, seeds = _checked(batch_sizes, schemes, ranks, seeds)
+    probe = resolve(experiment, optimizer=optimizer, epochs=epochs, seed=seeds[0])  # validates
+    out_dir = Path(runs_dir) / recipe["name"] if out_dir is None else Path(out_dir)
+    sweep = _Sweep(experiment, recipe, out_dir, Path(runs_dir) / recipe["name"], data_dir,
+                   quiet, log, overwrite)
+    points = [Point(b, s, seed, probe.optimizer, probe.epochs, ranks)
+              for b in batch_sizes for seed in seeds for s in schemes]
+    return sweep, points
+
+
+def sweep_status(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
+                 seeds: Iterable[int] = (0,), epochs: float | None = None, ranks: int = 1,
+                 optimizer: str | None = None, out_dir: str | Path | None = None,
+                 runs_dir: str | Path = "runs/sweeps") -> SweepStatus:
+    """What a sweep has done, what other processes are training and what is left, with the
+    hours expected (:class:`~hpclb.tools.sweep_points.SweepStatus`); trains nothing."""
+    sweep, points = _prepare(experiment, epochs=epochs, ranks=ranks, optimizer=optimizer,
+                             seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=None,
+                             quiet=True, log=print, overwrite=False, batch_sizes=batch_sizes,
+                             schemes=schemes)
+    return SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
+                          base_batch=sweep.recipe["base_batch_size"])
 
 
 def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
-              epochs: float | None = None, ranks: int = 1, seed: int = 0,
-              optimizer: str | None = None, data_dir: str | None = None,
-              out_dir: str | Path | None = None, runs_dir: str | Path = "runs/sweeps",
-              quiet: bool = True, log=print, overwrite: bool = False) -> list[dict]:
-    """Run every ``(batch size, scheme)`` point not yet recorded; returns the rows of this
-    sweep's budget (its epochs, ranks, seed and optimizer; other budgets' rows stay in the files).
+              epochs: float | None = None, ranks: int = 1, seed: int | None = None,
+              seeds: Iterable[int] | None = None, optimizer: str | None = None,
+              data_dir: str | None = None, out_dir: str | Path | None = None,
+              runs_dir: str | Path = "runs/sweeps", quiet: bool = True, log=print,
+              overwrite: bool = False) -> list[dict]:
+    """Run every ``(batch size, seed, scheme)`` point not yet recorded, in that order; returns
+    the rows of this sweep's points (other points' rows stay in the files).
 
     Args: ``experiment`` (packaged name or recipe path), ``batch_sizes`` (global batches in
-    samples, each divisible by ``ranks``), ``schemes`` (subset of legw/linear/sqrt/none),
-    ``epochs`` (default the recipe's, the same for every point), ``ranks`` (MPI ranks per point),
-    ``out_dir`` (default ``<runs_dir>/<recipe name>``).
+    samples, each divisible by ``ranks``; run smallest first), ``schemes`` (subset of
+    :data:`~hpclb.schedules.SCHEMES`), ``seeds`` (or one ``seed``; default 0), ``epochs``
+    (default the recipe's, the same for every point), ``ranks`` (MPI ranks per point),
+    ``out_dir`` (default ``<runs_dir>/<recipe name>``). Before each point ``log`` gets the
+    status line (:meth:`SweepStatus.line`: done, running, left, hours expected).
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
-    ``error`` and no metric (:func:`failed_points` lists them). Raises ConfigError for bad
-    arguments before any training, and RuntimeError when a point crashes (its row is not
-    written; rerun to retry it). A point
-    directory holding a run of other settings (another budget, seed or rank count) is
-    deleted only with ``overwrite``; otherwise ConfigError names ``--overwrite``.
+    ``error`` and no metric; a point that diverges with its ``error`` and ``diverged_at_step``
+    (:func:`failed_points` lists both). Raises ConfigError for bad arguments before any
+    training, and RuntimeError when a point crashes (its row is not written; rerun to retry
+    it). A point directory holding a run of other settings is deleted only with
+    ``overwrite``; otherwise ConfigError names ``--overwrite``.
     """
-    recipe = load_recipe(experiment, epochs=epochs)
-    batch_sizes, schemes = _checked(batch_sizes, schemes, ranks)
-    probe = resolve(experiment, optimizer=optimizer, epochs=epochs, seed=seed)  # validates
-    settings = {"epochs": probe.epochs, "ranks": ranks, "seed": seed,
-                "optimizer": probe.optimizer}
-    out_dir = Path(runs_dir) / recipe["name"] if out_dir is None else Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sweep = _Sweep(experiment, recipe, settings, out_dir, Path(runs_dir) / recipe["name"],
-                   data_dir, quiet, log, overwrite)
-    for batch in batch_sizes:
-        for scheme in schemes:
-            sweep.point(batch, scheme)
-    with _flock(sweep.results_lock):
-        rows = _load_rows(sweep.json_path)
+    seeds = list(seeds) if seeds is not None else [0 if seed is None else seed]
+    sweep, points = _prepare(experiment, epochs=epochs, ranks=ranks, optimizer=optimizer,
+                             seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
+                             quiet=quiet, log=log, overwrite=overwrite,
+                             batch_sizes=batch_sizes, schemes=schemes)
+    sweep.out_dir.mkdir(parents=True, exist_ok=True)
+    for p in points:
+        status = SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
+                                base_batch=sweep.recipe["base_batch_size"])
+        if p in status.left:
+            log(f"sweep {sweep.name}: {status.line()}")
+        sweep.point(p)
+    with flock(sweep.results_lock):
+        rows = load_rows(sweep.json_path)
         if rows:
-            write_results(rows, out_dir, sweep.name, sweep.metric, sweep.mode)
-    return [r for r in rows if all(r.get(k) == v for k, v in settings.items())]
+            write_results(rows, sweep.out_dir, sweep.name, sweep.metric, sweep.mode)
+    log(f"sweep {sweep.name}: "
+        f"{SweepStatus.of(points, rows, sweep.runs_dir, sweep.recipe['base_batch_size']).line()}")
+    return [r for r in rows if Point.of_row(r) in set(points)]
 
 
 def failed_points(rows: list[dict], batch_sizes: Iterable[int],
                   schemes: Iterable[str]) -> list[str]:
-    """``"B=<batch> <scheme>: <error>"`` for each of the asked-for points in ``rows`` (as
-    :func:`run_sweep` returns them) that was rejected."""
+    """``"B=<batch> <scheme> seed <s>: <error>"`` for each of the asked-for points in ``rows``
+    (as :func:`run_sweep` returns them) that was rejected or diverged."""
     asked = {(int(b), s) for b in batch_sizes for s in schemes}
-    return [f"B={r['batch_size']} {r['scheme']}: {r['error']}" for r in rows
+    return [f"B={r['batch_size']} {r['scheme']} seed {r.get('seed')}: {r['error']}" for r in rows
             if r.get("error") and (r["batch_size"], r["scheme"]) in asked]

@@ -107,7 +107,8 @@ def lr_curve(row: dict, points: int = 400) -> tuple[list[float], list[float]]:
     decay = dict(row["decay"])
     sched = Schedule(peak_lr=row["peak_lr"], warmup_steps=row["warmup_steps"],
                      total_steps=row["steps"], steps_per_epoch=row["steps_per_epoch"],
-                     decay=decay.pop("name"), decay_params=decay)
+                     decay=decay.pop("name"), decay_params=decay,
+                     warmup_start_lr=row.get("warmup_start_lr", 0.0))
     stride = max(1, row["steps"] // points)
     steps = list(range(0, row["steps"], stride)) + [row["steps"] - 1]
     return [s / row["steps_per_epoch"] for s in steps], [sched.lr(s) for s in steps]

@@ -188,13 +188,16 @@ def _check_diverged(run: Run, epoch: int, train_loss: float, eval_metrics: dict)
         raise Diverged(f"non-finite {', '.join(bad)} at the end of the epoch while the training "
                        f"loss ({train_loss:.4g}) and every weight are finite: the evaluation "
                        f"made it, most likely a non-finite value in the test split (check the "
-                       f"data) or a metric that overflows, not the training ({where})")
+                       f"data) or a metric that overflows, not the training ({where})",
+                       step=run.pos.global_step)
     if bad:
-        raise Diverged(f"non-finite {', '.join(bad)} at the end of the epoch ({where})")
+        raise Diverged(f"non-finite {', '.join(bad)} at the end of the epoch ({where})",
+                       step=run.pos.global_step)
     first = run.pos.first_loss
     if first and first > 0 and train_loss > EXPLODED_LOSS_FACTOR * first:
         raise Diverged(f"the training loss exploded to {train_loss:.3g} from {first:.3g} at step "
-                       f"1 (more than {EXPLODED_LOSS_FACTOR:g}x) ({where})")
+                       f"1 (more than {EXPLODED_LOSS_FACTOR:g}x) ({where})",
+                       step=run.pos.global_step)
 
 
 def _weights_finite(run: Run) -> bool:
@@ -218,7 +221,7 @@ def _resolve_first_loss(run: Run, first: torch.Tensor | None) -> None:
 def _diverged(run: Run, e: NonFiniteError, where: str) -> Diverged:
     kept = (f"the last finite checkpoint is kept in {run.store.latest_path}"
             if run.store.exists() else "no checkpoint was written before it")
-    return Diverged(f"{e} ({where}); {kept}")
+    return Diverged(f"{e} ({where}); {kept}", step=e.step)
 
 
 def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, say,
@@ -414,7 +417,8 @@ def _summary(run: Run) -> dict:
         "skipped_steps": run.optimizer.skipped_steps, "scaling": cfg.scaling,
         "optimizer": cfg.optimizer, "base_lr": cfg.base_lr, "peak_lr": sched.peak_lr,
         "warmup_steps": sched.warmup_steps, "warmup_epochs": sched.warmup_epochs,
-        "decay": cfg.recipe["decay"], "seed": cfg.seed, "wall_time_s": run.elapsed_s(),
+        "warmup_start_lr": sched.warmup_start_lr, "decay": cfg.recipe["decay"],
+        "seed": cfg.seed, "wall_time_s": run.elapsed_s(),
         "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
         "target": cfg.recipe.get("target") or None,
         "time_to_target_s": reached[0]["elapsed_s"] if reached else None,

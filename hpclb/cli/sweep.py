@@ -53,8 +53,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``hpclb sweep``: 0, 2 for bad input, 1 when a point failed or was rejected (each is
-    named), 75 when stopped by a signal."""
+    """``hpclb sweep``: 0 when every point is recorded (a diverged point is a result: it is
+    named, with its step), 2 for bad input, 1 when a point was rejected (each is named) or
+    crashed, 75 when stopped by a signal."""
     from hpclb.tools.sweep import failed_points, run_sweep, sweep_status
 
     setup_logging(0)
@@ -88,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
         error("sweep stopped by a signal; the point in progress is checkpointed: run the same "
               "command again to resume")
         return PREEMPTED_EXIT_CODE
+    for r in rows:
+        if r.get("status") == "diverged":
+            print(f"sweep {args.experiment}: B={r['batch_size']} {r['scheme']} seed {r['seed']}: "
+                  f"diverged at step {r.get('diverged_at_step')} (recorded: a result, not a "
+                  f"failure of the sweep)")
     failed = failed_points(rows, batches, schemes)
     for why in failed:
         error(f"sweep point failed: {why}")

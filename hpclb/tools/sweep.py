@@ -308,7 +308,9 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
 def failed_points(rows: list[dict], batch_sizes: Iterable[int],
                   schemes: Iterable[str]) -> list[str]:
     """``"B=<batch> <scheme> seed <s>: <error>"`` for each of the asked-for points in ``rows``
-    (as :func:`run_sweep` returns them) that was rejected or diverged."""
+    (as :func:`run_sweep` returns them) that was rejected (diverged points are results and are
+    not listed)."""
     asked = {(int(b), s) for b in batch_sizes for s in schemes}
     return [f"B={r['batch_size']} {r['scheme']} seed {r.get('seed')}: {r['error']}" for r in rows
-            if r.get("error") and (r["batch_size"], r["scheme"]) in asked]
+            if r.get("error") and r.get("status") != "diverged"
+            and (r["batch_size"], r["scheme"]) in asked]

@@ -132,3 +132,94 @@ def test_every_packaged_recipe_loads_and_schedules_at_b0():
         sched = cfg.schedule(100_000)
         assert cfg.global_batch_size == cfg.base_batch_size and sched.peak_lr == cfg.base_lr > 0
         assert sched.warmup_steps < sched.total_steps, name
+
+
+def _tiny(tmp_path, **changes):
+    return quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                        "test_samples": 200}, **changes)
+
+
+def test_seeds_are_points_of_their_own_and_finished_points_go_to_out_dir(tmp_path, mnist_dir,
+                                                                         monkeypatch):
+    recipe = _tiny(tmp_path)
+    kw = dict(epochs=1, data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+              runs_dir=tmp_path / "runs", log=lambda m: None)
+    rows = sweep.run_sweep(recipe, [256], ["legw"], seeds=[0, 1], **kw)
+    assert [(r["seed"], r["status"]) for r in rows] == [(0, "done"), (1, "done")]
+    assert rows[0]["metric"] != rows[1]["metric"]  # two trainings, not one row twice
+    for seed in (0, 1):
+        name = f"adam-legw-b256-s{seed}"
+        assert (tmp_path / "runs" / "mnist-lstm" / name / "summary.json").exists()
+        points = tmp_path / "res" / "points" / name
+        summary = json.loads((points / "summary.json").read_text())
+        assert summary["seed"] == seed and summary["global_batch_size"] == 256
+        epochs = [json.loads(line) for line in (points / "metrics.jsonl").read_text().split("\n")
+                  if '"kind": "epoch"' in line]
+        assert len(epochs) == 1 and epochs[0]["test_accuracy"] == pytest.approx(
+            rows[seed]["metric"])
+
+    def no_training(*a, **k):
+        raise AssertionError("a recorded point was trained again")
+
+    monkeypatch.setattr(sweep, "_run_in_process", no_training)
+    assert sweep.run_sweep(recipe, [256], ["legw"], seeds=[1, 0], **kw) == rows
+    st = sweep.sweep_status(recipe, [256], ["legw", "none"], seeds=[0, 1, 2], epochs=1,
+                            out_dir=tmp_path / "res", runs_dir=tmp_path / "runs")
+    assert (len(st.done), len(st.running), len(st.left)) == (2, 0, 4)
+    assert st.expected_s == pytest.approx(4 * sum(r["wall_time_s"] for r in rows) / 2)
+    assert st.line().startswith("2 done, 0 running elsewhere, 4 left (about ")
+
+
+def test_a_diverged_point_is_recorded_with_its_step_and_the_sweep_goes_on(tmp_path, mnist_dir):
+    """An LR far past stability: the point stops on non-finite values (exit 3 in a run of its
+    own); the sweep records it as a failed point, with the step, and trains the next one."""
+    recipe = _tiny(tmp_path, optimizer="sgd", optimizers={"sgd": {"lr": 1.0e12}})
+    rows = sweep.run_sweep(recipe, [128, 256], ["none"], epochs=3,
+                           data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+                           runs_dir=tmp_path / "runs", log=lambda m: None)
+    assert [r["status"] for r in rows] == ["diverged", "diverged"]
+    for r in rows:
+        assert r["metric"] is None and isinstance(r["diverged_at_step"], int)
+        assert 1 <= r["diverged_at_step"] < r["epochs"] * 512 / r["batch_size"]
+        assert "non-finite" in r["error"] or "exploded" in r["error"]
+    assert sweep.failed_points(rows, [128, 256], ["none"]) == []  # results, not failures
+    assert "diverged" in (tmp_path / "res" / "mnist-lstm.md").read_text()
+
+
+def test_a_cut_point_resumes_from_its_checkpoint_bit_for_bit(tmp_path, mnist_dir, monkeypatch):
+    from helpers import preempt_at
+
+    from hpclb.errors import Preempted
+
+    recipe = _tiny(tmp_path)
+    kw = dict(epochs=2, data_dir=str(mnist_dir.parent), log=lambda m: None)
+    whole = sweep.run_sweep(recipe, [256], ["legw"], out_dir=tmp_path / "a",
+                            runs_dir=tmp_path / "ra", **kw)
+    with monkeypatch.context() as m:
+        preempt_at(m, 3)  # as if SIGUSR2 came after step 3 of 4
+        with pytest.raises(Preempted):
+            sweep.run_sweep(recipe, [256], ["legw"], out_dir=tmp_path / "b",
+                            runs_dir=tmp_path / "rb", **kw)
+    assert not (tmp_path / "b" / "mnist-lstm.json").exists()  # nothing recorded yet
+    said = []
+    cut = sweep.run_sweep(recipe, [256], ["legw"], out_dir=tmp_path / "b",
+                          runs_dir=tmp_path / "rb", **{**kw, "log": said.append})
+    assert any("resuming" in line for line in said)
+    one = json.loads((tmp_path / "a" / "points" / "adam-legw-b256-s0" / "summary.json")
+                     .read_text())
+    two = json.loads((tmp_path / "b" / "points" / "adam-legw-b256-s0" / "summary.json")
+                     .read_text())
+    assert two["final_test_loss"] == one["final_test_loss"]  # bit for bit
+    assert cut[0]["metric"] == whole[0]["metric"] and cut[0]["steps"] == whole[0]["steps"]
+
+
+def test_micro_batch_accumulates_to_the_global_batch(tmp_path, mnist_dir):
+    rows = sweep.run_sweep(_tiny(tmp_path), [256], ["legw"], epochs=1, micro_batch=64,
+                           data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+                           runs_dir=tmp_path / "runs", log=lambda m: None)
+    assert rows[0]["accumulation_steps"] == 4 and rows[0]["steps"] == 2
+    summary = json.loads((tmp_path / "runs" / "mnist-lstm" / "adam-legw-b256-a4-s0" /
+                          "summary.json").read_text())
+    assert summary["micro_batch_size"] == 64
+    with pytest.raises(ConfigError, match="--micro-batch 96"):
+        sweep.run_sweep(_tiny(tmp_path), [256], ["legw"], micro_batch=96, runs_dir=tmp_path)

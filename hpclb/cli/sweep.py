@@ -35,6 +35,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--ranks", type=int, default=1, help="MPI ranks per point (mpirun -n N; 1 runs "
                    "in this process)")
     w.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
+    w.add_argument("--micro-batch", type=int, help="samples per forward pass on a rank: each "
+                   "point accumulates B / (ranks x MICRO_BATCH) micro-batches per step (BatchNorm "
+                   "then sees MICRO_BATCH samples, as on that many ranks); default: no "
+                   "accumulation")
     w.add_argument("--seeds", default="0", help="comma-separated seeds; each (batch, scheme, "
                    "seed) is a point of its own, e.g. 0,1,2")
     w.add_argument("--seed", type=int, help="one seed (the same as --seeds N)")
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     seeds = [args.seed] if args.seed is not None else lists["--seeds"]
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     common = dict(epochs=args.epochs, ranks=args.ranks, seeds=seeds, optimizer=args.optimizer,
-                  out_dir=args.out_dir, runs_dir=args.runs_dir)
+                  out_dir=args.out_dir, runs_dir=args.runs_dir, micro_batch=args.micro_batch)
     try:
         if args.status:
             print(f"sweep {args.experiment}: "

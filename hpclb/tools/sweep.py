@@ -70,7 +70,7 @@ def _run_in_process(experiment: str, p: Point, run_dir: Path, data_dir: str | No
                     resume: bool, quiet: bool) -> dict:
     cfg = resolve(experiment, batch_size=p.batch, scaling=p.scheme, optimizer=p.optimizer,
                   epochs=p.epochs, seed=p.seed, data_dir=data_dir, out=str(run_dir),
-                  resume=resume)
+                  resume=resume, accumulation_steps=p.accumulation)
     try:
         return train(cfg, SelfCommunicator(), quiet=quiet)
     except (Diverged, NonFiniteError) as e:
@@ -82,7 +82,8 @@ def _run_mpi(experiment: str, p: Point, run_dir: Path, data_dir: str | None, res
     cmd = [mpirun_path(), "-n", str(p.ranks), "--bind-to", "none", sys.executable, "-m",
            "hpclb", "train", experiment, "--batch-size", str(p.batch), "--scaling", p.scheme,
            "--optimizer", p.optimizer, "--epochs", str(p.epochs), "--seed", str(p.seed),
-           "--out", str(run_dir), "--expect-world-size", str(p.ranks)]
+           "--out", str(run_dir), "--expect-world-size", str(p.ranks),
+           "--accumulation-steps", str(p.accumulation)]
     if data_dir:
         cmd += ["--data-dir", str(data_dir)]
     if resume:
@@ -164,7 +165,8 @@ class _Sweep:
             row = {**row, "points_dir": shown(dest)}
         with flock(self.results_lock):
             current = [r for r in load_rows(self.json_path) if Point.of_row(r) != p]
-            write_results(current + [row], self.out_dir, self.name, self.metric, self.mode)
+            write_results(current + [row], self.out_dir, self.name, self.metric, self.mode,
+                          self.recipe["base_batch_size"])
 
     def point(self, p: Point) -> None:
         """Record ``p`` unless done: from its twin at k = 1, else by training it (unless
@@ -233,8 +235,22 @@ class _Sweep:
         self.record(row_of(summary, p, metric=self.metric, run_dir=run_dir), run_dir)
 
 
+def _accumulation(batch: int, ranks: int, micro_batch: int | None) -> int:
+    """Micro-batches per step on each rank so that one is ``micro_batch`` samples (1 without
+    ``micro_batch``); ConfigError when it does not divide."""
+    if micro_batch is None:
+        return 1
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1 \
+            or batch % (ranks * micro_batch):
+        raise ConfigError(f"--micro-batch {micro_batch}: every batch must be a multiple of "
+                          f"--ranks {ranks} x --micro-batch (got batch {batch}); choose a "
+                          f"micro-batch that divides batch / ranks")
+    return batch // (ranks * micro_batch)
+
+
 def _prepare(experiment: str, *, epochs, ranks, optimizer, seeds, out_dir, runs_dir, data_dir,
-             quiet, log, overwrite, batch_sizes, schemes) -> tuple[_Sweep, list[Point]]:
+             quiet, log, overwrite, batch_sizes, schemes,
+             micro_batch=None) -> tuple[_Sweep, list[Point]]:
     """The sweep and its points in run order (batch, then seed, then scheme); ConfigError for
     bad arguments, before anything is written."""
     recipe = load_recipe(experiment, epochs=epochs)
@@ -243,7 +259,8 @@ def _prepare(experiment: str, *, epochs, ranks, optimizer, seeds, out_dir, runs_
     out_dir = Path(runs_dir) / recipe["name"] if out_dir is None else Path(out_dir)
     sweep = _Sweep(experiment, recipe, out_dir, Path(runs_dir) / recipe["name"], data_dir,
                    quiet, log, overwrite)
-    points = [Point(b, s, seed, probe.optimizer, probe.epochs, ranks)
+    points = [Point(b, s, seed, probe.optimizer, probe.epochs, ranks,
+                    _accumulation(b, ranks, micro_batch))
               for b in batch_sizes for seed in seeds for s in schemes]
     return sweep, points
 
@@ -251,13 +268,14 @@ def _prepare(experiment: str, *, epochs, ranks, optimizer, seeds, out_dir, runs_
 def sweep_status(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
                  seeds: Iterable[int] = (0,), epochs: float | None = None, ranks: int = 1,
                  optimizer: str | None = None, out_dir: str | Path | None = None,
-                 runs_dir: str | Path = "runs/sweeps") -> SweepStatus:
+                 runs_dir: str | Path = "runs/sweeps",
+                 micro_batch: int | None = None) -> SweepStatus:
     """What a sweep has done, what other processes are training and what is left, with the
     hours expected (:class:`~hpclb.tools.sweep_points.SweepStatus`); trains nothing."""
     sweep, points = _prepare(experiment, epochs=epochs, ranks=ranks, optimizer=optimizer,
                              seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=None,
                              quiet=True, log=print, overwrite=False, batch_sizes=batch_sizes,
-                             schemes=schemes)
+                             schemes=schemes, micro_batch=micro_batch)
     return SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
                           base_batch=sweep.recipe["base_batch_size"])
 
@@ -267,7 +285,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
               seeds: Iterable[int] | None = None, optimizer: str | None = None,
               data_dir: str | None = None, out_dir: str | Path | None = None,
               runs_dir: str | Path = "runs/sweeps", quiet: bool = True, log=print,
-              overwrite: bool = False) -> list[dict]:
+              overwrite: bool = False, micro_batch: int | None = None) -> list[dict]:
     """Run every ``(batch size, seed, scheme)`` point not yet recorded, in that order; returns
     the rows of this sweep's points (other points' rows stay in the files).
 
@@ -275,7 +293,10 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     samples, each divisible by ``ranks``; run smallest first), ``schemes`` (subset of
     :data:`~hpclb.schedules.SCHEMES`), ``seeds`` (or one ``seed``; default 0), ``epochs``
     (default the recipe's, the same for every point), ``ranks`` (MPI ranks per point),
-    ``out_dir`` (default ``<runs_dir>/<recipe name>``). Before each point ``log`` gets the
+    ``out_dir`` (default ``<runs_dir>/<recipe name>``), ``micro_batch`` (samples per forward
+    pass on a rank: each point accumulates ``B / (ranks * micro_batch)`` micro-batches per step,
+    so BatchNorm sees the micro-batch, as it would on that many ranks; default: the whole
+    per-rank batch). Before each point ``log`` gets the
     status line (:meth:`SweepStatus.line`: done, running, left, hours expected).
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
     ``error`` and no metric; a point that diverges with its ``error`` and ``diverged_at_step``
@@ -288,7 +309,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     sweep, points = _prepare(experiment, epochs=epochs, ranks=ranks, optimizer=optimizer,
                              seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
                              quiet=quiet, log=log, overwrite=overwrite,
-                             batch_sizes=batch_sizes, schemes=schemes)
+                             batch_sizes=batch_sizes, schemes=schemes, micro_batch=micro_batch)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
     for p in points:
         status = SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
@@ -299,7 +320,8 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     with flock(sweep.results_lock):
         rows = load_rows(sweep.json_path)
         if rows:
-            write_results(rows, sweep.out_dir, sweep.name, sweep.metric, sweep.mode)
+            write_results(rows, sweep.out_dir, sweep.name, sweep.metric, sweep.mode,
+                          sweep.recipe["base_batch_size"])
     log(f"sweep {sweep.name}: "
         f"{SweepStatus.of(points, rows, sweep.runs_dir, sweep.recipe['base_batch_size']).line()}")
     return [r for r in rows if Point.of_row(r) in set(points)]

@@ -45,7 +45,8 @@ def shown(path: Path) -> str:
 @dataclass(frozen=True)
 class Point:
     """One point of a sweep, its identity: global ``batch`` (samples), ``scheme``, ``seed``,
-    ``optimizer``, ``epochs`` and ``ranks``. Two rows or runs are the same point when all six
+    ``optimizer``, ``epochs``, ``ranks`` and ``accumulation`` (micro-batches per step on each
+    rank; it changes BatchNorm's statistics). Two rows or runs are the same point when all
     agree."""
 
     batch: int
@@ -54,33 +55,37 @@ class Point:
     optimizer: str
     epochs: float
     ranks: int
+    accumulation: int = 1
 
     @classmethod
     def of_row(cls, row: dict) -> "Point":
         return cls(row["batch_size"], row["scheme"], row.get("seed", 0), row.get("optimizer"),
-                   row.get("epochs"), row.get("ranks", 1))
+                   row.get("epochs"), row.get("ranks", 1), row.get("accumulation_steps", 1))
 
     @classmethod
     def of_summary(cls, s: dict) -> "Point":
         """The point of a run's ``summary.json`` or ``config.json`` (KeyError if it is not a
         run's)."""
         return cls(s["global_batch_size"], s["scaling"], s["seed"], s["optimizer"], s["epochs"],
-                   s.get("world_size", s.get("expect_world_size") or 1))
+                   s.get("world_size", s.get("expect_world_size") or 1),
+                   s.get("accumulation_steps") or 1)
 
     def with_scheme(self, scheme: str) -> "Point":
         return replace(self, scheme=scheme)
 
     @property
     def dir_name(self) -> str:
-        """``<optimizer>-<scheme>-b<B>-s<seed>``: the point's run directory (and lock) name."""
-        return f"{self.optimizer}-{self.scheme}-b{self.batch}-s{self.seed}"
+        """``<optimizer>-<scheme>-b<B>-s<seed>`` (``-a<K>`` added for K > 1 micro-batches per
+        step): the point's run directory (and lock) name."""
+        acc = f"-a{self.accumulation}" if self.accumulation > 1 else ""
+        return f"{self.optimizer}-{self.scheme}-b{self.batch}{acc}-s{self.seed}"
 
     def __str__(self) -> str:
         return f"B={self.batch} {self.scheme} seed {self.seed}"
 
     def settings(self) -> dict:
         return {"epochs": self.epochs, "ranks": self.ranks, "seed": self.seed,
-                "optimizer": self.optimizer}
+                "optimizer": self.optimizer, "accumulation_steps": self.accumulation}
 
     def failed_row(self, metric: str, error: Exception, run_dir: Path, wall_s: float,
                    diverged_at_step: int | None) -> dict:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from hpclb.schedules import SCHEMES, Schedule
 from hpclb.tools.figures import pyplot, save
+from hpclb.tools.verdict import verdict_markdown
 
 __all__ = ["BUDGET_KEYS", "budgets", "budget_label", "format_metric", "markdown_table", "lr_curve",
-           "plot", "write_results"]
+           "plot", "verdict_sections", "write_results"]
 
 
 def format_metric(metric: str, value: float | None) -> str:
@@ -88,8 +89,10 @@ def _budget_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
               "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["batch_size"], list(SCHEMES).index(r["scheme"]))):
         if r.get("error"):
+            why = r["error"] if r.get("status") != "diverged" else \
+                f"diverged at step {r.get('diverged_at_step')}: {r['error']}"
             lines.append(f"| {r['batch_size']} | {r['scheme']} | | | | | {r['epochs']:g} | — | | "
-                         f"| | {r['ranks']} | {r['error'].replace('|', '/')} |")
+                         f"| | {r['ranks']} | {why.replace('|', '/')} |")
             continue
         ttt = r.get("time_to_target_s")
         lines.append(
@@ -160,10 +163,30 @@ def plot(rows: list[dict], path: Path, name: str, metric: str):
     return fig
 
 
-def write_results(rows: list[dict], out_dir: Path, name: str, metric: str, mode: str) -> None:
-    """Write ``<name>.json``, ``.md`` and ``.png`` under ``out_dir`` (each atomically)."""
-    for suffix, text in ((".json", json.dumps(rows, indent=2) + "\n"),
-                         (".md", markdown_table(rows, name, metric, mode))):
+def verdict_sections(rows: list[dict], metric: str, mode: str, base_batch: int) -> str:
+    """One :func:`~hpclb.tools.verdict.verdict_markdown` section per set-up (epochs, ranks,
+    optimizer), over its seeds."""
+    setups = list(dict.fromkeys((r.get("epochs"), r.get("ranks"), r.get("optimizer"))
+                                for r in rows))
+    parts = []
+    for e, n, opt in setups:
+        sub = [r for r in rows if (r.get("epochs"), r.get("ranks"), r.get("optimizer")) ==
+               (e, n, opt)]
+        text = verdict_markdown(sub, metric=metric, mode=mode, base_batch=base_batch)
+        parts.append(text.replace("## ", f"## {opt}, {e:g} epochs, {n} rank(s): ", 1)
+                     if len(setups) > 1 else text)
+    return "\n".join(parts)
+
+
+def write_results(rows: list[dict], out_dir: Path, name: str, metric: str, mode: str,
+                  base_batch: int | None = None) -> None:
+    """Write ``<name>.json``, ``.md`` and ``.png`` under ``out_dir`` (each atomically); with
+    ``base_batch`` the markdown ends with the seeds' means and the verdict
+    (:func:`verdict_sections`)."""
+    md = markdown_table(rows, name, metric, mode)
+    if base_batch is not None and rows:
+        md += "\n" + verdict_sections(rows, metric, mode, base_batch)
+    for suffix, text in ((".json", json.dumps(rows, indent=2) + "\n"), (".md", md)):
         path = out_dir / f"{name}{suffix}"
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(text)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The protocol of docs/science.md, step by step; every step resumes where it was cut (points
+# already recorded are skipped, a cut point resumes from its checkpoint). One process, one
+# torch thread. `make science STEP=name` runs one step; with no STEP, all in order.
+#   tune-momentum   MNIST-LSTM SGD+momentum: peak LR at B0 = 128 only (seed 0)
+#   mnist-adam      MNIST-LSTM, Adam: B in {128, 8192, 1024} x legw/sqrt/goyal/none x seeds 0-2
+#   mnist-momentum  the same with SGD+momentum at its tuned B0 LR
+#   cnn             Fashion-MNIST ResNet, LARS: B0 and 32*B0 x legw/goyal/sqrt x seeds 0-2
+#   ptb             PTB-small (full data, 13 epochs): B0 and legw@640 seeds 0-2; the
+#                   baselines @640 seed 0
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+RUNS=${RUNS:-runs/science}
+RES=${RES:-results/science}
+export OMP_NUM_THREADS=1
+sweep() { "$PY" -m hpclb sweep "$@" --runs-dir "$RUNS"; }
+
+step_tune_momentum() {
+    "$PY" benchmarks/science/tune_b0.py mnist-lstm --optimizer momentum \
+        --lrs 0.05,0.1,0.2,0.5 --out "$RES/tuning/mnist-lstm-momentum.json" \
+        --runs-dir "$RUNS/tuning"
+}
+step_mnist() {  # $1: optimizer; the largest k first: the claim is tested there
+    for b in 128,8192 128,1024; do
+        sweep mnist-lstm --optimizer "$1" --batch-sizes "$b" --schemes legw,sqrt,goyal,none \
+            --seeds 0,1,2 --out-dir "$RES/mnist-lstm-$1"
+    done
+}
+step_mnist_adam() { step_mnist adam; }
+step_mnist_momentum() { step_mnist momentum; }
+step_cnn() {
+    sweep fashion-resnet --batch-sizes 128,4096 --schemes legw,goyal,sqrt --seeds 0,1,2 \
+        --out-dir "$RES/fashion-resnet"
+}
+step_ptb() {
+    sweep ptb-small --batch-sizes 20,640 --schemes legw --seeds 0,1,2 --out-dir "$RES/ptb-small"
+    sweep ptb-small --batch-sizes 20,640 --schemes legw,sqrt,goyal,none --seeds 0 \
+        --out-dir "$RES/ptb-small"
+}
+
+steps=${STEP:-tune_momentum mnist_adam mnist_momentum cnn ptb}
+for s in $steps; do
+    echo "== protocol step ${s//_/-} ($(date -u +%FT%TZ))"
+    "step_${s//-/_}"
+done

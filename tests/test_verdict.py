@@ -1,0 +1,61 @@
+"""The science verdict's rules (hpclb/tools/verdict.py, docs/science.md) on made-up rows."""
+import math
+
+import pytest
+
+from hpclb.tools.verdict import cells, tolerance, verdict, verdict_markdown
+
+
+def _rows(table: dict) -> list[dict]:
+    return [{"batch_size": b, "scheme": s, "seed": seed, "metric": v, "epochs": 20,
+             "ranks": 1, "optimizer": "adam"}
+            for (b, s), vals in table.items() for seed, v in enumerate(vals)]
+
+
+B0 = {(128, "legw"): [0.990, 0.991, 0.989]}
+
+
+def test_legw_holds_and_both_baselines_lose_supports_the_claim():
+    rows = _rows({**B0, (8192, "legw"): [0.988, 0.989, 0.988],
+                  (8192, "sqrt"): [0.970, 0.975, 0.972], (8192, "goyal"): [0.93, None, 0.95]})
+    v = verdict(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert v["tolerance"] == pytest.approx(0.003)  # 2 sigma0 = 0.002 < 0.3 pp
+    assert v["holds"] == {8192: True}
+    assert v["loses"] == {(8192, "sqrt"): True, (8192, "goyal"): True}
+    assert v["supported"] is True
+    md = verdict_markdown(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert "| 8192 | goyal |" in md and "1: diverged" in md and "**supported**" in md
+
+
+def test_one_bad_or_diverged_legw_seed_breaks_holds():
+    for bad in (None, 0.982):  # diverged, or worse than twice the tolerance
+        rows = _rows({**B0, (8192, "legw"): [0.990, bad, 0.990],
+                      (8192, "sqrt"): [0.97] * 3, (8192, "goyal"): [0.97] * 3})
+        v = verdict(rows, metric="test_accuracy", mode="max", base_batch=128)
+        assert v["holds"][8192] is False and v["supported"] is False
+
+
+def test_a_baseline_within_tolerance_or_overlapping_legw_does_not_lose():
+    rows = _rows({**B0, (8192, "legw"): [0.980, 0.985, 0.990],
+                  (8192, "sqrt"): [0.989, 0.989, 0.989],   # within the tolerance
+                  (8192, "goyal"): [0.975, 0.990, 0.975]})  # one seed as good as LEGW
+    v = verdict(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert v["loses"] == {(8192, "sqrt"): False, (8192, "goyal"): False}
+    assert v["supported"] is False
+
+
+def test_perplexity_uses_three_percent_and_lower_is_better():
+    rows = _rows({(20, "legw"): [114.0, 115.0, 116.0], (640, "legw"): [117.0, 118.0, 117.5],
+                  (640, "sqrt"): [math.inf], (640, "goyal"): [None]})
+    base = cells(rows)[(20, "legw")]
+    assert tolerance(base, "test_perplexity", "min") == pytest.approx(0.03 * 115.0)
+    v = verdict(rows, metric="test_perplexity", mode="min", base_batch=20)
+    assert v["holds"] == {640: True} and v["supported"] is True
+
+
+def test_a_missing_cell_leaves_the_claim_undecided_and_no_b0_no_verdict():
+    rows = _rows({**B0, (8192, "legw"): [0.990] * 3})
+    assert verdict(rows, metric="test_accuracy", mode="max", base_batch=128)["supported"] is None
+    with pytest.raises(ValueError, match="no finite B0"):
+        verdict(_rows({(8192, "legw"): [0.9]}), metric="test_accuracy", mode="max",
+                base_batch=128)

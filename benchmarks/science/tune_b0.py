@@ -53,6 +53,7 @@ def main() -> int:
     args = ap.parse_args()
     metric, mode = metric_of(load_recipe(args.experiment))
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     for lr in (float(x) for x in args.lrs.split(",")):
         if any(r["lr"] == lr for r in rows):

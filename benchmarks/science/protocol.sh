@@ -5,7 +5,9 @@
 #   tune-momentum   MNIST-LSTM SGD+momentum: peak LR at B0 = 128 only (seed 0)
 #   mnist-adam      MNIST-LSTM, Adam: B in {128, 8192, 1024} x legw/sqrt/goyal/none x seeds 0-2
 #   mnist-momentum  the same with SGD+momentum at its tuned B0 LR
-#   cnn             Fashion-MNIST ResNet, LARS: B0 and 32*B0 x legw/goyal/sqrt x seeds 0-2
+#   tune-cnn        Fashion-MNIST ResNet-8, LARS: global LR at B0 = 128 only (seed 0)
+#   cnn             Fashion-MNIST ResNet-8, LARS: B0 and 32*B0 x legw/goyal/sqrt x seeds 0-2
+#                   (4096 = 32 micro-batches of 128: BatchNorm as on 32 ranks)
 #   ptb             PTB-small (full data, 13 epochs): B0 and legw@640 seeds 0-2; the
 #                   baselines @640 seed 0
 set -euo pipefail
@@ -28,9 +30,13 @@ step_mnist() {  # $1: optimizer; the largest k first: the claim is tested there
 }
 step_mnist_adam() { step_mnist adam; }
 step_mnist_momentum() { step_mnist momentum; }
+step_tune_cnn() {
+    "$PY" benchmarks/science/tune_b0.py fashion-resnet8 --optimizer lars --lrs 2,4,8,16 \
+        --out "$RES/tuning/fashion-resnet8-lars.json" --runs-dir "$RUNS/tuning"
+}
 step_cnn() {
-    sweep fashion-resnet --batch-sizes 128,4096 --schemes legw,goyal,sqrt --seeds 0,1,2 \
-        --out-dir "$RES/fashion-resnet"
+    sweep fashion-resnet8 --batch-sizes 128,4096 --schemes legw,goyal,sqrt --seeds 0,1,2 \
+        --micro-batch 128 --out-dir "$RES/fashion-resnet8"
 }
 step_ptb() {
     sweep ptb-small --batch-sizes 20,640 --schemes legw --seeds 0,1,2 --out-dir "$RES/ptb-small"
@@ -38,7 +44,7 @@ step_ptb() {
         --out-dir "$RES/ptb-small"
 }
 
-steps=${STEP:-tune_momentum mnist_adam mnist_momentum cnn ptb}
+steps=${STEP:-tune_momentum mnist_adam mnist_momentum tune_cnn cnn ptb}
 for s in $steps; do
     echo "== protocol step ${s//_/-} ($(date -u +%FT%TZ))"
     "step_${s//-/_}"

@@ -159,7 +159,7 @@ class _Sweep:
         if run_dir is not None:
             dest = self.out_dir / "points" / p.dir_name
             dest.mkdir(parents=True, exist_ok=True)
-            for name in ("summary.json", "metrics.jsonl", "config.json"):
+            for name in ("summary.json", "metrics.jsonl"):  # config.json names local paths
                 if (run_dir / name).exists():
                     write_text_atomic(dest / name, (run_dir / name).read_text())
             row = {**row, "points_dir": shown(dest)}

@@ -94,7 +94,8 @@ class NonFiniteError(HpclbError, FloatingPointError):
 
 class Preempted(HpclbError):
     """Raised on every rank after the preemption checkpoint is on disk; ``args[0]`` is the
-    global step saved."""
+    global step saved; ``args[1]`` is ``"interrupted"`` when a Ctrl-C asked for it (the
+    command then exits 130, not 75: nothing to requeue)."""
 
     exit_code = PREEMPTED_EXIT_CODE
     agreed = True

@@ -182,6 +182,25 @@ def test_data_shards_command(tmp_path):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+@pytest.mark.parametrize("bad", ["empty", "truncated", "text"])
+def test_an_unreadable_image_is_named_at_pack_time_and_nothing_is_left(tmp_path, bad):
+    """An empty, truncated or non-image file in the ImageFolder: `hpclb data shards` exits 1
+    naming the source file, and no shard of the set is left (training would otherwise blame
+    shard-000000.tar:000000005 much later)."""
+    src = _folder(tmp_path / "train")
+    victim = src / "b" / "zz.jpeg"
+    data = victim.read_bytes()
+    victim.write_bytes({"empty": b"", "truncated": data[:len(data) // 2],
+                        "text": b"not a JPEG at all"}[bad])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "hpclb", "data", "shards", str(src),
+                        str(tmp_path / "s"), "--samples-per-shard", "5"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1 and f"{victim}: not a readable image" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not list((tmp_path / "s").glob("shard-*.tar")) and not (tmp_path / "s" / INDEX).exists()
+
+
 @pytest.mark.slow
 def test_loader_workers_read_shards_as_the_training_thread_does(tmp_path):
     """A worker gets the split pickled (under MPI from the fork server): its own descriptors,

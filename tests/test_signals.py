@@ -94,7 +94,7 @@ def test_signal_soon_after_launch_exits_75(tmp_path, mnist_dir, sig, delay):
     # a signal this early comes during start-up on this machine (torch alone takes longer to
     # import); if it came after the model existed, the first step's checkpoint was written
     if START_UP not in out:
-        assert "preempted: checkpoint of step 1 " in out, out
+        assert "preempted: checkpoint of global step 1 " in out, out
         assert (tmp_path / "run" / "checkpoint.pt").is_file()
     assert "summary:" not in out and not (tmp_path / "run" / "summary.json").exists()
 
@@ -135,7 +135,7 @@ def test_other_commands_keep_the_default_action_and_are_unblocked(tmp_path):
 def test_signal_once_training_runs_checkpoints_and_exits_75(tmp_path, mnist_dir):
     rc, out = signal_at_first_step(tmp_path, mnist_dir, signal.SIGUSR2)
     assert rc == 75, out
-    assert START_UP not in out and "preempted: checkpoint of step" in out
+    assert START_UP not in out and "preempted: checkpoint of global step" in out
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
     assert not (tmp_path / "run" / "summary.json").exists()
 
@@ -255,3 +255,31 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, mnist_dir):
     code, out = signal_at_first_step(tmp_path, mnist_dir, signal.SIGINT)
     assert code == 130 and "interrupted (Ctrl-C)" in out and "--resume" in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]
+    # the first Ctrl-C checkpoints the step in progress, as USR2 does: nothing is lost
+    assert "interrupted (Ctrl-C): checkpoint of global step 1 " in out, out[-2000:]
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """The training loop's flag: the first Ctrl-C only asks for a checkpoint at the next step
+    (agreed as an interrupt), the second raises KeyboardInterrupt at once."""
+    from hpclb.comm.local import SelfCommunicator
+    from hpclb.train.loop import PreemptionFlag
+
+    before = signal.getsignal(signal.SIGINT)
+    flag = PreemptionFlag(interrupt=True)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs in the main thread between bytecodes
+        assert flag.requested and flag.agreed(SelfCommunicator()) and flag.interrupted
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+    usr2 = PreemptionFlag()  # the library's Checkpointer: Ctrl-C left to the user's script
+    try:
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        usr2.restore()

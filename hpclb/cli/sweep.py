@@ -89,10 +89,10 @@ def run(args: argparse.Namespace) -> int:
     except (DataError, RuntimeError) as e:
         error(f"{type(e).__name__}: {e}")
         return EXIT_FAILURE
-    except Preempted:
+    except Preempted as p:
         error("sweep stopped by a signal; the point in progress is checkpointed: run the same "
               "command again to resume")
-        return PREEMPTED_EXIT_CODE
+        return 130 if p.args[1:] == ("interrupted",) else PREEMPTED_EXIT_CODE
     for r in rows:
         if r.get("status") == "diverged":
             print(f"sweep {args.experiment}: B={r['batch_size']} {r['scheme']} seed {r['seed']}: "

@@ -90,6 +90,10 @@ def _add_run_options(t: argparse.ArgumentParser) -> None:
                    "recipe's, else fp32)")
     t.add_argument("--log-every", type=int, metavar="STEPS", help="a metrics.jsonl step line "
                    "every STEPS optimizer steps (0: off; default: the recipe's, else 50)")
+    t.add_argument("--progress-every", type=float, default=60.0, metavar="SECONDS",
+                   help="when stderr is not a terminal (a SLURM log), rank 0 prints a progress "
+                   "line (step, loss, LR, samples/s, ETA) every SECONDS during an epoch (0: "
+                   "off; on a terminal a progress bar instead; default 60)")
     t.add_argument("--noise-scale", action=argparse.BooleanOptionalAction, default=None,
                    help="measure the gradient noise scale B_simple (needs >= 2 ranks; `hpclb "
                    "advise` reads it)")
@@ -170,8 +174,11 @@ def _train(args: argparse.Namespace, comm, cfg, early) -> int:
         return PREEMPTED_EXIT_CODE
     try:
         train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval,
-              tensorboard=None if args.tensorboard else False, profile=args.profile_window)
+              tensorboard=None if args.tensorboard else False, profile=args.profile_window,
+              progress_every_s=args.progress_every)
     except Preempted as p:
+        if p.args[1:] == ("interrupted",):  # Ctrl-C: the loop said where the checkpoint is
+            return 130
         print(f"hpclb: rank {comm.rank} of {comm.world_size}: preempted after step {p.args[0]}"
               f", checkpoint saved; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE

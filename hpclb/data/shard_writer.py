@@ -27,12 +27,32 @@ def _suffix(path: Path) -> str:
     return ".jpg" if suffix == ".jpeg" else suffix
 
 
+def _readable(image: Path) -> bytes:
+    """The bytes of ``image`` after a check that they decode (at 1/8 scale for JPEG: PIL's
+    draft mode, so the whole entropy-coded stream is read at a fraction of the full cost).
+    Raises DataError naming the file when it is empty, truncated or not an image."""
+    from PIL import Image
+
+    data = image.read_bytes()
+    try:
+        if not data:
+            raise OSError("the file is empty")
+        with Image.open(io.BytesIO(data)) as img:
+            img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
+            img.load()
+    except Exception as e:  # noqa: BLE001 (PIL raises OSError, SyntaxError, ValueError, ...)
+        raise DataError(f"{image}: not a readable image ({e}); nothing was packed from it: "
+                        f"remove or replace the file and run hpclb data shards again") from e
+    return data
+
+
 def _write_shard(path: Path, files: list[tuple[Path, int]], first: int) -> list[tuple[int, int]]:
     """One shard of ``files`` (samples ``first``, ``first + 1``, ...): ``(offset, size)`` of
-    each image's bytes in it, as a reader of the tar finds them."""
+    each image's bytes in it, as a reader of the tar finds them. Raises DataError for an
+    image that does not decode (:func:`_readable`)."""
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
         for key, (image, label) in enumerate(files, first):
-            _add(tar, f"{key:09d}{_suffix(image)}", image.read_bytes())
+            _add(tar, f"{key:09d}{_suffix(image)}", _readable(image))
             _add(tar, f"{key:09d}.cls", str(label).encode())
     with tarfile.open(path) as tar:
         return [(m.offset_data, m.size) for m in tar.getmembers() if not m.name.endswith(".cls")]
@@ -48,7 +68,9 @@ def _bad_out(message: str) -> DataError:
 def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = SAMPLES_PER_SHARD,
                  overwrite: bool = False) -> Path:
     """Pack the ImageFolder ``src`` into tar shards in ``out`` (module docstring); returns
-    ``out``. Raises DataError when ``out`` already holds shards (unless ``overwrite``: they are
+    ``out``. Every image is checked to decode while it is packed: one that does not (empty,
+    truncated, not an image) raises DataError naming it, and the shards written so far are
+    removed. Raises DataError when ``out`` already holds shards (unless ``overwrite``: they are
     deleted first), when ``out`` is inside ``src``, is not a directory or cannot be created
     (these with ``exit_code`` 2: the command line's bad input), or ``src`` is not an ImageFolder;
     ValueError for ``samples_per_shard`` < 1."""
@@ -73,12 +95,18 @@ def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = S
         raise _bad_out(f"{out}: cannot create the shard directory ({e}); choose another OUT") \
             from e
     names, columns = [], {k: [] for k in COLUMNS}
-    for k, first in enumerate(range(0, len(files), samples_per_shard)):
-        names.append(f"shard-{k:06d}.tar")
-        chunk = files[first:first + samples_per_shard]
-        for (offset, size), (_, label) in zip(_write_shard(out / names[-1], chunk, first), chunk):
-            for key, value in zip(COLUMNS, (k, offset, size, label)):
-                columns[key].append(value)
+    try:
+        for k, first in enumerate(range(0, len(files), samples_per_shard)):
+            names.append(f"shard-{k:06d}.tar")
+            chunk = files[first:first + samples_per_shard]
+            for (offset, size), (_, label) in zip(_write_shard(out / names[-1], chunk, first),
+                                                  chunk):
+                for key, value in zip(COLUMNS, (k, offset, size, label)):
+                    columns[key].append(value)
+    except DataError:
+        for name in names:  # no half-packed set is left behind
+            (out / name).unlink(missing_ok=True)
+        raise
     tmp = out / f".{INDEX}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         np.savez(f, version=np.int64(INDEX_VERSION), classes=np.array(classes),

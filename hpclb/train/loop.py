@@ -41,7 +41,6 @@ import time
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from hpclb._io import write_json
 from hpclb.comm.base import Communicator
@@ -52,6 +51,7 @@ from hpclb.sync.agree import average_buffers
 from hpclb.tasks import to_device
 from hpclb.tasks.spec import metric_mode
 from hpclb.train.metrics import RunLogger
+from hpclb.train.progress import Progress
 from hpclb.train.setup import Run, save_checkpoint, setup_run
 from hpclb.train.steplog import StepLog
 
@@ -64,17 +64,25 @@ EXPLODED_LOSS_FACTOR = 1e2
 
 
 class PreemptionFlag:
-    """SIGUSR2/SIGTERM handlers that only set a flag (no I/O in the handler)."""
+    """SIGUSR2/SIGTERM handlers that only set a flag (no I/O in the handler).
+
+    With ``interrupt`` (``hpclb train``'s loop) SIGINT is handled too: the first Ctrl-C sets
+    the flag as USR2 does (a checkpoint at the next step, then the run stops: ``interrupted``
+    on every rank), a second one raises KeyboardInterrupt at once."""
 
     SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, interrupt: bool = False) -> None:
         self.requested = False
+        self.interrupted = False  # agreed: the stop was asked for by Ctrl-C, not a scheduler
+        self._ctrl_c = False
         # Periodic checkpoints ride on the same allreduce: rank 0 sets checkpoint_due when its
         # clock says so, and agreed() leaves checkpoint_now set on every rank.
         self.checkpoint_due = False
         self.checkpoint_now = False
         self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+        if interrupt:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         # a signal the CLI recorded before the loop began (hpclb.cli.common.PendingSignal) counts
         self.requested = self.requested or any(getattr(h, "pending", False)
                                                for h in self._previous.values())
@@ -82,14 +90,22 @@ class PreemptionFlag:
     def _handler(self, signum, frame) -> None:
         self.requested = True
 
+    def _interrupt(self, signum, frame) -> None:
+        if self._ctrl_c:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self._ctrl_c = self.requested = True
+
     def agreed(self, comm: Communicator) -> bool:
         """True on every rank when any rank received a signal (one 1-element allreduce); the same
-        allreduce sets ``checkpoint_now`` on every rank when rank 0 set ``checkpoint_due``."""
-        mine = 2.0 if self.requested else (1.0 if self.checkpoint_due else 0.0)
+        allreduce sets ``checkpoint_now`` on every rank when rank 0 set ``checkpoint_due``, and
+        ``interrupted`` when the signal was a Ctrl-C."""
+        mine = 3.0 if self._ctrl_c else 2.0 if self.requested else \
+            (1.0 if self.checkpoint_due else 0.0)
         if comm.world_size > 1:
             mine = comm.allreduce_(torch.tensor([mine]), op="max").item()
         self.checkpoint_now = mine == 1.0
-        return mine == 2.0
+        self.interrupted = mine == 3.0
+        return mine >= 2.0
 
     def restore(self) -> None:
         for s, h in self._previous.items():
@@ -224,8 +240,15 @@ def _diverged(run: Run, e: NonFiniteError, where: str) -> Diverged:
     return Diverged(f"{e} ({where}); {kept}", step=e.step)
 
 
+def i_first(run: Run, epoch: int, begin: int) -> bool:
+    """Whether this epoch's first step is this process's first step of the run."""
+    return epoch == run.pos.epoch and begin == (run.pos.step_in_epoch if run.resumed_from
+                                                else 0)
+
+
 def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, say,
-               checkpoint_interval_s: float | None, last_checkpoint: list[float]) -> dict:
+               checkpoint_interval_s: float | None, last_checkpoint: list[float],
+               progress: Progress) -> dict:
     """One epoch (from the resumed step); returns its row. Raises Preempted, Diverged."""
     task, pos, sched = run.task, run.pos, run.schedule
     task.start_epoch(epoch)
@@ -239,9 +262,11 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
     first = None if pos.first_loss is not None else \
         torch.zeros(3, dtype=torch.float64, device=run.device)
     t_epoch = time.perf_counter()
-    bar = tqdm(range(begin, steps), desc=f"epoch {epoch + 1}", leave=False,
-               disable=not (run.comm.rank == 0 and say.enabled and sys.stderr.isatty()))
-    for i in bar:
+    progress.start_epoch(epoch, begin, steps, pos.global_step)
+    if run.cfg.compile and i_first(run, epoch, begin):
+        progress.note(f"compiling the model (torch.compile, mode {run.cfg.compile}): the first "
+                      f"steps take longer")
+    for i in range(begin, steps):
         at = pos.global_step + 1  # the step raising (the host path) or logging (device path)
         try:
             if run.profiler is not None:
@@ -253,8 +278,10 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
         except NonFiniteError as e:
             raise _diverged(run, e, f"global step {at}, epoch {epoch + 1}, step {i + 1}/"
                                     f"{steps}") from e
+        progress.update(i, pos.global_step, sched.lr(pos.global_step - 1), steplog.last)
         _agree_and_checkpoint(run, epoch, i, steps, sums, first, preempt, say,
                               checkpoint_interval_s, last_checkpoint)
+    progress.end_epoch()
     try:
         return _epoch_row(run, epoch, sums, time.perf_counter() - t_epoch, bool(begin), steplog,
                           first)
@@ -275,10 +302,13 @@ def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.
     if preempt.agreed(comm):
         _resolve_first_loss(run, first)
         save_checkpoint(run, epoch, i + 1, sums)
-        say(f"preempted: checkpoint of step {pos.global_step} (epoch {epoch}, step {i + 1}/"
-            f"{steps}) saved to {run.store.latest_path}; exiting with {PREEMPTED_EXIT_CODE} "
-            f"to requeue")
+        where = (f"checkpoint of global step {pos.global_step} (epoch {epoch + 1}, step "
+                 f"{i + 1}/{steps}) saved to {run.store.latest_path}")
         preempt.requested = True  # on every rank, also those the signal missed
+        if preempt.interrupted:
+            say(f"interrupted (Ctrl-C): {where}; --resume continues from it")
+            raise Preempted(pos.global_step, "interrupted")
+        say(f"preempted: {where}; exiting with {PREEMPTED_EXIT_CODE} to requeue")
         raise Preempted(pos.global_step)
     if preempt.checkpoint_now:
         _resolve_first_loss(run, first)
@@ -287,14 +317,23 @@ def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.
 
 
 class _Say:
-    """Rank 0's console lines (nothing elsewhere, or when quiet)."""
+    """Rank 0's console lines (nothing elsewhere, or when quiet). A closed standard output
+    (``hpclb train ... | head``) ends the lines, not the run: stdout then goes to /dev/null."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
 
     def __call__(self, *args) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        try:
             print(*args, flush=True)
+        except (BrokenPipeError, ValueError):
+            self.enabled = False
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(devnull, sys.stdout.fileno())  # the exit's flush must not fail either
+            os.close(devnull)
 
 
 def _header(run: Run, say: _Say) -> None:
@@ -304,8 +343,8 @@ def _header(run: Run, say: _Say) -> None:
     info = device_info(run.device)
     k = cfg.global_batch_size / cfg.base_batch_size
     if run.resumed_from is not None:
-        say(f"resumed from {run.resumed_path} at epoch {run.pos.epoch} step "
-            f"{run.pos.global_step}")
+        say(f"resumed from {run.resumed_path} at global step {run.pos.global_step} (epoch "
+            f"{run.pos.epoch + 1}, step {run.pos.step_in_epoch} of it)")
     mem = f", {info['memory_bytes'] / 2**30:.0f} GiB" if info.get("memory_bytes") else ""
     say(f"hpclb {cfg.experiment}: {comm.world_size} rank(s) [{comm.backend}] on {info['device']} "
         f"({info['name']}{mem}), precision {cfg.precision}, global batch {cfg.global_batch_size} "
@@ -322,12 +361,16 @@ def _header(run: Run, say: _Say) -> None:
 def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
           checkpoint_interval_s: float | None = None,
           tensorboard: bool | None = None,
-          profile: tuple[int, int] | None = None) -> dict[str, Any]:
+          profile: tuple[int, int] | None = None,
+          progress_every_s: float | None = 60.0) -> dict[str, Any]:
     """Run one experiment on this rank; returns the summary (identical on every rank).
 
     ``checkpoint_interval_s``: also checkpoint mid-epoch when this many seconds (rank 0's clock)
     have passed since the last checkpoint (None/0: at epoch ends and on preemption only).
     ``tensorboard``: False writes no event files (None: when the package is installed).
+    ``progress_every_s``: on rank 0, a progress line every this many seconds during an epoch
+    when stderr is not a terminal (a bar on a terminal; None/0: no lines;
+    :mod:`hpclb.train.progress`).
     ``profile``: ``(START, END)`` global steps to trace with torch.profiler into
     ``<out>/profile/rank<r>/`` (:mod:`hpclb.train.profile`; ConfigError when END is past the
     run's last step).
@@ -340,35 +383,27 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     say = _Say(comm.rank == 0 and not quiet)
     _set_threads(comm)
     run = setup_run(cfg, comm, profile=profile)
-    _header(run, say)
-    if comm.rank == 0:
-        run.out.mkdir(parents=True, exist_ok=True)
-        write_json(run.out / "config.json", {**cfg.to_dict(), "world_size": comm.world_size,
-                                              "data_root": str(data_dir(cfg.data_dir).resolve()),
-                                              "peak_lr": run.schedule.peak_lr,
-                                              "warmup_steps": run.schedule.warmup_steps})
-    logger = RunLogger(run.out, enabled=comm.rank == 0, tensorboard=tensorboard,
-                       resume_step=run.pos.global_step if run.resumed_from is not None else None)
-    steplog = StepLog(run, logger)
-    preempt = PreemptionFlag()
-    n_epochs = math.ceil(run.schedule.total_steps / run.schedule.steps_per_epoch)
-    last_checkpoint = [time.monotonic()]
+    preempt = PreemptionFlag(interrupt=True)  # before the header: a Ctrl-C then checkpoints
+    logger = None
     try:
-        for epoch in range(run.pos.epoch, n_epochs):
-            row = _run_epoch(run, epoch, preempt, steplog, say, checkpoint_interval_s,
-                             last_checkpoint)
-            run.pos.history.append(row)
-            logger.log_epoch(row)
-            steplog.epoch_histograms()
-            say(_epoch_line(row, n_epochs))
-            save_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64))
-            last_checkpoint[0] = time.monotonic()
+        _header(run, say)
+        if comm.rank == 0:
+            run.out.mkdir(parents=True, exist_ok=True)
+            write_json(run.out / "config.json", {
+                **cfg.to_dict(), "world_size": comm.world_size,
+                "data_root": str(data_dir(cfg.data_dir).resolve()),
+                "peak_lr": run.schedule.peak_lr, "warmup_steps": run.schedule.warmup_steps})
+        logger = RunLogger(run.out, enabled=comm.rank == 0, tensorboard=tensorboard,
+                           resume_step=run.pos.global_step if run.resumed_from is not None
+                           else None)
+        _epochs(run, say, logger, preempt, checkpoint_interval_s, progress_every_s)
     finally:
         # After a preemption the flag handlers stay: the job script forwards the scheduler's
         # signal too, and a second USR2/TERM must not kill a rank on its way out with 75.
         if not preempt.requested:
             preempt.restore()
-        logger.close()
+        if logger is not None:
+            logger.close()
         run.close()  # hooks, loader workers, the run directory's lock
     summary = _summary(run)
     if comm.rank == 0:
@@ -377,12 +412,32 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     return summary
 
 
-def _epoch_line(row: dict, n_epochs: int) -> str:
+def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,
+            checkpoint_interval_s: float | None, progress_every_s: float | None) -> None:
+    """Every epoch left: its steps, its line and its checkpoint."""
+    cfg, sched = run.cfg, run.schedule
+    steplog = StepLog(run, logger)
+    n_epochs = math.ceil(sched.total_steps / sched.steps_per_epoch)
+    last_checkpoint = [time.monotonic()]
+    progress = Progress(say.enabled, n_epochs=n_epochs, total_steps=sched.total_steps,
+                        global_batch=cfg.global_batch_size, every_s=progress_every_s)
+    for epoch in range(run.pos.epoch, n_epochs):
+        row = _run_epoch(run, epoch, preempt, steplog, say, checkpoint_interval_s,
+                         last_checkpoint, progress)
+        run.pos.history.append(row)
+        logger.log_epoch(row)
+        steplog.epoch_histograms()
+        say(_epoch_line(row, n_epochs if float(cfg.epochs).is_integer() else cfg.epochs))
+        save_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64))
+        last_checkpoint[0] = time.monotonic()
+
+
+def _epoch_line(row: dict, n_epochs: float) -> str:
     evaluated = {m: v for m, v in row.items() if m.startswith(("valid_", "test_"))}
     shown = "  ".join(f"{m} {_show(m, v)}" for m, v in evaluated.items())
     sps = f"{row['samples_per_s']:9,.0f}" if row.get("samples_per_s") else "   (resumed)"
     skipped = f"  skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
-    return (f"epoch {row['epoch']:3d}/{n_epochs}  loss {row['train_loss']:.4f}  {shown}  "
+    return (f"epoch {row['epoch']:3d}/{n_epochs:g}  loss {row['train_loss']:.4f}  {shown}  "
             f"lr {row['lr']:.3e}  samples/s {sps}  {row['epoch_time_s']:5.1f}s{skipped}")
 
 

@@ -47,6 +47,7 @@ class StepLog:
         self.noise = NoiseScaleEstimator() if run.cfg.noise_scale and run.comm.world_size > 1 \
             else None
         self._sums_ref = None
+        self.last: dict | None = None  # the last step line's scalars (what progress shows)
         self._start_interval(None)
 
     def _start_interval(self, sums) -> None:
@@ -123,6 +124,7 @@ class StepLog:
         if run.device.type == "cuda":
             scalars["max_memory_bytes"] = torch.cuda.max_memory_allocated(run.device)
         self.logger.log_step(run.pos.global_step, scalars)
+        self.last = scalars
         self._start_interval(sums)
 
     def epoch_fields(self) -> dict:

@@ -264,7 +264,7 @@ def test_usr2_checkpoints_requeues_and_resumes_bit_for_bit(cluster, workdir, mni
     assert len({s for _, s in steps}) == 1, log            # ... after the same step
     step = int(steps[0][1])
     assert 16 < step < 960
-    assert f"preempted: checkpoint of step {step}" in log
+    assert f"preempted: checkpoint of global step {step}" in log
     assert "training exited with 75" in log and f"requeueing {cut}" in log
     assert re.search(rf"\[job\] \S+ {cut} restart 1 on", log), log
     # one resume, from a checkpoint of this run, at the step both ranks stopped after

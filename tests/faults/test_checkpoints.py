@@ -41,7 +41,7 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path, damage, reference, recor
     rc, text, t = run(command(train_args(recipe, out, "--resume"), ranks=2), bound)
     assert rc == 0, text
     assert re.search(r"--resume: skipped damaged checkpoint \S+gen-000002-step-16\.pt", text), text
-    assert "resumed from" in text and "at epoch 1 step 8" in text, text
+    assert "resumed from" in text and "at global step 8 (epoch 2, step 0 of it)" in text, text
     assert same_result(summary(out), reference(2))
     record(bound, t, rc, "fell back to the step-8 generation; resumed to the uninterrupted "
                          "result")
@@ -64,7 +64,7 @@ def test_disk_full_while_writing(tmp_path, reference, record):
     leftovers = [p.name for p in out.rglob(".*tmp*")]
     assert not leftovers and not (out / "summary.json").exists(), leftovers
     rc2, text2, _ = run(command(train_args(recipe, out, "--resume"), ranks=2), 120)
-    assert rc2 == 0 and "at epoch 1 step 8" in text2, text2
+    assert rc2 == 0 and "at global step 8 (epoch 2, step 0 of it)" in text2, text2
     assert same_result(summary(out), reference(2))
     record(bound, t, rc, "checkpoint at global step 8 kept valid; resumed to the uninterrupted "
                          "result")

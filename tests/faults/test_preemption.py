@@ -41,7 +41,7 @@ def test_signal_at_start_up(tmp_path, sig, record):
         assert not (tmp_path / "run" / "checkpoint.pt").exists()
         kept = "nothing to keep (before the model existed)"
     else:  # a slow machine: it came after the first step, which was checkpointed
-        assert "preempted: checkpoint of step 1 " in out, out
+        assert "preempted: checkpoint of global step 1 " in out, out
         kept = f"checkpoint at global step {checkpoint_state(tmp_path / 'run')['global_step']}"
     assert not (tmp_path / "run" / "summary.json").exists()
     record(bound, t, rc, kept)
@@ -58,7 +58,7 @@ def test_signal_mid_epoch(tmp_path, sig, reference, record):
                       env={"FAULT_MODE": "signal", "FAULT_RANK": "1", "FAULT_STEP": "11",
                            "FAULT_SIGNAL": f"SIG{sig}"})
     assert rc == 75, text
-    assert "preempted: checkpoint of step 11 (epoch 1, step 3/8)" in text, text
+    assert "preempted: checkpoint of global step 11 (epoch 2, step 3/8)" in text, text
     assert "rank 1 of 2: preempted after step 11, checkpoint saved; exit 75" in text, text
     assert not (out / "summary.json").exists()
     assert checkpoint_state(out)["global_step"] == 11
@@ -79,7 +79,7 @@ def test_signal_during_checkpoint_write(tmp_path, sig, reference, record):
     rc, text, t = run(command(train_args(recipe, out), ranks=2, hooked=True), bound,
                       env={"HOOK_MODE": "signal", "HOOK_SAVE": "1", "HOOK_SIGNAL": sig})
     assert rc == 75, text
-    assert "preempted: checkpoint of step 9 (epoch 1, step 1/8)" in text, text
+    assert "preempted: checkpoint of global step 9 (epoch 2, step 1/8)" in text, text
     from hpclb.train.checkpoint import CheckpointStore, load_checkpoint
     steps = [load_checkpoint(p)["global_step"] for _, _, p in CheckpointStore(out).generations()]
     assert steps == [8, 9], steps  # the interrupted write is whole and verifies

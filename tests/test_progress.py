@@ -1,0 +1,99 @@
+"""Progress during an epoch (hpclb/train/progress.py): lines in a log, a bar on a terminal, and a
+closed standard output that does not end the run."""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+from helpers import LAUNCH_ENV as ENV
+from helpers import quick_recipe
+
+from hpclb.train import progress as P
+
+
+def test_format_duration():
+    assert [P.format_duration(s) for s in (7, 88, 3725, -3)] == ["7s", "1m28s", "1h02m", "0s"]
+
+
+def test_log_lines_come_every_interval_with_step_loss_lr_rate_and_eta(monkeypatch):
+    clock = {"t": 100.0}
+    monkeypatch.setattr(P.time, "monotonic", lambda: clock["t"])
+    out = io.StringIO()
+    p = P.Progress(True, n_epochs=2, total_steps=20, global_batch=64, every_s=30, stream=out,
+                   tty=False)
+    p.start_epoch(0, 0, 10, 0)
+    for i in range(10):
+        clock["t"] += 10.0  # 10 s a step
+        p.update(i, i + 1, 0.5, {"loss": 2.0 - i / 10} if i >= 4 else None)
+    p.end_epoch()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3  # at 30, 60 and 90 s
+    assert lines[0] == ("progress: epoch 1/2 step 3/10 (30.0%)  lr 5.000e-01  samples/s 6  ETA "
+                        "epoch 1m10s, run 2m50s")
+    assert lines[1].startswith("progress: epoch 1/2 step 6/10 (60.0%)  loss 1.5000  lr")
+    quiet = io.StringIO()
+    p = P.Progress(True, n_epochs=1, total_steps=10, global_batch=1, every_s=0, stream=quiet,
+                   tty=False)
+    p.start_epoch(0, 0, 10, 0)
+    for i in range(10):
+        clock["t"] += 100.0
+        p.update(i, i + 1, 0.1, None)
+    assert quiet.getvalue() == ""  # --progress-every 0: none
+
+
+def test_a_terminal_gets_a_bar_and_notes_pass_through():
+    out = io.StringIO()
+    p = P.Progress(True, n_epochs=3, total_steps=30, global_batch=8, stream=out, tty=True)
+    p.start_epoch(1, 2, 10, 12)
+    p.note("compiling the model")
+    for i in range(2, 10):
+        p.update(i, 10 + i + 1, 0.25, {"loss": 0.125})
+    assert p.bar.n == 10 and p.bar.postfix == "loss 0.1250 lr 2.500e-01"
+    p.end_epoch()
+    text = out.getvalue()
+    assert "epoch 2/3" in text and "compiling the model" in text and p.bar is None
+
+
+def test_a_closed_log_ends_the_lines_not_the_progress_object():
+    class Closed(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError
+
+    p = P.Progress(True, n_epochs=1, total_steps=4, global_batch=1, every_s=1e-9,
+                   stream=Closed(), tty=False)
+    p.start_epoch(0, 0, 4, 0)
+    p.update(0, 1, 0.1, None)
+    assert p.enabled is False
+
+
+def _train(tmp_path, mnist_dir, *extra):
+    return [sys.executable, "-m", "hpclb", "train", quick_recipe(tmp_path), "--epochs", "1",
+            "--data-dir", str(mnist_dir.parent), "--out", str(tmp_path / "run"), *extra]
+
+
+@pytest.mark.slow
+def test_a_log_shows_progress_lines_during_the_epoch(tmp_path, mnist_dir):
+    r = subprocess.run(_train(tmp_path, mnist_dir, "--progress-every", "1e-9"),
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("progress: epoch 1/1 step ")]
+    assert len(lines) == 32 and "step 32/32 (100.0%)" in lines[-1], r.stderr[-2000:]
+    assert "ETA epoch" in lines[0] and "samples/s" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_does_not_end_the_run(tmp_path, mnist_dir):
+    """`hpclb train ... | head -1`: the console lines stop, the run finishes and says so in its
+    summary.json, exit 0."""
+    head = subprocess.Popen(["head", "-1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    r = subprocess.run(_train(tmp_path, mnist_dir), stdout=head.stdin, stderr=subprocess.PIPE,
+                       text=True, env=ENV, timeout=120)
+    head.stdin.close()
+    first = head.stdout.read().decode()
+    head.wait()
+    assert first.startswith("hpclb ")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "run" / "summary.json").is_file()
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]

@@ -131,14 +131,14 @@ test-horovod: install-horovod data
 # timed in the same job, round by round. Horovod joins when it builds (a failed build is skipped).
 bench-allreduce: install
 	-$(MAKE) --no-print-directory install-horovod
-	$(PY) -m hpclb bench allreduce --np 2 4 --out results/bench_allreduce.json
+	$(PY) -m hpclb bench allreduce --np 2 4 --out results/bench_allreduce.json --overwrite
 
 bench-scaling: install
-	$(PY) -m hpclb bench scaling --np 1 2 4 --out results/bench_scaling.json
+	$(PY) -m hpclb bench scaling --np 1 2 4 --out results/bench_scaling.json --overwrite
 
 # The closed form beside its SimGrid replay (docs/projection.md); SimGrid from install-simgrid.
 bench-model: install install-simgrid
-	$(PY) -m hpclb bench model --measurements results/bench_allreduce.json --simulate
+	$(PY) -m hpclb bench model --measurements results/bench_allreduce.json --simulate --overwrite
 
 # Debian's python3-simgrid 3.32 (the PyPI package is a source build); hpclb imports it from
 # /usr/lib/python3/dist-packages (HPCLB_SIMGRID_PATH names another place). Root + apt-get,
@@ -161,7 +161,7 @@ install-simgrid:
 OVERHEAD_ARGS ?=
 .PHONY: bench-overhead
 bench-overhead: install $(HPCLB_DATA)/mnist/.verified
-	$(PY) -m hpclb bench overhead --out results/bench_overhead.json $(OVERHEAD_ARGS)
+	$(PY) -m hpclb bench overhead --out results/bench_overhead.json --overwrite $(OVERHEAD_ARGS)
 
 # Host time hpclb adds per step over a plain torch loop (issue 26): a tiny model at 16 and 160
 # parameter tensors, SGD/Adam/LARS/LAMB, 1 process and mpirun -n 2, interleaved blocks (~5 min on
@@ -169,12 +169,12 @@ bench-overhead: install $(HPCLB_DATA)/mnist/.verified
 HOST_OVERHEAD_ARGS ?=
 .PHONY: bench-host-overhead
 bench-host-overhead: install
-	$(PY) -m hpclb bench host-overhead --out results/bench_host_overhead.json $(HOST_OVERHEAD_ARGS)
+	$(PY) -m hpclb bench host-overhead --out results/bench_host_overhead.json --overwrite $(HOST_OVERHEAD_ARGS)
 
 # Fused trust-ratio kernel benchmark: CPU part always, GPU part where CUDA + CuPy are present.
 .PHONY: bench-kernel
 bench-kernel: install
-	$(PY) -m hpclb bench trust-ratio --out results/bench_trust_ratio.json
+	$(PY) -m hpclb bench trust-ratio --out results/bench_trust_ratio.json --overwrite
 
 # The GPU check (docs/gpus.md): on a GPU machine, `make gpu-check OUT=dir`; gpu-check-bundle is
 # the call's prepare (benchmarks/gpu_check/device_run.json): MNIST (gzip) and the Open MPI +
@@ -193,12 +193,12 @@ gpu-check-bundle: $(HPCLB_DATA)/mnist/.verified
 # writes itself (200 images x 5 rounds, under a minute on one quiet core; docs/recipes.md).
 .PHONY: bench-loader
 bench-loader: install
-	$(PY) -m hpclb bench loader --out results/bench_loader.json
+	$(PY) -m hpclb bench loader --out results/bench_loader.json --overwrite
 
 # Per-step logging cost (issue 13): one 2-rank job, --log-every 50 / 0 / --noise-scale alternated.
 .PHONY: bench-logging
 bench-logging: install data
-	$(PY) -m hpclb bench logging --out results/bench_logging.json
+	$(PY) -m hpclb bench logging --out results/bench_logging.json --overwrite
 
 # --- job templates (issue 6): a real SLURM and an emulated PBS -----------------------------------
 # test-slurm installs Debian's SLURM + munge + PMIx with apt-get (root), starts a 256-node emulated

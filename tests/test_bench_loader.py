@@ -86,3 +86,16 @@ def test_synthetic_jpegs_are_imagenet_sized(tmp_path):
     assert [p.read_bytes() for p in sorted(again.glob("*/*.jpg"))] == [
         p.read_bytes() for p in files]
     assert torch.is_tensor(ImageFolder(root).sample(0)[0])
+
+
+@pytest.mark.parametrize("bench", ["loader", "host-overhead", "logging", "overhead", "scaling",
+                                   "allreduce", "model", "trust-ratio"])
+def test_an_existing_out_file_is_replaced_only_with_overwrite(tmp_path, bench):
+    """Every `hpclb bench` refuses to replace its --out (a committed results/*.json, say) unless
+    told, before it measures anything (in this process: the refusal comes first)."""
+    from hpclb import cli
+
+    out = tmp_path / "kept.json"
+    out.write_text('{"committed": true}')
+    assert cli.main(["bench", bench, "--out", str(out)]) == 2
+    assert out.read_text() == '{"committed": true}'

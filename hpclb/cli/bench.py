@@ -7,6 +7,7 @@ only registers them.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from hpclb.cli.common import error, setup_logging
 from hpclb.errors import EXIT_USAGE
@@ -69,7 +70,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          "synthetic ImageNet-sized JPEGs; writes results/bench_loader.json")
     loader.add_run_arguments(ld)
     ld.set_defaults(func=loader.driver)
+    for sub in (tr, m, a, s, o, h, lc, ld):
+        sub.add_argument("--overwrite", action="store_true", help="replace an existing --out "
+                         "file (e.g. a committed results/*.json); without it one is refused")
+        sub.set_defaults(func=_refusing_to_replace(sub.get_default("func")))
     return b
+
+
+def _refusing_to_replace(func):
+    """``func`` behind the check that ``--out``, when it exists, is replaced only with
+    ``--overwrite`` (exit 2 naming both, before anything is measured)."""
+    def guarded(args: argparse.Namespace) -> int:
+        out = getattr(args, "out", None)
+        if out and not args.overwrite and Path(out).exists():
+            error(f"--out {out}: exists (a committed result?); pass --overwrite to replace it, "
+                  f"or choose another --out")
+            return EXIT_USAGE
+        return func(args)
+    return guarded
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -236,8 +237,13 @@ def test_init_sets_up_torch_distributed_for_scripts_that_call_it(comm):
     import torch.distributed as dist
 
     was = dist.is_initialized()
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ and comm.backend != "torch"}
     assert hpclb.init(torch_process_group=True) is comm
     try:
+        if not was:  # torchrun's variables, as a script under torchrun reads them
+            assert [os.environ[k] for k in names] == [str(comm.rank), str(comm.world_size),
+                                                      str(comm.local_rank), str(comm.local_size)]
         sampler = torch.utils.data.distributed.DistributedSampler(range(10), shuffle=False)
         assert (sampler.num_replicas, sampler.rank) == (comm.world_size, comm.rank)
         assert list(sampler) == list(range(10))[comm.rank::comm.world_size] + \
@@ -250,6 +256,9 @@ def test_init_sets_up_torch_distributed_for_scripts_that_call_it(comm):
     finally:
         if not was and comm.backend != "torch":
             dist.destroy_process_group()
+            for k in names:  # this process's launcher did not set them: leave no trace
+                os.environ.pop(k, None)
+            os.environ.update(saved)
 
 
 def test_a_rank_without_samples_in_a_micro_batch_keeps_the_windows_in_step(comm):

@@ -125,7 +125,9 @@ def init_default_group(comm: Communicator) -> None:
     without arguments, ``dist.all_reduce`` of a metric) a default process group over Gloo whose
     ranks are ``comm``'s (e.g. MPI's under ``mpirun``): rank 0 serves a TCPStore on a free port
     (127.0.0.1 when every rank is on one node, else ``$MASTER_ADDR`` or its host name) and
-    ``comm`` tells the others where. Collective. A group that exists already is kept when its
+    ``comm`` tells the others where; ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` are exported as torchrun does (:func:`set_torchrun_variables`).
+    Collective. A group that exists already is kept when its
     rank and size are ``comm``'s (under torchrun it is the communicator's own); RuntimeError
     otherwise."""
     import torch.distributed as dist
@@ -154,6 +156,17 @@ def init_default_group(comm: Communicator) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("hpclb.default", store),
                             rank=comm.rank, world_size=comm.world_size,
                             timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    set_torchrun_variables(comm)
+
+
+def set_torchrun_variables(comm: Communicator) -> None:
+    """Export what torchrun gives a script — ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` — from ``comm``, so code that reads them (``int(os.environ[
+    "LOCAL_RANK"])``) works under ``mpirun`` too. A variable already set to another value is
+    left alone (the launcher's word stands; the start-up check compares them)."""
+    for name, value in (("RANK", comm.rank), ("WORLD_SIZE", comm.world_size),
+                        ("LOCAL_RANK", comm.local_rank), ("LOCAL_WORLD_SIZE", comm.local_size)):
+        os.environ.setdefault(name, str(value))
 
 
 def _default_store(dist):

@@ -56,6 +56,7 @@ def _run(work: Path, batch: int, args) -> dict[tuple[str, str], int]:
 
 
 def main() -> int:
+    """Run both profiles and print the functions on the step's path; 0."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--optimizer", default="lars")
     ap.add_argument("--accumulation-steps", type=int, default=1)

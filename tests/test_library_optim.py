@@ -56,7 +56,7 @@ def _legw(opt, **kw):
 
 def test_legw_resume_keeps_the_peak_lr_and_warns_when_it_guesses():
     """Before: with an optimizer state whose groups lack initial_lr loaded first, legw took eta0
-    from the scheduled lr (1.4x too high here) and the scheduler state did not fix it."""
+    from the scheduled lr (1.2x too high here) and the scheduler state did not fix it."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = _legw(opt)  # peak 0.2 after 10 warmup steps
@@ -68,10 +68,10 @@ def test_legw_resume_keeps_the_peak_lr_and_warns_when_it_guesses():
         del g["initial_lr"]  # e.g. saved before the scheduler existed, or by another tool
     model2 = _model()
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
-    opt2.load_state_dict(saved_opt)  # lr is now the scheduled 0.14, not eta0 = 0.1
-    with pytest.warns(UserWarning, match="taking the base LR eta0 = 0.14"):
+    opt2.load_state_dict(saved_opt)  # lr is now the scheduled 0.12 (6/10 of 0.2), not eta0 0.1
+    with pytest.warns(UserWarning, match="taking the base LR eta0 = 0.12"):
         sched2 = _legw(opt2)
-    assert math.isclose(sched2.schedule.peak_lr, 0.28)  # the guess: 1.4x too high
+    assert math.isclose(sched2.schedule.peak_lr, 0.24)  # the guess: 1.2x too high
     with pytest.warns(UserWarning, match="peak LR 0.2 replaces"):
         sched2.load_state_dict(saved_sched)
     assert sched2.last_epoch == 6 and math.isclose(sched2.schedule.peak_lr, 0.2)

@@ -187,10 +187,34 @@ def test_horovods_loop_with_a_short_first_window_of_one_says_so(comm):
             _loss(model, *(t[r::w] for t in _micro_batch(1, 1, w))).backward()
     finally:
         opt.close()
+    for api in ("hpclb", "horovod"):  # hpclb.horovod's is Horovod's loop from the start
+        model, ref = _model(), _model()
+        kw = {"step_after": "window"} if api == "hpclb" else {}
+        opt, ref_opt = _make(api, comm, model, 2, **kw), _sgd(ref)
+        try:
+            for u, c in enumerate([1, 2, 2]):
+                opt.zero_grad()
+                for m in range(c):
+                    loss = _loss(model, *(t[r::w] for t in _micro_batch(u, m, w)))
+                    (loss / c if api == "horovod" else loss).backward()
+                stepped = opt.step()
+                _reference_step(ref, ref_opt,
+                                [(*_micro_batch(u, m, w), 1 / c) for m in range(c)])
+                _check_update(comm, model, ref, stepped, f"{api}: update {u} (a window of {c})")
+        finally:
+            opt.close()
+
+
+def test_the_recognised_loop_survives_refresh_parameters(comm):
+    """Horovod's loop recognised at the first step() (two passes) stays recognised when
+    refresh_parameters() rebuilds the buckets: the window of one after it is an update."""
+    w, r = comm.world_size, comm.rank
     model, ref = _model(), _model()
-    opt, ref_opt = _make("hpclb", comm, model, 2, step_after="window"), _sgd(ref)
+    opt, ref_opt = _make("hpclb", comm, model, 2), _sgd(ref)
     try:
-        for u, c in enumerate([1, 2, 2]):
+        for u, c in enumerate([2, 1]):
+            if u:
+                opt.refresh_parameters()
             opt.zero_grad()
             for m in range(c):
                 _loss(model, *(t[r::w] for t in _micro_batch(u, m, w))).backward()

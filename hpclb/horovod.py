@@ -14,11 +14,15 @@ grouped allreduce) raises :class:`Unsupported`, naming hpclb's alternative.
 Semantics are Horovod's where they differ from hpclb's own API: gradients of the
 ``backward_passes_per_step`` passes are summed (scale the loss by ``1 / passes`` as Horovod's
 examples do), then averaged (``op=Average``) or summed (``op=Sum``) over ranks; ``allreduce``
-averages by default. Differences: the averaged gradient is ready when the last backward of the
-step returns (``synchronize()`` has nothing left to do); ``step()`` after fewer passes than
-``backward_passes_per_step`` returns False instead of reducing early; averaging an integer tensor
-raises ValueError (Horovod rounds it down); ``gradient_predivide_factor`` is checked and changes
-nothing (hpclb divides once, before the fp16 cast under compression).
+averages by default. Every ``step()`` ends the window, as Horovod's does: ``step()`` after fewer
+passes than ``backward_passes_per_step`` (an epoch's short last batch) reduces the passes given
+(summed, averaged over ranks: scale each loss by ``1 / passes given``, as Horovod's ImageNet
+example does) and makes one update; a pass more than ``backward_passes_per_step`` before
+``step()`` raises RuntimeError, as Horovod does. Differences: the averaged gradient of a full
+step is ready when its last backward returns (``synchronize()`` has nothing left to do; after a
+short one ``synchronize()`` reduces it); averaging an integer tensor raises ValueError (Horovod
+rounds it down); ``gradient_predivide_factor`` is checked and changes nothing (hpclb divides
+once, before the fp16 cast under compression).
 """
 from __future__ import annotations
 
@@ -180,8 +184,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          backward_passes_per_step: int = 1, op: _Op = Average,
                          gradient_predivide_factor: float = 1.0, **unsupported):
     """``hvd.DistributedOptimizer``: a :class:`hpclb.DistributedOptimizer` (an instance of
-    ``type(optimizer)``) whose gradients are summed over the ``backward_passes_per_step``
-    backward passes of a step, then averaged (``op=Average``) or summed (``op=Sum``) over
+    ``type(optimizer)``) whose gradients are summed over the backward passes of a step (at
+    most ``backward_passes_per_step``; every ``step()`` reduces the passes given and updates
+    once, as Horovod's does), then averaged (``op=Average``) or summed (``op=Sum``) over
     ranks. ``named_parameters``: the model's ``named_parameters()`` (default: the optimizer's
     parameters, unnamed). Raises :class:`Unsupported` for Adasum and for ``num_groups``,
     ``groups``, ``sparse_as_dense``, ``process_set``; ValueError for a bad setting."""
@@ -208,7 +213,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     return _DistributedOptimizer(optimizer, list(named_parameters), comm=comm,
                                  accumulation_steps=backward_passes_per_step,
                                  compression=compression.hpclb_name or "none",
-                                 divisor=comm.world_size if op is Average else 1)
+                                 divisor=comm.world_size if op is Average else 1,
+                                 step_after="window")
 
 
 def broadcast_parameters(params, root_rank: int = 0) -> None:

@@ -5,9 +5,11 @@ and Horovod users (``docs/library.md``), each checked where it can break:
   window's last ``backward()`` returns, every ``p.grad`` is the global mean, so
   ``clip_grad_norm_`` or a norm logged there is DDP's; Horovod's ``synchronize()`` then only
   takes the window.
-- **zero_grad() in an accumulation window** (:func:`zero_grad_action`): a no-op inside the
-  window (the gradients accumulate until the window's last ``step()``), an error between a
-  ``backward()`` and its ``step()`` (it would drop that micro-batch).
+- **zero_grad() in an accumulation window** (:func:`zero_grad_action`): a no-op inside a
+  window of hpclb's loop (the gradients accumulate until the window's last ``step()``), zeroes
+  after every ``step()`` that ended a window (in Horovod's loop, every ``step()``: the window
+  count re-aligns there, :mod:`hpclb.sync.window`), an error between a ``backward()`` and its
+  ``step()`` (it would drop that micro-batch).
 - **The parameter set** (:func:`check_parameter_set`, :func:`drop_frozen_grads`): a parameter that
   became trainable, or was added with ``add_param_group``, after the optimizer was built is
   refused at the next ``step()`` (its gradient would stay local) until
@@ -43,11 +45,12 @@ def drop_unused(used: list, comm) -> None:
 
 
 def zero_grad_action(sync) -> bool:
-    """True when ``zero_grad()`` should zero now: at the start of an accumulation window (with
-    ``accumulation_steps=1``: always, as in torch; the gradients are final once backward
-    returns). False (a no-op) inside a window. Raises RuntimeError with ``accumulation_steps``
-    > 1 when a backward ended since the last ``step()`` (zeroing would silently drop that
-    micro-batch, or the whole reduced window, from the update)."""
+    """True when ``zero_grad()`` should zero now: at the start of an accumulation window, i.e.
+    after every ``step()`` that ended one (with ``accumulation_steps=1``: always, as in torch;
+    the gradients are final once backward returns). False (a no-op) inside a window of hpclb's
+    loop (``step()`` after every backward, which returned False). Raises RuntimeError with
+    ``accumulation_steps`` > 1 when a backward ended since the last ``step()`` (zeroing would
+    silently drop that micro-batch, or the whole reduced window, from the update)."""
     if sync.accumulation_steps > 1 and sync.backward_pending:
         raise RuntimeError(
             "zero_grad() between backward() and step() with accumulation_steps="
@@ -98,9 +101,11 @@ class SynchronizeMixin:
     def synchronize(self) -> bool:
         """Horovod's ``synchronize()``. The gradients are already averaged when the window's
         last ``backward()`` returns (DDP's contract), so this only checks the parameter set and
-        takes the window: afterwards ``p.grad`` may be read, clipped or changed before
-        ``step()``, which then does not synchronise again. Returns False on a micro-batch that
-        is not the window's last (the gradients are still local). Raises RuntimeError for a
+        takes the window (in Horovod's loop a short one, fewer passes than
+        ``accumulation_steps``, is reduced here: :mod:`hpclb.sync.window`): afterwards
+        ``p.grad`` may be read, clipped or changed before ``step()``, which then does not
+        synchronise again. Returns False on a micro-batch of hpclb's loop that is not the
+        window's last (the gradients are still local). Raises RuntimeError for a
         parameter set that changed, or a backward under ``no_sync()`` with none after it."""
         if self._synchronized is not None:
             raise RuntimeError("synchronize() was already called for this step; call step()")
@@ -141,6 +146,7 @@ class SynchronizeMixin:
         if self.sync.micro_batches or any(any(b.ready) for b in self.sync.buckets):
             raise RuntimeError("refresh_parameters() inside an accumulation window or between "
                                "backward() and step(): call it after step()")
+        self._sync_kwargs["step_after"] = self.sync.step_after  # the loop, once recognised
         known = {id(p) for _, p in self._named}
         for gi, group in enumerate(self.optimizer.param_groups):
             for j, p in enumerate(group["params"]):

@@ -37,6 +37,7 @@ from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
 from hpclb.sync.drivers import DRIVERS
 from hpclb.sync.options import MiB, SyncOptions
+from hpclb.sync.window import WindowMixin, checked_step_after
 
 __all__ = ["GradientSync"]
 
@@ -49,7 +50,7 @@ _graph_task_id = torch._C._current_graph_task_id
 _grad_of = operator.attrgetter("grad")
 _requires_grad = operator.attrgetter("requires_grad")
 
-class GradientSync:
+class GradientSync(WindowMixin):
     """Average gradients across ranks in fused buckets, overlapped with backward.
 
     Args:
@@ -73,7 +74,12 @@ class GradientSync:
         accumulation_steps: k backward passes (micro-batches) per window: the first k-1
             accumulate locally (no communication), the k-th reduces at its end. The result is
             the mean over ranks and micro-batches (one division by ``world_size * k``).
-            ``synchronize()`` returns True once per completed window.
+            ``synchronize()`` returns True once per window.
+        step_after: the caller's loop, ``"micro_batch"`` (``synchronize()`` after every
+            backward; a window is k calls) or ``"window"`` (once after the window's backward
+            passes; every call ends the window, a short one with what is there); None
+            (default): recognised at the first ``synchronize()``. See
+            :mod:`hpclb.sync.window`, which also says how a short window is weighted.
         compression: None, ``"fp16"`` or ``"bf16"`` (default $HPCLB_COMPRESSION): buckets travel
             in that dtype, each rank's share divided by ``world_size * k`` *before* the cast
             (the sum of ranks' shares cannot overflow where each gradient does not).
@@ -116,11 +122,13 @@ class GradientSync:
                  stall_timeout_s: float | None = None, stall_abort_s: float | None = None,
                  on_stall: Callable[[StallReport], None] | None = None,
                  track_local_norm: bool = False, track_used: bool = False,
-                 divisor: int | None = None, loss_prescaled: bool = False):
+                 divisor: int | None = None, loss_prescaled: bool = False,
+                 step_after: str | None = None):
         self.comm = comm
         named = self._named(params)
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
+        self.step_after = checked_step_after(step_after)
         self._set_options(accumulation_steps, divisor, bool(loss_prescaled),
                           SyncOptions.resolve(
             fusion_threshold_bytes=fusion_threshold_bytes, first_bucket_bytes=first_bucket_bytes,
@@ -138,7 +146,8 @@ class GradientSync:
         self._bucket_views = [v for b in self.buckets for v in b.views]
         for p in self.params:
             _OWNERS[id(p)] = self
-        self._micro = 0  # micro-batches accumulated in the current window
+        self._micro = 0  # micro-batches counted in the current window
+        self._window = accumulation_steps  # micro-batches in the window being reduced
         self._next = 0   # next bucket to launch
         self.steps = 0   # synchronised (optimizer) steps so far
         self.wait_s = 0.0  # host seconds spent waiting for the allreduce (all windows)
@@ -180,6 +189,8 @@ class GradientSync:
             raise ValueError("loss_prescaled=True scales the loss by 1 / (world_size * k) "
                              "itself; it does not take a divisor")
         self.divisor = comm.world_size * accumulation_steps if divisor is None else divisor
+        #: the reduced sum is hpclb's mean over ranks and micro-batches (not a given divisor)
+        self.divisor_is_mean = divisor is None
         #: what the caller multiplies each micro-batch's loss by (1.0 unless loss_prescaled)
         self.loss_prescale = 1.0 / self.divisor if prescaled else 1.0
         self.loss_prescaled = prescaled
@@ -262,7 +273,8 @@ class GradientSync:
                              "overlap": self.overlap, "comm_poll_s": self.comm_poll_s,
                              "track_local_norm": self.track_local_norm,
                              "track_used": self.track_used, "divisor": self.divisor,
-                             "loss_prescaled": self.loss_prescaled}}
+                             "loss_prescaled": self.loss_prescaled,
+                             "step_after": self.step_after}}
         check_sync_agreement(self.comm.allgather_object(mine))
 
     # -- backward ------------------------------------------------------------------------------
@@ -291,6 +303,7 @@ class GradientSync:
         # gradient cost more host time than the rest of the hook)
         task = _graph_task_id()
         if task != self._task and task >= 0:  # this backward's first hook: wait at its end
+            self._check_pass()
             self._task = task
             _queue_callback(self._end_backward)
         if p.grad is not b.views[j]:
@@ -347,24 +360,16 @@ class GradientSync:
         benchmarks) as the end of a backward does: on a window's last micro-batch every bucket
         is reduced now. :meth:`synchronize` afterwards reports it as usual. Every gradient
         counts as written (none is taken for an unused parameter and reduced as zeros)."""
+        self._check_pass()
         for b in self.buckets:
             b.used = [True] * len(b.params)
         self._end_backward()
 
     @torch.no_grad()
-    def _end_backward(self) -> None:
-        """The end of a backward pass (autograd callback): count the micro-batch; on a window's
-        last, reduce every bucket and divide, so ``p.grad`` is the global mean on return."""
-        self._task = -1
-        if self._no_sync:
-            self._local = True
-            return
-        self._since_sync += 1
-        self._micro += 1
-        if self._micro < self.accumulation_steps:
-            return
-        self._micro = 0
-        self.steps += 1
+    def _end_window(self) -> None:
+        """End the window with the micro-batches counted (K, or fewer in a short window of
+        Horovod's loop): reduce every bucket and divide (:mod:`hpclb.sync.window`)."""
+        self._window, self._micro = self._micro, 0
         if self.track_used:
             self.used_in_window = [(p, u) for b in self.buckets for p, u in zip(b.params, b.used)]
         t0 = time.perf_counter()
@@ -374,6 +379,7 @@ class GradientSync:
             else:
                 self._reduce()
         finally:
+            self.steps += 1  # counted after the reduction (its buckets are labelled steps + 1)
             self._reduced, self._local = True, False
             self.wait_s += time.perf_counter() - t0
 
@@ -389,50 +395,13 @@ class GradientSync:
         finally:
             self._no_sync = before
 
-    # -- after backward -----------------------------------------------------------------------
-    def synchronize(self) -> bool:
-        """Call once per optimizer step, after backward. True when an accumulation window was
-        completed (and reduced: every ``p.grad`` is the mean over ranks and micro-batches) since
-        the last call; False inside a window. A call with no backward since the last one (a
-        rank with no samples in this micro-batch, or a backward that reached no parameter)
-        ends a micro-batch here, as :meth:`mark_all_ready` does, so every rank counts the
-        same windows.
-
-        Raises RuntimeError after :meth:`close` (at every world size: at 2 ranks it would wait
-        for hooks that are gone), and after a backward under :meth:`no_sync` that no backward
-        outside it followed (the gradients are this rank's own).
-        """
-        if not self._open:
-            raise RuntimeError(f"{self!r} was closed: its hooks are removed and nothing is "
-                               f"averaged; build a new DistributedOptimizer / GradientSync "
-                               f"(or refresh_parameters()) instead of stepping a closed one")
-        if not self._hooks:  # one process, no accumulation: every backward is a window
-            self._since_sync = 0
-            self.steps += 1
-            self._finish_alone()
-            return True
-        if self._local and not self._reduced:
-            raise RuntimeError("step() after a backward under no_sync() with no backward outside "
-                               "it: the gradients are this rank's local sums. Run the window's "
-                               "last backward outside no_sync(), then step()")
-        if not self._reduced and not self._since_sync:
-            self._end_backward()
-        reduced, self._reduced, self._since_sync = self._reduced, False, 0
-        return reduced
-
-    @property
-    def backward_pending(self) -> bool:
-        """A backward ended since the last :meth:`synchronize` (``zero_grad()`` then would drop
-        its gradients from the window)."""
-        return self._since_sync > 0
-
     def _reduce(self) -> None:
         """World size > 1: start what is left, wait for every bucket in order, divide."""
         self._fill_missing()
         self._launch_ready()
         error = None
         for b in self.buckets:
-            label = b.label(len(self.buckets), self.steps)
+            label = b.label(len(self.buckets), self.steps + 1)
             with self._watchdog.waiting(b.seq, label, self.stall_timeout_s, self.on_stall,
                                         self.stall_abort_s):
                 self._driver.wait(b)
@@ -519,12 +488,13 @@ class GradientSync:
 
     def _local_sq(self, b: Bucket) -> Tensor:
         """``|g_local|^2`` of bucket ``b`` before anything is divided: this rank's mean over
-        its micro-batches (the buffer holds their sum, or with ``loss_prescaled`` that sum over
-        ``world_size * k``)."""
+        the window's micro-batches (the buffer holds their sum, or with ``loss_prescaled`` that
+        sum over ``world_size * k``)."""
         sq = torch.linalg.vector_norm(b.buffer, dtype=torch.float32).square()
+        given = max(self._window, 1)
         if self.loss_prescaled:
-            return sq * float(self.comm.world_size) ** 2
-        return sq / self.accumulation_steps ** 2
+            return sq * (float(self.comm.world_size) * self.accumulation_steps / given) ** 2
+        return sq / given ** 2
 
     @property
     def local_sq_norm(self) -> Tensor | None:
@@ -535,17 +505,6 @@ class GradientSync:
             return None
         return torch.stack([b.local_sq.to(self.buckets[0].buffer.device)
                             for b in self.buckets]).sum()
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches accumulated so far in the current window (0 at a window's start)."""
-        return self._micro
-
-    def reset_epoch(self) -> int:
-        """Start a new accumulation window at an epoch boundary; returns how many micro-batches
-        of an unfinished window are dropped (their gradients stay local: zero them)."""
-        dropped, self._micro, self._since_sync = self._micro, 0, 0
-        return dropped
 
     @property
     def nbytes(self) -> int:

@@ -3,8 +3,10 @@
 :class:`DistributedOptimizer` wraps any ``torch.optim.Optimizer``. Its ``step()`` does, in order:
 
 1. wait for the gradient allreduce (:class:`~hpclb.sync.gradients.GradientSync`: fused buckets
-   started during backward); on the first ``K - 1`` micro-batches of an accumulation window it
-   returns ``False`` without stepping;
+   started during backward); in hpclb's accumulation loop (``step()`` after every backward) it
+   returns ``False`` without stepping on the first ``K - 1`` micro-batches of a window; in
+   Horovod's (``step()`` once after the window's backward passes) every ``step()`` ends the
+   window, a short one by reducing what is there (:mod:`hpclb.sync.window`);
 2. unscale the fp16 loss scale (when a ``torch.amp.GradScaler`` is given);
 3. the global gradient norm (one fused norm over all gradients, on the device) and the
    non-finite guard: a non-finite norm skips the step on every rank together (the averaged
@@ -79,10 +81,18 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
         model_or_named_parameters: the model (``nn.Module``) or its ``named_parameters()``, in the
             same order on every rank. Every parameter the optimizer updates must be here.
         comm: the communicator (default: the one :func:`hpclb.init` made).
-        accumulation_steps: K micro-batches per optimizer step (call ``backward()`` and
-            ``step()`` after each; only every K-th ``step()`` communicates and updates, the
-            others return False). The result is the gradient of the K-times larger batch when
-            each micro-batch loss is a mean.
+        accumulation_steps: K micro-batches (backward passes) per optimizer step. Two loops
+            (``step_after``, in ``**sync_options``): ``"micro_batch"``, hpclb's: call
+            ``backward()`` and ``step()`` after each; every K-th ``step()`` communicates and
+            updates, the others return False; ``"window"``, Horovod's: K ``backward()``, then
+            one ``step()``; every ``step()`` ends the window, and one after fewer passes (an
+            epoch's short last batch) reduces the micro-batches given and updates once. Default
+            None: the loop is recognised at the first ``step()`` (after two or more backward
+            passes: Horovod's). The result is the mean over ranks and the micro-batches given
+            (the gradient of the K-times larger batch when each micro-batch loss is a mean; of
+            the micro-batches given, on every rank, in a short window). A backward that would
+            put the passes and the ``step()`` calls out of step (more than K before a
+            ``step()``; two without ``step()`` in hpclb's loop) raises RuntimeError.
         grad_clip_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         max_nonfinite_steps: non-finite steps skipped in a row before :class:`NonFiniteError`
             (>= 1; default 3). With an fp16 scaler, overflows count only once the loss scale has
@@ -103,7 +113,8 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
             the cost of one allreduce of a byte per parameter per step. False (default): they
             are reduced as zeros (momentum and weight decay still move them).
         **sync_options: passed to :class:`~hpclb.sync.gradients.GradientSync`
-            (fusion_threshold_bytes, overlap, compression, stall_timeout_s, track_local_norm, ...).
+            (fusion_threshold_bytes, overlap, compression, stall_timeout_s, track_local_norm,
+            step_after, ...).
 
     Attributes after each ``step()``: ``grad_norm`` (0-d float32 device tensor, the averaged
     gradient's global L2 norm before clipping), ``steps`` (optimizer steps taken or skipped),
@@ -115,8 +126,10 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
 
     The contract with the caller (``docs/library.md``; :mod:`hpclb.sync.contracts`): when the
     window's last ``backward()`` returns, ``p.grad`` is the global mean (clip, log or change it
-    there, as under DDP); :meth:`no_sync` is DDP's ``no_sync()``; ``zero_grad()`` is a no-op
-    inside an accumulation window; parameters frozen at a step are not updated; a parameter set
+    there, as under DDP; after a short window's ``synchronize()``); :meth:`no_sync` is DDP's
+    ``no_sync()``; ``zero_grad()`` is a no-op inside an accumulation window of hpclb's loop and
+    zeroes after every window's ``step()``; parameters frozen at a step are not updated; a
+    parameter set
     that grows needs :meth:`refresh_parameters` (or :meth:`add_param_group`). The object is an
     instance of ``type(optimizer)`` (torch's LR schedulers take it).
 
@@ -235,8 +248,9 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients in place (they are views into the communication buckets;
         ``set_to_none`` is accepted and ignored, since re-allocating would cost a copy). Inside
-        an accumulation window (after a ``step()`` that returned False) a no-op: the window's
-        gradients accumulate until its last ``step()``. With ``accumulation_steps`` > 1 raises
+        an accumulation window of hpclb's loop (after a ``step()`` that returned False) a no-op:
+        the window's gradients accumulate until its last ``step()``; after every ``step()`` that
+        ended a window it zeroes. With ``accumulation_steps`` > 1 raises
         RuntimeError whenever it would drop a micro-batch's gradients (after its backward,
         before its ``step()``)."""
         if zero_grad_action(self.sync):
@@ -246,8 +260,9 @@ class DistributedOptimizer(SynchronizeMixin, torch.optim.Optimizer):
                 self.optimizer.zero_grad(set_to_none=False)
 
     def step(self, closure=None) -> bool:
-        """Average, check, clip and step (module docstring). Returns False on a partial
-        accumulation window or a step skipped on the host path; True when the update was
+        """Average, check, clip and step (module docstring). Returns False inside an
+        accumulation window of hpclb's loop (``step()`` after every backward) or for a step
+        skipped on the host path; True when the update was
         issued (on the device path a non-finite step is masked there: ``step_skipped`` says).
         Raises :class:`NonFiniteError` after too many non-finite steps in a row (host path;
         the device path raises in :meth:`check_nonfinite`)."""

@@ -1,0 +1,155 @@
+"""The accumulation window of :class:`~hpclb.sync.gradients.GradientSync`: how backward passes
+and ``synchronize()`` calls (``DistributedOptimizer.step()``) are counted, so that the two can
+never disagree silently (``docs/library.md``, "The accumulation loops").
+
+With ``accumulation_steps`` K > 1 the caller runs one of two loops (``step_after``):
+
+- ``"micro_batch"``, hpclb's loop: ``step()`` after every ``backward()``. A window is K
+  ``step()`` calls (a ``step()`` with no backward since the last one is an empty micro-batch:
+  a rank without samples in it), the K-th reduces; the others return False. A second
+  ``backward()`` before its ``step()`` is refused.
+- ``"window"``, Horovod's loop: ``step()`` once after the window's backward passes. Every
+  ``step()`` ends the window and re-aligns the count, as Horovod's does: after K passes
+  (reduced when the K-th backward returns), or after fewer (a short window, reduced at that
+  ``step()``: what is there). Weighting: with hpclb's mean (``divisor`` None) the gradient is
+  the mean over the micro-batches given on all ranks: the ranks' sum divided by their number
+  (``world_size * K`` for a full window); with a ``divisor`` (:mod:`hpclb.horovod`) the passes
+  given are summed and divided by it, as Horovod does.
+- None (default): the loop is recognised at the first ``synchronize()``: after two or more
+  backward passes, ``"window"``; after one or none, ``"micro_batch"``.
+
+Refused in both, on the backward that would do it, before anything of it is sent: a backward
+after the window's K passes and before ``step()`` (Horovod's "Gradients were computed more than
+backward_passes_per_step times before call to step()"; it would be added to the reduced mean).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["STEP_AFTER", "WindowMixin", "checked_step_after"]
+
+STEP_AFTER = ("micro_batch", "window")
+
+
+def checked_step_after(step_after: str | None) -> str | None:
+    """``step_after`` as given: None, ``"micro_batch"`` or ``"window"``; ValueError naming
+    the choices otherwise."""
+    if step_after not in (None, *STEP_AFTER):
+        raise ValueError(f"step_after={step_after!r}: use 'micro_batch' (step() after every "
+                         f"backward, hpclb's loop), 'window' (one step() after the window's "
+                         f"backward passes, Horovod's loop) or None (recognised at the first "
+                         f"step())")
+    return step_after
+
+
+class WindowMixin:
+    """The counting half of :class:`~hpclb.sync.gradients.GradientSync` (which provides
+    ``accumulation_steps``, ``step_after``, ``divisor_is_mean``, ``comm``, ``buckets``, the
+    counters set in its ``__init__``, ``_finish_alone`` and ``_end_window``)."""
+
+    def _check_pass(self) -> None:
+        """A backward pass begins (its first gradient hook, or :meth:`mark_all_ready`): raise
+        RuntimeError when it would put the passes and the ``synchronize()`` calls out of step.
+        Nothing of this pass has been sent yet."""
+        k = self.accumulation_steps
+        if k == 1:
+            return
+        if self.step_after == "micro_batch" and self._since_sync and not self._no_sync:
+            raise RuntimeError(
+                f"a second backward() without step() in hpclb's accumulation loop (step() after "
+                f"every backward(), accumulation_steps={k}; recognised at the first step()): "
+                f"the window counts one micro-batch per step(). Sum the losses into one "
+                f"backward(), or run the extra passes under optimizer.no_sync(); for Horovod's "
+                f"loop (the window's backward passes, then one step()) build the optimizer with "
+                f"step_after='window' (hpclb.horovod's DistributedOptimizer does)")
+        if self._reduced:
+            raise RuntimeError(
+                f"backward() after the window's accumulation_steps={k} backward passes and "
+                f"before step(): more than {k} backward passes per step() would add this one to "
+                f"the reduced mean (Horovod: 'Gradients were computed more than "
+                f"backward_passes_per_step times before call to step()'). Call step() (or "
+                f"synchronize()) after each window, or raise accumulation_steps / "
+                f"backward_passes_per_step")
+
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        """The end of a backward pass (autograd callback): count the micro-batch; on a window's
+        K-th, reduce every bucket and divide, so ``p.grad`` is the global mean on return."""
+        self._task = -1
+        if self._no_sync:
+            self._local = True
+            return
+        self._since_sync += 1
+        self._micro += 1
+        if self._micro == self.accumulation_steps:
+            self._end_window()
+
+    def synchronize(self) -> bool:
+        """Call once per optimizer step, after backward. True when a window ended (and was
+        reduced: every ``p.grad`` is the mean over ranks and micro-batches) since the last
+        call: after its K-th micro-batch, or, in Horovod's loop (``step_after="window"``),
+        at every call (a short window: what is there, weighted as the module docstring says).
+        False inside a window of hpclb's loop. A call there with no backward since the last
+        one (a rank with no samples in this micro-batch, or a backward that reached no
+        parameter) ends a micro-batch here, as :meth:`mark_all_ready` does, so every rank
+        counts the same windows.
+
+        Raises RuntimeError after :meth:`close` (at every world size: at 2 ranks it would wait
+        for hooks that are gone), and after a backward under :meth:`no_sync` that no backward
+        outside it followed (the gradients are this rank's own).
+        """
+        if not self._open:
+            raise RuntimeError(f"{self!r} was closed: its hooks are removed and nothing is "
+                               f"averaged; build a new DistributedOptimizer / GradientSync "
+                               f"(or refresh_parameters()) instead of stepping a closed one")
+        if not self._hooks:  # one process, no accumulation: every backward is a window
+            self._since_sync = 0
+            self.steps += 1
+            self._finish_alone()
+            return True
+        if self._local and not self._reduced:
+            raise RuntimeError("step() after a backward under no_sync() with no backward outside "
+                               "it: the gradients are this rank's local sums. Run the window's "
+                               "last backward outside no_sync(), then step()")
+        if self.step_after is None and self.accumulation_steps > 1:
+            self.step_after = "window" if self._since_sync > 1 else "micro_batch"
+        if not self._reduced:
+            if self.step_after == "window":
+                self._end_window()  # a short window: what is there
+            elif not self._since_sync:
+                self._end_backward()  # an empty micro-batch
+        if self._reduced and self.step_after == "window" and self.divisor_is_mean:
+            self._weigh_window()
+        reduced, self._reduced, self._since_sync = self._reduced, False, 0
+        self._window = self.accumulation_steps
+        return reduced
+
+    @torch.no_grad()
+    def _weigh_window(self) -> None:
+        """Horovod's loop with hpclb's mean: the buckets were divided by ``world_size * K``;
+        make them the mean over the micro-batches given on all ranks (one allreduce of a
+        count; a window with none on any rank stays as it is: zeros after ``zero_grad()``)."""
+        given = torch.tensor([float(self._window)], dtype=torch.float64)
+        if self.comm.world_size > 1:
+            self.comm.allreduce_(given, op="sum")
+        n, full = int(given.item()), self.comm.world_size * self.accumulation_steps
+        if 0 < n < full:
+            for b in self.buckets:
+                b.buffer.mul_(full / n)
+
+    @property
+    def backward_pending(self) -> bool:
+        """A backward ended since the last :meth:`synchronize` (``zero_grad()`` then would drop
+        its gradients from the window)."""
+        return self._since_sync > 0
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches accumulated so far in the current window (0 at a window's start)."""
+        return self._micro
+
+    def reset_epoch(self) -> int:
+        """Start a new accumulation window at an epoch boundary; returns how many micro-batches
+        of an unfinished window are dropped (their gradients stay local: zero them)."""
+        dropped, self._micro, self._since_sync = self._micro, 0, 0
+        return dropped

@@ -1,0 +1,225 @@
+"""A short accumulation window (issue 34, item 1), at 1 process and under ``mpirun -n 2 python -m
+pytest --only-mpi``: ``step()`` after fewer backward passes than ``accumulation_steps`` /
+``backward_passes_per_step`` (Horovod's ImageNet script at every epoch's short last batch) is ONE
+update from the micro-batches given, as Horovod's is, compared update by update with a
+one-process torch loop. Before: that ``step()`` returned False, every later ``zero_grad()`` was
+a no-op, every update applied the running sum of all gradients since, and at 2 ranks each rank
+added its own un-reduced micro-batch, so the replicas drifted apart. Backward passes and
+``step()`` calls that disagree are refused, never absorbed."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hpclb
+import hpclb.horovod as hvd
+from hpclb.comm.testing import assert_all
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120, method="thread")]
+
+#: accumulation_steps K -> the windows (backward passes before each step()) of the loop
+WINDOWS = {2: [2, 2, 1, 2], 3: [2, 3, 1, 3]}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _micro_batch(update: int, m: int, world_size: int, per_rank: int = 3):
+    """Global micro-batch ``m`` of window ``update``: rank r's share is ``x[r::world_size]``."""
+    g = torch.Generator().manual_seed(1000 * update + m + 7)
+    return torch.randn(world_size * per_rank, 4, generator=g), \
+        torch.randn(world_size * per_rank, 2, generator=g)
+
+
+def _loss(model, x, y):
+    return (model(x) - y).pow(2).mean()
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _make(api: str, comm, model, k: int, **kw):
+    """The DistributedOptimizer of ``api``: ``hpclb`` (``hpclb-nonblocking``: that overlap
+    mode) with ``accumulation_steps=k``, or hpclb.horovod's with ``backward_passes_per_step``."""
+    if api == "horovod":
+        hvd.init()
+        return hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                        backward_passes_per_step=k)
+    overlap = "nonblocking" if api == "hpclb-nonblocking" else None
+    return hpclb.DistributedOptimizer(_sgd(model), model, comm=comm, accumulation_steps=k,
+                                      overlap=overlap, **kw)
+
+
+def _reference_step(ref, ref_opt, parts) -> None:
+    """One plain torch update of the one-process reference: the gradient is
+    sum(weight * grad(mean loss of x, y)) over ``parts`` = [(x, y, weight)]."""
+    ref_opt.zero_grad()
+    for x, y, weight in parts:
+        (_loss(ref, x, y) * weight).backward()
+    ref_opt.step()
+
+
+def _check_update(comm, model, ref, stepped, what: str) -> None:
+    """step() said True, the replicas are equal on every rank, and equal to the reference."""
+    w = _flat(model)
+    everyone = comm.allgather_object(w.tolist())
+    equal = all(e == everyone[0] for e in everyone)
+    err = (w - _flat(ref)).abs().max().item()
+    assert_all(comm, stepped is True and equal and err < 1e-6,
+               f"{what}: step() returned {stepped}, replicas equal: {equal}, "
+               f"max |w - w_reference| = {err:.3g}")
+
+
+@pytest.mark.parametrize("api", ["hpclb", "hpclb-nonblocking", "horovod"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_short_window_is_one_update_from_the_micro_batches_given(comm, api, k):
+    """Windows of 2,2,1,2 (K=2) and 2,3,1,3 (K=3, the first one short) micro-batches, step()
+    after each: every update is the mean over the micro-batches given (hpclb's convention:
+    each micro-batch loss a mean, the window's gradients averaged over its micro-batches and
+    the ranks; Horovod's: the passes summed, each loss scaled by 1/passes by the script as
+    Horovod's ImageNet example does, averaged over ranks: the same number)."""
+    w, r = comm.world_size, comm.rank
+    model, ref = _model(), _model()
+    opt, ref_opt = _make(api, comm, model, k), _sgd(ref)
+    try:
+        for u, c in enumerate(WINDOWS[k]):
+            opt.zero_grad()
+            for m in range(c):
+                x, y = _micro_batch(u, m, w)
+                loss = _loss(model, x[r::w], y[r::w])
+                (loss / c if api == "horovod" else loss).backward()
+            stepped = opt.step()
+            _reference_step(ref, ref_opt, [(*_micro_batch(u, m, w), 1 / c) for m in range(c)])
+            _check_update(comm, model, ref, stepped, f"update {u} (a window of {c} of {k})")
+    finally:
+        opt.close()
+    assert_all(comm, opt.steps == len(WINDOWS[k]), f"{opt.steps} optimizer steps")
+
+
+@pytest.mark.parametrize("api", ["hpclb", "horovod"])
+def test_ranks_that_give_different_numbers_of_micro_batches_in_a_short_window(comm, api):
+    """K=2; in the second window rank 0 gives one micro-batch and the others two (at 1
+    process: a short window of one). hpclb's mean is over every micro-batch given on any rank;
+    Horovod's is the ranks' mean of each rank's own (the script scales by its own passes)."""
+    k, w, r = 2, comm.world_size, comm.rank
+    given = [[k] * w, [1] + [k] * (w - 1), [k] * w]  # window -> micro-batches given per rank
+    model, ref = _model(), _model()
+    opt, ref_opt = _make(api, comm, model, k), _sgd(ref)
+    try:
+        for u, counts in enumerate(given):
+            opt.zero_grad()
+            for m in range(counts[r]):
+                x, y = _micro_batch(u, m, w)
+                loss = _loss(model, x[r::w], y[r::w])
+                (loss / counts[r] if api == "horovod" else loss).backward()
+            stepped = opt.step()
+            parts = []
+            for q in range(w):
+                for m in range(counts[q]):
+                    x, y = _micro_batch(u, m, w)
+                    weight = 1 / (w * counts[q]) if api == "horovod" else 1 / sum(counts)
+                    parts.append((x[q::w], y[q::w], weight))
+            _reference_step(ref, ref_opt, parts)
+            _check_update(comm, model, ref, stepped, f"update {u} ({counts} micro-batches)")
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("api", ["hpclb", "horovod"])
+def test_more_backward_passes_than_the_window_before_step_is_refused(comm, api):
+    """Horovod raises "Gradients were computed more than backward_passes_per_step times before
+    call to step()". Before: the third pass was added to the reduced gradients (at 2 ranks its
+    own, un-reduced) and the next window started one pass early."""
+    model = _model()
+    opt = _make(api, comm, model, 2)
+    x, y = _micro_batch(0, 0, comm.world_size)
+    try:
+        opt.zero_grad()
+        for _ in range(2):
+            _loss(model, x, y).backward()
+        with pytest.raises(RuntimeError, match="more than 2 backward passes") as e:
+            _loss(model, x, y).backward()
+    finally:
+        opt.close()
+    assert_all(comm, "step()" in str(e.value), str(e.value))
+
+
+def test_hpclbs_loop_takes_one_backward_per_step(comm):
+    """hpclb's loop (step() after every backward, recognised at the first step()): a second
+    backward before step() would make the passes and the step() calls disagree; refused,
+    naming step_after='window' for Horovod's loop. Before: counted as another micro-batch."""
+    model = _model()
+    opt = _make("hpclb", comm, model, 3)
+    x, y = _micro_batch(0, 0, comm.world_size)
+    try:
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        assert opt.step() is False  # the window's first micro-batch
+        _loss(model, x, y).backward()
+        with pytest.raises(RuntimeError, match="step_after='window'"):
+            _loss(model, x, y).backward()
+    finally:
+        opt.close()
+
+
+def test_horovods_loop_with_a_short_first_window_of_one_says_so(comm):
+    """A first window of one pass reads as hpclb's loop (step() after every backward); the next
+    window's second pass is then refused, naming the fix, never absorbed. With
+    step_after='window' the same loop is three updates, as the reference's."""
+    w, r = comm.world_size, comm.rank
+    model = _model()
+    opt = _make("hpclb", comm, model, 2)
+    try:
+        opt.zero_grad()
+        _loss(model, *(t[r::w] for t in _micro_batch(0, 0, w))).backward()
+        opt.step()
+        opt.zero_grad()
+        _loss(model, *(t[r::w] for t in _micro_batch(1, 0, w))).backward()
+        with pytest.raises(RuntimeError, match="step_after='window'"):
+            _loss(model, *(t[r::w] for t in _micro_batch(1, 1, w))).backward()
+    finally:
+        opt.close()
+    for api in ("hpclb", "horovod"):  # hpclb.horovod's is Horovod's loop from the start
+        model, ref = _model(), _model()
+        kw = {"step_after": "window"} if api == "hpclb" else {}
+        opt, ref_opt = _make(api, comm, model, 2, **kw), _sgd(ref)
+        try:
+            for u, c in enumerate([1, 2, 2]):
+                opt.zero_grad()
+                for m in range(c):
+                    loss = _loss(model, *(t[r::w] for t in _micro_batch(u, m, w)))
+                    (loss / c if api == "horovod" else loss).backward()
+                stepped = opt.step()
+                _reference_step(ref, ref_opt,
+                                [(*_micro_batch(u, m, w), 1 / c) for m in range(c)])
+                _check_update(comm, model, ref, stepped, f"{api}: update {u} (a window of {c})")
+        finally:
+            opt.close()
+
+
+def test_the_recognised_loop_survives_refresh_parameters(comm):
+    """Horovod's loop recognised at the first step() (two passes) stays recognised when
+    refresh_parameters() rebuilds the buckets: the window of one after it is an update."""
+    w, r = comm.world_size, comm.rank
+    model, ref = _model(), _model()
+    opt, ref_opt = _make("hpclb", comm, model, 2), _sgd(ref)
+    try:
+        for u, c in enumerate([2, 1]):
+            if u:
+                opt.refresh_parameters()
+            opt.zero_grad()
+            for m in range(c):
+                _loss(model, *(t[r::w] for t in _micro_batch(u, m, w))).backward()
+            stepped = opt.step()
+            _reference_step(ref, ref_opt, [(*_micro_batch(u, m, w), 1 / c) for m in range(c)])
+            _check_update(comm, model, ref, stepped, f"update {u} (a window of {c} of 2)")
+    finally:
+        opt.close()

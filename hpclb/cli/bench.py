@@ -70,11 +70,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          "synthetic ImageNet-sized JPEGs; writes results/bench_loader.json")
     loader.add_run_arguments(ld)
     ld.set_defaults(func=loader.driver)
-    for sub in (tr, m, a, s, o, h, lc, ld):
+    _guard_outputs(tr, m, a, s, o, h, lc, ld)
+    return b
+
+
+def _guard_outputs(*subs: argparse.ArgumentParser) -> None:
+    """Give each benchmark ``--overwrite`` and the check that its ``--out`` is not replaced
+    without it."""
+    for sub in subs:
         sub.add_argument("--overwrite", action="store_true", help="replace an existing --out "
                          "file (e.g. a committed results/*.json); without it one is refused")
         sub.set_defaults(func=_refusing_to_replace(sub.get_default("func")))
-    return b
 
 
 def _refusing_to_replace(func):

@@ -19,16 +19,8 @@ HELP = "benchmarks"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
-    from hpclb.bench import (
-        allreduce,
-        host_overhead,
-        loader,
-        logging_cost,
-        overhead,
-        projection,
-        scaling,
-        trust_ratio,
-    )
+    from hpclb.bench import allreduce, host_overhead, loader, logging_cost, overhead
+    from hpclb.bench import projection, scaling, trust_ratio
 
     b = subparsers.add_parser("bench", help=HELP)
     bsub = b.add_subparsers(dest="bench_command", required=True)

@@ -19,8 +19,16 @@ HELP = "benchmarks"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
-    from hpclb.bench import allreduce, host_overhead, loader, logging_cost, overhead
-    from hpclb.bench import projection, scaling, trust_ratio
+    from hpclb.bench import (
+        allreduce,
+        host_overhead,
+        loader,
+        logging_cost,
+        overhead,
+        projection,
+        scaling,
+        trust_ratio,
+    )
 
     b = subparsers.add_parser("bench", help=HELP)
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -57,13 +65,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")
     logging_cost.add_run_arguments(lc)
     lc.set_defaults(func=logging_cost.driver)
+    _guard_outputs(tr, m, a, s, o, h, lc, _add_loader(bsub, loader))
+    return b
+
+
+def _add_loader(bsub, loader) -> argparse.ArgumentParser:
     ld = bsub.add_parser("loader", help="images/s per core of the ImageNet train and eval "
                          "transforms (DCT-scaled decode, uint8) against the path before, on "
                          "synthetic ImageNet-sized JPEGs; writes results/bench_loader.json")
     loader.add_run_arguments(ld)
     ld.set_defaults(func=loader.driver)
-    _guard_outputs(tr, m, a, s, o, h, lc, ld)
-    return b
+    return ld
 
 
 def _guard_outputs(*subs: argparse.ArgumentParser) -> None:

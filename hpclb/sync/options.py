@@ -192,7 +192,7 @@ class SyncOptions:
             raise ValueError(f"stall_abort_s={self.stall_abort_s} (argument or "
                              f"$HPCLB_STALL_ABORT_S) must be >= stall_timeout_s="
                              f"{self.stall_timeout_s} (argument or $HPCLB_STALL_TIMEOUT_S) "
-                             f"seconds: the job is ended after the stall report, not before")
+                             f"seconds (abort after the report)")
 
     @property
     def compression_dtype(self):

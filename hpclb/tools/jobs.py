@@ -41,6 +41,7 @@ from hpclb.tasks import load_plugin_data
 from hpclb.tools.jobs_spec import (
     SCHEDULERS,
     JobSpec,
+    check_one_line,
     check_path,
     format_time,
     parse_time,
@@ -264,7 +265,7 @@ def _train_argv(spec: JobSpec, plan: Plan, ranks: int, backend: str) -> str:
     if device:  # CPU-only jobs keep the command they always had
         train += ["--device", device]
     if spec.optimizer:
-        train += ["--optimizer", spec.optimizer]
+        train += ["--optimizer", shlex.quote(spec.optimizer)]
     if spec.epochs is not None:
         train += ["--epochs", f"{spec.epochs:g}"]
     if spec.data_dir:
@@ -333,6 +334,8 @@ def render(spec: JobSpec) -> tuple[str, Plan]:
 
     validate(spec)
     recipe, plan, tasks = _plan(spec)
+    check_one_line("the recipe's name", recipe["name"])  # shown in the header's comments
+    check_one_line("the recipe's data.name", plan.data_name)
     ranks = spec.nodes * tasks
     name = spec.job_name or f"{recipe['name']}-{spec.nodes}n"
     out = spec.out or f"runs/{recipe['name']}-{spec.nodes}n{tasks}r-b{plan.global_batch}"

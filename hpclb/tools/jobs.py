@@ -51,7 +51,7 @@ from hpclb.tools.jobs_spec import (
 # JobSpec (hpclb.tools.jobs_spec, torch-free for the command line) is what render takes.
 __all__ = ["BLOCK_SIGNALS", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES",
            "EXAMPLES", "JobSpec", "Plan", "train_set_size", "default_backend", "plan_for",
-           "interconnect", "render", "example_specs", "write_examples"]
+           "interconnect", "render", "template_engine", "example_specs", "write_examples"]
 
 # Each rank starts with the preemption signals blocked until hpclb has its handler in place
 # (hpclb.cli unblocks them); GNU coreutils >= 8.31 (Debian 11+, RHEL 9+).
@@ -328,9 +328,17 @@ def _check_divides(spec: JobSpec, batch: int, ranks: int, given: bool) -> None:
                    f"that divides it ({', '.join(map(str, fits[-3:])) or 'none'})")
 
 
+def template_engine():
+    """jinja2, which renders the job templates; MissingExtraError naming ``pip install
+    'hpclb[experiments]'`` without it (callers that write other files first call this before
+    them)."""
+    return require("jinja2", "rendering job templates")
+
+
 def render(spec: JobSpec) -> tuple[str, Plan]:
-    """(script text, plan) for ``spec``; JobError with the fix for anything invalid."""
-    jinja2 = require("jinja2", "rendering job templates")
+    """(script text, plan) for ``spec``; JobError with the fix for anything invalid,
+    MissingExtraError without jinja2."""
+    jinja2 = template_engine()
 
     validate(spec)
     recipe, plan, tasks = _plan(spec)

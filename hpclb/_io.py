@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["fsync_dir", "write_atomic", "write_text_atomic", "write_json", "sha256_file",
-           "json_lines", "json_lines_numbered"]
+           "json_lines", "json_lines_numbered", "read_text_utf8", "read_json"]
 
 
 def fsync_dir(directory: Path) -> None:
@@ -83,3 +83,29 @@ def json_lines(path: Path) -> Iterator[tuple[str, Any]]:
         if row is None and not last:
             raise ValueError(f"{path}:{number}: not a JSON line; repair or delete the file")
         yield line, row
+
+
+def read_text_utf8(path: Path, what: str) -> str:
+    """The text of the user's file ``path`` (a byte-order mark dropped). ``what``: what such
+    files are, for the message (``"recipes"``). Raises ValueError naming the file, the first
+    byte that is not UTF-8 (offset from 0, line and column from 1) and the fix; OSError when it
+    cannot be read."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}: byte {e.start} (0x{data[e.start]:02x}, line {line}, column "
+                         f"{column}) is not UTF-8; {what} are UTF-8 text: save the file as UTF-8 "
+                         f"(e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
+def read_json(path: Path, what: str) -> Any:
+    """:func:`read_text_utf8`, parsed as JSON. Raises ValueError naming the file (and the
+    place) for text that is not UTF-8 or not JSON; OSError when it cannot be read."""
+    text = read_text_utf8(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e}); {what} are JSON") from None

@@ -27,7 +27,12 @@ from hpclb.comm.watchdog import install_abort_on_exception, watchdog_for
 from hpclb.comm.world import current_communicator, get_communicator, has_communicator
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.schedules import Schedule
-from hpclb.sync.options import LIBRARY_STALL_ABORT_S, SyncOptions, set_default_stall_abort_s
+from hpclb.sync.options import (
+    LIBRARY_STALL_ABORT_S,
+    SyncOptions,
+    check_environment,
+    set_default_stall_abort_s,
+)
 
 __all__ = ["init", "communicator", "broadcast_parameters", "broadcast_optimizer_state", "legw",
            "linear_scaling", "sqrt_scaling", "no_scaling", "shard_loader", "share_weight",
@@ -47,7 +52,8 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     ``cuda``; ``share_gpu`` allows more ranks than GPUs on a node. Returns the
     :class:`~hpclb.comm.base.Communicator` (``rank``, ``world_size``, ``local_rank``, ``device``);
     calling it again returns the same one. Raises ConfigError (a ValueError) when the launcher
-    and backend do not fit, or the device cannot be had.
+    and backend do not fit, or the device cannot be had, and ValueError naming the variable for
+    a bad ``HPCLB_*`` setting (:func:`hpclb.sync.options.check_environment`).
 
     No rank waits forever (world size > 1): ``abort_on_exception`` installs ``sys.excepthook``
     and ``threading.excepthook`` so that an uncaught exception on one rank prints the rank and
@@ -62,6 +68,7 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     ``torch.distributed`` itself (``DistributedSampler(ds)`` without arguments,
     ``dist.all_reduce`` of a metric); :func:`hpclb.comm.torch_dist.init_default_group`.
     """
+    check_environment()  # a bad HPCLB_* variable named here, not at the first optimizer
     set_default_stall_abort_s(stall_abort_s)
     if not has_communicator():
         get_communicator(backend, device=device, share_gpu=share_gpu)

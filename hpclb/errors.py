@@ -18,7 +18,7 @@ __all__ = [
     "EXIT_FAILURE", "EXIT_USAGE", "DIVERGED_EXIT_CODE", "PREEMPTED_EXIT_CODE",
     "HpclbError", "ConfigError", "RecipeWarning", "DataError", "CheckpointError", "JobError",
     "ModelMismatchError", "AgreedFailure", "NonFiniteError", "Preempted", "Diverged",
-    "KernelCompileError", "MissingExtraError", "WarmupTooLong",
+    "KernelCompileError", "MissingExtraError", "WarmupTooLong", "BudgetTooLarge",
 ]
 
 EXIT_FAILURE = 1
@@ -143,3 +143,21 @@ class WarmupTooLong(HpclbError, ValueError):
                         f"{total_steps / steps_per_epoch:.3g} epochs)")
         super().__init__(f"{self.problem}; train more epochs (at least {min_epochs:g} for "
                          f"this batch), use a smaller batch, or shorten warmup_epochs")
+
+
+class BudgetTooLarge(HpclbError, ValueError):
+    """A training budget of more optimizer steps than any run can mean: ``total_steps`` (at
+    ``steps_per_epoch``) over ``max_steps`` (:data:`hpclb.schedules.MAX_TOTAL_STEPS`), most
+    likely a unit or exponent slip (``epochs: 1.0e12``), which would train until killed.
+    ``problem`` states the steps."""
+
+    exit_code = EXIT_USAGE
+    agreed = True
+
+    def __init__(self, total_steps: int, steps_per_epoch: int, max_steps: int):
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        self.max_steps = max_steps
+        self.problem = (f"{total_steps:.4g} optimizer steps ({total_steps / steps_per_epoch:.4g} "
+                        f"epochs x {steps_per_epoch} steps per epoch) is more than the "
+                        f"{max_steps:.0e} steps any run can mean")
+        super().__init__(f"{self.problem}; give the training budget in epochs (e.g. 90)")

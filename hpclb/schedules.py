@@ -47,10 +47,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from hpclb.errors import WarmupTooLong
+from hpclb.errors import BudgetTooLarge, WarmupTooLong
 
 __all__ = ["SCALING_RULES", "WARMUP_RULES", "DECAYS", "SCHEMES", "GOYAL_WARMUP_EPOCHS",
-           "WarmupRoundedToZero", "steps_per_epoch", "batch_ratio", "scale_lr",
+           "MAX_TOTAL_STEPS", "WarmupRoundedToZero", "steps_per_epoch", "batch_ratio", "scale_lr",
            "scale_warmup_epochs", "warmup_steps_for", "warmup_factor", "decay_factor",
            "validate_decay", "Schedule"]
 
@@ -58,6 +58,10 @@ SCALING_RULES = ("none", "linear", "sqrt")
 WARMUP_RULES = ("legw", "goyal", "fixed", "none")
 # Goyal et al. 2017 (arXiv 1706.02677), section 2.2: "gradual warmup" over 5 epochs from eta0.
 GOYAL_WARMUP_EPOCHS = 5.0
+#: The most optimizer steps a run may have: a billion steps, a thousand times the longest
+#: published large-batch runs, is weeks of work even at a millisecond a step, so a budget past
+#: it is a slip (``epochs: 1.0e12``) that would train until killed, and is refused.
+MAX_TOTAL_STEPS = 10 ** 9
 DECAYS = ("constant", "poly", "exponential", "multistep", "cosine")
 # A scheme is the pair (LR rule, warmup rule) that `--scaling` selects.
 SCHEMES = {
@@ -243,7 +247,8 @@ class Schedule:
     step 0: 0 for LEGW and the fixed-warmup schemes, ``eta0`` for Goyal's). Build one with
     :meth:`from_recipe`.
     Raises ValueError when the peak LR is not positive, :class:`WarmupTooLong` (a ValueError)
-    when warmup is not shorter than training.
+    when warmup is not shorter than training, :class:`BudgetTooLarge` (a ValueError) for more
+    than :data:`MAX_TOTAL_STEPS` steps.
     """
 
     peak_lr: float
@@ -260,6 +265,8 @@ class Schedule:
         if self.total_steps <= 0 or self.steps_per_epoch <= 0:
             raise ValueError(f"total_steps ({self.total_steps}) and steps_per_epoch "
                              f"({self.steps_per_epoch}) must be > 0")
+        if self.total_steps > MAX_TOTAL_STEPS:
+            raise BudgetTooLarge(self.total_steps, self.steps_per_epoch, MAX_TOTAL_STEPS)
         if self.warmup_steps >= self.total_steps:
             raise WarmupTooLong(self.warmup_steps, self.total_steps, self.steps_per_epoch,
                                 _round_up((self.warmup_steps + 1) / self.steps_per_epoch))

@@ -27,6 +27,11 @@ CASES = [
     ("HPCLB_CUDA_AWARE_MPI", "2", r"\$HPCLB_CUDA_AWARE_MPI='2': choose one of 0, 1"),
     ("HPCLB_TRUST_BACKEND", "cuda", r"\$HPCLB_TRUST_BACKEND='cuda': choose one of auto, torch"),
     ("HPCLB_ABORT_ON_EXCEPTION", "maybe", r"\$HPCLB_ABORT_ON_EXCEPTION='maybe': choose one of 0"),
+    ("HPCLB_COMM_POLL_S", "-1", r"\$HPCLB_COMM_POLL_S='-1': must be a number of seconds >= 0"),
+    ("HPCLB_STALL_ABORT_S", "0", r"\$HPCLB_STALL_ABORT_S='0': must be a number of seconds > 0"),
+    ("HPCLB_STALL_ABORT_S", "30", r"\$HPCLB_STALL_ABORT_S='30' is below the stall timeout "
+                                  r"\(\$HPCLB_STALL_TIMEOUT_S unset: 60\) seconds.*set "
+                                  r"HPCLB_STALL_ABORT_S to 60 or more"),
 ]
 
 
@@ -50,3 +55,34 @@ def test_train_refuses_bad_variable_at_start_up(tmp_path, ranks, var, value, mes
     assert "hpclb: error: environment: " in out and "Traceback" not in out, out
     assert re.search(message, out), out
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_stall_abort_below_the_timeout_names_both_variables(tmp_path, ranks):
+    """HPCLB_STALL_ABORT_S below HPCLB_STALL_TIMEOUT_S: exit 2 at start-up on every rank, one
+    line naming both variables, their values and the fix (before: a ValueError from the first
+    optimizer, exit 1, naming the arguments stall_abort_s/stall_timeout_s, after the run
+    directory was made)."""
+    env = {**ENV, "HPCLB_STALL_TIMEOUT_S": "10", "HPCLB_STALL_ABORT_S": "5"}
+    p = run_hpclb("train", "mnist-lstm", "--epochs", "1", "--out", tmp_path / "run",
+                  "--data-dir", tmp_path / "nodata", ranks=ranks, timeout=120, env=env,
+                  mpirun_args=("-x", "HPCLB_STALL_TIMEOUT_S", "-x", "HPCLB_STALL_ABORT_S"))
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert "hpclb: error: environment: $HPCLB_STALL_ABORT_S='5' is below " \
+        "$HPCLB_STALL_TIMEOUT_S='10' seconds" in out and "set HPCLB_STALL_ABORT_S to 10 or more, " \
+        "or lower HPCLB_STALL_TIMEOUT_S" in out, out
+    assert "Traceback" not in out and out.count("hpclb: error:") == 1, out
+    assert not (tmp_path / "run").exists()
+
+
+def test_library_init_names_a_bad_variable(monkeypatch):
+    """hpclb.init() checks the same variables (before: the ValueError came from the first
+    DistributedOptimizer and named its arguments)."""
+    import hpclb
+
+    monkeypatch.setenv("HPCLB_STALL_TIMEOUT_S", "10")
+    monkeypatch.setenv("HPCLB_STALL_ABORT_S", "5")
+    with pytest.raises(ValueError, match=r"\$HPCLB_STALL_ABORT_S='5' is below "
+                                         r"\$HPCLB_STALL_TIMEOUT_S='10'"):
+        hpclb.init(backend="self", device="cpu")

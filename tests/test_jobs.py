@@ -4,6 +4,7 @@ Fast (no scheduler): the real SLURM and the PBS emulation are in jobs/testing (`
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shlex
@@ -11,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import quick_recipe
 
 from hpclb import schedules
 from hpclb.cli import main
@@ -246,10 +248,70 @@ def test_long_time_limits_per_scheduler():
     ({"backend": "nccl"}, r"--backend 'nccl': choose one of"),
     ({"gpu_bind": "map_gpu:0"}, r"--gpu-bind 'map_gpu:0'"),
     ({"device": "cuda", "gpus_per_node": 0, "tasks_per_node": 2}, r"ask for GPUs"),
+    ({"socket_ifname": "ib0;id"}, r"--socket-ifname 'ib0;id': no spaces, quotes, shell operators"),
+    ({"ucx_net_devices": "mlx5_0:1 $(id)"}, r"--ucx-net-devices 'mlx5_0:1 \$\(id\)': no spaces"),
+    ({"nccl_ib_hca": "`id`"}, r"--nccl-ib-hca '`id`': no spaces"),
+    ({"partition": "gpu\nid"}, r"--partition 'gpu\\nid': holds a line break"),
 ])
 def test_invalid_requests_name_the_fix(kw, match):
     with pytest.raises(JobError, match=match):
         render(spec(**kw))
+
+
+MARK = "hpclbMARK"
+#: what a user might pass that a shell would run: an operator, a command substitution in both
+#: forms, a word break and a line break
+HOSTILE = (f"ib0;{MARK}", f"$({MARK})", f"`{MARK}`", f"ib0 {MARK}", f"ib0\n{MARK}")
+TEXT_FIELDS = [f.name for f in dataclasses.fields(JobSpec)
+               if f.type in ("str", "str | None", "list[str]")]
+
+
+def inert(text: str, value: str) -> list[str]:
+    """Why ``value`` in the rendered ``text`` could run as a command: the script must pass
+    ``bash -n``, and every line holding the marker must be a comment or hold ``value`` as one
+    shell word (quoted)."""
+    bad = []
+    check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    if check.returncode:
+        bad.append(f"bash -n: {check.stderr}")
+    for line in text.splitlines():
+        if MARK in line and not line.lstrip().startswith("#"):
+            try:
+                words = shlex.split(line.split("=", 1)[1] if line.startswith("TRAIN=(") else line)
+            except ValueError as e:
+                words = [f"unparsable ({e})"]
+            if value not in words and value + ")" not in words:
+                bad.append(f"{value!r} is not one word in {line!r}")
+    return bad
+
+
+def test_every_text_option_is_refused_or_quoted(tmp_path):
+    """Every text field of a job (``export`` values, directives, paths, names, choices, the
+    recipe path) set to each of :data:`HOSTILE` is refused naming its flag, or reaches the script
+    only as one quoted word or inside a comment (before: ``--socket-ifname``,
+    ``--ucx-net-devices`` and ``--nccl-ib-hca`` went unquoted into ``export`` lines)."""
+    assert {"socket_ifname", "ucx_net_devices", "nccl_ib_hca", "experiment", "modules",
+            "optimizer"} <= set(TEXT_FIELDS)
+    recipe = Path(quick_recipe(tmp_path)).read_text()
+    accepted, bad = [], []
+    for name in TEXT_FIELDS:
+        flag = {"experiment": "EXPERIMENT", "modules": "--module"}.get(
+            name, "--" + name.replace("_", "-"))
+        for value in HOSTILE:
+            if name == "experiment":  # an existing recipe at a hostile path
+                path = tmp_path / f"{value}.yaml"
+                path.write_text(recipe)
+                value = str(path)
+            try:
+                text, _ = render(spec(**{name: [value] if name == "modules" else value}))
+            except JobError as e:
+                if flag not in str(e) or value not in str(e) and repr(value)[1:-1] not in str(e):
+                    bad.append(f"{flag} {value!r}: refused without naming it: {e}")
+                continue
+            accepted.append((name, value))
+            bad += [f"{flag}: {why}" for why in inert(text, value)]
+    assert not bad, bad
+    assert [n for n, _ in accepted] == ["experiment"] * 4, accepted  # the path, quoted; no \n
 
 
 def test_train_set_sizes_table():

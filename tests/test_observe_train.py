@@ -3,11 +3,13 @@ writes per-step lines and TensorBoard files, their scalars read back in a test")
 and under mpirun, the quick MNIST-LSTM recipe with LARS, ``log_every`` 4 and, at world size > 1,
 the gradient noise scale; rank 0 checks metrics.jsonl's step and epoch lines and the TensorBoard
 scalars, every rank shares the verdict."""
+import json
 import math
+from pathlib import Path
 
 import pytest
 from conftest import all_ranks_ok
-from helpers import quick_recipe
+from helpers import preempt_at, quick_recipe
 
 from hpclb.config import resolve
 from hpclb.schedules import Schedule
@@ -121,3 +123,41 @@ def test_mid_epoch_checkpoints_leave_the_epoch_statistics_alone(tmp_path, mnist_
             for a, b in zip(ea + sa, eb + sb):
                 bad += [f"{k}: {a[k]} vs {b[k]}" for k in keys if k in a and a[k] != b.get(k)]
     all_ranks_ok(comm, not bad, "; ".join(bad[:5]))
+
+
+#: The fields of metrics.jsonl that measure wall-clock time or memory, not the training: the
+#: only ones in which a preempted and resumed run's file differs from an uninterrupted run's
+#: (docs/observability.md). In the epoch a run resumed in, the rates are null.
+WALL_CLOCK = {"samples_per_s", "tokens_per_s", "epoch_time_s", "elapsed_s", "step_time_s",
+              "comm_wait_s", "compute_s", "max_memory_bytes"}
+
+
+@pytest.mark.parametrize("at", [10, 8])  # mid-epoch, between log points; an epoch's last step
+def test_preempted_and_resumed_metrics_equal_the_uninterrupted_ones(tmp_path, mnist_dir, comm,
+                                                                    monkeypatch, at):
+    """metrics.jsonl after a preemption at global step ``at`` and ``--resume`` equals the
+    uninterrupted run's line by line, but for :data:`WALL_CLOCK` (before: the step line after
+    the resume averaged the loss from the epoch's start, not from the last log point, and the
+    epoch lines' gradient noise scale started its smoothing afresh). 8 steps per epoch, a step
+    line every 3, the noise scale at world size > 1."""
+    recipe = quick_recipe(tmp_path)
+    kw = dict(data_dir=str(mnist_dir.parent), batch_size=512, epochs=2.5, log_every=3,
+              noise_scale=comm.world_size > 1)
+    outs = {name: comm.broadcast_object(str(tmp_path / name)) for name in ("full", "cut")}
+    train_mod.train(resolve(recipe, out=outs["full"], **kw), comm, quiet=True)
+    preempt_at(monkeypatch, at)
+    with pytest.raises(train_mod.Preempted):
+        train_mod.train(resolve(recipe, out=outs["cut"], **kw), comm, quiet=True)
+    monkeypatch.undo()
+    train_mod.train(resolve(recipe, out=outs["cut"], resume=True, **kw), comm, quiet=True)
+    bad = []
+    if comm.rank == 0:
+        full, cut = ([{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK}
+                      for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+                     for out in (outs["full"], outs["cut"]))
+        if len(full) != len(cut):
+            bad.append(f"{len(full)} lines vs {len(cut)}")
+        bad += [f"{a} vs {b}" for a, b in zip(full, cut) if a != b]
+        if comm.world_size > 1 and "noise" not in full[-1]:
+            bad.append(f"no noise field in {full[-1]}")
+    all_ranks_ok(comm, not bad, "; ".join(bad[:3]))

@@ -148,10 +148,11 @@ def interleaved_steps(comm, recipe: str, work: Path, data_dir: str | None,
     spe = sched.steps_per_epoch
     for epoch in range(math.ceil(sched.total_steps / spe)):
         sums = {}
-        for name, (run, _, _) in runs.items():
+        for name, (run, _, steplog) in runs.items():
             run.task.start_epoch(epoch)
             run.optimizer.sync.reset_epoch()
             sums[name] = torch.zeros(3, dtype=torch.float64, device=run.device)
+            steplog.start_epoch(sums[name], resumed=False)
         for i in range(min(spe, sched.total_steps - epoch * spe)):
             for name in round_order(list(VARIANTS), i):
                 run, _, steplog = runs[name]

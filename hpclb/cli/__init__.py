@@ -29,6 +29,7 @@ from hpclb.cli import (
     sweep,
     train,
 )
+from hpclb.errors import MissingExtraError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(only=common.command_of(argv) or "").parse_args(argv)
     try:
         return args.func(args)
+    except MissingExtraError as e:  # one line naming the extra, from any command
+        common.error(str(e))
+        return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; the shell's status for it
         print(f"hpclb {common.command_of(argv) or ''}: interrupted (Ctrl-C); a run keeps its "
               f"last checkpoint (resume with --resume)", file=sys.stderr)

@@ -39,12 +39,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``hpclb scale``: write the recipe (and job script), print the changes; 2 on bad input."""
+    from hpclb.tools.jobs import template_engine
     from hpclb.tools.scale import format_changes, scale_run, write_job
 
     if args.scheduler and (args.nodes is None or args.gpus_per_node is None):
         error("--scheduler needs --nodes N and --gpus-per-node G (0 with --tasks-per-node "
               "for CPU-only nodes)")
         return EXIT_USAGE
+    if args.scheduler:
+        template_engine()  # without jinja2: say so before the recipe is written
     try:
         s = scale_run(args.run_dir, args.to_batch, scaling=args.scaling, out=args.out,
                       num_samples=args.num_samples, epochs=args.epochs,

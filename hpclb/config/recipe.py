@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from hpclb import schedules
+from hpclb._io import read_text_utf8
 from hpclb.config.schema import (
     check_builtin_data,
     check_model,
@@ -84,7 +85,12 @@ _RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT,
 
 def _read_yaml(path: Path) -> Any:
     try:
-        return yaml.load(path.read_text(), Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
+        text = read_text_utf8(path, "recipes")
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e) if isinstance(e, ValueError) else f"{path}: cannot read it "
+                          f"({e})") from None
+    try:
+        return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader)
     except _DuplicateKey as e:
         raise ConfigError(f"{path}: {e}") from e
     except yaml.YAMLError as e:
@@ -114,7 +120,8 @@ def load_recipe(experiment: str, epochs: float | None = None) -> dict[str, Any]:
     gets ``plugin_path``: the absolute directories its plug-ins are imported from (the recipe's
     own first), which are put on ``sys.path``. Raises ConfigError naming the offending field (a
     duplicate key with its line); warns (:class:`RecipeWarning`) for valid values outside their
-    sensible range.
+    sensible range. A budget of more than :data:`~hpclb.schedules.MAX_TOTAL_STEPS` epochs is
+    refused here, one of more steps at the run's batch when its schedule is made.
     """
     path = _recipe_path(experiment)
     recipe = _read_yaml(path)
@@ -139,7 +146,20 @@ def load_recipe(experiment: str, epochs: float | None = None) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(f"{where}: decay: {e}") from e
     check_settings(recipe, where, epochs)
+    _check_epochs_bound(recipe["epochs"], f"{where}: epochs")
+    if epochs is not None:
+        _check_epochs_bound(epochs, "--epochs")
     return recipe
+
+
+def _check_epochs_bound(epochs: float, field: str) -> None:
+    """ConfigError naming ``field`` when ``epochs`` alone (every epoch is one optimizer step or
+    more) is over :data:`~hpclb.schedules.MAX_TOTAL_STEPS` steps: a slip that would train until
+    killed. The steps at the run's batch are checked when its schedule is made."""
+    require(epochs <= schedules.MAX_TOTAL_STEPS, field,
+            f"{epochs:g} epochs is at least {epochs:.4g} optimizer steps (one or more per "
+            f"epoch), more than the {schedules.MAX_TOTAL_STEPS:.0e} steps any run can mean; give "
+            f"the training budget in epochs (e.g. 90)")
 
 
 def parse_recipe(experiment: str) -> Recipe:

@@ -112,8 +112,10 @@ class RunConfig:
     def schedule(self, num_samples: int) -> schedules.Schedule:
         """The LR schedule of this run on a training set of ``num_samples`` samples.
 
-        Raises ConfigError when the global batch is larger than the training set or the
-        warmup is not shorter than training, naming the command-line fixes."""
+        Raises ConfigError when the global batch is larger than the training set, the
+        warmup is not shorter than training or the budget is more than
+        :data:`~hpclb.schedules.MAX_TOTAL_STEPS` optimizer steps, naming the command-line
+        fixes."""
         b = self.global_batch_size
         if b > num_samples:
             unit = TASKS[self.spec.task].sample_unit
@@ -129,6 +131,14 @@ class RunConfig:
                 global_batch_size=b, num_samples=num_samples,
                 epochs=self.epochs, scheme=self.scaling, decay=self.spec.decay.name,
                 decay_params=dict(self.spec.decay.params))
+        except schedules.BudgetTooLarge as e:
+            given = self.epochs != float(self.recipe["epochs"])
+            field = "--epochs" if given else f"{self.spec.name}: epochs (recipe field)"
+            raise ConfigError(
+                f"{field} {self.epochs:g}: {e.problem} at --batch-size {b} on "
+                f"{num_samples} samples; give the training budget in epochs "
+                f"(at most {schedules.MAX_TOTAL_STEPS // e.steps_per_epoch:.4g} at this "
+                f"batch)") from e
         except schedules.WarmupTooLong as e:
             fixes = [f"train more epochs (--epochs, at least {e.min_epochs:g} for this batch)"]
             if schedules.SCHEMES[self.scaling][1] == "legw":

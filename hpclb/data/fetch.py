@@ -36,6 +36,7 @@ from hpclb.data.manifest import write_manifest
 from hpclb.data.paths import data_dir
 from hpclb.data.registry import DATASETS, fetchable
 from hpclb.errors import DataError
+from hpclb.extras import require
 
 __all__ = ["FETCHERS", "fetch", "fetch_bible_en_es", "fetch_fashion_mnist", "fetch_mnist",
            "fetch_ptb", "md5sum"]
@@ -224,6 +225,7 @@ def fetch_bible_en_es(root: str | Path | None = None) -> Path:
     if (dest / ".verified").is_file() and (dest / "pairs.tsv").is_file():
         log.info("bible-en-es: already staged in %s", dest)
         return dest
+    require("pysword", "reading the Bible SWORD modules")  # before the download
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         system = Path("/usr/share/sword")

@@ -81,6 +81,13 @@ def _positive_seconds(raw: str) -> float:
     return value
 
 
+def _nonnegative_seconds(raw: str) -> float:
+    value = _seconds(raw)
+    if not value >= 0:
+        raise ValueError("must be a number of seconds >= 0 (e.g. 0.0002)")
+    return value
+
+
 def _choice(valid: tuple[str, ...]):
     def conv(raw: str) -> str:
         if raw not in valid:
@@ -96,20 +103,30 @@ _COMPRESSION_ENV = _choice(("none", "fp16", "bf16"))
 
 def check_environment() -> None:
     """Check every ``HPCLB_*`` gradient-sync variable that is set (and ``HPCLB_CUDA_AWARE_MPI``,
-    ``HPCLB_TRUST_BACKEND``, ``HPCLB_ABORT_ON_EXCEPTION``), at start-up (before any rank
-    trains): raises ValueError naming the variable, its value and the valid values."""
+    ``HPCLB_TRUST_BACKEND``, ``HPCLB_ABORT_ON_EXCEPTION``), and ``HPCLB_STALL_ABORT_S`` against
+    ``HPCLB_STALL_TIMEOUT_S`` (or its default), at start-up (before any rank trains): raises
+    ValueError naming the variable(s), the value(s) and the valid values."""
     _env("HPCLB_FUSION_THRESHOLD_BYTES", None,
          lambda raw: _as_bytes("a fusion threshold", parse_bytes(raw)))
     _env("HPCLB_OVERLAP", None, _OVERLAP_ENV)
     _env("HPCLB_COMPRESSION", None, _COMPRESSION_ENV)
-    _env("HPCLB_STALL_TIMEOUT_S", None, _positive_seconds)
-    _env("HPCLB_STALL_ABORT_S", None, _positive_seconds)
-    _env("HPCLB_COMM_POLL_S", None, _seconds)
+    timeout = _env("HPCLB_STALL_TIMEOUT_S", None, _positive_seconds)
+    abort = _env("HPCLB_STALL_ABORT_S", None, _positive_seconds)
+    _env("HPCLB_COMM_POLL_S", None, _nonnegative_seconds)
     # read elsewhere, lazily (on a GPU, in library mode): checked here so that a typo is caught
     # on any machine, at start-up
     _env("HPCLB_CUDA_AWARE_MPI", None, _choice(("0", "1")))
     _env("HPCLB_TRUST_BACKEND", None, _choice(("auto", "torch")))
     _env("HPCLB_ABORT_ON_EXCEPTION", None, lambda raw: _choice(_BOOL_WORDS)(raw.strip().lower()))
+    if abort is not None and abort < (DEFAULT_STALL_TIMEOUT_S if timeout is None else timeout):
+        shown = (f"$HPCLB_STALL_TIMEOUT_S={os.environ['HPCLB_STALL_TIMEOUT_S']!r}"
+                 if timeout is not None else
+                 f"the stall timeout ($HPCLB_STALL_TIMEOUT_S unset: {DEFAULT_STALL_TIMEOUT_S:g})")
+        raise ValueError(
+            f"$HPCLB_STALL_ABORT_S={os.environ['HPCLB_STALL_ABORT_S']!r} is below {shown} "
+            f"seconds: a stalled collective is reported after the timeout and the job ended "
+            f"after the abort time; set HPCLB_STALL_ABORT_S to "
+            f"{timeout or DEFAULT_STALL_TIMEOUT_S:g} or more, or lower HPCLB_STALL_TIMEOUT_S")
 
 
 @dataclass(frozen=True)
@@ -151,8 +168,9 @@ class SyncOptions:
                                   _env("HPCLB_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S,
                                        _positive_seconds)),
             stall_abort_s=stall_abort_s if stall_abort_s is not None else
-            _env("HPCLB_STALL_ABORT_S", None, _seconds),
-            comm_poll_s=float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, _seconds)))
+            _env("HPCLB_STALL_ABORT_S", None, _positive_seconds),
+            comm_poll_s=float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S,
+                                   _nonnegative_seconds)))
         if opts.stall_abort_s is None and _default_stall_abort_s[0] is not None:
             opts = dataclasses.replace(opts, stall_abort_s=max(_default_stall_abort_s[0],
                                                                opts.stall_timeout_s))
@@ -171,10 +189,10 @@ class SyncOptions:
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be > 0 seconds")
         if self.stall_abort_s is not None and not self.stall_abort_s >= self.stall_timeout_s:
-            raise ValueError(f"stall_abort_s={self.stall_abort_s} must be >= stall_timeout_s="
-                             f"{self.stall_timeout_s} seconds (abort after the report)")
-        if not self.comm_poll_s >= 0:
-            raise ValueError(f"$HPCLB_COMM_POLL_S={self.comm_poll_s} must be >= 0 seconds")
+            raise ValueError(f"stall_abort_s={self.stall_abort_s} (argument or "
+                             f"$HPCLB_STALL_ABORT_S) must be >= stall_timeout_s="
+                             f"{self.stall_timeout_s} (argument or $HPCLB_STALL_TIMEOUT_S) "
+                             f"seconds (abort after the report)")
 
     @property
     def compression_dtype(self):

@@ -32,7 +32,9 @@ class Seq2seqTask(Task):
     def __init__(self, pairs: dict, *, vocab_size: int, max_length: int, eval_samples: int,
                  beam_size: int = 1, length_penalty: float = 0.6):
         from hpclb.data.translation import train_sentencepiece
+        from hpclb.extras import require
 
+        require("sacrebleu", "BLEU (test_bleu)")  # at the first evaluation: checked before
         train, test = pairs["train"], pairs["test"]
         self.src_sp = train_sentencepiece([s for s, _ in train], vocab_size)
         self.tgt_sp = train_sentencepiece([t for _, t in train], vocab_size)

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hpclb._io import read_json
 from hpclb.errors import ConfigError
 from hpclb.noise import ONE_PROCESS
 from hpclb.tools.runrows import RunRows, Warn, read_run
@@ -39,11 +40,13 @@ def recommend_batch(b_simple: float, base_batch_size: int) -> int:
 def _config(run: Path) -> dict:
     path = run / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = read_json(path, "the config.json files of `hpclb train`")
         b0 = int(cfg["recipe"]["base_batch_size"])
     except FileNotFoundError:
         raise ConfigError(f"{path}: missing; advise needs the run's base_batch_size") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except ValueError as e:  # not UTF-8 or not JSON: the message names the file and the place
+        raise ConfigError(f"{e}; advise needs the run's recipe.base_batch_size") from None
+    except (OSError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: not a config.json of `hpclb train` ({e!r}); advise needs "
                           f"the run's recipe.base_batch_size") from e
     return {**cfg, "base_batch_size": b0}

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 from typing import Any
 
+from hpclb._io import read_json
 from hpclb.errors import ConfigError
 from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.runrows import Warn, read_run
@@ -39,10 +39,11 @@ def _read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: cannot read it as JSON ({e}); is the run directory "
-                          f"damaged?") from e
+        value = read_json(path, "a run's JSON files")
+    except ValueError as e:
+        raise ConfigError(f"{e}; is the run directory damaged?") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e}); is the run directory damaged?") from e
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: not a JSON object; is the run directory damaged?")
     return value

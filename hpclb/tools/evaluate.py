@@ -11,13 +11,13 @@ Seq2seq runs take ``beam_size`` / ``length_penalty`` overrides (the recipe's ``d
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hpclb._io import read_json
 from hpclb.comm.base import Communicator
 from hpclb.errors import ConfigError
 from hpclb.models import build_model
@@ -69,8 +69,13 @@ def evaluate_run(run_dir: str | Path, comm: Communicator, *, data_dir: str | Non
     if not config_path.is_file():
         raise ConfigError(f"{config_path}: not found; point RUN_DIR at a directory written by "
                           f"`hpclb train --out RUN_DIR`")
-    run = json.loads(config_path.read_text())
-    recipe = dict(run["recipe"])
+    try:
+        run = read_json(config_path, "the config.json files of `hpclb train`")
+        recipe = dict(run["recipe"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{e}" if isinstance(e, ValueError) else f"{config_path}: not a "
+                          f"config.json of `hpclb train` ({e!r}); point RUN_DIR at a directory "
+                          f"written by `hpclb train --out RUN_DIR`") from None
     recipe["data"] = _decoding_overrides(recipe, beam_size, length_penalty)
     # the newest generation that verifies, as --resume reads it (a damaged newer one is skipped
     # with a warning); CheckpointError when none is usable, None when there is none

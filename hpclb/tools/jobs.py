@@ -41,6 +41,7 @@ from hpclb.tasks import load_plugin_data
 from hpclb.tools.jobs_spec import (
     SCHEDULERS,
     JobSpec,
+    check_one_line,
     check_path,
     format_time,
     parse_time,
@@ -50,7 +51,7 @@ from hpclb.tools.jobs_spec import (
 # JobSpec (hpclb.tools.jobs_spec, torch-free for the command line) is what render takes.
 __all__ = ["BLOCK_SIGNALS", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES",
            "EXAMPLES", "JobSpec", "Plan", "train_set_size", "default_backend", "plan_for",
-           "interconnect", "render", "example_specs", "write_examples"]
+           "interconnect", "render", "template_engine", "example_specs", "write_examples"]
 
 # Each rank starts with the preemption signals blocked until hpclb has its handler in place
 # (hpclb.cli unblocks them); GNU coreutils >= 8.31 (Debian 11+, RHEL 9+).
@@ -264,7 +265,7 @@ def _train_argv(spec: JobSpec, plan: Plan, ranks: int, backend: str) -> str:
     if device:  # CPU-only jobs keep the command they always had
         train += ["--device", device]
     if spec.optimizer:
-        train += ["--optimizer", spec.optimizer]
+        train += ["--optimizer", shlex.quote(spec.optimizer)]
     if spec.epochs is not None:
         train += ["--epochs", f"{spec.epochs:g}"]
     if spec.data_dir:
@@ -327,12 +328,22 @@ def _check_divides(spec: JobSpec, batch: int, ranks: int, given: bool) -> None:
                    f"that divides it ({', '.join(map(str, fits[-3:])) or 'none'})")
 
 
+def template_engine():
+    """jinja2, which renders the job templates; MissingExtraError naming ``pip install
+    'hpclb[experiments]'`` without it (callers that write other files first call this before
+    them)."""
+    return require("jinja2", "rendering job templates")
+
+
 def render(spec: JobSpec) -> tuple[str, Plan]:
-    """(script text, plan) for ``spec``; JobError with the fix for anything invalid."""
-    jinja2 = require("jinja2", "rendering job templates")
+    """(script text, plan) for ``spec``; JobError with the fix for anything invalid,
+    MissingExtraError without jinja2."""
+    jinja2 = template_engine()
 
     validate(spec)
     recipe, plan, tasks = _plan(spec)
+    check_one_line("the recipe's name", recipe["name"])  # shown in the header's comments
+    check_one_line("the recipe's data.name", plan.data_name)
     ranks = spec.nodes * tasks
     name = spec.job_name or f"{recipe['name']}-{spec.nodes}n"
     out = spec.out or f"runs/{recipe['name']}-{spec.nodes}n{tasks}r-b{plan.global_batch}"

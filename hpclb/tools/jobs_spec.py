@@ -9,12 +9,13 @@ in :mod:`hpclb.tools.jobs`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from hpclb.errors import JobError
 
 __all__ = ["SCHEDULERS", "FABRICS", "ALLREDUCE", "SLURM_LAUNCHERS", "JOB_BACKENDS", "GPU_BINDS",
-           "DEVICES", "JobSpec", "parse_time", "format_time", "check_path", "validate"]
+           "DEVICES", "JobSpec", "parse_time", "format_time", "check_path", "check_one_line",
+           "validate"]
 
 SCHEDULERS = ("slurm", "pbs")
 FABRICS = ("ib", "tcp", "local")
@@ -96,7 +97,22 @@ def check_path(what: str, value: str | None) -> None:
     if value is not None and not _PATH_OK.match(value):
         raise JobError(f"{what} {value!r}: no spaces, quotes, shell operators, $ expansions or "
                        f"glob characters (it goes unquoted into #SBATCH/#PBS and script lines); "
-                       f"give the path itself")
+                       f"give the path or name itself")
+
+
+def check_one_line(what: str, value: str) -> None:
+    """JobError unless ``value`` is printable text: a line break (or another control character)
+    in a value the script shows in a comment or a quoted word would end the line there, and the
+    rest would run as a command."""
+    if not value.isprintable():
+        raise JobError(f"{what} {value!r}: holds a line break or control character, which a job "
+                       f"script cannot take (the rest of the line would run as a command); "
+                       f"remove it")
+
+
+def _flag(field_name: str) -> str:
+    return {"experiment": "EXPERIMENT", "modules": "--module"}.get(
+        field_name, "--" + field_name.replace("_", "-"))
 
 
 def _check_ranks(spec: JobSpec) -> None:
@@ -169,14 +185,25 @@ def _check_times(spec: JobSpec) -> None:
 
 def validate(spec: JobSpec) -> None:
     """JobError, naming the flag and the fix, for anything in ``spec`` a job cannot run with
-    (checked in this order: scheduler, ranks, choices, times, paths)."""
+    (checked in this order: line breaks, scheduler, ranks, choices, times, then the values that
+    go unquoted into the script: paths, names, interfaces; the others are quoted or checked
+    against their choices)."""
+    for f in fields(spec):  # every text the script may show, quoted or not: one line
+        value = getattr(spec, f.name)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str):
+                check_one_line(_flag(f.name), v)
     if spec.scheduler not in SCHEDULERS:
         raise JobError(f"--scheduler {spec.scheduler!r}: choose one of {SCHEDULERS}")
     _check_ranks(spec)
     _check_choices(spec)
     _check_times(spec)
+    # what goes unquoted into directives, `export` and other script lines
     for what, value in (("--out", spec.out), ("--log", spec.log), ("--data-dir", spec.data_dir),
                         ("--venv", spec.venv), ("--partition", spec.partition),
                         ("--account", spec.account), ("--job-name", spec.job_name),
+                        ("--ucx-net-devices", spec.ucx_net_devices),
+                        ("--nccl-ib-hca", spec.nccl_ib_hca),
+                        ("--socket-ifname", spec.socket_ifname),
                         *(("--module", m) for m in spec.modules)):
         check_path(what, value)

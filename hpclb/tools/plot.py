@@ -17,12 +17,12 @@ Every figure is drawn with matplotlib's Agg backend (no display needed) and writ
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from hpclb._io import read_json
 from hpclb.config import load_recipe, resolve
 from hpclb.config.outputs import check_output_file
 from hpclb.errors import ConfigError, JobError
@@ -156,9 +156,9 @@ def _run_info(run: Path, warn) -> dict:
         p = run / name
         if p.is_file():
             try:
-                info[name] = json.loads(p.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                warn(f"{p}: not JSON ({e}); its settings are not used")
+                info[name] = read_json(p, f"a run's {name}")
+            except ValueError as e:
+                warn(f"{e}; its settings are not used")
     return info
 
 
@@ -287,9 +287,9 @@ def plot_sweep(sweep_json: str | Path, out: str | Path | None = None, *,
         raise ConfigError(f"{path}: no such sweep file (hpclb sweep writes "
                           f"results/sweeps/<experiment>.json)")
     try:
-        rows = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not JSON ({e})") from e
+        rows = read_json(path, "sweep results")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and
                                                     "batch_size" in r for r in rows)):
         raise ConfigError(f"{path}: not the rows of an `hpclb sweep` (a non-empty JSON list of "

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from hpclb._io import read_json
 from hpclb.config import RUN_SETTINGS, resolve
 from hpclb.config.outputs import check_output_file
 from hpclb.errors import ConfigError, JobError
@@ -55,9 +56,14 @@ def _read_config(run_dir: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: missing; RUN_DIR must be a run directory written by `hpclb "
                           f"train --out RUN_DIR` (it holds config.json, metrics.jsonl)")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = read_json(path, "the config.json files of `hpclb train`")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{e}; RUN_DIR must be a run directory written by `hpclb train`"
+                          if isinstance(e, ValueError) else f"{path}: cannot read it ({e})") \
+            from None
     for key in ("recipe", "global_batch_size", "scaling", "optimizer"):
-        if key not in cfg:
+        if not isinstance(cfg, dict) or key not in cfg:
             raise ConfigError(f"{path}: no {key!r}; not a config.json of `hpclb train`")
     return cfg
 

@@ -43,6 +43,7 @@ from hpclb.config.outputs import check_run_dir
 from hpclb.errors import ConfigError, Diverged, NonFiniteError
 from hpclb.schedules import SCHEMES
 from hpclb.tasks.spec import metric_mode, primary_metric
+from hpclb.tools.figures import pyplot
 from hpclb.tools.sweep_points import Point, SweepStatus, flock, load_rows, row_of, shown
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
@@ -300,8 +301,9 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     status line (:meth:`SweepStatus.line`: done, running, left, hours expected).
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
     ``error`` and no metric; a point that diverges with its ``error`` and ``diverged_at_step``
-    (:func:`failed_points` lists both). Raises ConfigError for bad arguments before any
-    training, and RuntimeError when a point crashes (its row is not written; rerun to retry
+    (:func:`failed_points` lists both). Raises ConfigError for bad arguments and
+    MissingExtraError without matplotlib (the figure), both before any training, and
+    RuntimeError when a point crashes (its row is not written; rerun to retry
     it). A point directory holding a run of other settings is deleted only with
     ``overwrite``; otherwise ConfigError names ``--overwrite``.
     """
@@ -310,6 +312,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
                              seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
                              quiet=quiet, log=log, overwrite=overwrite,
                              batch_sizes=batch_sizes, schemes=schemes, micro_batch=micro_batch)
+    pyplot("the sweep's figure")  # without matplotlib: say so before the first point trains
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
     for p in points:
         status = SweepStatus.of(points, sweep.rows(), sweep.runs_dir,

@@ -259,6 +259,7 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
     if begin:
         task.load_state_dict(run.resumed_from.get("task"))  # resumed mid-epoch
     sums = (pos.epoch_sums.clone() if begin else torch.zeros(3, dtype=torch.float64)).to(run.device)
+    steplog.start_epoch(sums, resumed=bool(begin))
     first = None if pos.first_loss is not None else \
         torch.zeros(3, dtype=torch.float64, device=run.device)
     t_epoch = time.perf_counter()
@@ -279,7 +280,7 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
             raise _diverged(run, e, f"global step {at}, epoch {epoch + 1}, step {i + 1}/"
                                     f"{steps}") from e
         progress.update(i, pos.global_step, sched.lr(pos.global_step - 1), steplog.last)
-        _agree_and_checkpoint(run, epoch, i, steps, sums, first, preempt, say,
+        _agree_and_checkpoint(run, epoch, i, steps, sums, first, preempt, say, steplog,
                               checkpoint_interval_s, last_checkpoint)
     progress.end_epoch()
     try:
@@ -291,7 +292,7 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
 
 def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.Tensor,
                           first: torch.Tensor | None, preempt: PreemptionFlag, say,
-                          checkpoint_interval_s: float | None,
+                          steplog: StepLog, checkpoint_interval_s: float | None,
                           last_checkpoint: list[float]) -> None:
     """After step ``i``: the preemption / periodic checkpoint agreement (one allreduce), and
     the checkpoint it asks for. Raises Preempted."""
@@ -301,7 +302,7 @@ def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.
                                   since >= checkpoint_interval_s)
     if preempt.agreed(comm):
         _resolve_first_loss(run, first)
-        save_checkpoint(run, epoch, i + 1, sums)
+        save_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
         where = (f"checkpoint of global step {pos.global_step} (epoch {epoch + 1}, step "
                  f"{i + 1}/{steps}) saved to {run.store.latest_path}")
         preempt.requested = True  # on every rank, also those the signal missed
@@ -312,7 +313,7 @@ def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.
         raise Preempted(pos.global_step)
     if preempt.checkpoint_now:
         _resolve_first_loss(run, first)
-        save_checkpoint(run, epoch, i + 1, sums)
+        save_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
         last_checkpoint[0] = time.monotonic()
 
 
@@ -428,7 +429,8 @@ def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,
         logger.log_epoch(row)
         steplog.epoch_histograms()
         say(_epoch_line(row, n_epochs if float(cfg.epochs).is_integer() else cfg.epochs))
-        save_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64))
+        save_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64),
+                        steplog.state_dict())
         last_checkpoint[0] = time.monotonic()
 
 

@@ -399,10 +399,13 @@ def _restore(run: Run, ckpt: dict) -> None:
     run.resumed_from = ckpt
 
 
-def save_checkpoint(run: Run, epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor) -> None:
+def save_checkpoint(run: Run, epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor,
+                    steplog: dict | None = None) -> None:
     """Collective: every rank's RNG state, the task's carried state and this epoch's sums are
     gathered, BatchNorm buffers averaged over ranks; rank 0 writes a new verified generation
-    (:class:`~hpclb.train.checkpoint.CheckpointStore`); nobody moves on before it is on disk."""
+    (:class:`~hpclb.train.checkpoint.CheckpointStore`); nobody moves on before it is on disk.
+    ``steplog``: the step lines' carried state (:meth:`hpclb.train.steplog.StepLog.state_dict`,
+    rank 0's), saved as ``"steplog"``."""
     comm = run.comm
     average_buffers(run.model, comm)
     task_state = run.task.state_dict(comm)
@@ -421,5 +424,5 @@ def save_checkpoint(run: Run, epoch: int, step_in_epoch: int, epoch_sums: torch.
                 "rng": rngs, "epoch": epoch, "step_in_epoch": step_in_epoch,
                 "global_step": run.pos.global_step, "epoch_sums": sums,
                 "elapsed_s": run.elapsed_s(), "history": run.pos.history, "task": task_state,
-                "first_loss": run.pos.first_loss})
+                "first_loss": run.pos.first_loss, "steplog": steplog})
     agreed(comm, "writing the checkpoint", write)  # a failed write ends every rank

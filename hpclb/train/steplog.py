@@ -46,9 +46,11 @@ class StepLog:
         self.every = run.cfg.log_every
         self.noise = NoiseScaleEstimator() if run.cfg.noise_scale and run.comm.world_size > 1 \
             else None
-        self._sums_ref = None
+        self._resume_base: torch.Tensor | None = None
         self.last: dict | None = None  # the last step line's scalars (what progress shows)
         self._start_interval(None)
+        if run.resumed_from is not None:
+            self._load_state_dict(run.resumed_from.get("steplog"))
 
     def _start_interval(self, sums) -> None:
         dev = self.run.device
@@ -58,12 +60,18 @@ class StepLog:
         # noise-scale sums over the applied steps: local squared norms, averaged ones, count
         self._noise_sums = torch.zeros(3, dtype=torch.float64, device=dev)
 
+    def start_epoch(self, sums: torch.Tensor, resumed: bool) -> None:
+        """``sums``: the epoch's running sums, which the next step lines read; ``resumed``: the
+        epoch continues from a mid-epoch checkpoint (its lines count from the last log point
+        before it), else they count from the epoch's start."""
+        base = self._resume_base if resumed else None
+        self._resume_base = None
+        self._last = torch.zeros_like(sums) if base is None else base.to(sums.device)
+
     def after_step(self, sums: torch.Tensor, stepped: bool) -> None:
         """Accumulate one step (on the device; a skipped step adds nothing); every
         ``log_every`` global steps, log (collective; raises NonFiniteError at the limit of
         skipped steps in a row)."""
-        if sums is not self._sums_ref:  # a new epoch's sums
-            self._sums_ref, self._last = sums, torch.zeros_like(sums)
         self.steps += 1
         opt = self.run.optimizer
         if self.noise is not None and stepped and opt.sync.local_sq_norm is not None:
@@ -126,6 +134,34 @@ class StepLog:
         self.logger.log_step(run.pos.global_step, scalars)
         self.last = scalars
         self._start_interval(sums)
+
+    def state_dict(self) -> dict:
+        """Collective (one allreduce): what a run resumed from this point needs for its step
+        lines and ``noise`` fields to equal an uninterrupted run's: ``log_base`` (the epoch's
+        running sums at the last log point, totals over the ranks), ``noise_sums`` (the
+        interval's noise-scale sums, the local squared norms totalled over the ranks) and
+        ``noise`` (the estimator's state, or None); plain floats, rank 0's to save."""
+        base = torch.zeros(3, dtype=torch.float64) if self._last is None else self._last
+        noise = self._noise_sums.double().cpu()
+        vec = torch.cat([base.double().cpu(), noise[:1]])
+        if self.run.comm.world_size > 1:
+            self.run.comm.allreduce_(vec)
+        return {"log_base": vec[:3].tolist(), "noise_sums": [float(vec[3]), *noise[1:].tolist()],
+                "noise": None if self.noise is None else self.noise.state_dict()}
+
+    def _load_state_dict(self, state: dict | None) -> None:
+        """Continue from :meth:`state_dict` (None: a checkpoint written before it existed). The
+        totals go to rank 0, the other ranks start from zeros, as the epoch's sums do."""
+        if not state:
+            return
+        rank0 = self.run.comm.rank == 0
+        base = torch.tensor(state["log_base"], dtype=torch.float64)
+        self._resume_base = base if rank0 else torch.zeros_like(base)  # for a mid-epoch resume
+        small, big, n = state["noise_sums"]
+        self._noise_sums = torch.tensor([small if rank0 else 0.0, big, n], dtype=torch.float64,
+                                        device=self.run.device)
+        if self.noise is not None and state.get("noise") is not None:
+            self.noise.load_state_dict(state["noise"])
 
     def epoch_fields(self) -> dict:
         """Collective: ``{"noise": {...}}`` with the estimator's summary over the epoch (steps

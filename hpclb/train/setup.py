@@ -27,7 +27,7 @@ from torch import nn
 
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
-from hpclb.config.outputs import check_run_dir, clear_run
+from hpclb.config.outputs import check_run_dir, clear_run, start_run
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError, HpclbError
 from hpclb.models import build_model
 from hpclb.noise import check_world_size
@@ -222,23 +222,13 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
     def decide():
         found = check_run_dir(store.out_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         lock.append(_lock_out(store.out_dir))
-        if not cfg.resume:
-            if found:  # --overwrite: no stale summary, metrics or checkpoint survives
-                log.warning("--overwrite: deleting the run in %s (%s)", store.out_dir,
-                            ", ".join(found))
-                clear_run(store.out_dir)
-            return None
-        loaded = store.latest()
-        if loaded is None and cfg.resume == "auto":
-            return _start_afresh(store.out_dir, found)
-        if loaded is None:  # a usage error, the same for every rank: exit 2
-            raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
-                              f"drop --resume to start afresh (add --overwrite if the "
-                              f"directory holds a run), or use --resume auto")
-        for path, why in loaded.skipped:
-            log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
-                        loaded.path)
-        return str(loaded.path.resolve())
+        path = _resume_path(cfg, store, found) if cfg.resume else None
+        if found and not cfg.resume:  # --overwrite: no stale summary, metrics or checkpoint
+            log.warning("--overwrite: deleting the run in %s (%s)", store.out_dir,
+                        ", ".join(found))
+            clear_run(store.out_dir)  # hpclb's files only
+        start_run(store.out_dir)  # the marker: what this run writes is hpclb's
+        return path
     try:
         return _load_decided(cfg, comm, agreed(comm, "checking --out and the checkpoint",
                                                lambda: decide() if comm.rank == 0 else None),
@@ -247,6 +237,22 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
         if lock:
             lock[0].close()  # a failed start-up leaves the run directory free
         raise
+
+
+def _resume_path(cfg: RunConfig, store: CheckpointStore, found: list[str]) -> str | None:
+    """Rank 0's ``--resume`` decision: the checkpoint's path, or None
+    (``--resume auto`` without one: start afresh)."""
+    loaded = store.latest()
+    if loaded is None and cfg.resume == "auto":
+        return _start_afresh(store.out_dir, found)
+    if loaded is None:  # a usage error, the same for every rank: exit 2
+        raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
+                          f"drop --resume to start afresh (add --overwrite if the "
+                          f"directory holds a run), or use --resume auto")
+    for path, why in loaded.skipped:
+        log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
+                    loaded.path)
+    return str(loaded.path.resolve())
 
 
 def _start_afresh(out: Path, found: list[str]) -> None:

@@ -3,12 +3,14 @@ and batch, refuses a directory holding a run (exit 2, naming --resume and --over
 rank before any work, and replaces it only with --overwrite; ``hpclb scale``, ``hpclb plot`` and
 ``hpclb sweep`` refuse to replace their outputs likewise. Real command line in subprocesses."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from helpers import quick_recipe, run_hpclb
 
 from hpclb.config import resolve
-from hpclb.config.outputs import check_run_dir
+from hpclb.config.outputs import RUN_MARKER, check_run_dir, foreign_files, mark_run
 from hpclb.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
@@ -112,7 +114,7 @@ def test_sweep_does_not_delete_a_run_of_other_settings(finished, tmp_path, mnist
     from hpclb.tools import sweep
 
     recipe, run = finished
-    point = tmp_path / "runs" / "mnist-lstm" / "legw-b256"
+    point = tmp_path / "runs" / "mnist-lstm" / "adam-legw-b256-s0"  # Point.dir_name
     point.mkdir(parents=True)
     for name in ("config.json", "summary.json", "metrics.jsonl"):
         (point / name).write_text((run / name).read_text())  # B=128, another point's run
@@ -128,6 +130,7 @@ def test_sweep_does_not_delete_a_run_of_other_settings(finished, tmp_path, mnist
 def test_a_run_stopped_before_its_first_checkpoint_is_not_offered_resume(tmp_path):
     """A run killed before its first checkpoint left logs only: the refusal names --overwrite
     and not --resume (which would then fail with "no checkpoint")."""
+    mark_run(tmp_path, "config.json", "metrics.jsonl", "checkpoint.pt")  # hpclb's run
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError) as e:
@@ -137,3 +140,132 @@ def test_a_run_stopped_before_its_first_checkpoint_is_not_offered_resume(tmp_pat
     (tmp_path / "checkpoint.pt").write_bytes(b"")
     with pytest.raises(ConfigError, match="add --resume to continue it"):
         check_run_dir(tmp_path, resume=False, overwrite=False)
+
+
+# --- hpclb deletes only what it wrote ----------------------------------------------------------
+
+def lightning_folder(root: Path) -> Path:
+    """Another tool's project folder: Lightning's checkpoint layout, its TensorBoard logs, a
+    config.json of its own."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text('{"lr": 0.1, "max_epochs": 10}\n')
+    (root / "checkpoints").mkdir()
+    (root / "checkpoints" / "epoch=9-step=1000.ckpt").write_bytes(b"lightning weights")
+    events = root / "tb" / "lightning_logs" / "version_0"
+    events.mkdir(parents=True)
+    (events / "events.out.tfevents.1700000000.host.1.0").write_bytes(b"tb events")
+    (root / "notes.txt").write_text("mine")
+    return root
+
+
+def snapshot(root: Path, skip=(".hpclb.lock",)) -> dict[str, bytes | None]:
+    """Every file and directory under ``root`` with its bytes (None for a directory)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.name not in skip}
+
+
+@pytest.mark.parametrize("flags,ranks", [([], 1), (["--overwrite"], 1), (["--overwrite"], 2),
+                                         (["--resume", "auto"], 1), (["--resume"], 1)])
+def test_another_tools_folder_is_refused_naming_its_files_and_nothing_is_deleted(
+        tmp_path, mnist_dir, flags, ranks):
+    """Issue 34: such a folder was "an unfinished run", and --overwrite deleted the other
+    tool's checkpoint and TensorBoard files and replaced its config.json."""
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    folder = lightning_folder(tmp_path / "project")
+    before = snapshot(folder)
+    rc, out = hpclb("train", recipe, "--out", folder, "--data-dir", mnist_dir.parent, *flags,
+                    ranks=ranks)
+    assert rc == 2 and out.count("hpclb: error:") == 1, out  # rank 0's, no rank aborts
+    assert "unfinished run" not in out and "Traceback" not in out, out
+    assert (f"--out {folder} holds files hpclb did not write where a run writes its own "
+            f"(config.json, checkpoints/epoch=9-step=1000.ckpt, tb/lightning_logs/)") in out, out
+    assert "choose another --out, or move them out of" in out, out
+    assert snapshot(folder, skip=()) == before  # nothing deleted, replaced or added
+
+
+def test_overwrite_deletes_only_what_hpclb_wrote(tmp_path, mnist_dir):
+    """A genuine hpclb run: --overwrite removes its files and keeps the user's notes.txt beside
+    them; a foreign file inside hpclb's checkpoints/ is refused by name, nothing deleted."""
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    run = tmp_path / "run"
+    assert hpclb("train", recipe, "--out", run, "--data-dir", mnist_dir.parent)[0] == 0
+    marker = json.loads((run / RUN_MARKER).read_text())["written"]
+    assert {"config.json", "summary.json", "metrics.jsonl", "checkpoints"} <= set(marker)
+    (run / "notes.txt").write_text("mine")
+    (run / "checkpoints" / "best.pt").write_bytes(b"the user's copy")
+    before = snapshot(run)
+    rc, out = hpclb("train", recipe, "--out", run, "--data-dir", mnist_dir.parent,
+                    "--overwrite")
+    assert rc == 2 and "(checkpoints/best.pt)" in out and "unfinished" not in out, out
+    assert snapshot(run) == before
+    (run / "checkpoints" / "best.pt").unlink()
+    old = (run / "summary.json").read_bytes()
+    rc, out = hpclb("train", recipe, "--out", run, "--data-dir", mnist_dir.parent,
+                    "--overwrite", "--batch-size", "256")
+    assert rc == 0, out
+    assert (run / "notes.txt").read_text() == "mine" and (run / "summary.json").read_bytes() != old
+    assert json.loads((run / "summary.json").read_text())["global_batch_size"] == 256
+    assert not foreign_files(run)
+
+
+def test_a_run_of_the_previous_version_resumes_and_is_overwritten(finished, tmp_path, mnist_dir):
+    """A run directory written before the marker (no .hpclb-run) whose entries have hpclb's
+    names and config.json is hpclb's: resumed, then marked; --overwrite keeps notes.txt."""
+    recipe, done = finished
+    run = tmp_path / "old"
+    shutil.copytree(done, run)
+    (run / RUN_MARKER).unlink()
+    (run / "notes.txt").write_text("mine")
+    assert foreign_files(run) == []
+    rc, out = hpclb("train", recipe, "--out", run, "--data-dir", mnist_dir.parent, "--resume",
+                    "auto")
+    assert rc == 0 and "resum" in out.lower(), out
+    assert set(json.loads((run / RUN_MARKER).read_text())["written"]) >= {"checkpoints", "tb"}
+    (run / RUN_MARKER).unlink()
+    rc, out = hpclb("train", recipe, "--out", run, "--data-dir", mnist_dir.parent, "--overwrite")
+    assert rc == 0, out
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+def test_foreign_files_rule(tmp_path):
+    """The rule --overwrite follows (docs/faults.md): a marked directory's unclaimed entries and
+    files without hpclb's names inside its directories are foreign; without a marker, all run
+    entries are unless config.json is hpclb's."""
+    run = tmp_path / "run"
+    mark_run(run, "config.json", "checkpoints")
+    (run / "config.json").write_text("{}")  # claimed: hpclb wrote it
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "gen-000001-step-4.pt").write_bytes(b"")
+    (run / "checkpoints" / "gen-000001-step-4.pt.sha256").write_text("")
+    (run / "notes.txt").write_text("")  # not a run entry: never looked at
+    assert foreign_files(run) == []
+    (run / "tb").mkdir()  # not claimed: someone else's
+    (run / "tb" / "events.out.tfevents.1.h.2.0").write_bytes(b"")
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert foreign_files(run) == ["checkpoints/last.ckpt", "tb/events.out.tfevents.1.h.2.0"]
+    (run / RUN_MARKER).unlink()  # no marker, config.json not hpclb's: all of it is foreign
+    assert foreign_files(run) == ["config.json", "checkpoints/gen-000001-step-4.pt",
+                                  "checkpoints/gen-000001-step-4.pt.sha256",
+                                  "checkpoints/last.ckpt", "tb/events.out.tfevents.1.h.2.0"]
+    (run / "config.json").write_text(json.dumps({"experiment": "x", "recipe": {},
+                                                 "global_batch_size": 8, "scaling": "legw"}))
+    assert foreign_files(run) == ["checkpoints/last.ckpt"]  # an earlier version's run
+
+
+def test_sweep_refuses_a_point_directory_of_another_tool(tmp_path, mnist_dir):
+    """hpclb sweep deleted a point directory (shutil.rmtree) once it held a run; another tool's
+    files there are now refused by name and kept."""
+    from hpclb.tools import sweep
+
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    point = lightning_folder(tmp_path / "runs" / "mnist-lstm" / "adam-legw-b256-s0")
+    before = snapshot(point)
+    kw = dict(epochs=1, data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+              runs_dir=tmp_path / "runs", log=lambda m: None, overwrite=True)
+    with pytest.raises(ConfigError, match=r"--runs-dir point \S+adam-legw-b256-s0 holds files "
+                                          r"hpclb did not write .*checkpoints/epoch=9-step=1000.ckpt"):
+        sweep.run_sweep(recipe, [256], ["legw"], **kw)
+    assert snapshot(point, skip=()) == before

@@ -3,6 +3,7 @@ function, forward/backward at global step N), the rank, the user's file:line and
 traceback; an optimizer hyper-parameter typo names the optimizer and what it takes. Real command
 line, 1 process and ``mpirun -n 2``."""
 import re
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -159,3 +160,140 @@ def test_optimizer_typo_names_the_optimizer_and_its_arguments(tmp_path):
     msg = str(e.value)
     assert "optimizers.lars.momentun: not a hyper-parameter of the lars optimizer" in msg
     assert "did you mean 'momentum'" in msg and "trust_coefficient" in msg
+
+
+# --- a model the recipe describes wrongly: exit 2 naming the field, in the run and the dry run ---
+
+def mnist_recipe(tmp_path: Path, name: str, **model) -> Path:
+    """The packaged MNIST-LSTM recipe on 256 images with ``model`` fields changed."""
+    recipe = load_recipe("mnist-lstm")
+    recipe.update({"warmup_epochs": 0.25, "epochs": 1,
+                   "data": {"name": "mnist", "train_samples": 256, "test_samples": 100}})
+    recipe["model"].update(model)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def hpclb_train(recipe: Path, out: Path, *args, ranks: int = 1, data=None):
+    p = run_hpclb("train", recipe, "--out", out, *([] if data is None else ["--data-dir", data]),
+                  *args, ranks=ranks, timeout=150, cwd=recipe.parent)
+    return p.returncode, p.stdout + p.stderr
+
+
+def no_torch_blame(out: str) -> None:
+    assert "Traceback" not in out and "torch/nn/modules" not in out, out
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_model_value_the_constructor_refuses_names_the_recipe_field(tmp_path, mnist_dir,
+                                                                     ranks, dry):
+    """``model.hidden_size: -4`` ended with exit 1 blaming torch/nn/modules/rnn.py, and the
+    dry run said yes (exit 0)."""
+    recipe = mnist_recipe(tmp_path, "neg.yaml", hidden_size=-4)
+    rc, out = hpclb_train(recipe, tmp_path / "o", *(["--dry-run"] if dry else []), ranks=ranks,
+                          data=mnist_dir.parent)
+    assert rc == 2, out
+    no_torch_blame(out)
+    assert "dry run:" not in out, out
+    errors = error_lines(out)
+    assert errors and all("recipe mnist-lstm: model.hidden_size: -4: refused by model "
+                          "'mnist_lstm' (ValueError: hidden_size must be greater than zero); "
+                          "fix model.hidden_size in the recipe" in e for e in errors), out
+    assert not (tmp_path / "o").exists()  # refused before --out is touched
+
+
+PLUGIN_MODELS = '''
+from torch import nn
+
+
+def returns_dict(size=1):
+    return {"size": size}
+
+
+class Checked(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        if width % 2:
+            raise ValueError(f"width must be even, got {width}")
+        self.lin = nn.Linear(784, width)
+'''
+
+
+@pytest.mark.parametrize("model,message", [
+    ({"name": "u_plug:returns_dict", "size": 2},
+     "recipe u: model.name: 'u_plug:returns_dict' returned a dict, not a torch.nn.Module"),
+    ({"name": "u_plug:Checked", "width": 3},
+     "recipe u: model.width: 3: refused by model 'u_plug:Checked' (ValueError: width must be "
+     "even, got 3); fix model.width in the recipe"),
+])
+def test_the_dry_run_refuses_a_plugin_model_as_the_run_does(tmp_path, mnist_dir, model,
+                                                             message):
+    """A plug-in factory returning a dict: the dry run said yes (exit 0), the run refused it."""
+    (tmp_path / "u_plug.py").write_text(PLUGIN_MODELS)
+    recipe = {"name": "u", "data": {"name": "mnist", "train_samples": 256, "test_samples": 100},
+              "model": model, "base_batch_size": 32, "epochs": 1, "warmup_epochs": 0.1,
+              "decay": {"name": "poly", "power": 2.0}, "optimizer": "adam",
+              "optimizers": {"adam": {"lr": 0.01}}}
+    path = tmp_path / "u.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    said = []
+    for dry in (["--dry-run"], []):
+        rc, out = hpclb_train(path, tmp_path / "o", *dry, data=mnist_dir.parent)
+        assert rc == 2 and "dry run:" not in out, out
+        no_torch_blame(out)
+        said.append(error_lines(out))
+        assert len(said[-1]) == 1 and message in said[-1][0], out
+    assert said[0] == said[1]  # the same words in the dry run and the run
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def run16(tmp_path_factory, mnist_dir):
+    """A finished run of MNIST-LSTM with model.hidden_size 16 (2 steps)."""
+    tmp = tmp_path_factory.mktemp("run16")
+    recipe = mnist_recipe(tmp, "r16.yaml", hidden_size=16)
+    rc, out = hpclb_train(recipe, tmp / "run", data=mnist_dir.parent)
+    assert rc == 0, out
+    return tmp / "run"
+
+
+def files_of(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``root`` but the lock: its bytes and modification time."""
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".hpclb.lock"}
+
+
+@pytest.mark.parametrize("args", [["--resume"], ["--resume", "auto"],
+                                  ["--resume", "auto", "--dry-run"]])
+def test_resume_with_another_model_names_the_field_and_changes_nothing(run16, tmp_path,
+                                                                       mnist_dir, args):
+    """``hidden_size`` 16 -> 32 on --resume: exit 1 with torch's "size mismatch" naming
+    torch/nn/modules/module.py; now exit 2 naming the field and both values."""
+    before = files_of(run16)
+    recipe = mnist_recipe(tmp_path, "r32.yaml", hidden_size=32)
+    rc, out = hpclb_train(recipe, run16, *args, data=mnist_dir.parent)
+    assert rc == 2, out
+    no_torch_blame(out)
+    assert "size mismatch" not in out and "dry run:" not in out, out
+    assert "--resume: model.hidden_size: 16 in the checkpoint's run, 32 now (recipe " \
+           "mnist-lstm)" in out, out
+    assert files_of(run16) == before
+
+
+def test_resume_of_another_model_without_its_config_names_the_parameter(run16, tmp_path,
+                                                                        mnist_dir):
+    """Where config.json no longer says what the run used, the checkpoint's parameters do."""
+    run = tmp_path / "run"
+    shutil.copytree(run16, run)
+    (run / "config.json").unlink()
+    before = files_of(run)
+    recipe = mnist_recipe(tmp_path, "r32.yaml", hidden_size=32)
+    rc, out = hpclb_train(recipe, run, "--resume", data=mnist_dir.parent)
+    assert rc == 2, out
+    no_torch_blame(out)
+    assert re.search(r"--resume: the checkpoint in \S+ holds another model than recipe "
+                     r"mnist-lstm's \(model.name 'mnist_lstm'\): head.weight is \[10, 16\] there, "
+                     r"\[10, 32\] in this run's model", out), out
+    assert files_of(run) == before

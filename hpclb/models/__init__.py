@@ -10,6 +10,7 @@ torch; the model classes below are imported on first use (PEP 562). To add a mod
 from __future__ import annotations
 
 import importlib
+import re
 
 from hpclb.plugins import Registry
 
@@ -52,15 +53,38 @@ def model_factory(name: str):
 def build_model(name: str, **kwargs):
     """Instantiate model ``name`` (see :func:`model_factory`) with ``kwargs``: an ``nn.Module``.
 
-    Raises ValueError for an unknown name, ConfigError when a plug-in does not import or its
-    factory returns something other than an ``nn.Module``."""
+    Raises ValueError for an unknown name; ConfigError when a plug-in does not import, its
+    factory returns something other than an ``nn.Module``, or the constructor refuses its
+    arguments: a ValueError or TypeError of a built-in model, or of a plug-in when it names an
+    argument (the message names ``model.<field>``, the constructor's exception is chained). A
+    plug-in's other exceptions propagate (its own bug: the user's ``file:line`` tells where)."""
     from torch import nn
 
-    model = model_factory(name)(**kwargs)
-    if not isinstance(model, nn.Module):
-        from hpclb.errors import ConfigError
+    from hpclb.errors import ConfigError
+    from hpclb.plugins import is_plugin
 
+    factory = model_factory(name)
+    try:
+        model = factory(**kwargs)
+    except (TypeError, ValueError) as e:
+        named = [k for k in kwargs if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", str(e))]
+        if isinstance(e, ConfigError) or (is_plugin(name) and not named):
+            raise
+        raise ConfigError(_refused(name, kwargs, named, e)) from e
+    if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name: {name!r} returned a {type(model).__name__}, not a "
                           f"torch.nn.Module; name an nn.Module class or a function returning "
                           f"an instance of one")
     return model
+
+
+def _refused(name: str, kwargs: dict, named: list[str], e: Exception) -> str:
+    """The message of a constructor's ValueError/TypeError ``e`` naming the arguments
+    ``named`` (all of them when none is)."""
+    if named:
+        fields = ", ".join(f"model.{k}: {kwargs[k]!r}" for k in named)
+        fix = f"fix {' and '.join(f'model.{k}' for k in named)} in the recipe"
+    else:
+        fields = "model: " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        fix = "fix the recipe's model section"
+    return f"{fields}: refused by model {name!r} ({type(e).__name__}: {e}); {fix}"

@@ -6,7 +6,11 @@ per epoch, total steps) on the training set's size, the devices and the backend,
 happen to ``--out`` (a new run, a resume from the newest checkpoint that verifies, or a refusal).
 The training set is sized from the data-set registry where it knows the size (nothing is read);
 a plug-in data set, or one without a registered size, is read as the run would read it (the
-sizing needs it). Nothing is written: no run directory, no lock.
+sizing needs it). The model is built as the run builds it, on the ``meta`` device, and its
+optimizer (:func:`hpclb.train.setup.check_model`), so a model the run refuses is refused here
+with the same message; a task that sets model arguments from the data (a language model's
+``vocab_size``, a translation model's vocabularies) reads the data for them. Nothing is written:
+no run directory, no lock.
 
 The LEGW warmup fraction is ``warmup_steps / total_steps``: LEGW's warmup grows as ``W0 * k``
 epochs with the batch ratio ``k = B / B0``, so a large batch on a short budget spends most of the
@@ -28,7 +32,7 @@ from hpclb.tasks import build_task
 from hpclb.tasks.registry import TASKS
 from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.profile import check_profile_window
-from hpclb.train.setup import agreed, check_resumable
+from hpclb.train.setup import agreed, check_model, check_resumable
 
 __all__ = ["WARMUP_WARN_FRACTION", "dry_run", "format_plan", "plan_run", "train_set_size_of",
            "warmup_warning"]
@@ -36,20 +40,22 @@ __all__ = ["WARMUP_WARN_FRACTION", "dry_run", "format_plan", "plan_run", "train_
 WARMUP_WARN_FRACTION = 0.5
 
 
-def train_set_size_of(cfg: RunConfig) -> tuple[int, str]:
-    """(training samples, unit) of ``cfg``'s data: from the data-set registry when it knows the
-    size (no read), else by building the task as the run would (reads the data)."""
+def train_set_size_of(cfg: RunConfig) -> tuple[int, str, dict[str, Any]]:
+    """(training samples, unit, the model arguments the task sets from the data) of ``cfg``'s
+    data: from the data-set registry when it knows the size and the task sets no model
+    argument (no read), else by building the task as the run would (reads the data)."""
     from hpclb.tools.jobs import train_set_size
 
-    if not is_plugin(cfg.spec.data.name):
+    kind = TASKS[cfg.spec.task]
+    if not is_plugin(cfg.spec.data.name) and not kind.model_args:
         try:
-            return train_set_size(cfg.recipe)
+            return (*train_set_size(cfg.recipe), {})
         except JobError:
             pass  # no registered size: count it
     data = cfg.spec.data
     task = build_task(cfg.spec, cfg.data_dir, train_samples=data.train_samples,
                       test_samples=data.test_samples)
-    return task.num_train_samples, TASKS[cfg.spec.task].sample_unit
+    return task.num_train_samples, kind.sample_unit, task.model_kwargs
 
 
 def _out_plan(cfg: RunConfig) -> str:
@@ -80,9 +86,10 @@ def plan_run(cfg: RunConfig, comm, devices: list[str],
     refuse to start."""
     w = comm.world_size
     per_rank, micro = cfg.per_rank_batch_size(w), cfg.micro_batch_size(w)
-    n, unit = train_set_size_of(cfg)
+    n, unit, model_kwargs = train_set_size_of(cfg)
     sched = cfg.schedule(n)
     check_profile_window(profile, sched.total_steps)
+    check_model(cfg, model_kwargs)  # as the run checks it, before --out
     info = device_info(comm.device)
     return {
         "experiment": cfg.experiment, "world_size": w, "backend": comm.backend,

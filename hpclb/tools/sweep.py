@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from hpclb._io import write_text_atomic
 from hpclb.comm.launcher import explain_launch_failure, mpirun_path, remove_stale_session_dirs
 from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.config.outputs import check_run_dir
+from hpclb.config.outputs import check_run_dir, clear_run, refuse_foreign
 from hpclb.errors import ConfigError, Diverged, NonFiniteError
 from hpclb.schedules import SCHEMES
 from hpclb.tasks.spec import metric_mode, primary_metric
@@ -209,12 +208,13 @@ class _Sweep:
         if not resume and run_dir.exists():  # another run's directory: only when told
             check_run_dir(run_dir, resume=False, overwrite=self.overwrite or mine,
                           flag="--runs-dir point", resumable=False)
-            shutil.rmtree(run_dir)
+            clear_run(run_dir, "--runs-dir point")  # hpclb's files only
         return resume
 
     def _run_point(self, p: Point) -> None:
         """Train (or resume, or read back) one point while holding its lock; record its row."""
         run_dir = self.runs_dir / p.dir_name
+        refuse_foreign(run_dir, "--runs-dir point")  # another tool's files: never read or deleted
         summary = self._finished_summary(run_dir, p)
         if summary is None:
             resume = self._can_resume(run_dir, p)

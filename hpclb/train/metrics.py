@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from hpclb._io import json_lines, write_text_atomic
+from hpclb.config.outputs import mark_run
 
 __all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "TENSORBOARD_HINT", "STEP_TAGS",
            "tensorboard_tag", "RunLogger", "read_metrics", "finite"]
@@ -95,6 +96,7 @@ def _load_writer(log_dir: Path, tensorboard: bool | None, purge_step: int | None
             (log.warning if tensorboard else log.info)(TENSORBOARD_HINT)
             _hint_given = True
         return None
+    mark_run(log_dir.parent, log_dir.name)  # the run directory's marker: tb/ is hpclb's
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from hpclb.config.outputs import mark_run
 from hpclb.errors import ConfigError
 
 __all__ = ["PROFILE_DIR", "COLLECTIVES", "StepProfiler", "check_profile_window",
@@ -91,6 +92,8 @@ class StepProfiler:
         elif window is not None and done > window[0] and comm.rank == 0:
             log.warning("--profile %d:%d: this run resumed after step %d; the trace covers "
                         "steps %d to %d", window[0], window[1], done, done + 1, window[1])
+        if self.window is not None and comm.rank == 0:  # before any rank writes there
+            mark_run(out, PROFILE_DIR)
 
     def label(self, name: str):
         """``torch.profiler.record_function(name)`` inside the window, else a null context."""

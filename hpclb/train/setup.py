@@ -13,6 +13,7 @@ onto whatever device this run uses.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -27,12 +28,13 @@ from torch import nn
 
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
-from hpclb.config.outputs import check_run_dir, clear_run
+from hpclb.config.outputs import check_run_dir, clear_run, start_run
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError, HpclbError
 from hpclb.models import build_model
 from hpclb.noise import check_world_size
 from hpclb.optim import OPTIMIZERS
 from hpclb.optim.lr_scheduler import ScheduleLR
+from hpclb.plugins import is_plugin
 from hpclb.schedules import Schedule
 from hpclb.sync.agree import (
     average_buffers,
@@ -46,7 +48,8 @@ from hpclb.train.profile import StepProfiler, check_profile_window
 from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
 from hpclb.train.usercode import describe
 
-__all__ = ["LOCK_NAME", "PRECISIONS", "agreed", "Position", "Run", "build_optimizer",
+__all__ = ["LOCK_NAME", "MODEL_FIELDS", "PRECISIONS", "agreed", "Position", "Run",
+           "build_optimizer", "build_recipe_model", "check_model", "check_resumable",
            "setup_run", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
@@ -179,6 +182,7 @@ def _local_checks(cfg: RunConfig, comm: Communicator, profile: tuple[int, int] |
                       test_samples=data.test_samples)
     sched = cfg.schedule(task.num_train_samples)
     check_profile_window(profile, sched.total_steps)  # --profile: inside the run
+    check_model(cfg, task.model_kwargs)  # before --overwrite deletes anything
     return per_rank, micro, task, sched
 
 
@@ -222,23 +226,13 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
     def decide():
         found = check_run_dir(store.out_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         lock.append(_lock_out(store.out_dir))
-        if not cfg.resume:
-            if found:  # --overwrite: no stale summary, metrics or checkpoint survives
-                log.warning("--overwrite: deleting the run in %s (%s)", store.out_dir,
-                            ", ".join(found))
-                clear_run(store.out_dir)
-            return None
-        loaded = store.latest()
-        if loaded is None and cfg.resume == "auto":
-            return _start_afresh(store.out_dir, found)
-        if loaded is None:  # a usage error, the same for every rank: exit 2
-            raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
-                              f"drop --resume to start afresh (add --overwrite if the "
-                              f"directory holds a run), or use --resume auto")
-        for path, why in loaded.skipped:
-            log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
-                        loaded.path)
-        return str(loaded.path.resolve())
+        path = _resume_path(cfg, store, found) if cfg.resume else None
+        if found and not cfg.resume:  # --overwrite: no stale summary, metrics or checkpoint
+            log.warning("--overwrite: deleting the run in %s (%s)", store.out_dir,
+                        ", ".join(found))
+            clear_run(store.out_dir)  # hpclb's files only
+        start_run(store.out_dir)  # the marker: what this run writes is hpclb's
+        return path
     try:
         return _load_decided(cfg, comm, agreed(comm, "checking --out and the checkpoint",
                                                lambda: decide() if comm.rank == 0 else None),
@@ -247,6 +241,23 @@ def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
         if lock:
             lock[0].close()  # a failed start-up leaves the run directory free
         raise
+
+
+def _resume_path(cfg: RunConfig, store: CheckpointStore, found: list[str]) -> str | None:
+    """Rank 0's ``--resume`` decision: the checkpoint's path (checked against ``cfg``), or None
+    (``--resume auto`` without one: start afresh)."""
+    loaded = store.latest()
+    if loaded is None and cfg.resume == "auto":
+        return _start_afresh(store.out_dir, found)
+    if loaded is None:  # a usage error, the same for every rank: exit 2
+        raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
+                          f"drop --resume to start afresh (add --overwrite if the "
+                          f"directory holds a run), or use --resume auto")
+    for path, why in loaded.skipped:
+        log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
+                    loaded.path)
+    check_resumable(cfg, loaded.state, loaded.path.resolve())  # before anything is written
+    return str(loaded.path.resolve())
 
 
 def _start_afresh(out: Path, found: list[str]) -> None:
@@ -279,25 +290,87 @@ def _load_decided(cfg: RunConfig, comm: Communicator, path: str | None, held):
         except (CheckpointError, OSError) as e:
             raise ConfigError(f"cannot read rank 0's checkpoint {path} ({e}); --out must be on "
                               f"a file system every rank sees") from e
-    ckpt = agreed(comm, "loading the checkpoint", load)
-    check_resumable(cfg, ckpt, path)
-    return ckpt, path, held
+    return agreed(comm, "loading the checkpoint", load), path, held
+
+
+#: the recipe fields that fix the model's parameters (a checkpoint of others cannot be loaded)
+MODEL_FIELDS = ("model", "task", "data.name")
 
 
 def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
     """Refuse (ConfigError) to resume ``cfg`` from the checkpoint ``ckpt`` read from ``path``
-    where it was made with other settings (experiment, batch, scaling, optimizer, seed...)."""
+    where it was made with other settings (experiment, batch, scaling, optimizer, seed...) or
+    another model: a recipe field of :data:`MODEL_FIELDS` (``model.hidden_size``...) other than
+    the run's ``config.json`` in ``cfg.out`` records, named with both values."""
     for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs", "lr"):
         if ckpt["run"][key] != getattr(cfg, key):
             raise ConfigError(f"--resume: the checkpoint in {path} was made with {key}="
                               f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; resume "
                               f"with the same settings or use another --out")
+    try:  # every start writes config.json after this check: its recipe is the checkpoint's
+        saved = json.loads((Path(cfg.out) / "config.json").read_text())["recipe"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no record: the parameters' shapes are checked when the checkpoint is loaded
+    then, now = _model_fields(saved), _model_fields(json.loads(json.dumps(cfg.recipe)))
+    for key in sorted(then.keys() | now.keys()):
+        if then.get(key, _ABSENT) != now.get(key, _ABSENT):
+            raise ConfigError(f"--resume: {key}: {_show(then.get(key, _ABSENT))} in the "
+                              f"checkpoint's run, {_show(now.get(key, _ABSENT))} now (recipe "
+                              f"{cfg.experiment}); the checkpoint in {path} holds another model: "
+                              f"resume with the recipe it was made with, or use another --out")
+
+
+_ABSENT = object()
+
+
+def _show(value: Any) -> str:
+    return "absent" if value is _ABSENT else json.dumps(value)
+
+
+def _model_fields(recipe: dict) -> dict[str, Any]:
+    """The :data:`MODEL_FIELDS` of ``recipe``, sections flattened to ``model.<field>``."""
+    fields = {}
+    for name in MODEL_FIELDS:
+        section, _, key = name.partition(".")
+        value = recipe.get(section)
+        if key:
+            value = value.get(key, _ABSENT) if isinstance(value, dict) else _ABSENT
+        if isinstance(value, dict):
+            fields.update({f"{name}.{k}": v for k, v in value.items()})
+        elif value is not _ABSENT:
+            fields[name] = value
+    return fields
+
+
+def build_recipe_model(cfg: RunConfig, model_kwargs: dict[str, Any]) -> nn.Module:
+    """``cfg``'s model: the recipe's ``model.name`` built with the recipe's model fields and
+    the task's ``model_kwargs`` (set from the data, e.g. ``vocab_size``), on torch's default
+    device. Raises ConfigError naming the recipe and ``model.<field>`` where the constructor
+    refuses a value (ValueError/TypeError) or a plug-in returns no ``nn.Module``."""
+    name = cfg.spec.model.name
+    try:
+        return build_model(name, **model_kwargs, **cfg.spec.model.kwargs)
+    except ConfigError as e:
+        cause = e.__cause__
+        where = describe(cause) if is_plugin(name) and cause is not None else ""
+        raise ConfigError(f"recipe {cfg.experiment}: {e}{where}") from e
+
+
+def check_model(cfg: RunConfig, model_kwargs: dict[str, Any]) -> None:
+    """What the run refuses before training about its model: build it (on the ``meta`` device,
+    without memory; on the CPU where a constructor cannot run there) and its optimizer.
+    Raises ConfigError as :func:`build_recipe_model` and :func:`build_optimizer` do."""
+    try:
+        with torch.device("meta"):
+            model = build_recipe_model(cfg, model_kwargs)
+    except Exception:  # noqa: BLE001 (the verdict of a build as the run's, on the CPU)
+        model = build_recipe_model(cfg, model_kwargs)
+    build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
 
 
 def _build_model(cfg: RunConfig, task: Task, device: torch.device) -> nn.Module:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (then broadcast)
-    model = build_model(cfg.spec.model.name, **task.model_kwargs, **cfg.spec.model.kwargs)
-    model = model.to(device)
+    model = build_recipe_model(cfg, task.model_kwargs).to(device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         if any(isinstance(m, nn.Conv2d) for m in model.modules()):
@@ -384,7 +457,27 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_pa
     return run
 
 
+def _check_shapes(run: Run, saved: dict) -> None:
+    """ConfigError when the checkpoint's model state ``saved`` does not fit ``run.model`` (a
+    parameter or buffer missing or of another shape): a checkpoint of another model."""
+    mine = run.model.state_dict()
+    for key in sorted(saved.keys() | mine.keys()):
+        there, here = _shape(saved, key), _shape(mine, key)
+        if there != here:
+            raise ConfigError(
+                f"--resume: the checkpoint in {run.resumed_path} holds another model than recipe "
+                f"{run.cfg.experiment}'s (model.name {run.cfg.spec.model.name!r}): {key} is "
+                f"{there} there, {here} in this run's model; resume with the recipe it was made "
+                f"with (its model section), or use another --out")
+
+
+def _shape(state: dict, key: str) -> str:
+    value = state.get(key, _ABSENT)
+    return "absent" if value is _ABSENT else str(list(getattr(value, "shape", ())))
+
+
 def _restore(run: Run, ckpt: dict) -> None:
+    _check_shapes(run, ckpt["model"])
     run.model.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     run.scheduler.load_state_dict(ckpt["scheduler"])

@@ -28,7 +28,7 @@ TRACEBACK_HINT = "set HPCLB_TRACEBACK=1 for the whole traceback"
 #: (hpclb module file, function) -> the phase it runs (inside a training step, the global step
 #: is added: "... of global step N")
 PHASES = {
-    ("setup.py", "_build_model"): "in the model constructor (model.name)",
+    ("setup.py", "build_recipe_model"): "in the model constructor (model.name)",
     ("plugin.py", "load_plugin_data"): "in the data function (data.name)",
     ("supervised.py", "_loss"): "in the loss function (task.loss)",
     ("supervised.py", "_metric_sums"): "in a metric function (task.metrics)",

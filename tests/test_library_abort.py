@@ -105,3 +105,20 @@ def test_a_metric_collective_on_one_rank_only_is_reported_as_mismatched(tmp_path
     assert "MISMATCHED collective" in err and "mean_over_ranks" in err, err[-3000:]
     assert "gradient bucket" in err and "aborting the job" in err, err[-3000:]
     assert seconds < 100, seconds
+
+
+def test_a_rank_that_finished_is_named_and_the_job_ends(tmp_path):
+    """Rank 0 leaves the loop after two steps and exits, rank 1 goes on (as with ranks given
+    different epochs or batch sizes): before, rank 1's report called rank 0 "no reply (dead,
+    ...)" and "slow, not mismatched" until stall_abort_s; now it names rank 0 as finished, a
+    mismatch, and ends the job at once."""
+    rc, out, err, seconds = run_ranks(
+        LOOP.replace("INIT", "{'stall_abort_s': 600}")
+        .replace("if step == 3 and comm.rank == 1:", "if step == 3 and comm.rank == 0:")
+        .replace("ACTION", "break"),
+        tmp_path, env={"HPCLB_STALL_TIMEOUT_S": "1"})
+    assert rc != 0, out
+    assert "finished 0" in out and "finished 1" not in out, out
+    assert "MISMATCHED collective" in err and "rank 0 has finished: it left after its " \
+        "collective #" in err, err[-3000:]
+    assert "rank 1: aborting the job: rank(s) 0 finished without starting collective #" in err

@@ -27,6 +27,7 @@ from torch import nn
 
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
+from hpclb.config.agreement import agree_run_settings, run_settings
 from hpclb.config.outputs import check_run_dir, clear_run
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError, HpclbError
 from hpclb.models import build_model
@@ -327,6 +328,7 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     ``run.profiler`` traces it: :mod:`hpclb.train.profile`). Raises ConfigError (same on
     every rank), DataError, CheckpointError."""
     device = torch.device(device or getattr(comm, "device", "cpu"))
+    agree_run_settings(comm, run_settings(cfg))  # ranks given other settings: all stop, exit 2
     # a run directory that may not be written is refused before any rank loads data
     agreed(comm, "checking --out", lambda: check_run_dir(
         cfg.out, resume=bool(cfg.resume), overwrite=cfg.overwrite) if comm.rank == 0 else None)

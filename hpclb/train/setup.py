@@ -57,9 +57,10 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on every rank, then compare verdicts (one allgather): if any rank failed, every
-    rank raises the first failing rank's error (a ConfigError stays one, naming the rank), so a
-    check that passes on some ranks and fails on others (a folder one rank cannot see) ends the
-    job within seconds instead of hanging the others in the next collective."""
+    rank raises the first failing rank's error (a ConfigError stays one; the message names that
+    rank and ``what`` unless every rank failed alike), so a check that passes on some ranks and
+    fails on others (a folder one rank cannot see) ends the job within seconds instead of
+    hanging the others in the next collective."""
     try:
         result, verdict = fn(), None
     except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
@@ -74,7 +75,8 @@ def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
     failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if failed:
         rank, (kind, msg, config) = failed[0]
-        where = f"rank {rank} of {comm.world_size}, {what}: " if comm.world_size > 1 else ""
+        alike = len(failed) == len(verdicts) and all(v == failed[0][1] for _, v in failed)
+        where = f"rank {rank} of {comm.world_size}, {what}: " if not alike else ""
         raise (ConfigError if config else AgreedFailure)(f"{where}{msg}" if config
                                                          else f"{where}{kind}: {msg}")
     return result

@@ -105,12 +105,12 @@ class _Aborts(ScaledComm):
         self.aborted = code
 
 
-def test_a_peer_that_finished_before_this_collective_is_mismatched_and_the_job_ends():
+def test_a_peer_that_exited_before_this_collective_is_mismatched_and_the_job_ends():
     """Rank 1's watchdog said, as its process exited, that it had started #1 only (fewer
     epochs or larger batches than this rank): while this rank waits in #2 the report names it
-    as finished, a mismatch, and ends the job (the wait could never end) without abort_s."""
+    as exited, a mismatch, and ends the job (the wait could never end) without abort_s."""
     peers = ScriptedPeers({})
-    peers.inbox.append((1, {"kind": "finished", "entered": 1, "entered_label": G,
+    peers.inbox.append((1, {"kind": "exited", "entered": 1, "entered_label": G,
                             "entered_ago_s": 0.5, "idle_s": 0.5, "label_at_seq": None}))
     comm = _Aborts(2, side=peers)
     comm.aborted = None
@@ -127,7 +127,7 @@ def test_a_peer_that_finished_before_this_collective_is_mismatched_and_the_job_e
         wd.stop()
     r = reports[0]
     assert r.verdict == "mismatched" and r.mismatched == [1] and r.missing == [1]
-    assert f"rank 1 has finished: it left after its collective #1 '{G}' and will never start " \
+    assert f"rank 1 has exited: it left after its collective #1 '{G}' and will never start " \
            f"#2" in r.message
     assert "no reply" not in r.message and comm.aborted == 1
 
@@ -140,5 +140,5 @@ def test_a_stopping_watchdog_tells_its_peers():
     wd.register_timeout(0.1)
     wd.entered(G)
     wd.stop()
-    assert sent and sent[-1]["kind"] == "finished" and sent[-1]["entered"] == 1
+    assert sent and sent[-1]["kind"] == "exited" and sent[-1]["entered"] == 1
     assert sent[-1]["entered_label"] == G

@@ -20,9 +20,10 @@ and the transfer itself is slow.
 Every rank's watchdog thread answers such questions, also while its main thread computes,
 sleeps or waits elsewhere; a rank that cannot answer (dead, or stuck in native code that holds
 the Python GIL) is named as "no reply". A watchdog that stops (its process exits) tells the
-peers the last collective it started: a peer that has finished before starting ``seq`` is
-named as mismatched (it ran fewer collectives, e.g. fewer epochs or larger batches), and since
-the wait can never end, the report is followed by ``comm.abort``.
+peers the last collective it started: a peer whose process exited before starting ``seq``
+(it finished after fewer collectives, e.g. fewer epochs or larger batches, or it raised) is
+named as mismatched, and since the wait can never end, the report is followed by
+``comm.abort``.
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ class StallWatchdog:
         self._entered_at = time.monotonic()
         self._left_at = time.monotonic()
         self._replies: dict[tuple, dict[int, dict]] = {}
-        self._finished: dict[int, dict] = {}  # rank -> its last state, sent as it stopped
+        self._exited: dict[int, dict] = {}  # rank -> its last state, sent as its process exited
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -175,7 +176,7 @@ class StallWatchdog:
                       file=sys.stderr, flush=True)
         if self.channel is not None:  # tell the peers: a wait for this rank is a lost cause
             try:
-                self.channel.send({"kind": "finished", **self._state()})
+                self.channel.send({"kind": "exited", **self._state()})
             except Exception:  # noqa: BLE001 (MPI may be going down)
                 pass
 
@@ -201,8 +202,8 @@ class StallWatchdog:
                                        **self._state(msg.get("seq"))}, src)
                 elif msg.get("kind") == "state":
                     self._replies.setdefault(msg["id"], {})[src] = msg
-                elif msg.get("kind") == "finished":
-                    self._finished[src] = msg
+                elif msg.get("kind") == "exited":
+                    self._exited[src] = msg
         with self._lock:
             waits = list(self._waits.values())
         for w in waits:
@@ -248,10 +249,10 @@ class StallWatchdog:
             w.on_stall(report)
         except Exception as e:
             print(f"{msg}\n(on_stall raised {e!r})", file=sys.stderr, flush=True)
-        gone = [r for r in mismatched if r in self._finished]
+        gone = [r for r in mismatched if r in self._exited]
         if gone:  # the collective can never complete: end the job now, not after abort_s
             print(f"hpclb: rank {me}: aborting the job: rank(s) {', '.join(map(str, gone))} "
-                  f"finished without starting collective #{w.seq} '{w.label}'", file=sys.stderr,
+                  f"exited without starting collective #{w.seq} '{w.label}'", file=sys.stderr,
                   flush=True)
             self.comm.abort(1)
 
@@ -263,11 +264,11 @@ class StallWatchdog:
         for r in range(self.comm.world_size):
             if r == self.comm.rank:
                 continue
-            done = self._finished.get(r)
+            done = self._exited.get(r)
             if done is not None and done["entered"] < w.seq:
                 missing.append(r)
                 mismatched.append(r)
-                details[r] = (f"has finished: it left after its collective #{done['entered']} "
+                details[r] = (f"has exited: it left after its collective #{done['entered']} "
                               f"'{done['entered_label']}' and will never start #{w.seq}")
                 continue
             st = replies.get(r)
@@ -307,7 +308,7 @@ class StallWatchdog:
         if mismatched:
             return (f"{head}; MISMATCHED collective, not a slow one: rank(s) "
                     f"{', '.join(map(str, mismatched))} are in a different collective or have "
-                    f"finished: " + "; ".join(f"rank {r} {details[r]}" for r in mismatched)
+                    f"exited: " + "; ".join(f"rank {r} {details[r]}" for r in mismatched)
                     + f" (this rank's #{w.seq} is '{w.label}'). The ranks issue collectives in "
                     f"different orders or numbers (e.g. two GradientSyncs or optimizers on one "
                     f"communicator, a step skipped on some ranks, or ranks given different "

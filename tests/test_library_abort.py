@@ -70,7 +70,8 @@ def test_an_exception_on_rank_1_ends_every_rank(tmp_path):
 
 def test_the_abort_can_be_turned_off_and_then_the_watchdog_ends_the_wait(tmp_path):
     """abort_on_exception=False: rank 1 dies alone; rank 0's lost allreduce is ended by the
-    library's stall_abort_s instead of waiting forever."""
+    watchdog instead of waiting forever: at its first report, which names rank 1 as exited
+    (before: by the library's stall_abort_s)."""
     rc, out, err, seconds = run_ranks(
         LOOP.replace("INIT", "{'abort_on_exception': False, 'stall_abort_s': 4}")
         .replace("ACTION", "raise ValueError('boom at step 3')"),
@@ -78,7 +79,8 @@ def test_the_abort_can_be_turned_off_and_then_the_watchdog_ends_the_wait(tmp_pat
     assert rc != 0, out
     assert "uncaught ValueError" not in err  # the hook was not installed
     assert "ValueError: boom at step 3" in err  # Python's own report from rank 1
-    assert "rank 0: aborting the job" in err and "abort after 4 s" in err, err[-2000:]
+    assert "rank 0: aborting the job: rank(s) 1 exited without starting collective #3" in err, \
+        err[-2000:]
 
 
 def test_a_rank_that_leaves_the_loop_is_ended_by_the_stall_abort(tmp_path):
@@ -105,3 +107,20 @@ def test_a_metric_collective_on_one_rank_only_is_reported_as_mismatched(tmp_path
     assert "MISMATCHED collective" in err and "mean_over_ranks" in err, err[-3000:]
     assert "gradient bucket" in err and "aborting the job" in err, err[-3000:]
     assert seconds < 100, seconds
+
+
+def test_a_rank_that_finished_is_named_and_the_job_ends(tmp_path):
+    """Rank 0 leaves the loop after two steps and exits, rank 1 goes on (as with ranks given
+    different epochs or batch sizes): before, rank 1's report called rank 0 "no reply (dead,
+    ...)" and "slow, not mismatched" until stall_abort_s; now it names rank 0 as exited, a
+    mismatch, and ends the job at once."""
+    rc, out, err, seconds = run_ranks(
+        LOOP.replace("INIT", "{'stall_abort_s': 600}")
+        .replace("if step == 3 and comm.rank == 1:", "if step == 3 and comm.rank == 0:")
+        .replace("ACTION", "break"),
+        tmp_path, env={"HPCLB_STALL_TIMEOUT_S": "1"})
+    assert rc != 0, out
+    assert "finished 0" in out and "finished 1" not in out, out
+    assert "MISMATCHED collective" in err and "rank 0 has exited: it left after its " \
+        "collective #" in err, err[-3000:]
+    assert "rank 1: aborting the job: rank(s) 0 exited without starting collective #" in err

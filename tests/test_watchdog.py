@@ -98,3 +98,47 @@ def test_history_is_bounded():
         wd.entered(f"c{i + 1}")
     assert len(wd._history) == HISTORY and wd._history[HISTORY + 10] == f"c{HISTORY + 10}"
     assert 10 not in wd._history
+
+
+class _Aborts(ScaledComm):
+    def abort(self, code: int = 1) -> None:
+        self.aborted = code
+
+
+def test_a_peer_that_exited_before_this_collective_is_mismatched_and_the_job_ends():
+    """Rank 1's watchdog said, as its process exited, that it had started #1 only (fewer
+    epochs or larger batches than this rank): while this rank waits in #2 the report names it
+    as exited, a mismatch, and ends the job (the wait could never end) without abort_s."""
+    peers = ScriptedPeers({})
+    peers.inbox.append((1, {"kind": "exited", "entered": 1, "entered_label": G,
+                            "entered_ago_s": 0.5, "idle_s": 0.5, "label_at_seq": None}))
+    comm = _Aborts(2, side=peers)
+    comm.aborted = None
+    wd = StallWatchdog(comm)
+    wd.register_timeout(0.1)
+    reports = []
+    try:
+        wd.entered(G)
+        with wd.waiting(wd.entered(D), D, 0.1, on_stall=reports.append):
+            deadline = time.monotonic() + 10
+            while comm.aborted is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        wd.stop()
+    r = reports[0]
+    assert r.verdict == "mismatched" and r.mismatched == [1] and r.missing == [1]
+    assert f"rank 1 has exited: it left after its collective #1 '{G}' and will never start " \
+           f"#2" in r.message
+    assert "no reply" not in r.message and comm.aborted == 1
+
+
+def test_a_stopping_watchdog_tells_its_peers():
+    peers = ScriptedPeers({})
+    sent = []
+    peers.send = lambda obj, dest=None: sent.append(obj)
+    wd = StallWatchdog(ScaledComm(2, side=peers))
+    wd.register_timeout(0.1)
+    wd.entered(G)
+    wd.stop()
+    assert sent and sent[-1]["kind"] == "exited" and sent[-1]["entered"] == 1
+    assert sent[-1]["entered_label"] == G

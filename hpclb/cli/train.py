@@ -160,6 +160,28 @@ def _resolve(args: argparse.Namespace, comm):
                    compile=args.compile)
 
 
+def _resolve_agreed(args: argparse.Namespace, comm):
+    """:func:`_resolve` on every rank with its outcome agreed (a rank that fails, e.g. without
+    the recipe file or with another recipe, ends every rank with its message), then the whole
+    configuration agreed (:mod:`hpclb.config.agreement`): before any other collective, so
+    ranks launched with different settings all stop with exit 2 instead of hanging or training
+    apart."""
+    from hpclb.config.agreement import agree_run_settings, run_settings
+    from hpclb.train.setup import agreed
+
+    cfg = agreed(comm, "resolving the settings", lambda: _resolve(args, comm))
+    agree_run_settings(comm, run_settings(cfg, {
+        f"{name} ({flag})": getattr(args, name) for name, flag in _CLI_ONLY.items()}))
+    return cfg
+
+
+# hpclb train's options that are not in the RunConfig and are agreed as well (--out,
+# --data-dir: locations; --backend: the communicator exists, so the ranks share it)
+_CLI_ONLY = {"checkpoint_interval": "--checkpoint-interval", "profile": "--profile",
+             "dry_run": "--dry-run", "tensorboard": "--no-tensorboard",
+             "expect_world_size": "--expect-world-size", "share_gpu": "--share-gpu"}
+
+
 def _train(args: argparse.Namespace, comm, cfg, early) -> int:
     """Train ``cfg``; 75 when preempted (before training began, or after the checkpoint), 3
     when the run diverged."""
@@ -197,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if comm is None:
         return EXIT_USAGE
     try:
-        cfg = _resolve(args, comm)
+        cfg = _resolve_agreed(args, comm)
         if args.dry_run:
             from hpclb.tools.dryrun import dry_run
 

@@ -19,7 +19,11 @@ and the transfer itself is slow.
 
 Every rank's watchdog thread answers such questions, also while its main thread computes,
 sleeps or waits elsewhere; a rank that cannot answer (dead, or stuck in native code that holds
-the Python GIL) is named as "no reply".
+the Python GIL) is named as "no reply". A watchdog that stops (its process exits) tells the
+peers the last collective it started: a peer whose process exited before starting ``seq``
+(it finished after fewer collectives, e.g. fewer epochs or larger batches, or it raised) is
+named as mismatched, and since the wait can never end, the report is followed by
+``comm.abort``.
 """
 from __future__ import annotations
 
@@ -107,6 +111,7 @@ class StallWatchdog:
         self._entered_at = time.monotonic()
         self._left_at = time.monotonic()
         self._replies: dict[tuple, dict[int, dict]] = {}
+        self._exited: dict[int, dict] = {}  # rank -> its last state, sent as its process exited
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -169,6 +174,11 @@ class StallWatchdog:
             except Exception as e:  # the watchdog must never take the job down by itself
                 print(f"hpclb: rank {self.comm.rank}: stall watchdog error: {e!r}",
                       file=sys.stderr, flush=True)
+        if self.channel is not None:  # tell the peers: a wait for this rank is a lost cause
+            try:
+                self.channel.send({"kind": "exited", **self._state()})
+            except Exception:  # noqa: BLE001 (MPI may be going down)
+                pass
 
     def _state(self, asked_seq: int | None = None) -> dict:
         now = time.monotonic()
@@ -192,6 +202,8 @@ class StallWatchdog:
                                        **self._state(msg.get("seq"))}, src)
                 elif msg.get("kind") == "state":
                     self._replies.setdefault(msg["id"], {})[src] = msg
+                elif msg.get("kind") == "exited":
+                    self._exited[src] = msg
         with self._lock:
             waits = list(self._waits.values())
         for w in waits:
@@ -237,6 +249,12 @@ class StallWatchdog:
             w.on_stall(report)
         except Exception as e:
             print(f"{msg}\n(on_stall raised {e!r})", file=sys.stderr, flush=True)
+        gone = [r for r in mismatched if r in self._exited]
+        if gone:  # the collective can never complete: end the job now, not after abort_s
+            print(f"hpclb: rank {me}: aborting the job: rank(s) {', '.join(map(str, gone))} "
+                  f"exited without starting collective #{w.seq} '{w.label}'", file=sys.stderr,
+                  flush=True)
+            self.comm.abort(1)
 
     def _classify(self, w: _Wait, replies: dict[int, dict],
                   details: dict[int, str]) -> tuple[list[int], list[int]]:
@@ -245,6 +263,13 @@ class StallWatchdog:
         missing, mismatched = [], []
         for r in range(self.comm.world_size):
             if r == self.comm.rank:
+                continue
+            done = self._exited.get(r)
+            if done is not None and done["entered"] < w.seq:
+                missing.append(r)
+                mismatched.append(r)
+                details[r] = (f"has exited: it left after its collective #{done['entered']} "
+                              f"'{done['entered_label']}' and will never start #{w.seq}")
                 continue
             st = replies.get(r)
             if st is None:
@@ -282,11 +307,13 @@ class StallWatchdog:
                  details: dict[int, str]) -> str:
         if mismatched:
             return (f"{head}; MISMATCHED collective, not a slow one: rank(s) "
-                    f"{', '.join(map(str, mismatched))} are in a different collective: "
-                    + "; ".join(f"rank {r} {details[r]}" for r in mismatched)
+                    f"{', '.join(map(str, mismatched))} are in a different collective or have "
+                    f"exited: " + "; ".join(f"rank {r} {details[r]}" for r in mismatched)
                     + f" (this rank's #{w.seq} is '{w.label}'). The ranks issue collectives in "
-                    f"different orders (e.g. two GradientSyncs or optimizers on one "
-                    f"communicator, or a step skipped on some ranks); waiting will not resolve it")
+                    f"different orders or numbers (e.g. two GradientSyncs or optimizers on one "
+                    f"communicator, a step skipped on some ranks, or ranks given different "
+                    f"settings such as the number of epochs or the batch size); waiting will not "
+                    f"resolve it")
         if missing:
             return (f"{head}; slow, not mismatched: rank(s) {', '.join(map(str, missing))} have "
                     f"not joined it yet: " + "; ".join(f"rank {r} {details[r]}" for r in missing))

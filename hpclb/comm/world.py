@@ -99,15 +99,20 @@ def gpu_peers(comm: Communicator, device: str) -> tuple[int, int]:
     (same host and the same GPU UUIDs, :func:`visible_gpu_uuids`; ``CUDA_VISIBLE_DEVICES``
     where torch cannot tell UUIDs): the node-local rank and size, except under per-task GPU
     binding (srun ``--gpus-per-task``, or a cgroup per task that shows every task its GPU as
-    "0"), where each rank sees its own GPU(s). One allgather unless the device is ``cpu`` or
-    the world is one rank."""
-    if device == "cpu" or comm.world_size == 1:
+    "0"), where each rank sees its own GPU(s). One allgather unless the world is one rank, also
+    on ``cpu`` (so that ranks whose ``device`` differs, as from a recipe one rank cannot read,
+    still reach the settings' agreement in step)."""
+    if comm.world_size == 1:
         return comm.local_rank, comm.local_size
-    gpus = visible_gpu_uuids()
-    me = (socket.gethostname(), gpus if gpus is not None
-          else os.environ.get("CUDA_VISIBLE_DEVICES"))
+    me = None
+    if device != "cpu":
+        gpus = visible_gpu_uuids()
+        me = (socket.gethostname(), gpus if gpus is not None
+              else os.environ.get("CUDA_VISIBLE_DEVICES"))
     everyone = comm.allgather_object(me)
-    node = [v for v in everyone if v[0] == me[0]]
+    if me is None:
+        return comm.local_rank, comm.local_size
+    node = [v for v in everyone if v is not None and v[0] == me[0]]
     if len(node) != comm.local_size or len(set(node)) == 1:
         return comm.local_rank, comm.local_size
     same = [r for r, v in enumerate(everyone) if v == me]

@@ -28,6 +28,7 @@ from torch import nn
 
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
+from hpclb.config.agreement import agree_run_settings, run_settings
 from hpclb.config.outputs import check_run_dir, clear_run, start_run
 from hpclb.errors import AgreedFailure, CheckpointError, ConfigError, HpclbError
 from hpclb.models import build_model
@@ -59,9 +60,10 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on every rank, then compare verdicts (one allgather): if any rank failed, every
-    rank raises the first failing rank's error (a ConfigError stays one, naming the rank), so a
-    check that passes on some ranks and fails on others (a folder one rank cannot see) ends the
-    job within seconds instead of hanging the others in the next collective."""
+    rank raises the first failing rank's error (a ConfigError stays one; the message names that
+    rank and ``what`` unless every rank failed alike), so a check that passes on some ranks and
+    fails on others (a folder one rank cannot see) ends the job within seconds instead of
+    hanging the others in the next collective."""
     try:
         result, verdict = fn(), None
     except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
@@ -76,7 +78,8 @@ def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
     failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if failed:
         rank, (kind, msg, config) = failed[0]
-        where = f"rank {rank} of {comm.world_size}, {what}: " if comm.world_size > 1 else ""
+        alike = len(failed) == len(verdicts) and all(v == failed[0][1] for _, v in failed)
+        where = f"rank {rank} of {comm.world_size}, {what}: " if not alike else ""
         raise (ConfigError if config else AgreedFailure)(f"{where}{msg}" if config
                                                          else f"{where}{kind}: {msg}")
     return result
@@ -400,6 +403,7 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     ``run.profiler`` traces it: :mod:`hpclb.train.profile`). Raises ConfigError (same on
     every rank), DataError, CheckpointError."""
     device = torch.device(device or getattr(comm, "device", "cpu"))
+    agree_run_settings(comm, run_settings(cfg))  # ranks given other settings: all stop, exit 2
     # a run directory that may not be written is refused before any rank loads data
     agreed(comm, "checking --out", lambda: check_run_dir(
         cfg.out, resume=bool(cfg.resume), overwrite=cfg.overwrite) if comm.rank == 0 else None)

@@ -43,15 +43,16 @@ def test_uneven_last_step_draws_every_sample_once(tmp_path, record):
 def test_different_fusion_threshold_on_two_ranks(tmp_path, record):
     """HPCLB_FUSION_THRESHOLD_BYTES differs between the ranks (an MPMD launch, `-x` per rank):
     both ranks stop before the first step within 60 s, with a message naming the setting and
-    both values (ModelMismatchError, raised on every rank alike: exit 2 like a ConfigError)."""
+    both values (the run's settings, agreed before the first collective of training:
+    hpclb.config.agreement; a ConfigError raised on every rank alike)."""
     bound = 60
     cmd = command(train_args(write_recipe(tmp_path), tmp_path / "run"),
                   rank_env=[{"HPCLB_FUSION_THRESHOLD_BYTES": "1024"},
                             {"HPCLB_FUSION_THRESHOLD_BYTES": "33554432"}])
     rc, out, t = run(cmd, bound)
     assert rc == 2, out
-    assert ("GradientSync: rank 1 has fusion_threshold_bytes=33554432 but rank 0 has 1024; "
-            "every rank must use the same settings") in out, out
+    assert ("$HPCLB_FUSION_THRESHOLD_BYTES is 1024 on rank 0 but 33554432 on rank 1; every "
+            "rank must run the same configuration") in out, out
     assert "epoch   1/" not in out, out
     record(bound, t, rc, "n/a (stopped before the first step)")
 

@@ -1,0 +1,139 @@
+"""The ranks agree on the whole run configuration before the first collective of training.
+
+:func:`run_settings` lists every setting of a :class:`~hpclb.config.RunConfig` that can change a
+number (the recipe's content field by field, every command-line choice, the ``HPCLB_*``
+gradient-sync variables in force); :func:`agree_run_settings` compares one digest of them across
+the ranks (one allgather) and, where any rank's differs, raises the same ConfigError on every
+rank naming each setting that differs with rank 0's value and the other ranks'.
+
+Not compared, because they may differ between ranks without changing a number: where a rank
+finds or writes files (:data:`LOCATIONS`: ``--out``, of which rank 0's is the run directory,
+``--data-dir`` and the recipe's resolved ``plugin_path``, e.g. node-local copies), and what the
+launcher gives each rank (its rank, local rank, host, device index).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from hpclb.comm.base import Communicator
+from hpclb.errors import ConfigError
+from hpclb.sync.options import (
+    DEFAULT_COMM_POLL_S,
+    DEFAULT_FUSION_THRESHOLD_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+    parse_bytes,
+)
+
+__all__ = ["AGREED_ENVIRONMENT", "LOCATIONS", "agree_run_settings", "run_settings"]
+
+#: RunConfig fields and recipe fields that are locations: each rank may have its own
+LOCATIONS = ("out", "data_dir", "recipe.plugin_path")
+#: the ``HPCLB_*`` variables every rank must set alike, each ``(value when unset, parser)``: the
+#: gradient-sync settings and the trust-ratio backend of LARS/LAMB (not ``HPCLB_CUDA_AWARE_MPI``:
+#: how a buffer reaches MPI, never the sum; nor the library-only ``HPCLB_ABORT_ON_EXCEPTION``)
+AGREED_ENVIRONMENT = {
+    "HPCLB_FUSION_THRESHOLD_BYTES": (DEFAULT_FUSION_THRESHOLD_BYTES, parse_bytes),
+    "HPCLB_OVERLAP": ("auto", str),
+    "HPCLB_COMPRESSION": ("none", str),
+    "HPCLB_STALL_TIMEOUT_S": (DEFAULT_STALL_TIMEOUT_S, float),
+    "HPCLB_STALL_ABORT_S": (None, float),
+    "HPCLB_COMM_POLL_S": (DEFAULT_COMM_POLL_S, float),
+    "HPCLB_TRUST_BACKEND": ("auto", str),
+}
+# the command-line flag of a RunConfig field, where it is not --<field with dashes>
+_FLAGS = {"experiment": "EXPERIMENT", "global_batch_size": "--batch-size",
+          "optimizer_params": "the recipe's optimizers.<optimizer>"}
+_SHOWN = 8  # differing settings named in the message; the rest are counted
+
+
+def run_settings(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every setting of ``cfg`` (a :class:`~hpclb.config.RunConfig`) the ranks must share, by
+    the name the message shows: ``"epochs (--epochs)"``, ``"recipe field model.hidden_size"``,
+    ``"$HPCLB_OVERLAP"`` (the value in force: its default when unset), then ``extra`` (the
+    command line's other options, named by their flags). Never raises."""
+    settings: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "recipe":
+            settings.update(_recipe_fields(value, "recipe"))
+        elif f.name not in LOCATIONS:
+            settings[f"{f.name} ({_FLAGS.get(f.name, '--' + f.name.replace('_', '-'))})"] = value
+    for name, (default, parse) in AGREED_ENVIRONMENT.items():
+        settings[f"${name}"] = _in_force(name, default, parse)
+    settings.update(extra or {})
+    return settings
+
+
+def _recipe_fields(value, path: str) -> dict[str, Any]:
+    """The leaves of the recipe mapping ``value`` under ``path``, as ``recipe field a.b``."""
+    if path in LOCATIONS:
+        return {}
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, sub in value.items():
+            out.update(_recipe_fields(sub, f"{path}.{key}"))
+        return out
+    return {f"recipe field {path.split('.', 1)[1]}": value}
+
+
+def _in_force(name: str, default, parse):
+    """``$name`` parsed (its raw text where it does not parse: the start-up check names it),
+    ``default`` when unset or empty."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        return raw
+
+
+def _canonical(settings: dict[str, Any]) -> dict[str, str]:
+    return {k: json.dumps(v, sort_keys=True, default=repr) for k, v in settings.items()}
+
+
+def agree_run_settings(comm: Communicator, settings: dict[str, Any]) -> None:
+    """Compare ``settings`` (:func:`run_settings`) across the ranks: one allgather of a SHA-256
+    digest (a second, of the settings, only when the digests differ). Collective; a world of
+    one returns at once. Raises ConfigError on every rank alike naming each setting that
+    differs, rank 0's value and the other ranks', and the fix."""
+    if comm.world_size == 1:
+        return
+    mine = _canonical(settings)
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
+    if len(set(comm.allgather_object(digest))) == 1:
+        return
+    raise ConfigError(_mismatch_message(comm.allgather_object(mine)))
+
+
+def _mismatch_message(everyone: list[dict[str, str]]) -> str:
+    """The message for ``everyone`` (each rank's canonical settings, by rank) when they differ:
+    each differing setting with its value on rank 0 and on the ranks whose value differs."""
+    names = list(everyone[0]) + sorted({k for s in everyone[1:] for k in s} - set(everyone[0]))
+    differ = []
+    for name in names:
+        values = [s.get(name) for s in everyone]
+        if len(set(values)) > 1:
+            by_value: dict[str | None, list[int]] = {}
+            for rank, v in enumerate(values):
+                by_value.setdefault(v, []).append(rank)
+            first, *others = [f"{_show(v)} on rank{'s' if len(r) > 1 else ''} "
+                              f"{', '.join(map(str, r))}" for v, r in by_value.items()]
+            differ.append(f"{name} is {first} but {', '.join(others)}")
+    more = f" (and {len(differ) - _SHOWN} more)" if len(differ) > _SHOWN else ""
+    return (f"the ranks disagree on {len(differ)} setting(s) of the run: "
+            f"{'; '.join(differ[:_SHOWN])}{more}; every rank must run the same configuration: "
+            f"launch every rank with the same command line, the same recipe file content and "
+            f"the same HPCLB_* environment variables (--out and --data-dir may differ)")
+
+
+def _show(canonical: str | None) -> str:
+    if canonical is None:
+        return "absent"
+    if canonical == "null":
+        return "unset"
+    return canonical if len(canonical) <= 60 else canonical[:57] + "..."

@@ -86,3 +86,29 @@ def test_library_init_names_a_bad_variable(monkeypatch):
     with pytest.raises(ValueError, match=r"\$HPCLB_STALL_ABORT_S='5' is below "
                                          r"\$HPCLB_STALL_TIMEOUT_S='10'"):
         hpclb.init(backend="self", device="cpu")
+
+
+def test_hpclb_train_ends_a_hung_job_by_default_and_never_turns_it_off(monkeypatch, tmp_path,
+                                                                        mnist_dir):
+    """`hpclb train` sets a default stall abort (TRAIN_STALL_ABORT_S): a collective that waits
+    that long ends every rank with the diagnosis, as torchrun's NCCL timeout does;
+    HPCLB_STALL_ABORT_S=never waits forever, a number of seconds replaces the default."""
+    from helpers import quick_recipe
+
+    from hpclb import cli
+    from hpclb.sync import options
+
+    monkeypatch.setattr(options, "_default_stall_abort_s", [None])
+    monkeypatch.delenv("HPCLB_STALL_ABORT_S", raising=False)
+    assert options.SyncOptions.resolve().stall_abort_s is None  # before: never
+    assert cli.main(["train", quick_recipe(tmp_path), "--dry-run", "--data-dir",
+                     str(mnist_dir.parent)]) == 0
+    assert options.SyncOptions.resolve().stall_abort_s == options.TRAIN_STALL_ABORT_S == 600
+    monkeypatch.setenv("HPCLB_STALL_ABORT_S", "never")
+    options.check_environment()
+    assert options.SyncOptions.resolve().stall_abort_s is None
+    monkeypatch.setenv("HPCLB_STALL_ABORT_S", "120")
+    assert options.SyncOptions.resolve().stall_abort_s == 120
+    monkeypatch.setenv("HPCLB_STALL_ABORT_S", "sometimes")
+    with pytest.raises(ValueError, match="HPCLB_STALL_ABORT_S.*or never"):
+        options.check_environment()

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 __all__ = [
     "BYTES_FORMS", "COMPRESSIONS", "DEFAULT_COMM_POLL_S", "DEFAULT_FIRST_BUCKET_BYTES",
     "DEFAULT_FUSION_THRESHOLD_BYTES", "DEFAULT_STALL_TIMEOUT_S", "OVERLAP_MODES",
-    "LIBRARY_STALL_ABORT_S", "SMALL_FUSION_BYTES", "MiB", "SyncOptions", "check_environment",
-    "parse_bytes", "set_default_stall_abort_s"]
+    "LIBRARY_STALL_ABORT_S", "TRAIN_STALL_ABORT_S", "SMALL_FUSION_BYTES", "MiB", "SyncOptions",
+    "check_environment", "parse_bytes", "set_default_stall_abort_s"]
 
 MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
@@ -27,6 +27,9 @@ DEFAULT_COMM_POLL_S = 2e-4
 # hpclb.init's default: a collective that waits this long ends the job (library scripts have no
 # supervisor that would notice a hang; the command line aborts on its own failures).
 LIBRARY_STALL_ABORT_S = 300.0
+# hpclb train's default: a stalled job ends with the diagnosis after 10 minutes (NCCL's default
+# collective timeout under torchrun); HPCLB_STALL_ABORT_S=never waits forever.
+TRAIN_STALL_ABORT_S = 600.0
 _default_stall_abort_s: list[float | None] = [None]  # set by hpclb.init (library mode)
 OVERLAP_MODES = ("auto", "thread", "nonblocking", "none")
 # names of torch dtypes (torch is imported only when a dtype is asked for: this module is torch-free
@@ -81,6 +84,16 @@ def _positive_seconds(raw: str) -> float:
     return value
 
 
+def _abort_seconds(raw: str) -> float:
+    """``HPCLB_STALL_ABORT_S``: seconds > 0, or ``never`` (infinity: the job is never ended)."""
+    if raw.strip().lower() == "never":
+        return math.inf
+    try:
+        return _positive_seconds(raw)
+    except ValueError:
+        raise ValueError("must be a number of seconds > 0 (e.g. 600) or never") from None
+
+
 def _nonnegative_seconds(raw: str) -> float:
     value = _seconds(raw)
     if not value >= 0:
@@ -111,7 +124,7 @@ def check_environment() -> None:
     _env("HPCLB_OVERLAP", None, _OVERLAP_ENV)
     _env("HPCLB_COMPRESSION", None, _COMPRESSION_ENV)
     timeout = _env("HPCLB_STALL_TIMEOUT_S", None, _positive_seconds)
-    abort = _env("HPCLB_STALL_ABORT_S", None, _positive_seconds)
+    abort = _env("HPCLB_STALL_ABORT_S", None, _abort_seconds)
     _env("HPCLB_COMM_POLL_S", None, _nonnegative_seconds)
     # read elsewhere, lazily (on a GPU, in library mode): checked here so that a typo is caught
     # on any machine, at start-up
@@ -150,7 +163,8 @@ class SyncOptions:
         """Arguments, else ``$HPCLB_FUSION_THRESHOLD_BYTES``, ``$HPCLB_OVERLAP``,
         ``$HPCLB_COMPRESSION``, ``$HPCLB_STALL_TIMEOUT_S``, ``$HPCLB_STALL_ABORT_S``,
         ``$HPCLB_COMM_POLL_S``, else the defaults (``stall_abort_s``: the default
-        :func:`set_default_stall_abort_s` set, at least ``stall_timeout_s``, else never).
+        :func:`set_default_stall_abort_s` set, at least ``stall_timeout_s``, else never;
+        ``HPCLB_STALL_ABORT_S=never``: never).
         Raises ValueError naming the setting and its unit; warns (UserWarning) for a fusion
         threshold under 1 KiB."""
         opts = cls(
@@ -168,12 +182,14 @@ class SyncOptions:
                                   _env("HPCLB_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S,
                                        _positive_seconds)),
             stall_abort_s=stall_abort_s if stall_abort_s is not None else
-            _env("HPCLB_STALL_ABORT_S", None, _positive_seconds),
+            _env("HPCLB_STALL_ABORT_S", None, _abort_seconds),
             comm_poll_s=float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S,
                                    _nonnegative_seconds)))
         if opts.stall_abort_s is None and _default_stall_abort_s[0] is not None:
             opts = dataclasses.replace(opts, stall_abort_s=max(_default_stall_abort_s[0],
                                                                opts.stall_timeout_s))
+        if opts.stall_abort_s == math.inf:  # HPCLB_STALL_ABORT_S=never
+            opts = dataclasses.replace(opts, stall_abort_s=None)
         opts._check()
         return opts
 

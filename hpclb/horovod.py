@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
 
 import hpclb.api as _api
+from hpclb.sync.agree import ReplicasDiffer
 from hpclb.sync.optimizer import DistributedOptimizer as _DistributedOptimizer
 
 __all__ = ["Average", "Compression", "Max", "Min", "Sum", "Unsupported", "Adasum",
@@ -210,11 +212,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         named_parameters = [(f"allreduce.noname.{i}", p) for i, p in
                             enumerate(p for g in optimizer.param_groups for p in g["params"])]
     comm = _api.communicator()
-    return _DistributedOptimizer(optimizer, list(named_parameters), comm=comm,
-                                 accumulation_steps=backward_passes_per_step,
-                                 compression=compression.hpclb_name or "none",
-                                 divisor=comm.world_size if op is Average else 1,
-                                 step_after="window")
+    with warnings.catch_warnings():
+        # Horovod's order is to wrap the optimizer, then hvd.broadcast_parameters: replicas
+        # that differ here are made rank 0's now, without a warning the next line makes moot
+        warnings.simplefilter("ignore", ReplicasDiffer)
+        return _DistributedOptimizer(optimizer, list(named_parameters), comm=comm,
+                                     accumulation_steps=backward_passes_per_step,
+                                     compression=compression.hpclb_name or "none",
+                                     divisor=comm.world_size if op is Average else 1,
+                                     step_after="window")
 
 
 def broadcast_parameters(params, root_rank: int = 0) -> None:

@@ -143,6 +143,38 @@ def _run_port(script: str, ranks: int, tmp_path) -> dict:
     return json.loads(lines[0])
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(120, method="thread")
+def test_horovods_order_wrap_then_broadcast_gives_no_replicas_warning(comm):
+    """Horovod's scripts wrap the optimizer, then call hvd.broadcast_parameters: an unseeded
+    model (different on every rank) gives no replicas-differ warning there, and the replicas
+    end equal; hpclb's own DistributedOptimizer still says it broadcast them."""
+    import warnings
+
+    from hpclb.sync.agree import ReplicasDiffer
+
+    hvd.init()
+    for api in ("horovod", "hpclb"):
+        torch.manual_seed(1000 + comm.rank)  # unseeded, as in many scripts: ranks differ
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if api == "horovod":
+                opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+                hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            else:
+                import hpclb
+                opt = hpclb.DistributedOptimizer(opt, model, comm=comm)
+        differ = [w for w in seen if issubclass(w.category, ReplicasDiffer)]
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        same = all(torch.equal(flat, other) for other in comm.allgather_object(flat))
+        expect_warning = api == "hpclb" and comm.world_size > 1
+        assert_all(comm, same and bool(differ) == expect_warning,
+                   f"{api}: replicas equal {same}, warnings {[str(w.message) for w in differ]}")
+        opt.close()
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_horovods_mnist_script_runs_with_its_import_changed(ranks, tmp_path, mnist_dir):

@@ -13,7 +13,7 @@ from hpclb.comm.base import Communicator
 from hpclb.errors import ModelMismatchError
 
 __all__ = ["agree_num_steps", "average_buffers", "broadcast_parameters", "check_model_consistency",
-           "check_sync_agreement", "fingerprints", "verify_replicas"]
+           "check_sync_agreement", "fingerprints", "verify_replicas", "ReplicasDiffer"]
 
 
 def check_model_consistency(model: nn.Module, comm: Communicator) -> None:
@@ -137,6 +137,10 @@ def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.nan_to_num(torch.cat(parts).cpu(), nan=-1.2345e300)
 
 
+class ReplicasDiffer(UserWarning):
+    """:func:`verify_replicas` found replicas that differ and broadcast rank 0's values."""
+
+
 @torch.no_grad()
 def verify_replicas(model, comm: Communicator, broadcast: bool = True, root: int = 0) -> str | None:
     """Compare every rank's parameter and buffer *values* (integer buffers too) by fingerprint:
@@ -161,9 +165,9 @@ def verify_replicas(model, comm: Communicator, broadcast: bool = True, root: int
             f"the ranks' replicas differ in {n} tensors, first {name}: seed the model's "
             f"initialisation identically on every rank, or call hpclb.broadcast_parameters(model) "
             f"(or pass broadcast_parameters=True)")
-    warnings.warn(f"the ranks' replicas differ in {n} tensors, first {name}; rank {root}'s "
-                  f"parameters and buffers were broadcast to every rank", UserWarning,
-                  stacklevel=3)
+    warnings.warn(ReplicasDiffer(f"the ranks' replicas differ in {n} tensors, first {name}; "
+                                 f"rank {root}'s parameters and buffers were broadcast to every "
+                                 f"rank"), stacklevel=3)
     for _, t in named:
         comm.broadcast_(t.data, root=root)
     return name

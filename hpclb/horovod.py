@@ -289,5 +289,10 @@ def join(device: int = -1) -> int:
     comm = _api.communicator()
     if comm.world_size == 1:
         return 0
-    times = _api.allgather(torch.tensor([time.time()], dtype=torch.float64))
-    return int(times.argmax())
+    # labelled for the stall watchdog: a rank that joins while another still steps is reported
+    # as in "hvd.join()" against that rank's gradient allreduce, naming the fix
+    with _api._watched(comm, "hvd.join() (hpclb's join does not stand in for the gradient "
+                             "allreduces of ranks still stepping: give every rank the same "
+                             "number of steps, e.g. with hpclb.shard_loader)"):
+        times = comm.allgather_object(time.time())
+    return max(range(len(times)), key=times.__getitem__)

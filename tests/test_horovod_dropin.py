@@ -175,6 +175,37 @@ def test_horovods_order_wrap_then_broadcast_gives_no_replicas_warning(comm):
         opt.close()
 
 
+JOIN_EARLY = """
+import torch, hpclb.horovod as hvd
+from torch import nn
+hvd.init()
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+for step in range(2 if hvd.rank() == 0 else 1):   # uneven batches: rank 1 has one fewer
+    opt.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+hvd.join()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_join_on_uneven_batches_names_join_and_the_fix(tmp_path):
+    """A rank that reaches hvd.join() while the other still steps: the stall report names
+    hvd.join() and how to even the steps, not an anonymous allgather; the job ends."""
+    script = tmp_path / "join_early.py"
+    script.write_text(JOIN_EARLY)
+    env = {**LAUNCH_ENV, "HPCLB_STALL_TIMEOUT_S": "2", "HPCLB_STALL_ABORT_S": "6",
+           "PYTHONPATH": str(REPO)}
+    r = run_bounded([str(MPIRUN), "-n", "2", "--bind-to", "none", sys.executable, str(script)],
+                    timeout=100, capture_output=True, env=env)
+    err = r.stderr.decode()
+    assert r.returncode != 0, err[-3000:]
+    assert "hvd.join()" in err and "same number of steps" in err, err[-3000:]
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_horovods_mnist_script_runs_with_its_import_changed(ranks, tmp_path, mnist_dir):

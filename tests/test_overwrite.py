@@ -269,3 +269,33 @@ def test_sweep_refuses_a_point_directory_of_another_tool(tmp_path, mnist_dir):
                                           r"hpclb did not write .*checkpoints/epoch=9-step=1000.ckpt"):
         sweep.run_sweep(recipe, [256], ["legw"], **kw)
     assert snapshot(point, skip=()) == before
+
+
+def test_a_start_up_that_fails_after_the_lock_leaves_no_directory_behind(tmp_path, mnist_dir,
+                                                                        monkeypatch):
+    """A failure between taking the run directory and the first step (here: the parameter
+    broadcast) used to leave --out holding only .hpclb.lock; now nothing, or, in a directory
+    that held something else, just that."""
+    from helpers import quick_recipe
+
+    from hpclb.comm.local import SelfCommunicator
+    from hpclb.config import resolve
+    from hpclb.train import setup
+    from hpclb.train.loop import train
+
+    def broken(*a, **k):
+        raise RuntimeError("the broadcast failed")
+
+    monkeypatch.setattr(setup, "broadcast_parameters", broken)
+    recipe = quick_recipe(tmp_path)
+    for out, keep in ((tmp_path / "fresh" / "run", None), (tmp_path / "mine", "notes.txt")):
+        if keep:
+            out.mkdir()
+            (out / keep).write_text("mine")
+        cfg = resolve(recipe, out=str(out), data_dir=str(mnist_dir.parent))
+        with pytest.raises(RuntimeError, match="the broadcast failed"):
+            train(cfg, SelfCommunicator(), quiet=True)
+        if keep:
+            assert sorted(p.name for p in out.iterdir()) == [keep]
+        else:
+            assert not out.exists()

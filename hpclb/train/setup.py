@@ -417,7 +417,24 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     except BaseException:
         if out_lock is not None:
             out_lock.close()
+            _forget_empty_start(store.out_dir)
         raise
+
+
+def _forget_empty_start(out: Path) -> None:
+    """After a start-up that failed before the run wrote anything: remove the lock and the
+    marker it left, and the directory when that leaves it empty (no ``--out`` holding only
+    ``.hpclb.lock``). A directory that holds a run's files keeps them all; other files stay."""
+    from hpclb.config.outputs import RUN_MARKER, run_files
+
+    try:
+        if not run_files(out):
+            for name in (LOCK_NAME, RUN_MARKER):
+                (out / name).unlink(missing_ok=True)
+            if not any(out.iterdir()):
+                out.rmdir()
+    except OSError:
+        pass  # best effort: the start-up error is what the user needs to see
 
 
 def prescale_exactly(divisor: int, scaler) -> bool:

@@ -78,8 +78,13 @@ def test_every_checkpoint_damaged_is_an_error_listing_them(tmp_path):
     for step in (1, 2):
         p = store.save(state(step))
         p.write_bytes(b"not a checkpoint")  # hard link: checkpoint.pt too for the newest
-    with pytest.raises(CheckpointError, match="no usable checkpoint.*gen-000002.*gen-000001"):
+    with pytest.raises(CheckpointError, match="no usable checkpoint.*gen-000002.*gen-000001") \
+            as e:
         store.latest()
+    # one line a user can act on: each file once, the fix named, no library jargon
+    msg = str(e.value)
+    assert "--overwrite" in msg and "CheckpointStore" not in msg and len(msg) < 600, msg
+    assert msg.count("gen-000002") == 1 and "delete them" not in msg
 
 
 def test_disk_full_midway_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):

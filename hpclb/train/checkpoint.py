@@ -141,9 +141,8 @@ def verify_checkpoint(path: str | Path) -> bool | None:
         return None
     actual = sha256_file(path)
     if actual not in expected:
-        raise CheckpointError(f"{path}: damaged or partial checkpoint (SHA-256 {actual[:12]}... "
-                              f"!= {expected[0][:12]}... in {sidecar_path(path).name}, size "
-                              f"{path.stat().st_size} bytes)")
+        raise CheckpointError(f"{path}: damaged or partial checkpoint (its SHA-256 does not "
+                              f"match its .sha256 file; {path.stat().st_size} bytes)")
     return True
 
 
@@ -160,12 +159,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         verify_checkpoint(path)
         return torch.load(path, map_location="cpu", weights_only=True)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}; delete it to start afresh (a CheckpointStore falls back to "
-                              f"an older generation by itself)") from e
+    except CheckpointError:
+        raise
     except Exception as e:  # torch raises several types for a damaged file
-        raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e}); "
-                              f"delete it to start afresh") from e
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {first})") \
+            from e
 
 
 @dataclass
@@ -289,13 +288,14 @@ class CheckpointStore:
         :attr:`Loaded.skipped`. Raises CheckpointError, listing every file and why, when
         checkpoints exist but none is usable."""
         skipped: list[tuple[Path, str]] = []
-        for gen, step, path in self._candidates():
+        candidates = self._candidates()
+        for k, (gen, step, path) in enumerate(candidates):
             try:
                 state = load_checkpoint(path)
             except CheckpointError as e:
-                reason = str(e)
-                log.warning("checkpoint %s is unusable (%s); trying the previous one", path,
-                            reason)
+                reason = str(e).removeprefix(f"{path}: ")
+                log.warning("checkpoint %s is unusable (%s)%s", path, reason,
+                            "; trying the previous one" if k + 1 < len(candidates) else "")
                 skipped.append((path, reason))
                 continue
             if skipped:
@@ -303,8 +303,9 @@ class CheckpointStore:
                             len(skipped), "; ".join(str(p) for p, _ in skipped))
             return Loaded(state, path, gen, step, skipped)
         if skipped:
+            why = "; ".join(f"{p}: {r}" for p, r in skipped)
             raise CheckpointError(
-                f"{self.out_dir}: no usable checkpoint: " +
-                "; ".join(r if r.startswith(f"{p}:") else f"{p}: {r}" for p, r in skipped) +
-                "; delete them to start afresh")
+                f"{self.out_dir}: no usable checkpoint ({why}); to start this run afresh, run "
+                f"it again with --overwrite (it deletes hpclb's files there) or choose another "
+                f"--out")
         return None

@@ -237,6 +237,28 @@ def test_compare_puts_runs_side_by_side(finished, tmp_path):
     assert len(lines) == 4 and all(f"| {acc} | {acc} |" in line for line in lines[2:]), lines
 
 
+def test_hpclb_overrides_are_recorded_and_compared(finished, tmp_path, mnist_dir):
+    """A run started with HPCLB_COMPRESSION=fp16 and a 1 MiB fusion threshold records the
+    settings in force in config.json, and hpclb compare shows them beside a run with the
+    defaults (before: two runs that differ in HPCLB_COMPRESSION left identical records)."""
+    from helpers import LAUNCH_ENV
+
+    recipe, done, _ = finished
+    other = tmp_path / "fp16"
+    env = {**LAUNCH_ENV, "HPCLB_COMPRESSION": "fp16", "HPCLB_FUSION_THRESHOLD_BYTES": "1MiB"}
+    p = run_hpclb("train", recipe, "--out", other, "--data-dir", mnist_dir.parent, env=env,
+                  timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    sync = json.loads((other / "config.json").read_text())["sync"]
+    assert sync["compression"] == "fp16" and sync["fusion_threshold_bytes"] == 2 ** 20, sync
+    default = json.loads((done / "config.json").read_text())["sync"]
+    assert default["compression"] == "none" and default["fusion_threshold_bytes"] == 25 * 2 ** 20
+    p = run_hpclb("compare", done, other, "--format", "csv", timeout=60)
+    rows = list(csv.DictReader(io.StringIO(p.stdout)))
+    assert [r["sync"] for r in rows] == [
+        "defaults", "fusion_threshold_bytes 1048576, compression fp16"], rows
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda t: t / "missing", "not a run directory (no such directory)"),
     (lambda t: t, "not a run directory (no summary.json and no metrics.jsonl)"),

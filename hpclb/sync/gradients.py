@@ -277,6 +277,18 @@ class GradientSync(WindowMixin):
                              "step_after": self.step_after}}
         check_sync_agreement(self.comm.allgather_object(mine))
 
+    def settings(self) -> dict:
+        """The gradient-sync settings in force, as recorded in a run's ``config.json``
+        (whether they came from arguments, ``HPCLB_*`` variables or the defaults): bucket
+        sizes in bytes, the overlap mode chosen, the compression, the stall times in seconds
+        (``stall_abort_s`` None: never), the buckets' count."""
+        o = self.options
+        return {"fusion_threshold_bytes": self.fusion_threshold_bytes,
+                "first_bucket_bytes": self.first_bucket_bytes, "overlap": self.overlap,
+                "compression": o.compression or "none", "stall_timeout_s": o.stall_timeout_s,
+                "stall_abort_s": o.stall_abort_s, "comm_poll_s": self.comm_poll_s,
+                "buckets": len(self.buckets)}
+
     # -- backward ------------------------------------------------------------------------------
     def _add_hooks(self) -> None:
         """One post-accumulate-grad hook per parameter (once; also at one process, where they

@@ -32,7 +32,10 @@ __all__ = ["COLUMNS", "compare_rows", "csv_table", "markdown_table", "run_row"]
 
 COLUMNS = ("run", "experiment", "batch", "scheme", "optimizer", "ranks", "steps", "epochs",
            "metric", "final", "best", "time_to_target_s", "samples_per_s", "wall_time_s",
-           "status")
+           "status", "sync")
+# gradient-sync settings shown when a run's differ from these (config.json's "sync")
+_SYNC_DEFAULTS = {"fusion_threshold_bytes": 25 * 2 ** 20, "compression": "none",
+                  "first_bucket_bytes": 2 ** 20}
 
 
 def _read_json(path: Path) -> dict | None:
@@ -97,7 +100,8 @@ def run_row(run_dir: str | Path, warn: Warn | None = None) -> dict[str, Any]:
            "batch": source.get("global_batch_size"), "scheme": source.get("scaling"),
            "optimizer": source.get("optimizer"), "ranks": source.get("world_size"),
            "epochs": source.get("epochs"), "metric": _metric(recipe, summary),
-           "status": "finished" if summary is not None else "unfinished"}
+           "status": "finished" if summary is not None else "unfinished",
+           "sync": _sync_shown(config)}
     if summary is not None:
         metric = row["metric"]
         row.update(steps=summary.get("steps"), final=summary.get(f"final_{metric}"),
@@ -108,6 +112,19 @@ def run_row(run_dir: str | Path, warn: Warn | None = None) -> dict[str, Any]:
     else:
         _from_epochs(row, read_run(path, warn=warn).epochs, recipe)
     return {k: row.get(k) for k in COLUMNS}
+
+
+def _sync_shown(config: dict | None) -> str | None:
+    """The run's gradient-sync settings that differ from the defaults, e.g.
+    ``"compression fp16, overlap thread"`` (the overlap mode only when not chosen by auto),
+    or None (a run from before config.json recorded them: unknown)."""
+    sync = (config or {}).get("sync")
+    if sync is None:
+        return None
+    shown = [f"{k} {sync[k]}" for k, v in _SYNC_DEFAULTS.items() if k in sync and sync[k] != v]
+    if (config or {}).get("trust_backend", "auto") != "auto":
+        shown.append(f"trust_backend {config['trust_backend']}")
+    return ", ".join(shown) or "defaults"
 
 
 def compare_rows(run_dirs: list[str | Path], warn: Warn | None = None) -> list[dict[str, Any]]:
@@ -126,7 +143,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table: metrics as in sweep tables (accuracies in %), times in
     seconds, throughput in samples/s; "—" for a value a run does not have."""
     head = ("run", "experiment", "batch", "scheme", "optimizer", "ranks", "steps", "metric",
-            "final", "best", "time to target (s)", "samples/s", "wall time (s)", "status")
+            "final", "best", "time to target (s)", "samples/s", "wall time (s)", "status",
+            "sync settings")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         m = r["metric"] or ""
@@ -134,7 +152,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                  r["optimizer"] or "—", _number(r["ranks"], "d"), _number(r["steps"], "d"),
                  m or "—", format_metric(m, r["final"]), format_metric(m, r["best"]),
                  _number(r["time_to_target_s"], ".1f"), _number(r["samples_per_s"]),
-                 _number(r["wall_time_s"], ".1f"), r["status"])
+                 _number(r["wall_time_s"], ".1f"), r["status"], r["sync"] or "—")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

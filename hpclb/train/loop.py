@@ -393,7 +393,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
             write_json(run.out / "config.json", {
                 **cfg.to_dict(), "world_size": comm.world_size,
                 "data_root": str(data_dir(cfg.data_dir).resolve()),
-                "peak_lr": run.schedule.peak_lr, "warmup_steps": run.schedule.warmup_steps})
+                "peak_lr": run.schedule.peak_lr, "warmup_steps": run.schedule.warmup_steps,
+                "sync": run.optimizer.sync.settings(), "trust_backend": _trust_backend()})
         logger = RunLogger(run.out, enabled=comm.rank == 0, tensorboard=tensorboard,
                            resume_step=run.pos.global_step if run.resumed_from is not None
                            else None)
@@ -411,6 +412,11 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         write_json(run.out / "summary.json", summary)
     say(_summary_line(run, summary))
     return summary
+
+
+def _trust_backend() -> str:
+    """``$HPCLB_TRUST_BACKEND`` in force (``auto`` when unset): recorded in config.json."""
+    return os.environ.get("HPCLB_TRUST_BACKEND", "auto").strip() or "auto"
 
 
 def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,

@@ -4,14 +4,15 @@
 #
 #   benchmarks/gpu_check.sh OUT [--cpu-dry-run]
 #
-# OUT receives at most 4 files: gpu_check.json (rewritten before and after every phase, so a
-# kill keeps what ran), gpu_check_logs.tar.gz (every log, <= 16 MiB) and the benchmark JSONs
+# OUT receives at most 4 files: gpu_check.json (written before the set-up, after each set-up
+# part and before and after every phase, so a kill or a failed set-up keeps what ran and what
+# failed), gpu_check_logs.tar.gz (every log, <= 16 MiB) and the benchmark JSONs
 # (bench_trust_ratio.json, overlap.json). Everything else (logs, run directories, TMPDIR,
 # CuPy's cache, the unpacked MNIST, the MPI runtime installed from the carried wheels) lives
 # in a short scratch folder outside OUT ($GPU_CHECK_SCRATCH, else /tmp/gc.XXXXXX), removed at
 # exit. The phases, their order (of value) and estimates: benchmarks/gpu_check/check.py and
-# phases.py; the call (prepare, command, carry, timeout): benchmarks/gpu_check/device_run.json;
-# docs/gpus.md. Exit 0 only when every phase ran and passed (a skipped phase is not a pass).
+# phases.py; the set-up: staging.py; the call (prepare, command, carry, timeout):
+# benchmarks/gpu_check/device_run.json; docs/gpus.md. Exit 0 only when every phase ran and passed (a skipped phase is not a pass).
 #
 # --cpu-dry-run runs the same phases on the CPU with the project's stand-ins (device cpu, a
 # data subset, the kernel's CPU emulator); `make test` runs it through device_run.json

@@ -17,8 +17,11 @@
 # --smoke: the same script on the CPU with a few steps per point (data subsets, one or two
 # batches and schemes per experiment), results under OUT/sweeps; tests/test_gpu_scripts.py runs
 # it.
-# The data (data/mnist, data/ptb, data/fashion-mnist) travels in the tree on the GPU machine
-# (shared-data/ or $HPCLB_DATA), as for benchmarks/gpu_check.sh.
+# The data: $HPCLB_DATA when set; else the GPU check's bundle ($GPU_CHECK_BUNDLE, else
+# shared-data/, as benchmarks/gpu_check/prepare.py lays it out: mnist/*.gz, which hpclb's MNIST
+# reader reads as they are) when it holds MNIST; else data/ (make data). An experiment whose data
+# set the reader cannot read there (not staged: the bundle carries MNIST only) is skipped, and
+# the plan says why.
 set -uo pipefail
 
 usage="usage: benchmarks/gpu_sweeps.sh OUT [--smoke]"
@@ -32,8 +35,9 @@ repo="$PWD"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export HPCLB_KERNELS_DIR="$repo/kernels"
+bundle="${GPU_CHECK_BUNDLE:-$repo/shared-data}"
 if [ -n "${HPCLB_DATA:-}" ]; then data="$HPCLB_DATA"
-elif [ -d shared-data ]; then data="$repo/shared-data"
+elif [ -d "$bundle/mnist" ]; then data="$bundle"
 else data="$repo/data"; fi
 budget=${GPU_SWEEPS_BUDGET_S:-540}
 start=$(date +%s)
@@ -45,6 +49,8 @@ import sys
 from pathlib import Path
 import yaml
 from hpclb.config import load_recipe
+from hpclb.data.registry import dataset
+from hpclb.errors import DataError
 
 out, smoke, data = Path(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[3])
 schemes_all = "legw,linear,sqrt,none"
@@ -67,8 +73,11 @@ plan = {
 total = 0
 for exp, (batches, schemes, est, (changes, smoke_batches, smoke_schemes)) in plan.items():
     recipe = load_recipe(exp)
-    if not (data / recipe["data"]["name"]).is_dir():
-        print(f"# {exp}: skipped, {recipe['data']['name']} not staged in {data}")
+    try:  # staged = hpclb's reader reads it there (raw or gzip files, as the sweep will)
+        dataset(recipe["data"]["name"]).load(str(data), recipe["data"])
+    except DataError as e:
+        print(f"# {exp}: skipped, {recipe['data']['name']} not staged in {data}: "
+              f"{str(e).splitlines()[0][:160]}")
         continue
     recipe.pop("path", None)
     if smoke:

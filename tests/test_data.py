@@ -56,6 +56,17 @@ def test_wrong_magic_and_ndim(tmp_path):
         read_idx(q, ndim=3)
 
 
+def test_mnist_reads_gzip_files_as_the_gpu_bundle_carries_them(tmp_path, mnist_dir):
+    """Only ``<name>.gz`` in the folder (benchmarks/gpu_check/prepare.py's bundle, LeCun's
+    download): the same arrays as from the raw files."""
+    for name, _ in FILES.values():
+        (tmp_path / f"{name}.gz").write_bytes(gzip.compress((mnist_dir / name).read_bytes(), 1))
+    train, test = load_mnist(tmp_path)
+    raw_train, raw_test = load_mnist(mnist_dir.parent)
+    assert torch.equal(train.images, raw_train.images) and torch.equal(test.labels,
+                                                                       raw_test.labels)
+
+
 def test_missing_file_names_the_fix(tmp_path):
     with pytest.raises(DataError, match=r"no such file.*`hpclb data fetch mnist`"):
         load_mnist(tmp_path)

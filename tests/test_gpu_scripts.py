@@ -34,3 +34,29 @@ def test_gpu_sweeps_smoke(tmp_path, mnist_dir):
         if (Path(os.environ.get("HPCLB_DATA", REPO / "data")) /
                 {"ptb-small": "ptb", "fashion-resnet": "fashion-mnist"}[exp]).is_dir():
             assert (tmp_path / "sweeps" / f"{exp}-gpu-smoke.md").is_file(), out
+
+
+def test_gpu_sweeps_reads_the_bundle_as_prepare_lays_it_out(tmp_path, mnist_dir, monkeypatch):
+    """The GPU machine holds the GPU check's bundle (benchmarks/gpu_check/prepare.py: mnist/*.gz
+    and the wheels), not raw MNIST files: the script takes its data from the bundle, finds
+    MNIST there through hpclb's reader (which reads the gzip files) and plans its points, and
+    says why the experiments whose data the bundle does not carry are skipped (budget 0: the
+    plan only)."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu_check"))
+    import prepare
+
+    monkeypatch.setenv("HPCLB_DATA", str(mnist_dir.parent))
+    bundle = tmp_path / "bundle"
+    prepare.bundle_mnist(bundle / "mnist")
+    assert sorted(p.name for p in (bundle / "mnist").iterdir()) == sorted(
+        f"{n}.gz" for n in prepare.MNIST)
+    env = {k: v for k, v in ENV.items() if k != "HPCLB_DATA"}
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_sweeps.sh"), str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=200,
+                       env={**env, "GPU_CHECK_BUNDLE": str(bundle), "GPU_SWEEPS_BUDGET_S": "0"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert f"data {bundle}" in out
+    assert "mnist-lstm: batches 128,1024,8192 x legw,linear,sqrt,none" in out
+    assert "ptb-small: skipped, ptb not staged in" in out
+    assert "fashion-resnet: skipped, fashion-mnist not staged in" in out

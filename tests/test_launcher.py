@@ -148,6 +148,28 @@ def test_stop_session_kills_what_ignores_sigterm(tmp_path):
     assert proc.returncode is not None and time.monotonic() - t < 10
 
 
+RANK = ("import signal, sys, time, pathlib\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "def term(*_):\n"
+        "    (d / 'rank-got-sigterm').touch()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        "(d / 'rank-ready').touch()\n"
+        "time.sleep(60)\n")
+
+
+def test_stop_session_sends_sigterm_to_the_ranks_groups_before_sigkill(tmp_path):
+    """A launcher that ignores SIGTERM (a wedged mpirun) and a rank in a process group of its
+    own: the rank is sent SIGTERM (and ends by itself) before anything is SIGKILLed; before,
+    the rank only ever got the SIGKILL."""
+    proc = subprocess.Popen(["bash", "-c", f"trap '' TERM; set -m; {sys.executable} -c "
+                             f"\"$0\" {tmp_path} & wait", RANK], start_new_session=True)
+    _wait_for(lambda: (tmp_path / "rank-ready").exists())
+    stop_session(proc, grace_s=6)
+    assert proc.returncode is not None
+    assert (tmp_path / "rank-got-sigterm").exists()
+
+
 def test_the_launch_failure_is_explained_only_when_it_is_that_failure():
     assert explain_launch_failure("ValueError: --batch-size: must be a positive integer") is None
     hint = explain_launch_failure(f"-----\nThe {LISTENER_FAILURE}. We cannot\ncontinue.\n")

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["LISTENER_FAILURE", "explain_launch_failure", "mpirun_path", "process_alive",
@@ -99,16 +100,16 @@ def explain_launch_failure(output: str) -> str | None:
 
 
 def _session_members(sid: int) -> list[int]:
-    """Process ids in session ``sid`` (Linux ``/proc``; empty elsewhere). mpirun puts each rank
-    in a process group of its own, so signalling the launcher's group misses the ranks, while
-    the session holds them all."""
+    """Process ids in session ``sid`` (Linux ``/proc``; empty elsewhere), zombies left out
+    (they have ended). mpirun puts each rank in a process group of its own, so signalling the
+    launcher's group misses the ranks, while the session holds them all."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # exited meanwhile
-        if int(fields[3]) == sid:
+        if int(fields[3]) == sid and fields[0] != "Z":
             pids.append(int(stat.parent.name))
     return pids
 
@@ -122,21 +123,54 @@ def _kill_session(sid: int, *, leader: bool) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def _term_member_groups(sid: int) -> bool:
+    """SIGTERM the process group of every process in session ``sid`` but the leader's own (the
+    ranks: mpirun gives each a group of its own); True when any was signalled."""
+    groups = set()
+    for pid in _session_members(sid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            groups.add(os.getpgid(pid))
+    groups.discard(sid)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+    return bool(groups)
+
+
+def _communicate(proc: subprocess.Popen, timeout: float) -> tuple | None:
+    try:
+        return proc.communicate(timeout=max(timeout, 0.0))
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def stop_session(proc: subprocess.Popen, grace_s: float = 10.0) -> tuple[str, str]:
     """Stop ``proc`` and every process in its session (``proc`` must have been started with
-    ``start_new_session=True``: mpirun and its ranks, torchrun and its workers): SIGTERM to the
-    launcher's process group, which lets ``mpirun`` end its ranks and remove its session
-    directory, then SIGKILL to every process in the session after ``grace_s`` seconds.
+    ``start_new_session=True``: mpirun and its ranks, torchrun and its workers), in three steps
+    within ``grace_s`` seconds:
+
+    1. SIGTERM to the launcher's process group, which lets ``mpirun`` end its ranks and remove
+       its session directory; up to half of ``grace_s`` for it to end;
+    2. SIGTERM to the process group of every process left in the session (the ranks of a
+       launcher that did not end them), and the rest of ``grace_s`` for them to end;
+    3. SIGKILL to every process still in the session.
+
     Returns what was left of its output, ``(stdout, stderr)`` (empty strings where not piped),
     once it is reaped and what it left behind is removed.
 
     The session, not the process group: mpirun gives each rank a process group of its own, so
     ``killpg`` on the launcher's group alone leaves the ranks running."""
+    deadline = time.monotonic() + grace_s
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        out = proc.communicate(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+    out = _communicate(proc, grace_s / 2)
+    if _term_member_groups(proc.pid):
+        while time.monotonic() < deadline and [
+                p for p in _session_members(proc.pid) if p != proc.pid]:
+            time.sleep(0.05)
+    if out is None:
+        out = _communicate(proc, deadline - time.monotonic())
+    if out is None:
         _kill_session(proc.pid, leader=True)
         out = proc.communicate()
     _kill_session(proc.pid, leader=False)  # ranks that outlived their launcher

@@ -1,4 +1,5 @@
-"""MNIST (LeCun et al.): 60,000 train / 10,000 test 28x28 grey images in raw IDX files."""
+"""MNIST (LeCun et al.): 60,000 train / 10,000 test 28x28 grey images in IDX files, raw or
+gzip (``<name>.gz``, as LeCun's site and the GPU check's bundle hold them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,18 +42,27 @@ class Split:
         return x, self.labels[indices]
 
 
+def _file(root: Path, key: str) -> Path:
+    """The raw IDX file of ``key`` in ``root``, else its ``.gz`` when only that is there (the
+    raw name otherwise, so that a missing file is named as ``hpclb data fetch`` stages it)."""
+    raw = root / FILES[key][0]
+    gz = raw.with_name(raw.name + ".gz")
+    return gz if not raw.is_file() and gz.is_file() else raw
+
+
 def _load_split(root: Path, images: str, labels: str) -> Split:
-    x = read_idx(root / FILES[images][0], ndim=3, dataset="mnist")
-    y = read_idx(root / FILES[labels][0], ndim=1, dataset="mnist")
+    x = read_idx(_file(root, images), ndim=3, dataset="mnist")
+    y = read_idx(_file(root, labels), ndim=1, dataset="mnist")
     if len(x) != len(y):
         raise DataError(f"{root}: {len(x)} images but {len(y)} labels in the {images} split")
     if y.size and int(y.max()) > 9:
-        raise DataError(f"{root / FILES[labels][0]}: label {int(y.max())} outside 0..9")
+        raise DataError(f"{_file(root, labels)}: label {int(y.max())} outside 0..9")
     return Split(torch.from_numpy(x.copy()), torch.from_numpy(y.astype("int64")))
 
 
 def load_mnist(root: str | Path | None = None) -> tuple[Split, Split]:
-    """(train, test) from the four IDX files in ``root`` (default ``$HPCLB_DATA/mnist``).
+    """(train, test) from the four IDX files in ``root`` (default ``$HPCLB_DATA/mnist``), each
+    raw or gzip (``train-images-idx3-ubyte`` or ``train-images-idx3-ubyte.gz``; raw first).
 
     ``root`` may also be a directory that directly holds the files. Raises DataError naming a
     missing, corrupt or inconsistent file.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hpclb.config.settings import RunConfig
 from hpclb.sync.guard import CALIBRATION_SCALE
-from hpclb.sync.options import SMALL_FUSION_BYTES
+from hpclb.sync.options import SMALL_FUSION_BYTES, TRAIN_STALL_ABORT_S
 from hpclb.train.loop import EXPLODED_LOSS_FACTOR
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
@@ -27,6 +27,7 @@ def test_every_threshold_in_faults_md_is_the_codes():
         r"`--keep-checkpoints`, default (\d+)": RunConfig.keep_checkpoints,
         r"`fusion_threshold_bytes` under (\d+) KiB": SMALL_FUSION_BYTES / 1024,
         r"`eps <= (\d+)`": 0,
+        r"default (\d+) s in `hpclb train`": TRAIN_STALL_ABORT_S,
     }
     checked = set()
     for pattern, value in expected.items():

@@ -40,7 +40,7 @@ def lr_at(step: int, a) -> float:
     total = math.ceil(a.epochs * steps_per_epoch - 1e-9)
     warmup = int(math.floor(a.warmup_epochs * k * n / b + 0.5 + 1e-9))
     peak = a.base_lr * math.sqrt(k)
-    ramp = min(1.0, (step + 1) / warmup)
+    ramp = min(1.0, step / warmup)  # from 0 at step 0, as the reference code
     progress = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
     return ramp * peak * (1.0 - progress) ** a.power
 

@@ -59,3 +59,11 @@ def test_a_missing_cell_leaves_the_claim_undecided_and_no_b0_no_verdict():
     with pytest.raises(ValueError, match="no finite B0"):
         verdict(_rows({(8192, "legw"): [0.9]}), metric="test_accuracy", mode="max",
                 base_batch=128)
+
+
+def test_legw_is_pending_until_it_has_as_many_seeds_as_b0():
+    rows = _rows({**B0, (8192, "legw"): [0.980], (8192, "sqrt"): [0.95]})
+    v = verdict(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert v["holds"] == {8192: None} and v["loses"] == {} and v["supported"] is None
+    md = verdict_markdown(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert "pending (1 of 3 seeds)" in md and "not decided yet" in md

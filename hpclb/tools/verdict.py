@@ -73,8 +73,10 @@ def _worse_by(value: float | None, ref: float, mode: str) -> float:
 
 def verdict(rows: list[dict], *, metric: str, mode: str, base_batch: int) -> dict:
     """The verdict of one budget's rows (see the module docstring): ``{"tolerance", "base",
-    "largest_batch", "holds": {batch: bool}, "loses": {(batch, scheme): bool}, "supported"}``
-    (``supported`` None when a needed cell is missing). Raises ValueError without B0 rows."""
+    "largest_batch", "holds": {batch: bool | None}, "loses": {(batch, scheme): bool},
+    "supported"}``. LEGW at a batch is pending (None) until it has as many seeds as B0, and
+    the baselines there are not judged before; ``supported`` is None while a needed cell is
+    missing or pending. Raises ValueError without B0 rows."""
     table = cells(rows)
     base = next((c for (b, _), c in table.items() if b == base_batch and c.finite), None)
     if base is None:
@@ -86,11 +88,12 @@ def verdict(rows: list[dict], *, metric: str, mode: str, base_batch: int) -> dic
             continue
         miss = c.mean is None or _worse_by(c.mean, base.mean, mode) > tol
         if s == "legw":
-            holds[b] = not miss and all(_worse_by(v, base.mean, mode) <= 2 * tol
-                                        for v in c.values.values())
+            # pending (None) until LEGW has as many seeds as B0
+            holds[b] = None if len(c.values) < len(base.values) else not miss and all(
+                _worse_by(v, base.mean, mode) <= 2 * tol for v in c.values.values())
             continue
         legw = table.get((b, "legw"))
-        if legw is None or legw.mean is None:
+        if legw is None or legw.mean is None or len(legw.values) < len(base.values):
             continue
         pooled = math.sqrt((legw.std ** 2 + c.std ** 2) / 2)
         loses[(b, s)] = miss and all(_worse_by(v, legw.mean, mode) > 2 * pooled
@@ -127,7 +130,8 @@ def verdict_markdown(rows: list[dict], *, metric: str, mode: str, base_batch: in
         if b == base_batch:
             word = "B0"
         elif s == "legw":
-            word = "holds" if v["holds"][b] else "does not hold"
+            word = {True: "holds", False: "does not hold"}.get(
+                v["holds"][b], f"pending ({len(c.values)} of {len(v['base'].values)} seeds)")
         else:
             word = {True: "loses", False: "does not lose"}.get(v["loses"].get((b, s)), "—")
         lines.append(f"| {b} | {s} | {mean} | {seeds} | {word} |")

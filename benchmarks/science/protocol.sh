@@ -28,13 +28,33 @@ step_mnist() {  # $1: optimizer; the largest k first: the claim is tested there
             --seeds 0,1,2 --out-dir "$RES/mnist-lstm-$1"
     done
 }
+# A tuned arm runs only once its recipe holds the LR its B0 tuning chose (the rule: tune_b0.py)
+tuned() {  # $1 recipe, $2 optimizer, $3 tuning JSON
+    "$PY" - "$@" <<'PYEOF'
+import json, sys
+from hpclb.config import load_recipe
+recipe, opt, path = sys.argv[1:4]
+try:
+    best = json.load(open(path))["best_lr"]
+except (OSError, ValueError, KeyError):
+    sys.exit(f"{path}: no B0 tuning recorded yet: run the tuning step first")
+lr = load_recipe(recipe)["optimizers"][opt]["lr"]
+if best is None or abs(lr - best) > 1e-12 * best:
+    sys.exit(f"{recipe}: optimizers.{opt}.lr is {lr}, the B0 tuning chose {best} ({path}): "
+             f"write it (and the grid) into the recipe's lr and tuning, then run this step")
+PYEOF
+}
 step_mnist_adam() { step_mnist adam; }
-step_mnist_momentum() { step_mnist momentum; }
+step_mnist_momentum() {
+    tuned mnist-lstm momentum "$RES/tuning/mnist-lstm-momentum.json"
+    step_mnist momentum
+}
 step_tune_cnn() {
     "$PY" benchmarks/science/tune_b0.py fashion-resnet8 --optimizer lars --lrs 2,4,8,16 \
         --out "$RES/tuning/fashion-resnet8-lars.json" --runs-dir "$RUNS/tuning"
 }
 step_cnn() {
+    tuned fashion-resnet8 lars "$RES/tuning/fashion-resnet8-lars.json"
     sweep fashion-resnet8 --batch-sizes 128,4096 --schemes legw,goyal,sqrt --seeds 0,1,2 \
         --micro-batch 128 --out-dir "$RES/fashion-resnet8"
 }

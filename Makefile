@@ -243,3 +243,11 @@ install-gpu:
 test-faults: install $(HPCLB_DATA)/mnist/.verified
 	rm -f results/faults.json
 	HPCLB_FAULTS_REPORT=results/faults.json $(PY) -m pytest -q -rxXfE -p no:cacheprovider tests/faults
+
+# --- the paper's claim at full budgets (docs/science.md): hours per step on one core ------------
+# Every step resumes where it was cut; results/science/ holds each finished point. STEP=name runs
+# one step (tune-momentum, mnist-adam, mnist-momentum, tune-cnn, cnn, ptb); none: all in order.
+STEP ?=
+.PHONY: science
+science: install data
+	STEP="$(subst -,_,$(STEP))" PY=$(PY) bash benchmarks/science/protocol.sh

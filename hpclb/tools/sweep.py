@@ -236,11 +236,9 @@ class _Sweep:
         self.record(row_of(summary, p, metric=self.metric, run_dir=run_dir), run_dir)
 
 
-def _accumulation(batch: int, ranks: int, micro_batch: int | None) -> int:
-    """Micro-batches per step on each rank so that one is ``micro_batch`` samples (1 without
-    ``micro_batch``); ConfigError when it does not divide."""
-    if micro_batch is None:
-        return 1
+def _accumulation(batch: int, ranks: int, micro_batch: int) -> int:
+    """Micro-batches per step on each rank so that one is ``micro_batch`` samples; ConfigError
+    when it does not divide."""
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1 \
             or batch % (ranks * micro_batch):
         raise ConfigError(f"--micro-batch {micro_batch}: every batch must be a multiple of "
@@ -261,7 +259,8 @@ def _prepare(experiment: str, *, epochs, ranks, optimizer, seeds, out_dir, runs_
     sweep = _Sweep(experiment, recipe, out_dir, Path(runs_dir) / recipe["name"], data_dir,
                    quiet, log, overwrite)
     points = [Point(b, s, seed, probe.optimizer, probe.epochs, ranks,
-                    _accumulation(b, ranks, micro_batch))
+                    _accumulation(b, ranks, micro_batch) if micro_batch is not None
+                    else probe.accumulation_steps)  # the recipe's without --micro-batch
               for b in batch_sizes for seed in seeds for s in schemes]
     return sweep, points
 

@@ -99,3 +99,5 @@ def test_an_existing_out_file_is_replaced_only_with_overwrite(tmp_path, bench):
     out.write_text('{"committed": true}')
     assert cli.main(["bench", bench, "--out", str(out)]) == 2
     assert out.read_text() == '{"committed": true}'
+    # a directory is no --out, with or without --overwrite (it failed after the whole run)
+    assert cli.main(["bench", bench, "--out", str(tmp_path), "--overwrite"]) == 2

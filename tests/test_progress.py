@@ -26,13 +26,14 @@ def test_log_lines_come_every_interval_with_step_loss_lr_rate_and_eta(monkeypatc
     p.start_epoch(0, 0, 10, 0)
     for i in range(10):
         clock["t"] += 10.0  # 10 s a step
-        p.update(i, i + 1, 0.5, {"loss": 2.0 - i / 10} if i >= 4 else None)
+        p.update(i, i + 1, 0.5, {"loss": 2.0 - i / 10, "step": 5} if i >= 4 else None)
     p.end_epoch()
     lines = out.getvalue().splitlines()
     assert len(lines) == 3  # at 30, 60 and 90 s
     assert lines[0] == ("progress: epoch 1/2 step 3/10 (30.0%)  lr 5.000e-01  samples/s 6  ETA "
                         "epoch 1m10s, run 2m50s")
-    assert lines[1].startswith("progress: epoch 1/2 step 6/10 (60.0%)  loss 1.5000  lr")
+    # the step log's loss, with the step it was logged at when that is an older one
+    assert lines[1].startswith("progress: epoch 1/2 step 6/10 (60.0%)  loss 1.5000 (step 5)  lr")
     quiet = io.StringIO()
     p = P.Progress(True, n_epochs=1, total_steps=10, global_batch=1, every_s=0, stream=quiet,
                    tty=False)
@@ -41,6 +42,15 @@ def test_log_lines_come_every_interval_with_step_loss_lr_rate_and_eta(monkeypatc
         clock["t"] += 100.0
         p.update(i, i + 1, 0.1, None)
     assert quiet.getvalue() == ""  # --progress-every 0: none
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_progress_every_must_be_seconds_at_least_zero(value, capsys):
+    from hpclb import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "mnist-lstm", "--progress-every", value, "--dry-run"])
+    assert e.value.code == 2 and "a number of seconds >= 0" in capsys.readouterr().err
 
 
 def test_a_terminal_gets_a_bar_and_notes_pass_through():

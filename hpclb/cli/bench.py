@@ -92,6 +92,10 @@ def _refusing_to_replace(func):
     ``--overwrite`` (exit 2 naming both, before anything is measured)."""
     def guarded(args: argparse.Namespace) -> int:
         out = getattr(args, "out", None)
+        if out and Path(out).is_dir():
+            error(f"--out {out}: is a directory; --out names the JSON file to write (e.g. "
+                  f"{Path(out) / 'bench.json'})")
+            return EXIT_USAGE
         if out and not args.overwrite and Path(out).exists():
             error(f"--out {out}: exists (a committed result?); pass --overwrite to replace it, "
                   f"or choose another --out")

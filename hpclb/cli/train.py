@@ -90,7 +90,7 @@ def _add_run_options(t: argparse.ArgumentParser) -> None:
                    "recipe's, else fp32)")
     t.add_argument("--log-every", type=int, metavar="STEPS", help="a metrics.jsonl step line "
                    "every STEPS optimizer steps (0: off; default: the recipe's, else 50)")
-    t.add_argument("--progress-every", type=float, default=60.0, metavar="SECONDS",
+    t.add_argument("--progress-every", type=_progress_seconds, default=60.0, metavar="SECONDS",
                    help="when stderr is not a terminal (a SLURM log), rank 0 prints a progress "
                    "line (step, loss, LR, samples/s, ETA) every SECONDS during an epoch (0: "
                    "off; on a terminal a progress bar instead; default 60)")
@@ -109,6 +109,18 @@ def _add_run_options(t: argparse.ArgumentParser) -> None:
                    "rank, peak LR, warmup, total steps, LEGW warmup fraction, devices, backend) "
                    "and exit 0 without training or creating OUT; warns when warmup takes more "
                    "than half the run")
+
+
+def _progress_seconds(value: str) -> float:
+    """``--progress-every``: a number of seconds >= 0 (0: no lines)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:  # also nan
+        raise argparse.ArgumentTypeError(f"{value!r}: a number of seconds >= 0 (0: no progress "
+                                         f"lines), e.g. 60")
+    return seconds
 
 
 def _resume_mode(value: str):

@@ -7,8 +7,9 @@ long before the first epoch ends::
     progress: epoch 1/20 step 120/469 (25.6%)  loss 0.4123  lr 1.230e-03  samples/s 3,950
       ETA epoch 1m28s, run 24m13s
 
-The loss is the one the step log last read from the device (``--log-every``); progress reads
-nothing from the device itself. Samples/s and the ETAs come from the wall clock since this
+The loss is the one the step log last read from the device (``--log-every``), with its step when
+that is not the current one (``loss 1.5451 (step 50)``); progress reads nothing from the device
+itself. Samples/s and the ETAs come from the wall clock since this
 process's first step of the epoch / of the run (a resumed run counts from its resumption).
 """
 from __future__ import annotations
@@ -70,10 +71,13 @@ class Progress:
         if not self.enabled:
             return
         loss = logged.get("loss") if logged else None
+        at = logged.get("step") if logged else None
+        if loss is not None:  # the step log's last value, which may be some steps old
+            loss = f"loss {loss:.4f}" + (f" (step {at})" if at not in (None, global_step) else "")
         if self.bar is not None:
             self.bar.update(1)
             if logged is not None:
-                self.bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.3e}" if loss is not None
+                self.bar.set_postfix_str(f"{loss} lr {lr:.3e}" if loss is not None
                                          else f"lr {lr:.3e}", refresh=False)
             return
         now = time.monotonic()
@@ -82,13 +86,13 @@ class Progress:
         self._last = now
         self._line(i + 1, global_step, lr, loss, now)
 
-    def _line(self, done: int, global_step: int, lr: float, loss: float | None,
+    def _line(self, done: int, global_step: int, lr: float, loss: str | None,
               now: float) -> None:
         per_step = (now - self._t0) / max(1, done - self._i0)
         run_steps = global_step - self._run_step0
         run_rate = (now - self._run_t0) / max(1, run_steps)
         sps = self.batch / per_step if per_step > 0 else 0.0
-        shown = f"  loss {loss:.4f}" if loss is not None else ""
+        shown = f"  {loss}" if loss is not None else ""
         self._write(f"progress: epoch {self.epoch + 1}/{self.n_epochs} step {done}/{self.steps} "
                     f"({100 * done / self.steps:.1f}%){shown}  lr {lr:.3e}  samples/s "
                     f"{sps:,.0f}  ETA epoch {format_duration((self.steps - done) * per_step)}, "

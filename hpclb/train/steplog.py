@@ -132,7 +132,7 @@ class StepLog:
         if run.device.type == "cuda":
             scalars["max_memory_bytes"] = torch.cuda.max_memory_allocated(run.device)
         self.logger.log_step(run.pos.global_step, scalars)
-        self.last = scalars
+        self.last = {**scalars, "step": run.pos.global_step}
         self._start_interval(sums)
 
     def state_dict(self) -> dict:

@@ -178,6 +178,11 @@ def test_a_diverged_point_is_recorded_with_its_step_and_the_sweep_goes_on(tmp_pa
                            data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
                            runs_dir=tmp_path / "runs", log=lambda m: None)
     assert [r["status"] for r in rows] == ["diverged", "diverged"]
+    more = sweep.run_sweep(recipe, [128], ["none", "legw"], epochs=3,
+                           data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+                           runs_dir=tmp_path / "runs", log=lambda m: None)
+    assert more[-1]["status"] == "diverged" and "k = 1" in more[-1]["note"]  # not trained again
+    assert not (tmp_path / "runs" / "mnist-lstm" / "sgd-legw-b128-s0").exists()
     for r in rows:
         assert r["metric"] is None and isinstance(r["diverged_at_step"], int)
         assert 1 <= r["diverged_at_step"] < r["epochs"] * 512 / r["batch_size"]
@@ -223,3 +228,18 @@ def test_micro_batch_accumulates_to_the_global_batch(tmp_path, mnist_dir):
     assert summary["micro_batch_size"] == 64
     with pytest.raises(ConfigError, match="--micro-batch 96"):
         sweep.run_sweep(_tiny(tmp_path), [256], ["legw"], micro_batch=96, runs_dir=tmp_path)
+
+
+def test_a_point_under_mpirun_that_was_preempted_stops_the_sweep_with_75(tmp_path, monkeypatch):
+    """An `mpirun ... hpclb train` point that exits 75 (its ranks checkpointed on a signal) is
+    a preemption of the sweep, not a failed point (before: RuntimeError, exit 1)."""
+    import subprocess
+
+    from hpclb.errors import Preempted
+
+    monkeypatch.setattr(sweep, "mpirun_path", lambda: "mpirun")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 75, None, "hpclb: rank 0 of 2: preempted after step 7, checkpoint saved; exit 75"))
+    p = sweep.Point(256, "legw", 0, "adam", 1.0, 2)
+    with pytest.raises(Preempted):
+        sweep._run_mpi(_tiny(tmp_path), p, tmp_path / "run", None, False, True)

@@ -39,7 +39,7 @@ from hpclb.comm.launcher import explain_launch_failure, mpirun_path, remove_stal
 from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
 from hpclb.config.outputs import check_run_dir, clear_run, refuse_foreign
-from hpclb.errors import ConfigError, Diverged, NonFiniteError
+from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError, Diverged, NonFiniteError, Preempted
 from hpclb.schedules import SCHEMES
 from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.figures import pyplot
@@ -97,6 +97,8 @@ def _run_mpi(experiment: str, p: Point, run_dir: Path, data_dir: str | None, res
     err = proc.stderr.strip()
     if proc.returncode == 2:
         raise ConfigError(err.splitlines()[-1] if err else "hpclb train rejected the settings")
+    if proc.returncode == PREEMPTED_EXIT_CODE:  # the point checkpointed: the sweep stops too
+        raise Preempted(0)
     if proc.returncode == 3:
         step = re.findall(r"(?:global|optimizer) step (\d+)", err)
         raise _PointDiverged(err.splitlines()[-1] if err else "diverged (exit 3)",
@@ -176,8 +178,8 @@ class _Sweep:
             self.log(f"sweep {self.name}: {p}: already recorded, skipped")
             return
         twin = next((r for r in rows if p.batch == self.recipe["base_batch_size"]
-                     and not r.get("error") and Point.of_row(r) == p.with_scheme(r["scheme"])),
-                    None)
+                     and r.get("status", "done") in ("done", "diverged")
+                     and Point.of_row(r) == p.with_scheme(r["scheme"])), None)
         if twin is not None:  # k = 1: every scheme starts from the same B0 recipe
             self.record({**twin, "scheme": p.scheme,
                          "note": f"k = 1: the B0 recipe, the run of {twin['scheme']}"})

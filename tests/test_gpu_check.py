@@ -14,7 +14,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import MPIRUN
+from helpers import MPIRUN, running
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu_check"))
@@ -29,14 +29,6 @@ def _check(tmp_path: Path) -> Check:
     for k in [k for k in c.env if k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_"))]:
         del c.env[k]  # never inherit a surrounding mpirun's identity
     return c
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_program_that_cannot_start_is_an_exit_status_in_its_log(tmp_path):
@@ -56,7 +48,7 @@ SLEEPER = ("import os, sys, time; open(os.path.join(sys.argv[1], f'pid.{os.getpi
 
 
 @pytest.mark.skipif(not MPIRUN.exists(), reason="needs the venv's Open MPI (make install)")
-def test_a_phase_cut_by_its_limit_leaves_no_rank_running(tmp_path):
+def test_a_phase_cut_by_its_limit_leaves_no_rankrunning(tmp_path):
     """``mpirun -n 2`` of a sleeping script, cut by its limit: every rank ends with it (each
     rank has a process group of its own; killing mpirun's group alone left them running)."""
     c = _check(tmp_path)
@@ -65,7 +57,7 @@ def test_a_phase_cut_by_its_limit_leaves_no_rank_running(tmp_path):
     pids.mkdir()
     rc = c.sh("sleepers", c.mpi() + [sys.executable, "-c", SLEEPER, pids], 15)
     ranks = [int(p.name.split(".")[1]) for p in pids.glob("pid.*")]
-    alive = [pid for pid in ranks if _running(pid)]
+    alive = [pid for pid in ranks if running(pid)]
     for pid in alive:  # the old driver's survivors: end them, then fail
         os.kill(pid, 9)
     assert rc == 124 and len(ranks) == 2, (rc, ranks, c.log_tail("sleepers", 5))

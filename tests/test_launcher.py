@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCH_ENV, MPIRUN, run_bounded
+from helpers import LAUNCH_ENV, MPIRUN, run_bounded, running
 
 from hpclb.comm.launcher import (
     LISTENER_FAILURE,
@@ -135,7 +135,7 @@ def test_stop_session_ends_the_ranks_and_leaves_nothing_behind(tmpdir_env):
     assert proc.pid not in groups  # why killpg on the launcher's group misses them
     stop_session(proc, grace_s=5)
     assert proc.returncode is not None
-    _wait_for(lambda: not any(_running(pid) for pid in ranks), timeout_s=10)
+    _wait_for(lambda: not any(running(pid) for pid in ranks), timeout_s=10)
     assert _session_dirs(tmp) == []
 
 
@@ -204,14 +204,6 @@ def _children_named(ppid_root: int, name: str) -> list[int]:
         if p == ppid_root and comm == name:
             found.append(pid)
     return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_the_tests_bounded_run_ends_the_ranks_of_a_launcher_past_its_time(tmpdir_env):

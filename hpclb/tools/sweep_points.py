@@ -47,7 +47,8 @@ class Point:
     """One point of a sweep, its identity: global ``batch`` (samples), ``scheme``, ``seed``,
     ``optimizer``, ``epochs``, ``ranks`` and ``accumulation`` (micro-batches per step on each
     rank; it changes BatchNorm's statistics). Two rows or runs are the same point when all
-    agree."""
+    agree. ``default_epochs`` (the recipe's own ``epochs``; not part of the identity) only
+    decides whether :attr:`dir_name` names the epochs."""
 
     batch: int
     scheme: str
@@ -56,6 +57,7 @@ class Point:
     epochs: float
     ranks: int
     accumulation: int = 1
+    default_epochs: float | None = field(default=None, compare=False)
 
     @classmethod
     def of_row(cls, row: dict) -> "Point":
@@ -75,10 +77,17 @@ class Point:
 
     @property
     def dir_name(self) -> str:
-        """``<optimizer>-<scheme>-b<B>-s<seed>`` (``-a<K>`` added for K > 1 micro-batches per
-        step): the point's run directory (and lock) name."""
+        """``<optimizer>-<scheme>-b<B>[-a<K>][-e<epochs>][-r<ranks>]-s<seed>``: the point's run
+        directory (and lock, and ``points/``) name, naming every part of its identity that
+        differs from the default: ``-a<K>`` for K > 1 micro-batches per step, ``-e<epochs>``
+        for epochs other than ``default_epochs`` (when known), ``-r<ranks>`` for more than one
+        rank. So two points never share a directory; a point of the recipe's epochs on one
+        rank keeps the name of earlier versions (``adam-legw-b256-s0``)."""
         acc = f"-a{self.accumulation}" if self.accumulation > 1 else ""
-        return f"{self.optimizer}-{self.scheme}-b{self.batch}{acc}-s{self.seed}"
+        epochs = f"-e{self.epochs:.12g}" if self.default_epochs is not None \
+            and self.epochs != self.default_epochs else ""
+        ranks = f"-r{self.ranks}" if self.ranks > 1 else ""
+        return f"{self.optimizer}-{self.scheme}-b{self.batch}{acc}{epochs}{ranks}-s{self.seed}"
 
     def __str__(self) -> str:
         return f"B={self.batch} {self.scheme} seed {self.seed}"

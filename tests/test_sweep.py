@@ -197,7 +197,16 @@ def test_a_diverged_point_is_recorded_with_its_step_and_the_sweep_goes_on(tmp_pa
         assert 1 <= r["diverged_at_step"] < r["epochs"] * 512 / r["batch_size"]
         assert "non-finite" in r["error"] or "exploded" in r["error"]
     assert sweep.failed_points(rows, [128, 256], ["none"]) == []  # results, not failures
-    assert "diverged" in (tmp_path / "res" / "mnist-lstm.md").read_text()
+    md = (tmp_path / "res" / "mnist-lstm.md").read_text()
+    assert "diverged" in md
+    # the schedule is known before training: a diverged row has it (before: empty columns)
+    for r in rows:
+        assert r["peak_lr"] == pytest.approx(1.0e12) and r["base_lr"] == pytest.approx(1.0e12)
+        assert r["batch_ratio_k"] == r["batch_size"] / 128
+        assert r["steps_per_epoch"] == 512 // r["batch_size"] and r["warmup_steps"] >= 0
+        assert {"warmup_epochs", "warmup_start_lr", "decay"} <= set(r)
+        assert (f"| {r['batch_size']} | none | {r['batch_ratio_k']:g} | 1e+12 | "
+                f"{r['warmup_steps']} (") in md
 
 
 def test_a_cut_point_resumes_from_its_checkpoint_bit_for_bit(tmp_path, mnist_dir, monkeypatch):

@@ -99,13 +99,33 @@ class Point:
     def failed_row(self, metric: str, error: Exception, run_dir: Path, wall_s: float,
                    diverged_at_step: int | None) -> dict:
         """The row of a point rejected before training (``diverged_at_step`` None) or stopped
-        on non-finite values at ``diverged_at_step``."""
+        on non-finite values at ``diverged_at_step``; a diverged point's row has its schedule
+        (:data:`SCHEDULE_COLUMNS`, known before training) from its run's ``config.json``."""
         what = "rejected" if diverged_at_step is None and "diverg" not in str(error) else \
             "diverged"
         return {"batch_size": self.batch, "scheme": self.scheme, "metric_name": metric,
                 "metric": None, **self.settings(), "wall_time_s": wall_s, "steps": 0,
-                "time_to_target_s": None, "run_dir": shown(run_dir), "status": what,
+                "time_to_target_s": None,
+                **(_schedule_of(run_dir, self) if what == "diverged" else {}),
+                "run_dir": shown(run_dir), "status": what,
                 "diverged_at_step": diverged_at_step, "error": str(error)}
+
+
+#: a row's schedule columns: known before the first step, so a diverged point's row has them
+SCHEDULE_COLUMNS = ("batch_ratio_k", "base_lr", "peak_lr", "warmup_steps", "warmup_epochs",
+                    "warmup_start_lr", "decay", "steps_per_epoch")
+
+
+def _schedule_of(run_dir: Path, p: Point) -> dict:
+    """:data:`SCHEDULE_COLUMNS` from ``run_dir/config.json`` when it is ``p``'s run ({} when
+    there is none, or it is another point's)."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        if Point.of_summary(config) != p:
+            return {}
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {k: config[k] for k in SCHEDULE_COLUMNS if k in config}
 
 
 def row_of(summary: dict, p: Point, *, metric: str, run_dir: Path) -> dict:

@@ -399,6 +399,10 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
                            resume_step=run.pos.global_step if run.resumed_from is not None
                            else None)
         _epochs(run, say, logger, preempt, checkpoint_interval_s, progress_every_s)
+    except Diverged as d:  # the run directory says so (`hpclb compare`: diverged, not cut)
+        if logger is not None:
+            logger.log_diverged(run.pos.global_step if d.step is None else d.step, str(d))
+        raise
     finally:
         # After a preemption the flag handlers stay: the job script forwards the scheduler's
         # signal too, and a second USR2/TERM must not kill a rank on its way out with 75.

@@ -268,3 +268,24 @@ def test_compare_refuses_a_path_that_is_not_a_run(finished, tmp_path, make, mess
     p = run_hpclb("compare", done, make(tmp_path), timeout=60)
     assert p.returncode == 2 and message in p.stderr and "--out directory" in p.stderr, p.stderr
     assert p.stdout == ""
+
+
+def test_compare_tells_a_diverged_run_from_a_cut_one(finished, tmp_path, mnist_dir):
+    """A run that stopped on non-finite values (exit 3) was shown as ``unfinished``, like a run
+    that was cut; now its metrics.jsonl records the divergence and compare shows ``diverged at
+    step S`` (the step exit 3 named), while the cut run stays ``unfinished``."""
+    _, done, _ = finished
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 1024,
+                                          "test_samples": 500},
+                          optimizer="sgd", optimizers={"sgd": {"lr": 1.0e12}})
+    rc, text = _train(recipe, tmp_path / "diverged", "--epochs", "2", data=mnist_dir.parent)
+    assert rc == 3, text
+    step = int(re.findall(r"(?:global|optimizer) step (\d+)", text)[-1])
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for name in ("config.json", "metrics.jsonl"):
+        shutil.copy(done / name, cut / name)
+    p = run_hpclb("compare", tmp_path / "diverged", cut, "--format", "csv", timeout=60)
+    assert p.returncode == 0, p.stderr
+    rows = list(csv.DictReader(io.StringIO(p.stdout)))
+    assert [r["status"] for r in rows] == [f"diverged at step {step}", "unfinished"], rows

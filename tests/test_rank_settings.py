@@ -153,3 +153,33 @@ def test_the_message_groups_the_ranks_by_value():
                           "ranks 0, 2 but 0.5 on ranks 1, 3; epochs (--epochs) is 1.0 on ranks "
                           "0, 1, 3 but 2.0 on rank 2; "), msg
     assert "seed" not in msg and "launch every rank with the same command line" in msg
+
+
+
+LAUNCH_CASES = [  # (case, rank 1's arguments, rank 1's environment, the message)
+    ("backend", ["--backend", "torch"], {},
+     "the ranks disagree on the communication backend (--backend, or hpclb.init's backend): "
+     "mpi on rank 0 but torch on rank 1;"),
+    ("share-gpu", [], {"HPCLB_SHARE_GPU": "1"},
+     "the ranks disagree on --share-gpu (or $HPCLB_SHARE_GPU): False on rank 0 but True on "
+     "rank 1;"),
+]
+
+
+@pytest.mark.parametrize("case,args1,env1,message", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
+def test_ranks_with_different_launch_settings_all_exit_2(tmp_path, mnist_dir, case, args1, env1,
+                                                         message):
+    """Rank 1 with another ``--backend`` (``torch`` while rank 0 runs ``mpi``) or
+    ``$HPCLB_SHARE_GPU``: before, the backends each started their own library and both ranks
+    waited in it forever (no communicator existed yet to compare the settings with), and the
+    variable was never compared (on GPUs it picks the torch backend's Gloo or NCCL group). Now
+    both are compared through mpi4py before a backend starts: both ranks exit 2, each naming
+    the setting and each rank's value, nothing trained."""
+    recipe = quick_recipe(tmp_path)
+    common = ["--out", str(tmp_path / "run"), "--data-dir", str(mnist_dir.parent),
+              "--no-tensorboard"]
+    out, exits = launch([[recipe, "--backend", "mpi"], [recipe, "--backend", "mpi", *args1]],
+                        [{}, env1], common)
+    assert exits == {0: 2, 1: 2}, out[-3000:]
+    assert out.count(message) == 2, out[-3000:]  # every rank says it (no communicator yet)
+    assert not (tmp_path / "run").exists()

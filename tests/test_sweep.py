@@ -1,5 +1,6 @@
 """`hpclb sweep`: real short MNIST points, the results files, and resumption."""
 import json
+from pathlib import Path
 
 import pytest
 from helpers import quick_recipe
@@ -45,12 +46,20 @@ def test_sweep_writes_rows_tables_plot_and_resumes(tmp_path, mnist_dir, monkeypa
     (res / "mnist-lstm.json").write_text(json.dumps(rows[:-1]))
     again = sweep.run_sweep(recipe, [128, 256], ["legw", "linear", "none"], **kw)
     assert again[-1]["metric"] == rows[-1]["metric"]
-    # A different budget is a different point; its directory holds the other budget's run,
-    # which is deleted only when asked.
-    with pytest.raises(ConfigError, match="already holds a finished run; add --overwrite"):
-        sweep.run_sweep(recipe, [256], ["none"], **{**kw, "epochs": 2})
-    with pytest.raises(AssertionError, match="trained again"):
-        sweep.run_sweep(recipe, [256], ["none"], **{**kw, "epochs": 2}, overwrite=True)
+    # A different budget is a different point with a directory of its own (-e2; before, it
+    # reused the epochs-1 point's directories, and the epochs-1 row's points/ files became the
+    # epochs-2 run's): the epochs-1 run, its row and the files its row names stay as they were.
+    monkeypatch.undo()
+    two = sweep.run_sweep(recipe, [256], ["none"], **{**kw, "epochs": 2}, overwrite=True)
+    assert two[0]["epochs"] == 2 and two[0]["points_dir"].endswith("adam-none-b256-e2-s0")
+    assert json.loads((tmp_path / "runs" / "mnist-lstm" / "adam-none-b256-e2-s0" /
+                       "summary.json").read_text())["epochs"] == 2
+    one = [r for r in json.loads((res / "mnist-lstm.json").read_text())
+           if (r["batch_size"], r["scheme"], r["epochs"]) == (256, "none", 1)]
+    assert len(one) == 1 and one[0]["points_dir"].endswith("adam-none-b256-s0")
+    for where in (tmp_path / "runs" / "mnist-lstm" / "adam-none-b256-s0",
+                  Path(one[0]["points_dir"])):  # absolute: tmp_path is not under the cwd
+        assert json.loads((where / "summary.json").read_text())["epochs"] == 1, where
 
 
 def test_rejected_point_is_recorded_not_fatal(tmp_path, mnist_dir):
@@ -116,8 +125,8 @@ def test_points_run_under_mpirun_with_ranks(tmp_path, mnist_dir):
                            data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
                            runs_dir=tmp_path / "runs", log=lambda m: None)
     assert rows[0]["ranks"] == 2 and rows[0]["steps"] == 2 and rows[0]["metric"] is not None
-    summary = json.loads((tmp_path / "runs" / "mnist-lstm" / "adam-linear-b256-s0" / "summary.json")
-                         .read_text())
+    summary = json.loads((tmp_path / "runs" / "mnist-lstm" / "adam-linear-b256-r2-s0" /
+                          "summary.json").read_text())  # -r2: not the 1-rank point's directory
     assert summary["world_size"] == 2 and summary["backend"] == "mpi"
 
 
@@ -188,7 +197,16 @@ def test_a_diverged_point_is_recorded_with_its_step_and_the_sweep_goes_on(tmp_pa
         assert 1 <= r["diverged_at_step"] < r["epochs"] * 512 / r["batch_size"]
         assert "non-finite" in r["error"] or "exploded" in r["error"]
     assert sweep.failed_points(rows, [128, 256], ["none"]) == []  # results, not failures
-    assert "diverged" in (tmp_path / "res" / "mnist-lstm.md").read_text()
+    md = (tmp_path / "res" / "mnist-lstm.md").read_text()
+    assert "diverged" in md
+    # the schedule is known before training: a diverged row has it (before: empty columns)
+    for r in rows:
+        assert r["peak_lr"] == pytest.approx(1.0e12) and r["base_lr"] == pytest.approx(1.0e12)
+        assert r["batch_ratio_k"] == r["batch_size"] / 128
+        assert r["steps_per_epoch"] == 512 // r["batch_size"] and r["warmup_steps"] >= 0
+        assert {"warmup_epochs", "warmup_start_lr", "decay"} <= set(r)
+        assert (f"| {r['batch_size']} | none | {r['batch_ratio_k']:g} | 1e+12 | "
+                f"{r['warmup_steps']} (") in md
 
 
 def test_a_cut_point_resumes_from_its_checkpoint_bit_for_bit(tmp_path, mnist_dir, monkeypatch):

@@ -62,3 +62,26 @@ def test_cli_writes_under_runs_dir_and_fails_on_a_rejected_point(tmp_path, mnist
     results = tmp_path / "runs" / "mnist-lstm" / "mnist-lstm.json"
     assert json.loads(results.read_text())[0]["error"]
     assert not (tmp_path / "results").exists()
+
+
+def test_a_point_directory_names_every_part_of_its_identity_off_the_default():
+    """Two points that differ in epochs or ranks never share a run directory (before, a re-run
+    at another --epochs or --ranks reused the directory, and the points/ files, of the older
+    row); the recipe's epochs on one rank keep the names of earlier versions, which a long
+    sweep resumes from."""
+    from hpclb.tools.sweep_points import Point
+
+    def name(epochs=20.0, ranks=1, accumulation=1):
+        return Point(256, "legw", 0, "adam", epochs, ranks, accumulation,
+                     default_epochs=20.0).dir_name
+
+    assert name() == "adam-legw-b256-s0"  # unchanged
+    assert name(accumulation=4) == "adam-legw-b256-a4-s0"  # unchanged
+    assert name(epochs=2.0) == "adam-legw-b256-e2-s0"
+    assert name(epochs=0.5, ranks=2) == "adam-legw-b256-e0.5-r2-s0"
+    assert name(ranks=2, accumulation=2) == "adam-legw-b256-a2-r2-s0"
+    names = {name(e, r) for e in (20.0, 2.0, 0.5) for r in (1, 2, 4)}
+    assert len(names) == 9
+    # the recipe's own epochs are not part of the identity
+    assert Point(256, "legw", 0, "adam", 2.0, 1) == Point(256, "legw", 0, "adam", 2.0, 1,
+                                                          default_epochs=20.0)

@@ -17,7 +17,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb compare`` on the top-level subparsers."""
     p = subparsers.add_parser("compare", help=HELP, description=HELP + ". A finished run is "
                               "read from its summary.json, an unfinished one from its "
-                              "config.json and metrics.jsonl so far (status: unfinished).")
+                              "config.json and metrics.jsonl so far (status: unfinished, or "
+                              "diverged at step S).")
     p.add_argument("run_dirs", nargs="+", metavar="RUN", help="run directories (the --out of "
                    "hpclb train), one row each, in this order")
     p.add_argument("--format", default="markdown", choices=("markdown", "csv"),

@@ -188,7 +188,8 @@ def _resolve_agreed(args: argparse.Namespace, comm):
 
 
 # hpclb train's options that are not in the RunConfig and are agreed as well (--out,
-# --data-dir: locations; --backend: the communicator exists, so the ranks share it)
+# --data-dir: locations; --backend: compared before the communicator starts, in
+# hpclb.comm.world; --progress-every: rank 0's progress lines only)
 _CLI_ONLY = {"checkpoint_interval": "--checkpoint-interval", "profile": "--profile",
              "dry_run": "--dry-run", "tensorboard": "--no-tensorboard",
              "expect_world_size": "--expect-world-size", "share_gpu": "--share-gpu"}

@@ -8,8 +8,8 @@ import socket
 
 from hpclb.comm.base import Communicator
 from hpclb.comm.device import select_device, share_gpu_requested, visible_gpu_uuids
-from hpclb.comm.env import env_local_rank
-from hpclb.comm.registry import backend_class, resolve_backend
+from hpclb.comm.env import env_local_rank, launcher_kind, launcher_world_size
+from hpclb.comm.registry import backend_available, backend_class, resolve_backend
 from hpclb.errors import ConfigError
 
 __all__ = ["get_communicator", "current_communicator", "has_communicator", "gpu_peers"]
@@ -33,8 +33,9 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
 
     Raises ValueError for an unknown backend name; ConfigError (a ValueError) for a bad
     ``device``, ``cuda`` without CUDA, more ranks than GPUs without ``share_gpu``, or a
-    launcher local rank that disagrees with the communicator's, or a bad ``$HPCLB_SHARE_GPU``;
-    RuntimeError when the
+    launcher local rank that disagrees with the communicator's, a bad ``$HPCLB_SHARE_GPU``, or
+    ranks of one MPI launch asking for different backends or GPU sharing
+    (:func:`_agree_launch`, on every rank); RuntimeError when the
     backend's library is not installed, on a launch that does not match the library in use, or
     when a communicator of another backend already exists in this process.
     """
@@ -52,12 +53,49 @@ def get_communicator(backend: str = "auto", *, device: str = "auto",
     early = None
     if env_rank is not None:  # bind the GPU before MPI/NCCL open a CUDA context
         early = select_device(device, env_rank, 1)
+    _agree_launch(backend, share_gpu)
     comm = backend_class(backend).create(early if early is not None else device, share_gpu)
     _check_local_ranks(comm, env_rank, env_error)
     local_rank, local_size = gpu_peers(comm, device)
     comm.device = select_device(device, local_rank, local_size, share_gpu=share_gpu)
     _world = comm
     return _world
+
+
+def _agree_launch(backend: str, share_gpu: bool) -> None:
+    """Under an MPI launcher (mpirun, srun, Hydra) of several ranks, compare every rank's
+    concrete ``backend`` and ``share_gpu`` (``--share-gpu`` or ``$HPCLB_SHARE_GPU``: with the
+    torch backend on GPUs it picks Gloo or NCCL) through mpi4py (one allgather on
+    ``COMM_WORLD``) before any backend starts: ranks that start different libraries or groups
+    would otherwise wait for each other forever. Raises the same ConfigError on every rank,
+    naming the setting and each rank's choice. Without an MPI launcher, or without mpi4py,
+    nothing to compare with."""
+    if launcher_kind() != "mpi" or (launcher_world_size() or 1) < 2 \
+            or not backend_available("mpi"):
+        return
+    from mpi4py import MPI
+
+    everyone = MPI.COMM_WORLD.allgather((backend, share_gpu))
+    differ = [_differing(name, [mine[i] for mine in everyone]) for i, name in enumerate((
+        "the communication backend (--backend, or hpclb.init's backend)",
+        "--share-gpu (or $HPCLB_SHARE_GPU)"))]
+    differ = [d for d in differ if d]
+    if differ:
+        raise ConfigError(f"the ranks disagree on {'; '.join(differ)}; launch every rank with "
+                          f"the same --backend (or none: auto takes mpi under mpirun/srun) and "
+                          f"the same --share-gpu and $HPCLB_SHARE_GPU")
+
+
+def _differing(name: str, values: list) -> str | None:
+    """``"<name>: <v> on rank 0 but <w> on ranks 1, 2"``, or None when every rank agrees."""
+    by_value: dict = {}
+    for rank, value in enumerate(values):
+        by_value.setdefault(value, []).append(rank)
+    if len(by_value) == 1:
+        return None
+    first, *others = [f"{value} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                      for value, r in by_value.items()]
+    return f"{name}: {first} but {', '.join(others)}"
 
 
 def _check_local_ranks(comm: Communicator, env_rank: int | None, env_error: str | None

@@ -4,7 +4,8 @@ A run directory (``hpclb train --out``) holds ``config.json`` (the resolved sett
 recipe, written when the run starts), ``metrics.jsonl`` (one epoch line per epoch,
 :mod:`hpclb.tools.runrows` reads it) and, once it finished, ``summary.json``. A finished run's row
 comes from its summary; an unfinished one's (stopped, preempted, or still training) from its
-config and epoch lines so far, marked ``unfinished``. The metric of a row is the recipe's
+config and epoch lines so far, marked ``unfinished``, or ``diverged at step S`` when it stopped
+on non-finite values (its ``metrics.jsonl`` says so). The metric of a row is the recipe's
 :func:`~hpclb.tasks.spec.primary_metric` (``target.metric``, as sweeps report), its best value
 taken in the metric's direction (:func:`~hpclb.tasks.spec.metric_mode`).
 
@@ -13,7 +14,7 @@ global batch in samples), ``scheme`` (the scaling), ``optimizer``, ``ranks``, ``
 (optimizer steps done), ``epochs``, ``metric`` (its name), ``final`` and ``best`` (its values),
 ``time_to_target_s`` (wall seconds to the first epoch that reached the recipe's target; None when
 not reached or without a target), ``samples_per_s`` (mean over the epochs measured in one
-go), ``wall_time_s`` and ``status``.
+go), ``wall_time_s`` and ``status`` (``finished``, ``unfinished`` or ``diverged at step S``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any
 from hpclb._io import read_json
 from hpclb.errors import ConfigError
 from hpclb.tasks.spec import metric_mode, primary_metric
-from hpclb.tools.runrows import Warn, read_run
+from hpclb.tools.runrows import RunRows, Warn, read_run
 from hpclb.tools.sweep_report import format_metric
 
 __all__ = ["COLUMNS", "compare_rows", "csv_table", "markdown_table", "run_row"]
@@ -66,9 +67,13 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _from_epochs(row: dict, epochs: list[dict], recipe: dict | None) -> None:
-    """Fill an unfinished run's numbers from its epoch lines."""
-    metric = row["metric"]
+def _from_epochs(row: dict, rows: RunRows, recipe: dict | None) -> None:
+    """Fill an unfinished run's numbers from its epoch lines, and its status: ``diverged at
+    step S`` when it stopped on non-finite values, else ``unfinished`` (cut, preempted, or
+    still training)."""
+    epochs, metric = rows.epochs, row["metric"]
+    if rows.diverged is not None:
+        row["status"] = f"diverged at step {rows.diverged.get('step')}"
     values = [r[metric] for r in epochs if isinstance(r.get(metric), (int, float))]
     mode = metric_mode(metric or "", recipe)
     target = (recipe or {}).get("target") or {}
@@ -110,7 +115,7 @@ def run_row(run_dir: str | Path, warn: Warn | None = None) -> dict[str, Any]:
                    samples_per_s=summary.get("mean_samples_per_s"),
                    wall_time_s=summary.get("wall_time_s"))
     else:
-        _from_epochs(row, read_run(path, warn=warn).epochs, recipe)
+        _from_epochs(row, read_run(path, warn=warn), recipe)
     return {k: row.get(k) for k in COLUMNS}
 
 

@@ -30,11 +30,14 @@ def _log_warning(message: str) -> None:
 
 @dataclass
 class RunRows:
-    """The rows of one run's ``metrics.jsonl`` (``path``), each dict with ``_line`` (1-based)."""
+    """The rows of one run's ``metrics.jsonl`` (``path``), each dict with ``_line`` (1-based);
+    ``diverged``: the line of a run that stopped on non-finite values (``step``, ``error``),
+    else None."""
 
     path: Path
     epochs: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
+    diverged: dict | None = None
     warn: Warn = _log_warning
 
 
@@ -76,6 +79,8 @@ def read_run(run_dir: str | Path, warn: Warn | None = None) -> RunRows:
             rows.epochs.append(row)
         elif kind == "step":
             rows.steps.append(row)
+        elif kind == "diverged":
+            rows.diverged = row
     return rows
 
 

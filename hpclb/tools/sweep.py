@@ -4,9 +4,10 @@ al., SC '19: LEGW vs linear vs sqrt scaling with a fixed warmup, recipe tuned at
 Every point ``(B, scheme, seed)`` trains the B0 recipe moved to global batch ``B`` by ``scheme``
 and nothing else (no re-tuning). Points run one after another: in this process for one rank, as
 an ``mpirun -n N ... hpclb train`` subprocess for ``N > 1``. A point's identity is its batch,
-scheme, seed, optimizer, epochs and ranks; its run directory is
-``<runs_dir>/<experiment>/<optimizer>-<scheme>-b<B>-s<seed>``. Results go to
-``<out_dir>/<experiment>.json`` (a list of rows), ``.md`` (tables) and ``.png``
+scheme, seed, optimizer, epochs, ranks and micro-batches; its run directory is
+``<runs_dir>/<experiment>/<optimizer>-<scheme>-b<B>[-a<K>][-e<epochs>][-r<ranks>]-s<seed>``
+(:attr:`~hpclb.tools.sweep_points.Point.dir_name`: each part that differs from the default).
+Results go to ``<out_dir>/<experiment>.json`` (a list of rows), ``.md`` (tables) and ``.png``
 (:mod:`hpclb.tools.sweep_report`), and each finished point's ``summary.json`` and per-epoch
 ``metrics.jsonl`` to ``<out_dir>/points/<point>/``, as soon as it ends. ``out_dir`` defaults to
 ``<runs_dir>/<experiment>`` (the committed tables in ``results/sweeps`` change only when asked
@@ -30,7 +31,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -157,7 +158,7 @@ class _Sweep:
     def record(self, row: dict, run_dir: Path | None = None) -> None:
         """Copy the point's summary and metrics under ``out_dir/points`` (when it has a run
         directory), then replace its row in the results (under the results lock)."""
-        p = Point.of_row(row)
+        p = replace(Point.of_row(row), default_epochs=self.recipe["epochs"])
         if run_dir is not None:
             dest = self.out_dir / "points" / p.dir_name
             dest.mkdir(parents=True, exist_ok=True)
@@ -262,7 +263,8 @@ def _prepare(experiment: str, *, epochs, ranks, optimizer, seeds, out_dir, runs_
                    quiet, log, overwrite)
     points = [Point(b, s, seed, probe.optimizer, probe.epochs, ranks,
                     _accumulation(b, ranks, micro_batch) if micro_batch is not None
-                    else probe.accumulation_steps)  # the recipe's without --micro-batch
+                    else probe.accumulation_steps,  # the recipe's without --micro-batch
+                    default_epochs=recipe["epochs"])
               for b in batch_sizes for seed in seeds for s in schemes]
     return sweep, points
 

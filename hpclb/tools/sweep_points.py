@@ -47,7 +47,8 @@ class Point:
     """One point of a sweep, its identity: global ``batch`` (samples), ``scheme``, ``seed``,
     ``optimizer``, ``epochs``, ``ranks`` and ``accumulation`` (micro-batches per step on each
     rank; it changes BatchNorm's statistics). Two rows or runs are the same point when all
-    agree."""
+    agree. ``default_epochs`` (the recipe's own ``epochs``; not part of the identity) only
+    decides whether :attr:`dir_name` names the epochs."""
 
     batch: int
     scheme: str
@@ -56,6 +57,7 @@ class Point:
     epochs: float
     ranks: int
     accumulation: int = 1
+    default_epochs: float | None = field(default=None, compare=False)
 
     @classmethod
     def of_row(cls, row: dict) -> "Point":
@@ -75,10 +77,17 @@ class Point:
 
     @property
     def dir_name(self) -> str:
-        """``<optimizer>-<scheme>-b<B>-s<seed>`` (``-a<K>`` added for K > 1 micro-batches per
-        step): the point's run directory (and lock) name."""
+        """``<optimizer>-<scheme>-b<B>[-a<K>][-e<epochs>][-r<ranks>]-s<seed>``: the point's run
+        directory (and lock, and ``points/``) name, naming every part of its identity that
+        differs from the default: ``-a<K>`` for K > 1 micro-batches per step, ``-e<epochs>``
+        for epochs other than ``default_epochs`` (when known), ``-r<ranks>`` for more than one
+        rank. So two points never share a directory; a point of the recipe's epochs on one
+        rank keeps the name of earlier versions (``adam-legw-b256-s0``)."""
         acc = f"-a{self.accumulation}" if self.accumulation > 1 else ""
-        return f"{self.optimizer}-{self.scheme}-b{self.batch}{acc}-s{self.seed}"
+        epochs = f"-e{self.epochs:.12g}" if self.default_epochs is not None \
+            and self.epochs != self.default_epochs else ""
+        ranks = f"-r{self.ranks}" if self.ranks > 1 else ""
+        return f"{self.optimizer}-{self.scheme}-b{self.batch}{acc}{epochs}{ranks}-s{self.seed}"
 
     def __str__(self) -> str:
         return f"B={self.batch} {self.scheme} seed {self.seed}"
@@ -90,13 +99,33 @@ class Point:
     def failed_row(self, metric: str, error: Exception, run_dir: Path, wall_s: float,
                    diverged_at_step: int | None) -> dict:
         """The row of a point rejected before training (``diverged_at_step`` None) or stopped
-        on non-finite values at ``diverged_at_step``."""
+        on non-finite values at ``diverged_at_step``; a diverged point's row has its schedule
+        (:data:`SCHEDULE_COLUMNS`, known before training) from its run's ``config.json``."""
         what = "rejected" if diverged_at_step is None and "diverg" not in str(error) else \
             "diverged"
         return {"batch_size": self.batch, "scheme": self.scheme, "metric_name": metric,
                 "metric": None, **self.settings(), "wall_time_s": wall_s, "steps": 0,
-                "time_to_target_s": None, "run_dir": shown(run_dir), "status": what,
+                "time_to_target_s": None,
+                **(_schedule_of(run_dir, self) if what == "diverged" else {}),
+                "run_dir": shown(run_dir), "status": what,
                 "diverged_at_step": diverged_at_step, "error": str(error)}
+
+
+#: a row's schedule columns: known before the first step, so a diverged point's row has them
+SCHEDULE_COLUMNS = ("batch_ratio_k", "base_lr", "peak_lr", "warmup_steps", "warmup_epochs",
+                    "warmup_start_lr", "decay", "steps_per_epoch")
+
+
+def _schedule_of(run_dir: Path, p: Point) -> dict:
+    """:data:`SCHEDULE_COLUMNS` from ``run_dir/config.json`` when it is ``p``'s run ({} when
+    there is none, or it is another point's)."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        if Point.of_summary(config) != p:
+            return {}
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {k: config[k] for k in SCHEDULE_COLUMNS if k in config}
 
 
 def row_of(summary: dict, p: Point, *, metric: str, run_dir: Path) -> dict:

@@ -91,18 +91,27 @@ def _budget_table(rows: list[dict], name: str, metric: str, mode: str) -> str:
         if r.get("error"):
             why = r["error"] if r.get("status") != "diverged" else \
                 f"diverged at step {r.get('diverged_at_step')}: {r['error']}"
-            lines.append(f"| {r['batch_size']} | {r['scheme']} | | | | | {r['epochs']:g} | — | | "
-                         f"| | {r['ranks']} | {why.replace('|', '/')} |")
+            lines.append(f"| {r['batch_size']} | {r['scheme']} | {_schedule_cells(r)} | | "
+                         f"{r['epochs']:g} | — | | | | {r['ranks']} | {why.replace('|', '/')} |")
             continue
         ttt = r.get("time_to_target_s")
         lines.append(
-            f"| {r['batch_size']} | {r['scheme']} | {r['batch_ratio_k']:g} | {r['peak_lr']:.4g} | "
-            f"{r['warmup_steps']} ({r['warmup_epochs']:.3g}) | {r['steps']} | {r['epochs']:g} | "
+            f"| {r['batch_size']} | {r['scheme']} | {_schedule_cells(r)} | {r['steps']} | "
+            f"{r['epochs']:g} | "
             f"{format_metric(metric, r['metric'])} | "
             f"{format_metric(metric, r.get('best_metric'))} | "
             f"{r['wall_time_s']:.0f} | {'—' if ttt is None else f'{ttt:.0f}'} | {r['ranks']} | "
             f"{r.get('note') or ''} |")
     return "\n".join(lines) + "\n"
+
+
+def _schedule_cells(row: dict) -> str:
+    """``k | peak LR | warmup steps (epochs)`` of a row (empty cells where the schedule is
+    unknown: a point rejected before it had one)."""
+    if row.get("peak_lr") is None:
+        return " | | "
+    return (f"{row['batch_ratio_k']:g} | {row['peak_lr']:.4g} | "
+            f"{row['warmup_steps']} ({row['warmup_epochs']:.3g})")
 
 
 def lr_curve(row: dict, points: int = 400) -> tuple[list[float], list[float]]:

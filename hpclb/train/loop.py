@@ -393,12 +393,16 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
             write_json(run.out / "config.json", {
                 **cfg.to_dict(), "world_size": comm.world_size,
                 "data_root": str(data_dir(cfg.data_dir).resolve()),
-                "peak_lr": run.schedule.peak_lr, "warmup_steps": run.schedule.warmup_steps,
+                **_schedule_columns(cfg, run.schedule),
                 "sync": run.optimizer.sync.settings(), "trust_backend": _trust_backend()})
         logger = RunLogger(run.out, enabled=comm.rank == 0, tensorboard=tensorboard,
                            resume_step=run.pos.global_step if run.resumed_from is not None
                            else None)
         _epochs(run, say, logger, preempt, checkpoint_interval_s, progress_every_s)
+    except Diverged as d:  # the run directory says so (`hpclb compare`: diverged, not cut)
+        if logger is not None:
+            logger.log_diverged(run.pos.global_step if d.step is None else d.step, str(d))
+        raise
     finally:
         # After a preemption the flag handlers stay: the job script forwards the scheduler's
         # signal too, and a second USR2/TERM must not kill a rank on its way out with 75.
@@ -487,6 +491,17 @@ def _summary(run: Run) -> dict:
         "time_to_target_s": reached[0]["elapsed_s"] if reached else None,
         "torch": torch.__version__, "host": socket.gethostname(),
     }
+
+
+def _schedule_columns(cfg: RunConfig, sched) -> dict[str, Any]:
+    """The schedule of a run, known before its first step (in ``config.json``, where a sweep
+    reads it for a point that diverged): ``batch_ratio_k``, ``base_lr``, ``peak_lr``,
+    ``warmup_steps``, ``warmup_epochs``, ``warmup_start_lr``, ``decay`` (the recipe's),
+    ``steps_per_epoch``."""
+    return {"batch_ratio_k": cfg.global_batch_size / cfg.base_batch_size,
+            "base_lr": cfg.base_lr, "peak_lr": sched.peak_lr, "warmup_steps": sched.warmup_steps,
+            "warmup_epochs": sched.warmup_epochs, "warmup_start_lr": sched.warmup_start_lr,
+            "decay": cfg.recipe["decay"], "steps_per_epoch": sched.steps_per_epoch}
 
 
 def _summary_line(run: Run, summary: dict) -> str:

@@ -14,6 +14,8 @@ A run directory's ``metrics.jsonl`` holds one JSON object per line, told apart b
   (train/test metrics, ``lr``, ``samples_per_s``, optionally ``noise``: the gradient noise
   scale summary of :mod:`hpclb.noise`). Lines without ``kind`` (runs made before per-step
   logging) are epoch lines; :func:`read_metrics` reads both.
+- ``{"kind": "diverged", "step": S, "error": "..."}``: the last line of a run that stopped on
+  non-finite values (exit 3) at global step ``S`` (``hpclb compare`` shows it).
 
 :class:`RunLogger` writes both on rank 0 (``enabled=False`` makes every call a no-op on the other
 ranks) and mirrors every number into TensorBoard (``<run>/tb``) through
@@ -188,6 +190,14 @@ class RunLogger:
                 if key not in ("epoch", "step"):
                     self.writer.add_scalar(tensorboard_tag(key, "epoch"), value, x)
         self.flush()
+
+    def log_diverged(self, step: int, message: str) -> None:
+        """Append ``{"kind": "diverged", "step": step, "error": message}``: the run stopped on
+        non-finite values at global step ``step`` (a resume from an earlier checkpoint drops
+        the line with the steps after it)."""
+        if self.enabled:
+            self._write({"kind": "diverged", "step": int(step), "error": message})
+            self.flush()
 
     def histogram(self, tag: str, values: Any, step: int) -> None:
         """TensorBoard histogram of ``values`` (a tensor or array of any shape, e.g. the

@@ -259,6 +259,36 @@ def test_hpclb_overrides_are_recorded_and_compared(finished, tmp_path, mnist_dir
         "defaults", "fusion_threshold_bytes 1048576, compression fp16"], rows
 
 
+def test_every_hpclb_override_is_recorded_and_compared(finished, tmp_path, mnist_dir):
+    """Every HPCLB_* variable that changes how the gradients travel or when a stall ends the job
+    is recorded with its effective value in config.json and shown by hpclb compare (before: the
+    overlap asked for, the stall times and the poll interval were recorded but not shown, and
+    an overlap of nonblocking at one process read as the default's)."""
+    from helpers import LAUNCH_ENV
+
+    recipe, done, _ = finished
+    other = tmp_path / "overrides"
+    env = {**LAUNCH_ENV, "HPCLB_OVERLAP": "nonblocking", "HPCLB_STALL_TIMEOUT_S": "30",
+           "HPCLB_STALL_ABORT_S": "never", "HPCLB_COMM_POLL_S": "0.001",
+           "HPCLB_TRUST_BACKEND": "torch"}
+    p = run_hpclb("train", recipe, "--out", other, "--data-dir", mnist_dir.parent, env=env,
+                  timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    config = json.loads((other / "config.json").read_text())
+    sync = config["sync"]
+    assert (sync["overlap_setting"], sync["stall_timeout_s"], sync["stall_abort_s"],
+            sync["comm_poll_s"], config["trust_backend"]) == ("nonblocking", 30.0, None, 0.001,
+                                                              "torch"), config
+    default = json.loads((done / "config.json").read_text())["sync"]
+    assert (default["overlap_setting"], default["stall_timeout_s"], default["stall_abort_s"],
+            default["comm_poll_s"]) == ("auto", 60.0, 600.0, 2e-4), default
+    p = run_hpclb("compare", done, other, "--format", "csv", timeout=60)
+    rows = list(csv.DictReader(io.StringIO(p.stdout)))
+    assert [r["sync"] for r in rows] == [
+        "defaults", "overlap nonblocking, stall_timeout_s 30.0, stall_abort_s never, "
+        "comm_poll_s 0.001, trust_backend torch"], rows
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda t: t / "missing", "not a run directory (no such directory)"),
     (lambda t: t, "not a run directory (no summary.json and no metrics.jsonl)"),

@@ -23,7 +23,8 @@ BAD_INPUT = [
     (["--batch-size", "0"], "--batch-size: must be a positive integer"),
     (["--lr", "-0.1"], "--lr: must be a positive number"),
     (["--epochs", "0.001"], "warmup .* must be shorter than training"),
-    (["--accumulation-steps", "0"], "--accumulation-steps: must be an integer >= 1"),
+    (["--accumulation-steps", "0"], r"--accumulation-steps \(recipe field accumulation_steps\): "
+     r"must be an integer >= 1"),
     (["--accumulation-steps", "3"], r"world size \d x --accumulation-steps 3 = \d .*; choose a "
      r"--batch-size that is a multiple"),
     (["--data-dir", "/nonexistent"], "no such file"),
@@ -75,7 +76,8 @@ def test_recipe_errors_name_the_field(tmp_path):
     assert rc == 2 and "optimizers.adam.lr" in out, out
     bad = quick_recipe(tmp_path, accumulation_steps=0)
     rc, out, _ = hpclb("train", bad, "--out", str(tmp_path / "o"))
-    assert rc == 2 and "accumulation_steps: must be an integer >= 1" in out, out
+    assert rc == 2 and "accumulation_steps (or --accumulation-steps): must be an integer >= 1" \
+        in out, out
 
 
 def test_expect_world_size_catches_a_lone_rank(tmp_path):

@@ -1,6 +1,7 @@
 """The documentation against the repository: every relative link in README.md and docs/*.md
 reaches a file (and its heading, for ``#anchor`` links), no page points outside the repository,
-and docs/design.md's layer table names every module of the package."""
+docs/design.md's layer table names every module of the package, and docs/cli.md's settings
+table is generated from the settings' declaration."""
 from __future__ import annotations
 
 import re
@@ -68,3 +69,17 @@ def test_design_names_every_module():
     missing = [str(p.relative_to(REPO)) for p in modules
                if f"`{p.stem}`" not in design and f"`{p.name}`" not in design]
     assert modules and not missing, f"docs/design.md's layer table lacks {missing}"
+
+
+def test_cli_settings_table_is_the_declaration():
+    """docs/cli.md's table of run settings is hpclb.config.settings_table(), generated from the
+    one declaration of each setting (hpclb/config/fields.py): it cannot drift from the flags and
+    the checks."""
+    from hpclb.config import settings_table
+
+    text = (REPO / "docs" / "cli.md").read_text()
+    start = text.index("<!-- settings-table:")
+    body = text[text.index("\n", start) + 1:text.index("<!-- end settings-table -->")]
+    assert body == settings_table(), (
+        "docs/cli.md's settings table differs from the declaration; replace it with the output "
+        "of: python -c 'from hpclb.config import settings_table as t; print(t(), end=\"\")'")

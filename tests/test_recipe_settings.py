@@ -96,8 +96,8 @@ def test_run_settings_default_recipe_and_command_line(tmp_path):
     assert (cfg.device, cfg.precision, cfg.log_every, cfg.noise_scale, cfg.max_nonfinite_steps,
             cfg.keep_checkpoints) == ("auto", "fp32", 50, False, 3, 2)
     assert {k: v[0] for k, v in RUN_SETTINGS.items()} == {
-        "device": "auto", "precision": "fp32", "log_every": 50, "noise_scale": False,
-        "max_nonfinite_steps": 3, "keep_checkpoints": 2}
+        "accumulation_steps": 1, "device": "auto", "precision": "fp32", "log_every": 50,
+        "noise_scale": False, "max_nonfinite_steps": 3, "keep_checkpoints": 2}
     recipe = quick_recipe(tmp_path, device="cpu", precision="bf16", log_every=0,
                           noise_scale=True, max_nonfinite_steps=1, keep_checkpoints=5)
     cfg = resolve(recipe)
@@ -122,6 +122,9 @@ def test_run_settings_default_recipe_and_command_line(tmp_path):
      r"non-finite loss or gradient"),
     ("keep_checkpoints", 0, r"must be an integer >= 1 \(checkpoint generations kept"),
     ("keep_checkpoints", True, r"must be an integer >= 1"),
+    ("accumulation_steps", 0, r"must be an integer >= 1 \(micro-batches per optimizer step; "
+     r"1: no accumulation\)"),
+    ("accumulation_steps", 2.0, r"must be an integer >= 1"),
 ])
 def test_bad_run_setting_names_flag_and_recipe_field(tmp_path, key, bad, message):
     flag = RUN_SETTINGS[key][1]

@@ -92,9 +92,11 @@ def test_accumulation_steps_setting_and_errors_name_the_field(tmp_path):
     assert resolve(from_recipe).accumulation_steps == 4
     assert resolve(from_recipe, accumulation_steps=2).accumulation_steps == 2  # CLI wins
     for bad in (0, -2):
-        with pytest.raises(ConfigError, match="--accumulation-steps: must be an integer >= 1"):
+        with pytest.raises(ConfigError, match=r"--accumulation-steps \(recipe field "
+                           r"accumulation_steps\): must be an integer >= 1"):
             resolve(quick_recipe(tmp_path), accumulation_steps=bad)
-    with pytest.raises(ConfigError, match="quick.yaml: accumulation_steps: must be an integer"):
+    with pytest.raises(ConfigError, match=r"quick.yaml: accumulation_steps \(or "
+                       r"--accumulation-steps\): must be an integer"):
         resolve(quick_recipe(tmp_path, accumulation_steps=0))
     with pytest.raises(ConfigError, match=r"--batch-size 512 \(the global batch\) is not divisible "
                        r"by the world size 1 x --accumulation-steps 3 = 3.* multiple of 3"):

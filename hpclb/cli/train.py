@@ -44,11 +44,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
     t.add_argument("--lr", type=float, help="override the recipe's peak LR at B0 (for tuning)")
     t.add_argument("--epochs", type=float, help="default: the recipe's (fractional allowed)")
-    t.add_argument("--accumulation-steps", type=int, metavar="K",
-                   help="gradient accumulation: each rank runs K micro-batches of B / (ranks x K) "
-                   "samples per optimizer step, one allreduce per step; the global batch B (and "
-                   "so LR/warmup scaling) is unchanged (default: the recipe's "
-                   "accumulation_steps, else 1)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
     t.add_argument("--out", help="run directory (default runs/<experiment>/<scaling>-b<B>); "
@@ -76,31 +71,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_run_options(t: argparse.ArgumentParser) -> None:
-    """Device, precision, logging and fault-tolerance options of ``hpclb train``."""
-    t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where each rank trains "
-                   "(auto: its local rank's GPU when CUDA is available, else the CPU; default: "
-                   "the recipe's device, else auto)")
+    """The run settings' flags (:mod:`hpclb.config.fields`), then ``hpclb train``'s own:
+    GPU sharing, compilation, progress, profiling, dry run."""
+    from hpclb.config.fields import add_setting_flags
+
+    add_setting_flags(t)
     t.add_argument("--share-gpu", action="store_true", help="allow more ranks than GPUs on a "
                    "node (ranks share GPUs round-robin; for tests)")
     t.add_argument("--compile", nargs="?", const="default", metavar="MODE",
                    help="torch.compile the model's forward (MODE: default, reduce-overhead, "
                    "max-autotune; bare --compile: default); off by default")
-    t.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute precision "
-                   "(autocast; fp16 with a loss scaler; parameters stay fp32; default: the "
-                   "recipe's, else fp32)")
-    t.add_argument("--log-every", type=int, metavar="STEPS", help="a metrics.jsonl step line "
-                   "every STEPS optimizer steps (0: off; default: the recipe's, else 50)")
     t.add_argument("--progress-every", type=_progress_seconds, default=60.0, metavar="SECONDS",
                    help="when stderr is not a terminal (a SLURM log), rank 0 prints a progress "
                    "line (step, loss, LR, samples/s, ETA) every SECONDS during an epoch (0: "
                    "off; on a terminal a progress bar instead; default 60)")
-    t.add_argument("--noise-scale", action=argparse.BooleanOptionalAction, default=None,
-                   help="measure the gradient noise scale B_simple (needs >= 2 ranks; `hpclb "
-                   "advise` reads it)")
-    t.add_argument("--max-nonfinite-steps", type=int, metavar="N", help="stop (exit 3) after N "
-                   "non-finite steps in a row, each skipped (default: the recipe's, else 3)")
-    t.add_argument("--keep-checkpoints", type=int, metavar="K", help="checkpoint generations "
-                   "kept, each verified by SHA-256 (default: the recipe's, else 2)")
     t.add_argument("--profile", metavar="START:END", help="torch.profiler trace of global steps "
                    "START+1 to END (a Python slice: 10:15 traces steps 11-15), per rank in "
                    "OUT/profile/rank<r>/ (a Chrome trace that TensorBoard also reads); data, "
@@ -149,7 +133,7 @@ def _recipe_device(args: argparse.Namespace) -> str:
 def _resolve(args: argparse.Namespace, comm):
     """The run's RunConfig from the flags, after the checks that need the world size;
     ConfigError (on every rank alike) for a bad setting."""
-    from hpclb.config import check_checkpoint_interval, check_expect_world_size, resolve
+    from hpclb.config import SETTINGS, check_checkpoint_interval, check_expect_world_size, resolve
     from hpclb.train.profile import parse_profile_steps
 
     check_checkpoint_interval(args.checkpoint_interval)
@@ -165,11 +149,8 @@ def _resolve(args: argparse.Namespace, comm):
     return resolve(args.experiment, batch_size=args.batch_size, scaling=args.scaling,
                    optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
                    data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr,
-                   accumulation_steps=args.accumulation_steps, device=args.device,
-                   precision=args.precision, log_every=args.log_every,
-                   noise_scale=args.noise_scale, max_nonfinite_steps=args.max_nonfinite_steps,
-                   keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
-                   compile=args.compile)
+                   overwrite=args.overwrite, compile=args.compile,
+                   **{name: getattr(args, name) for name in SETTINGS})
 
 
 def _resolve_agreed(args: argparse.Namespace, comm):

@@ -7,6 +7,8 @@ and none is left waiting in a collective.
 - :mod:`hpclb.config.recipe`: reading a recipe (:func:`load_recipe`, :func:`parse_recipe`);
 - :mod:`hpclb.config.schema`: the field checks, against the registries of data sets, models,
   optimizers and task kinds;
+- :mod:`hpclb.config.fields`: the run settings, each declared once (flag, recipe key, check,
+  default, help, docs row);
 - :mod:`hpclb.config.settings`: :class:`RunConfig` and :func:`resolve` (recipe + command line).
 
 ``DATASETS``, ``OPTIMIZERS`` (tuples of names) and ``TASKS`` (task kind -> the data sets it
@@ -14,6 +16,7 @@ reads) are computed from the registries when read, so that registered additions 
 """
 from __future__ import annotations
 
+from hpclb.config.fields import SETTINGS, RunSettings, settings_table
 from hpclb.config.recipe import available_experiments, load_recipe, parse_recipe
 from hpclb.config.schema import (
     DEVICES,
@@ -39,11 +42,11 @@ from hpclb.tasks.spec import (
     TargetSpec,
 )
 
-__all__ = ["DATASETS", "DEVICES", "LR_WARN_ABOVE", "OPTIMIZERS", "PRECISIONS", "RECIPE_KEYS",
-           "RUN_SETTINGS", "TASKS", "ConfigError", "DataSpec", "ModelSpec", "OptimizerSpec",
-           "COMPILE_MODES", "Recipe", "RecipeWarning", "RunConfig", "ScheduleSpec", "TargetSpec",
-           "available_experiments", "check_checkpoint_interval", "check_expect_world_size",
-           "load_recipe", "parse_recipe", "resolve"]
+__all__ = ["COMPILE_MODES", "DATASETS", "DEVICES", "LR_WARN_ABOVE", "OPTIMIZERS", "PRECISIONS",
+           "RECIPE_KEYS", "RUN_SETTINGS", "SETTINGS", "TASKS", "ConfigError", "DataSpec",
+           "ModelSpec", "OptimizerSpec", "Recipe", "RecipeWarning", "RunConfig", "RunSettings",
+           "ScheduleSpec", "TargetSpec", "available_experiments", "check_checkpoint_interval",
+           "check_expect_world_size", "load_recipe", "parse_recipe", "resolve", "settings_table"]
 
 
 def __getattr__(name: str):

@@ -13,6 +13,7 @@ import math
 import warnings
 from typing import Any
 
+from hpclb.config.fields import DEVICES, PRECISIONS, SETTINGS, check_setting, recipe_where
 from hpclb.data.registry import DATASETS
 from hpclb.errors import ConfigError, RecipeWarning
 from hpclb.models import MODELS
@@ -22,11 +23,12 @@ from hpclb.tasks.spec import task_name
 
 __all__ = ["DEVICES", "LR_WARN_ABOVE", "PRECISIONS", "RECIPE_KEYS", "RUN_SETTINGS",
            "check_builtin_data", "check_lr", "check_model", "check_plugin_data",
-           "check_run_setting", "check_sample_counts", "check_settings", "check_target_metric",
+           "check_sample_counts", "check_settings", "check_target_metric",
            "check_task_functions", "check_types", "did_you_mean", "number", "optimizer_arguments",
            "positive_int", "positive_number", "require", "warn"]
 
-# Every top-level recipe field the code reads; any other key is a typo and is rejected.
+# Every top-level recipe field the code reads; any other key is a typo and is rejected. The run
+# settings (accumulation_steps, device, ...) are declared in hpclb/config/fields.py.
 RECIPE_KEYS = (
     "name",                # the run's name (runs/<name>, results/sweeps/<name>.*)
     "task",                # classification (default), language_model, seq2seq, or
@@ -40,52 +42,17 @@ RECIPE_KEYS = (
     "optimizer",           # the default optimizer, a key of optimizers
     "optimizers",          # {<optimizer>: {lr: ..., <hyper-parameter>: ...}, ...}
     "grad_clip_norm",      # null or > 0
-    "accumulation_steps",  # micro-batches per optimizer step (default 1)
     "target",              # {metric, value, mode}: time-to-target (train) and sweep metric
     "tuning",              # free text: how the B0 hyper-parameters were tuned
     "per_gpu_batch",       # hpclb jobs render's default per-rank batch
     "plugin_path",         # extra directories (relative to the recipe) to import plug-ins from
-    "device",              # auto (default), cpu, cuda
-    "precision",           # fp32 (default), bf16, fp16
-    "log_every",           # steps between progress lines (default 50; 0: off)
-    "noise_scale",         # measure the gradient noise scale (default false)
-    "max_nonfinite_steps",  # consecutive skipped non-finite steps before the run stops (3)
-    "keep_checkpoints",    # checkpoint generations kept (default 2)
+    *SETTINGS,
 )
 
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16", "fp16")
 LR_WARN_ABOVE = 1e3  # a B0 peak LR above this is almost surely a typo (diverges at once)
-
-
-def _int_at_least(low: int):
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-# Run settings a recipe may set and the command line may override: recipe field -> (default,
-# command-line flag, test, what a valid value is, with its unit).
-RUN_SETTINGS = {
-    "device": ("auto", "--device", lambda v: v in DEVICES,
-               f"one of {', '.join(DEVICES)} (auto: cuda when a GPU is visible, else cpu)"),
-    "precision": ("fp32", "--precision", lambda v: v in PRECISIONS,
-                  f"one of {', '.join(PRECISIONS)} (the compute dtype of the forward and "
-                  f"backward passes; bf16/fp16 need a GPU that has them)"),
-    "log_every": (50, "--log-every", _int_at_least(0),
-                  "an integer >= 0 (optimizer steps between progress lines; 0: off)"),
-    "noise_scale": (False, "--noise-scale", lambda v: isinstance(v, bool),
-                    "true or false (measure the gradient noise scale B_simple)"),
-    "max_nonfinite_steps": (3, "--max-nonfinite-steps", _int_at_least(1),
-                            "an integer >= 1 (consecutive optimizer steps with a non-finite "
-                            "loss or gradient, each skipped, before the run stops)"),
-    "keep_checkpoints": (2, "--keep-checkpoints", _int_at_least(1),
-                         "an integer >= 1 (checkpoint generations kept in the run directory; "
-                         "the newest is used on --resume, older ones if it is damaged)"),
-}
-# Above these a value is accepted with a RecipeWarning: (limit, why it is odd).
-_RUN_SETTING_WARN = {
-    "max_nonfinite_steps": (100, "a run with that many non-finite steps in a row has diverged"),
-    "keep_checkpoints": (100, "each generation is a full model + optimizer copy on disk"),
-}
+# Run settings a recipe may set and the command line may override: recipe field -> its
+# declaration (hpclb.config.fields.Setting: default, flag, check, valid values, help).
+RUN_SETTINGS = SETTINGS
 
 
 def did_you_mean(word: Any, choices) -> str:
@@ -485,16 +452,6 @@ def _check_optimizers(recipe: dict, where: str) -> None:
                   f"weights faster than the gradient moves them (typical: 1e-4 .. 0.1)")
 
 
-def check_run_setting(key: str, value: Any, where: str) -> Any:
-    """``value`` of run setting ``key`` (:data:`RUN_SETTINGS`), ``where`` naming its source."""
-    _default, _flag, ok, valid = RUN_SETTINGS[key]
-    require(ok(value), where, f"must be {valid}, got {value!r}")
-    if key in _RUN_SETTING_WARN and value > _RUN_SETTING_WARN[key][0]:
-        warn(f"{where}: {value} is above {_RUN_SETTING_WARN[key][0]}: "
-              f"{_RUN_SETTING_WARN[key][1]}")
-    return value
-
-
 def check_settings(recipe: dict, where: str, epochs: float | None = None) -> None:
     """Numeric training settings: ranges, with units in the messages. ``epochs``: the run's
     budget when the command line sets it (``--epochs``; checked by the caller), which the
@@ -513,15 +470,12 @@ def check_settings(recipe: dict, where: str, epochs: float | None = None) -> Non
     require(clip is None or positive_number(clip), f"{where}: grad_clip_norm",
             f"must be null or > 0 (the largest global L2 norm of the averaged gradient), got "
             f"{clip!r}")
-    acc = recipe.get("accumulation_steps", 1)
-    require(positive_int(acc), f"{where}: accumulation_steps", f"must be an integer >= 1 "
-            f"(micro-batches per optimizer step; 1: no accumulation), got {acc!r}")
     check_task_functions(recipe.get("task"), where)
     check_target_metric(recipe, where)
     target = recipe.get("target") or {}
     if "accuracy" in str(target.get("metric", "")) and "value" in target:
         require(0 <= target["value"] <= 1, f"{where}: target.value",
                 f"{target['value']!r}: an accuracy is a fraction in [0, 1] (0.98 for 98%)")
-    for key in RUN_SETTINGS:
+    for key in SETTINGS:
         if key in recipe:
-            check_run_setting(key, recipe[key], f"{where}: {key} (or {RUN_SETTINGS[key][1]})")
+            check_setting(key, recipe[key], recipe_where(key, where))

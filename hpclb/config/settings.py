@@ -10,16 +10,10 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from hpclb import schedules
+from hpclb.config.fields import SETTINGS, RunSettings, setting_value
 from hpclb.config.outputs import default_run_dir
 from hpclb.config.recipe import load_recipe
-from hpclb.config.schema import (
-    RUN_SETTINGS,
-    check_lr,
-    check_run_setting,
-    positive_int,
-    positive_number,
-    require,
-)
+from hpclb.config.schema import check_lr, positive_int, positive_number, require
 from hpclb.errors import ConfigError
 from hpclb.optim import OPTIMIZERS
 from hpclb.sync.options import check_environment
@@ -33,16 +27,14 @@ __all__ = ["COMPILE_MODES", "RunConfig", "check_checkpoint_interval", "check_exp
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
-@dataclass(frozen=True)
-class RunConfig:
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(RunSettings):
     """One run, fully resolved: the recipe plus command-line choices, transferred to the global
     batch by ``scaling``. All batch sizes in samples; ``epochs`` may be fractional.
 
-    ``device`` (auto|cpu|cuda), ``precision`` (fp32|bf16|fp16), ``log_every`` (optimizer
-    steps between progress lines; 0: off), ``noise_scale`` (measure the gradient noise scale),
-    ``max_nonfinite_steps`` (consecutive skipped non-finite steps before the run stops) and
-    ``keep_checkpoints`` (checkpoint generations kept): command line, else recipe, else the
-    defaults of :data:`RUN_SETTINGS`. ``compile``: None (eager) or a ``torch.compile`` mode of
+    The fields of :class:`~hpclb.config.fields.RunSettings` (``accumulation_steps``,
+    ``device``, ``precision``, ``log_every``, ...): command line, else recipe, else their
+    declared defaults. ``compile``: None (eager) or a ``torch.compile`` mode of
     :data:`COMPILE_MODES` (``--compile``). ``out`` (default ``runs/<experiment>/<scaling>-b<B>``)
     must not hold a run unless ``resume`` (True, or ``"auto"``: resume when it holds a
     checkpoint) or ``overwrite`` (:mod:`hpclb.config.outputs`)."""
@@ -60,13 +52,6 @@ class RunConfig:
     resume: bool | str
     lr: float | None = None
     overwrite: bool = False
-    accumulation_steps: int = 1
-    device: str = "auto"
-    precision: str = "fp32"
-    log_every: int = 50
-    noise_scale: bool = False
-    max_nonfinite_steps: int = 3
-    keep_checkpoints: int = 2
     compile: str | None = None
 
     @cached_property
@@ -185,29 +170,26 @@ def _check_environment() -> None:
 def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "legw",
             optimizer: str | None = None, epochs: float | None = None, seed: int = 0,
             data_dir: str | None = None, out: str | None = None,
-            resume: bool | str = False,
-            lr: float | None = None, accumulation_steps: int | None = None,
-            device: str | None = None, precision: str | None = None,
-            log_every: int | None = None, noise_scale: bool | None = None,
-            max_nonfinite_steps: int | None = None,
-            keep_checkpoints: int | None = None, overwrite: bool = False,
-            compile: str | None = None) -> RunConfig:
+            resume: bool | str = False, lr: float | None = None, overwrite: bool = False,
+            compile: str | None = None, **settings) -> RunConfig:
     """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
 
-    ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``accumulation_steps``
-    overrides the recipe's ``accumulation_steps`` (default 1): micro-batches per optimizer step;
-    the global batch (the unit of the scaling rules) does not change. ``device``,
-    ``precision``, ``log_every``, ``noise_scale``, ``max_nonfinite_steps`` and
-    ``keep_checkpoints`` override the recipe fields of the same name (defaults in
-    :data:`RUN_SETTINGS`). ``resume``: True continues the run in ``out`` (a checkpoint must be
+    ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``settings``: the command
+    line's values of the settings of :data:`hpclb.config.fields.SETTINGS`
+    (``accumulation_steps=4``, ``device="cpu"``, ...; None: the recipe's, else the declared
+    default). ``resume``: True continues the run in ``out`` (a checkpoint must be
     there), ``"auto"`` continues it when ``out`` holds a checkpoint, else starts afresh. ``out``
     defaults to ``runs/<name>/<scaling>-b<batch>``;
     ``overwrite`` lets a new run replace a run already there (checked by
     :func:`hpclb.train.setup.setup_run`). ``compile``: None, or the ``torch.compile`` mode the
     model's forward is compiled with (:data:`COMPILE_MODES`). Raises ConfigError naming the bad
-    field and its command-line flag;
+    field and its command-line flag, TypeError for a keyword that is not a setting;
     warns (:class:`RecipeWarning`) for valid values outside their sensible range.
     """
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"resolve() got unexpected keyword argument(s) {unknown}; the settings "
+                        f"are {', '.join(SETTINGS)}")
     _check_environment()
     recipe = load_recipe(experiment, epochs=epochs)  # the warmup against the run's budget
     spec = Recipe.from_dict(recipe)
@@ -229,29 +211,12 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     require(isinstance(seed, int) and seed >= 0, "--seed", f"must be >= 0, got {seed}")
     require(resume in (False, True, "auto"), "--resume", f"must be True, False or 'auto' "
             f"(resume when --out holds a checkpoint, else start afresh), got {resume!r}")
-    acc = spec.accumulation_steps if accumulation_steps is None else accumulation_steps
-    require(isinstance(acc, int) and not isinstance(acc, bool) and acc >= 1,
-            "--accumulation-steps", f"must be an integer >= 1 (micro-batches per optimizer "
-            f"step; 1: no accumulation), got {acc!r}")
     require(compile is None or compile in COMPILE_MODES, "--compile",
             f"{compile!r} is not one of {COMPILE_MODES}")
-    given = {"device": device, "precision": precision, "log_every": log_every,
-             "noise_scale": noise_scale, "max_nonfinite_steps": max_nonfinite_steps,
-             "keep_checkpoints": keep_checkpoints}
-    settings = {key: _setting(spec, key, value) for key, value in given.items()}
+    values = {name: setting_value(name, settings.get(name), recipe) for name in SETTINGS}
     return RunConfig(experiment=spec.name, recipe=recipe, global_batch_size=batch,
                      scaling=scaling, optimizer=opt,
                      optimizer_params=dict(spec.optimizers[opt].params),
                      epochs=float(n_epochs), seed=seed, data_dir=data_dir,
                      out=out or default_run_dir(spec.name, scaling, batch), resume=resume,
-                     overwrite=overwrite, lr=lr,
-                     accumulation_steps=acc, compile=compile, **settings)
-
-
-def _setting(spec: Recipe, key: str, value):
-    """Run setting ``key``: the command line's ``value`` (checked), else the recipe's, else
-    the default of :data:`RUN_SETTINGS`."""
-    if value is not None:
-        return check_run_setting(key, value, f"{RUN_SETTINGS[key][1]} (recipe field {key})")
-    recipe_value = getattr(spec, key)
-    return RUN_SETTINGS[key][0] if recipe_value is None else recipe_value
+                     overwrite=overwrite, lr=lr, compile=compile, **values)

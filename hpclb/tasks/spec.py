@@ -173,8 +173,9 @@ def primary_metric(recipe: Recipe | Mapping) -> str:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A recipe (hpclb/experiments/*.yaml). Run settings absent from it are None here (their
-    defaults are :data:`hpclb.config.RUN_SETTINGS`'); ``raw`` is the mapping as read. Frozen:
+    """A recipe (hpclb/experiments/*.yaml). Its run settings (``accumulation_steps``,
+    ``device``, ...: :data:`hpclb.config.fields.SETTINGS`) are resolved from ``raw``, the
+    mapping as read, into :class:`hpclb.config.RunConfig`, not parsed here. Frozen:
     treat the mappings inside as read-only too (they are copies of the recipe's)."""
 
     name: str = ""
@@ -189,17 +190,10 @@ class Recipe:
     optimizer: str | None = None
     optimizers: Mapping[str, OptimizerSpec] = field(default_factory=dict)
     grad_clip_norm: float | None = None
-    accumulation_steps: int = 1
     target: TargetSpec | None = None
     tuning: str | None = None
     per_gpu_batch: int | None = None
     plugin_path: tuple[str, ...] = ()
-    device: str | None = None
-    precision: str | None = None
-    log_every: int | None = None
-    noise_scale: bool | None = None
-    max_nonfinite_steps: int | None = None
-    keep_checkpoints: int | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -217,8 +211,6 @@ class Recipe:
                                    (r.pop("optimizers", None) or {}).items()}}
         known = {f.name for f in fields(cls)} - set(sections) - {"raw"}
         r = {k: v for k, v in r.items() if k in known}
-        if r.get("accumulation_steps") is None:
-            r.pop("accumulation_steps", None)
         return cls(**r, **sections, raw=copy.deepcopy(dict(recipe)))
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,6 +25,13 @@ from typing import Any
 
 from hpclb._io import read_json
 from hpclb.errors import ConfigError
+from hpclb.sync.options import (
+    DEFAULT_COMM_POLL_S,
+    DEFAULT_FIRST_BUCKET_BYTES,
+    DEFAULT_FUSION_THRESHOLD_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+    TRAIN_STALL_ABORT_S,
+)
 from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.runrows import RunRows, Warn, read_run
 from hpclb.tools.sweep_report import format_metric
@@ -34,9 +41,12 @@ __all__ = ["COLUMNS", "compare_rows", "csv_table", "markdown_table", "run_row"]
 COLUMNS = ("run", "experiment", "batch", "scheme", "optimizer", "ranks", "steps", "epochs",
            "metric", "final", "best", "time_to_target_s", "samples_per_s", "wall_time_s",
            "status", "sync")
-# gradient-sync settings shown when a run's differ from these (config.json's "sync")
-_SYNC_DEFAULTS = {"fusion_threshold_bytes": 25 * 2 ** 20, "compression": "none",
-                  "first_bucket_bytes": 2 ** 20}
+# gradient-sync settings shown when a run's differ from these (config.json's "sync": what
+# hpclb train uses unless an HPCLB_* variable says otherwise; stall_abort_s None: never)
+_SYNC_DEFAULTS = {"fusion_threshold_bytes": DEFAULT_FUSION_THRESHOLD_BYTES, "compression": "none",
+                  "first_bucket_bytes": DEFAULT_FIRST_BUCKET_BYTES, "overlap_setting": "auto",
+                  "stall_timeout_s": DEFAULT_STALL_TIMEOUT_S, "stall_abort_s": TRAIN_STALL_ABORT_S,
+                  "comm_poll_s": DEFAULT_COMM_POLL_S}
 
 
 def _read_json(path: Path) -> dict | None:
@@ -120,13 +130,15 @@ def run_row(run_dir: str | Path, warn: Warn | None = None) -> dict[str, Any]:
 
 
 def _sync_shown(config: dict | None) -> str | None:
-    """The run's gradient-sync settings that differ from the defaults, e.g.
-    ``"compression fp16, overlap thread"`` (the overlap mode only when not chosen by auto),
+    """The run's gradient-sync settings that differ from hpclb train's defaults, e.g.
+    ``"compression fp16, overlap thread"`` (the overlap mode only when set, not chosen by auto;
+    ``stall_abort_s never``),
     or None (a run from before config.json recorded them: unknown)."""
     sync = (config or {}).get("sync")
     if sync is None:
         return None
-    shown = [f"{k} {sync[k]}" for k, v in _SYNC_DEFAULTS.items() if k in sync and sync[k] != v]
+    shown = [f"{k.removesuffix('_setting')} {'never' if sync[k] is None else sync[k]}"
+             for k, v in _SYNC_DEFAULTS.items() if k in sync and sync[k] != v]
     if (config or {}).get("trust_backend", "auto") != "auto":
         shown.append(f"trust_backend {config['trust_backend']}")
     return ", ".join(shown) or "defaults"

@@ -70,8 +70,8 @@ def _read_config(run_dir: Path) -> dict:
 
 def b0_recipe(cfg: dict, batch: int) -> dict:
     """The source run's recipe with its command-line overrides folded in (``--optimizer``,
-    ``--lr`` as the B0 peak LR, ``--epochs``, ``--accumulation-steps`` and the run settings of
-    :data:`hpclb.config.RUN_SETTINGS`: ``--device``, ``--precision``, ...), named
+    ``--lr`` as the B0 peak LR, ``--epochs`` and the run settings of
+    :data:`hpclb.config.RUN_SETTINGS`: ``--accumulation-steps``, ``--device``, ...), named
     ``<name>-b<batch>`` so its default run directory is new."""
     recipe = json.loads(json.dumps(cfg["recipe"]))  # deep copy
     opt = cfg["optimizer"]
@@ -80,8 +80,6 @@ def b0_recipe(cfg: dict, batch: int) -> dict:
         recipe["optimizers"][opt]["lr"] = cfg["lr"]
     if cfg.get("epochs") is not None:
         recipe["epochs"] = cfg["epochs"]
-    if cfg.get("accumulation_steps", 1) != recipe.get("accumulation_steps", 1):
-        recipe["accumulation_steps"] = cfg["accumulation_steps"]
     for key in RUN_SETTINGS:  # the settings the run used, command line and recipe folded
         if cfg.get(key) is not None:
             recipe[key] = cfg[key]

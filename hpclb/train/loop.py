@@ -394,7 +394,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
                 **cfg.to_dict(), "world_size": comm.world_size,
                 "data_root": str(data_dir(cfg.data_dir).resolve()),
                 **_schedule_columns(cfg, run.schedule),
-                "sync": run.optimizer.sync.settings(), "trust_backend": _trust_backend()})
+                "sync": _sync_settings(run), "trust_backend": _trust_backend()})
         logger = RunLogger(run.out, enabled=comm.rank == 0, tensorboard=tensorboard,
                            resume_step=run.pos.global_step if run.resumed_from is not None
                            else None)
@@ -416,6 +416,14 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         write_json(run.out / "summary.json", summary)
     say(_summary_line(run, summary))
     return summary
+
+
+def _sync_settings(run: Run) -> dict:
+    """The gradient-sync settings in force (config.json's ``sync``), with ``overlap_setting``:
+    the overlap asked for (``auto`` unless ``$HPCLB_OVERLAP`` set one) beside ``overlap``, the
+    mode in force."""
+    sync = run.optimizer.sync
+    return {**sync.settings(), "overlap_setting": sync.options.overlap}
 
 
 def _trust_backend() -> str:

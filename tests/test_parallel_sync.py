@@ -234,6 +234,32 @@ def test_accumulation_over_k_micro_batches_equals_one_k_times_batch(comm, mode):
                  f"dropped {dropped}")
 
 
+def test_an_empty_share_is_skipped_explicitly_and_counted(comm):
+    """hpclb train's loop: K micro-batches (a backward, or skip_micro_batch() where this rank
+    has no samples), then one synchronize(): the skip counts in the window, whose K-th ends it
+    (divided by world_size * K); loss_weight is the factor that makes it the global mean."""
+    k = 2
+    model = small_net()
+    big = copy.deepcopy(model)
+    xs, ys = data(comm, n=6, seed=5)
+    sync_big = GradientSync(big.named_parameters(), comm)
+    nn.functional.cross_entropy(big(xs), ys).backward()
+    sync_big.synchronize()
+    sync_big.close()
+    sync = GradientSync(model.named_parameters(), comm, accumulation_steps=k)
+    try:
+        nn.functional.cross_entropy(model(xs), ys).backward()
+        sync.skip_micro_batch()  # the second micro-batch: no samples on this rank
+        reduced = sync.synchronize()
+        weight = sync.loss_weight(6, 6 * comm.world_size * k)
+    finally:
+        sync.close()
+    got, ref = synced(model), synced(big) / k
+    ok = reduced is True and torch.allclose(got, ref, rtol=1e-5, atol=1e-7) and weight == 1.0
+    all_ranks_ok(comm, ok, f"reduced {reduced}, weight {weight}, max diff "
+                           f"{(got - ref).abs().max().item():.3g}")
+
+
 def test_unused_parameters_are_reduced_as_zeros(comm):
     class Branchy(nn.Module):
         def __init__(self):

@@ -68,15 +68,18 @@ class Bucket:
     stream: dict = field(default_factory=dict)
     ready_event: Any = None      # CUDA event recorded by the hook once the bucket is complete
     reduced_event: Any = None    # CUDA event recorded after the collective (thread overlap)
+    what: str = ""               # the bucket in a stall report (describe())
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
-    def label(self, n: int, step: int) -> str:
-        return (f"step {step} gradient bucket {self.index + 1}/{n} ({self.nbytes / MiB:.2f} MiB "
-                f"{str(self.comm_buffer.dtype).replace('torch.', '')}, {len(self.params)} "
-                f"tensors from {self.names[0]})")
+    def describe(self, n: int) -> None:
+        """Set :attr:`what`, the bucket as a stall report names it (``n``: buckets in all),
+        once at construction: a step's label is ``"step <s> " + what``."""
+        self.what = (f"gradient bucket {self.index + 1}/{n} ({self.nbytes / MiB:.2f} MiB "
+                     f"{str(self.comm_buffer.dtype).replace('torch.', '')}, {len(self.params)} "
+                     f"tensors from {self.names[0]})")
 
 
 def bucket_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -25,7 +25,7 @@ import gc
 import operator
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -49,6 +49,8 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _graph_task_id = torch._C._current_graph_task_id
 _grad_of = operator.attrgetter("grad")
 _requires_grad = operator.attrgetter("requires_grad")
+_profiling = torch.autograd._profiler_enabled  # the wait is labelled for --profile's trace
+_record = torch.profiler.record_function
 
 class GradientSync(WindowMixin):
     """Average gradients across ranks in fused buckets, overlapped with backward.
@@ -255,7 +257,10 @@ class GradientSync(WindowMixin):
         groups = plan_buckets([p.numel() * p.element_size() for p in self.params],
                               self.fusion_threshold_bytes, self.first_bucket_bytes,
                               keys=[(p.dtype, p.device) for p in self.params])
-        return [self._make_bucket(bi, idx) for bi, idx in enumerate(groups)]
+        buckets = [self._make_bucket(bi, idx) for bi, idx in enumerate(groups)]
+        for b in buckets:
+            b.describe(len(buckets))
+        return buckets
 
     def _make_bucket(self, bi: int, idx: list[int]) -> Bucket:
         return make_bucket(bi, [self.params[i] for i in idx], [self.names[i] for i in idx],
@@ -364,8 +369,17 @@ class GradientSync(WindowMixin):
                 b.comm_buffer.copy_(b.buffer)
         b.launched = True
         b.error = None
-        b.seq = self._watchdog.entered(b.label(len(self.buckets), self.steps + 1))
+        b.seq = self._watchdog.entered(f"step {self.steps + 1} {b.what}")
         self._driver.launch(b)
+
+    def loss_weight(self, n_part: int, n_global: int) -> float:
+        """What a micro-batch's mean loss over its ``n_part`` samples is multiplied by before
+        ``backward()`` so that the window's averaged gradient is the mean over the
+        ``n_global`` samples of the global batch (all ranks, all micro-batches), also when the
+        shares are uneven: ``world_size * K * n_part / n_global`` (the reduced sum is divided
+        by ``world_size * K``), times :attr:`loss_prescale`. Exactly 1 for even shares."""
+        w = self.comm.world_size * self.accumulation_steps * n_part / n_global
+        return w * self.loss_prescale
 
     def mark_all_ready(self) -> None:
         """End a micro-batch whose gradients were written without autograd (manual gradients,
@@ -386,10 +400,11 @@ class GradientSync(WindowMixin):
             self.used_in_window = [(p, u) for b in self.buckets for p, u in zip(b.params, b.used)]
         t0 = time.perf_counter()
         try:
-            if self._driver is None:
-                self._finish_alone()
-            else:
-                self._reduce()
+            with _record("hpclb/allreduce_wait") if _profiling() else nullcontext():
+                if self._driver is None:
+                    self._finish_alone()
+                else:
+                    self._reduce()
         finally:
             self.steps += 1  # counted after the reduction (its buckets are labelled steps + 1)
             self._reduced, self._local = True, False
@@ -413,7 +428,7 @@ class GradientSync(WindowMixin):
         self._launch_ready()
         error = None
         for b in self.buckets:
-            label = b.label(len(self.buckets), self.steps + 1)
+            label = f"step {self.steps + 1} {b.what}"
             with self._watchdog.waiting(b.seq, label, self.stall_timeout_s, self.on_stall,
                                         self.stall_abort_s):
                 self._driver.wait(b)

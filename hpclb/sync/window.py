@@ -84,6 +84,14 @@ class WindowMixin:
         if self._micro == self.accumulation_steps:
             self._end_window()
 
+    def skip_micro_batch(self) -> None:
+        """This rank has no samples in the current micro-batch (an uneven last step): count it
+        in the window as an empty one, so every rank counts the same micro-batches; on the
+        window's last, reduce every bucket now, as the end of a backward does."""
+        if self._hooks:  # else (one process, K = 1) synchronize() ends every window
+            self._check_pass()
+            self._end_backward()
+
     def synchronize(self) -> bool:
         """Call once per optimizer step, after backward. True when a window ended (and was
         reduced: every ``p.grad`` is the mean over ranks and micro-batches) since the last

@@ -9,9 +9,10 @@
    the same global batch at every world size; language models: this rank's token streams),
    copies it to the device and runs forward (under autocast for bf16/fp16) and backward, as
    ``accumulation_steps`` micro-batches, each part's mean loss weighted by
-   ``W * K * n_part / global_size`` so the averaged gradient is the exact mean over the global
-   batch, even when the last step's shares are uneven. ``DistributedOptimizer.step()`` averages
-   (fused buckets, overlapped with backward), guards against non-finite values, clips, steps.
+   ``GradientSync.loss_weight`` so the averaged gradient is the exact mean over the global
+   batch, even when the last step's shares are uneven. The gradients are averaged during
+   backward (fused buckets); the window's last backward waits for them. Then ONE
+   ``DistributedOptimizer.step()`` guards against non-finite values, clips, steps.
 3. The LR comes from :mod:`hpclb.schedules` for this global step (LEGW or a baseline).
 4. Every ``log_every`` steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios,
    samples/s, compute vs exposed communication, skipped steps, device memory) goes to
@@ -124,39 +125,35 @@ def _set_threads(comm: Communicator) -> None:
 
 
 def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None = None) -> bool:
-    """Step ``i`` of the current epoch on this rank: micro-batches, backward, the synchronised
-    optimizer step and the LR schedule. Adds the task's statistics to ``sums`` (on the device),
-    unless the step was skipped as non-finite (masked on the device: no host read).
+    """Step ``i`` of the current epoch on this rank: its ``accumulation_steps`` micro-batches
+    (forward and backward, or a skip for an empty share; the window's last backward waits for
+    the gradient allreduce), then one optimizer step and the LR schedule. Adds the task's
+    statistics to ``sums`` (on the device), unless the step was skipped as non-finite (masked
+    on the device: no host read).
     ``first`` (float64 ``[3]``, zeros until then): receives the statistics of the first step
     that was not skipped (the reference of the explosion check).
-    Returns the optimizer's verdict (False: partial window or a step skipped on the host)."""
+    Returns the optimizer's verdict (False: a step skipped on the host)."""
     task, opt, k = run.task, run.optimizer, run.cfg.accumulation_steps
-    w = run.comm.world_size
-    label = run.profiler.label if run.profiler is not None else _no_label
+    label = run.profiler.label if run.profiler is not None else contextlib.nullcontext
     opt.zero_grad()
     n_global = task.global_size(i)
     before = sums.clone()
-    stepped = False
     for part in range(k):
-        # Part j's mean loss times W*K*n_j/n_global makes the averaged gradient (GradientSync
-        # divides by W*K) the mean over the global batch; exactly 1 when the shares are even.
-        # With loss_prescaled (W*K a power of two) the loss also carries the 1/(W*K) and the
-        # sync divides nothing: the same bits, one pass over the gradients fewer.
         n_part, _ = task.part_size(i, part, k)
-        if n_part:
-            with label("hpclb/data"):
-                batch = to_device(task.batch(i, part, k), run.device)
-            with label("hpclb/forward_backward"):
-                with run.autocast():
-                    loss, stats = task.loss(run.model, batch)
-                weight = w * k * n_part / n_global * opt.sync.loss_prescale
-                loss = loss if weight == 1 else loss * weight
-                (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
-            sums += stats
-        with label("hpclb/allreduce_wait"):
-            opt.synchronize()  # the wait for the allreduce (step() would do it; False: no part)
-        with label("hpclb/optimizer"):
-            stepped = opt.step()  # updates on the last part only
+        if not n_part:  # no samples of this micro-batch here: counted in the window, empty
+            opt.sync.skip_micro_batch()
+            continue
+        with label("hpclb/data"):
+            batch = to_device(task.batch(i, part, k), run.device)
+        with label("hpclb/forward_backward"):  # the last one waits for the allreduce at its end
+            with run.autocast():
+                loss, stats = task.loss(run.model, batch)
+            weight = opt.sync.loss_weight(n_part, n_global)
+            loss = loss if weight == 1 else loss * weight
+            (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
+        sums += stats
+    with label("hpclb/optimizer"):
+        stepped = opt.step()
     skipped = opt.step_skipped
     if skipped is not None:  # a skipped step adds nothing to the epoch's statistics
         sums.copy_(torch.where(skipped.to(sums.device), before, sums))
@@ -165,10 +162,6 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
     run.scheduler.step()
     run.pos.global_step += 1
     return stepped
-
-
-def _no_label(_name: str):
-    return contextlib.nullcontext()
 
 
 def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed: bool,

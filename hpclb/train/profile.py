@@ -14,7 +14,8 @@ Each rank writes its own trace, through ``torch.profiler.tensorboard_trace_handl
 shows (the torch-tb-profiler plug-in: one run per rank). CPU activity always, CUDA kernels on a
 GPU. Inside the window the training step is labelled with ``record_function`` ranges:
 ``hpclb/data`` (reading a micro-batch), ``hpclb/forward_backward``, ``hpclb/allreduce_wait``
-(waiting for the gradient allreduce: the communication backward did not hide),
+(inside the window's last backward, at its end: waiting for the gradient allreduce, the
+communication backward did not hide; labelled by :class:`~hpclb.sync.gradients.GradientSync`),
 ``hpclb/optimizer`` (the synchronised optimizer step: guard, clipping, update), and every call
 of the communicator's collectives (``hpclb/allreduce``, ``hpclb/iallreduce``,
 ``hpclb/allgather_object``, ``hpclb/broadcast``). The gradient buckets' calls show under

@@ -20,7 +20,7 @@ _EXPORTS = {
     "sqrt_scaling": "api", "no_scaling": "api", "shard_loader": "api", "share_weight": "api",
     "mean_over_ranks": "api", "allreduce": "api", "allgather": "api", "broadcast": "api",
     "broadcast_object": "api", "barrier": "api", "evaluate": "api",
-    "Checkpointer": "train.preemption", "DistributedOptimizer": "sync.optimizer",
+    "Checkpointer": "train.checkpointer", "DistributedOptimizer": "sync.optimizer",
     "NonFiniteError": "sync.optimizer",
     "LARS": "optim", "LAMB": "optim",
 }

@@ -264,7 +264,7 @@ def test_a_second_ctrl_c_stops_at_once():
     """The training loop's flag: the first Ctrl-C only asks for a checkpoint at the next step
     (agreed as an interrupt), the second raises KeyboardInterrupt at once."""
     from hpclb.comm.local import SelfCommunicator
-    from hpclb.train.loop import PreemptionFlag
+    from hpclb.train.preemption import PreemptionFlag
 
     before = signal.getsignal(signal.SIGINT)
     flag = PreemptionFlag(interrupt=True)

@@ -160,7 +160,7 @@ def _resolve_agreed(args: argparse.Namespace, comm):
     ranks launched with different settings all stop with exit 2 instead of hanging or training
     apart."""
     from hpclb.config.agreement import agree_run_settings, run_settings
-    from hpclb.train.setup import agreed
+    from hpclb.train.agreed import agreed
 
     cfg = agreed(comm, "resolving the settings", lambda: _resolve(args, comm))
     agree_run_settings(comm, run_settings(cfg, {

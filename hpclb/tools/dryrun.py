@@ -30,9 +30,10 @@ from hpclb.errors import ConfigError, JobError
 from hpclb.plugins import is_plugin
 from hpclb.tasks import build_task
 from hpclb.tasks.registry import TASKS
+from hpclb.train.agreed import agreed
 from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.profile import check_profile_window
-from hpclb.train.setup import agreed, check_model, check_resumable
+from hpclb.train.setup import check_model, check_resumable
 
 __all__ = ["WARMUP_WARN_FRACTION", "dry_run", "format_plan", "plan_run", "train_set_size_of",
            "warmup_warning"]

@@ -1,5 +1,6 @@
 """Training a recipe on every rank: set-up and resume (:mod:`.setup`), the loop (:mod:`.loop`),
-checkpoints (:mod:`.checkpoint`), per-rank random streams (:mod:`.rng`), per-step metrics
-(:mod:`.steplog`) and the run's metric files (:mod:`.metrics`)."""
+the one checkpoint schema and the library's Checkpointer (:mod:`.checkpointer`), checkpoint files
+(:mod:`.checkpoint`), the preemption flag (:mod:`.preemption`), per-rank random streams
+(:mod:`.rng`), per-step metrics (:mod:`.steplog`) and the run's metric files (:mod:`.metrics`)."""
 
 __all__: list[str] = []

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import socket
 import sys
 import time
@@ -51,66 +50,19 @@ from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempte
 from hpclb.sync.agree import average_buffers
 from hpclb.tasks import to_device
 from hpclb.tasks.spec import metric_mode
+from hpclb.train.checkpointer import save_run_checkpoint
 from hpclb.train.metrics import RunLogger
+from hpclb.train.preemption import PreemptionFlag
 from hpclb.train.progress import Progress
-from hpclb.train.setup import Run, save_checkpoint, setup_run
+from hpclb.train.setup import Run, setup_run
 from hpclb.train.steplog import StepLog
 
-__all__ = ["EXPLODED_LOSS_FACTOR", "PreemptionFlag", "train_step", "train"]
+__all__ = ["EXPLODED_LOSS_FACTOR", "train_step", "train"]
 
 # An epoch's training loss this many times the first applied (not skipped) step's (both finite,
 # > 0) is a divergence: a cross-entropy that starts at ln(classes) never legitimately grows a
 # hundredfold. docs/faults.md states it (tests/test_faults_doc.py).
 EXPLODED_LOSS_FACTOR = 1e2
-
-
-class PreemptionFlag:
-    """SIGUSR2/SIGTERM handlers that only set a flag (no I/O in the handler).
-
-    With ``interrupt`` (``hpclb train``'s loop) SIGINT is handled too: the first Ctrl-C sets
-    the flag as USR2 does (a checkpoint at the next step, then the run stops: ``interrupted``
-    on every rank), a second one raises KeyboardInterrupt at once."""
-
-    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-
-    def __init__(self, interrupt: bool = False) -> None:
-        self.requested = False
-        self.interrupted = False  # agreed: the stop was asked for by Ctrl-C, not a scheduler
-        self._ctrl_c = False
-        # Periodic checkpoints ride on the same allreduce: rank 0 sets checkpoint_due when its
-        # clock says so, and agreed() leaves checkpoint_now set on every rank.
-        self.checkpoint_due = False
-        self.checkpoint_now = False
-        self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
-        if interrupt:
-            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
-        # a signal the CLI recorded before the loop began (hpclb.cli.common.PendingSignal) counts
-        self.requested = self.requested or any(getattr(h, "pending", False)
-                                               for h in self._previous.values())
-
-    def _handler(self, signum, frame) -> None:
-        self.requested = True
-
-    def _interrupt(self, signum, frame) -> None:
-        if self._ctrl_c:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
-        self._ctrl_c = self.requested = True
-
-    def agreed(self, comm: Communicator) -> bool:
-        """True on every rank when any rank received a signal (one 1-element allreduce); the same
-        allreduce sets ``checkpoint_now`` on every rank when rank 0 set ``checkpoint_due``, and
-        ``interrupted`` when the signal was a Ctrl-C."""
-        mine = 3.0 if self._ctrl_c else 2.0 if self.requested else \
-            (1.0 if self.checkpoint_due else 0.0)
-        if comm.world_size > 1:
-            mine = comm.allreduce_(torch.tensor([mine]), op="max").item()
-        self.checkpoint_now = mine == 1.0
-        self.interrupted = mine == 3.0
-        return mine >= 2.0
-
-    def restore(self) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
 
 
 def _show(metric: str, value: float) -> str:
@@ -295,7 +247,7 @@ def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.
                                   since >= checkpoint_interval_s)
     if preempt.agreed(comm):
         _resolve_first_loss(run, first)
-        save_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
+        save_run_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
         where = (f"checkpoint of global step {pos.global_step} (epoch {epoch + 1}, step "
                  f"{i + 1}/{steps}) saved to {run.store.latest_path}")
         preempt.requested = True  # on every rank, also those the signal missed
@@ -306,7 +258,7 @@ def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.
         raise Preempted(pos.global_step)
     if preempt.checkpoint_now:
         _resolve_first_loss(run, first)
-        save_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
+        save_run_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
         last_checkpoint[0] = time.monotonic()
 
 
@@ -440,8 +392,8 @@ def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,
         logger.log_epoch(row)
         steplog.epoch_histograms()
         say(_epoch_line(row, n_epochs if float(cfg.epochs).is_integer() else cfg.epochs))
-        save_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64),
-                        steplog.state_dict())
+        save_run_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64),
+                            steplog.state_dict())
         last_checkpoint[0] = time.monotonic()
 
 

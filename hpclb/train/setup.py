@@ -18,10 +18,9 @@ import logging
 import os
 import socket
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,59 +29,29 @@ from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
 from hpclb.config.agreement import agree_run_settings, run_settings
 from hpclb.config.outputs import check_run_dir, clear_run, start_run
-from hpclb.errors import AgreedFailure, CheckpointError, ConfigError, HpclbError
+from hpclb.errors import CheckpointError, ConfigError
 from hpclb.models import build_model
 from hpclb.noise import check_world_size
 from hpclb.optim import OPTIMIZERS
 from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.plugins import is_plugin
 from hpclb.schedules import Schedule
-from hpclb.sync.agree import (
-    average_buffers,
-    broadcast_parameters,
-    check_model_consistency,
-)
+from hpclb.sync.agree import broadcast_parameters, check_model_consistency
 from hpclb.sync.optimizer import DistributedOptimizer
 from hpclb.tasks import Task, build_task
+from hpclb.train.agreed import agreed
 from hpclb.train.checkpoint import CheckpointStore
+from hpclb.train.checkpointer import restore_state
 from hpclb.train.profile import StepProfiler, check_profile_window
-from hpclb.train.rng import resume_rank_rng, rng_state, seed_rank
+from hpclb.train.rng import seed_rank
 from hpclb.train.usercode import describe
 
-__all__ = ["LOCK_NAME", "MODEL_FIELDS", "PRECISIONS", "agreed", "Position", "Run",
-           "build_optimizer", "build_recipe_model", "check_model", "check_resumable",
-           "setup_run", "save_checkpoint"]
+__all__ = ["LOCK_NAME", "MODEL_FIELDS", "PRECISIONS", "Position", "Run", "build_optimizer",
+           "build_recipe_model", "check_model", "check_resumable", "setup_run"]
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".hpclb.lock"
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def agreed(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on every rank, then compare verdicts (one allgather): if any rank failed, every
-    rank raises the first failing rank's error (a ConfigError stays one; the message names that
-    rank and ``what`` unless every rank failed alike), so a check that passes on some ranks and
-    fails on others (a folder one rank cannot see) ends the job within seconds instead of
-    hanging the others in the next collective."""
-    try:
-        result, verdict = fn(), None
-    except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
-        if comm.world_size == 1:
-            raise
-        config = isinstance(e, ConfigError)
-        context = "" if isinstance(e, HpclbError) else describe(e)  # the user's code: where
-        if context and os.environ.get("HPCLB_TRACEBACK"):
-            traceback.print_exc()  # only this rank holds it
-        result, verdict = None, (type(e).__name__, f"{e}{context}", config)
-    verdicts = comm.allgather_object(verdict) if comm.world_size > 1 else [verdict]
-    failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
-    if failed:
-        rank, (kind, msg, config) = failed[0]
-        alike = len(failed) == len(verdicts) and all(v == failed[0][1] for _, v in failed)
-        where = f"rank {rank} of {comm.world_size}, {what}: " if not alike else ""
-        raise (ConfigError if config else AgreedFailure)(f"{where}{msg}" if config
-                                                         else f"{where}{kind}: {msg}")
-    return result
 
 
 @dataclass
@@ -304,7 +273,13 @@ def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
     """Refuse (ConfigError) to resume ``cfg`` from the checkpoint ``ckpt`` read from ``path``
     where it was made with other settings (experiment, batch, scaling, optimizer, seed...) or
     another model: a recipe field of :data:`MODEL_FIELDS` (``model.hidden_size``...) other than
-    the run's ``config.json`` in ``cfg.out`` records, named with both values."""
+    the run's ``config.json`` in ``cfg.out`` records, named with both values, or a
+    checkpoint without run settings (written by a library loop's ``hpclb.Checkpointer``)."""
+    if not isinstance(ckpt.get("run"), dict):
+        raise ConfigError(f"--resume: the checkpoint in {path} was written by a library loop "
+                          f"(hpclb.Checkpointer), not by hpclb train: it holds no run settings "
+                          f"(experiment, batch, scaling, optimizer, seed) to continue; resume it "
+                          f"with that script's hpclb.Checkpointer, or use another --out")
     for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs", "lr"):
         if ckpt["run"][key] != getattr(cfg, key):
             raise ConfigError(f"--resume: the checkpoint in {path} was made with {key}="
@@ -498,45 +473,14 @@ def _shape(state: dict, key: str) -> str:
 
 
 def _restore(run: Run, ckpt: dict) -> None:
+    """Load the checkpoint ``ckpt`` (:mod:`hpclb.train.checkpointer`'s schema) into ``run``:
+    model, optimizer, scheduler, position, this rank's RNG streams."""
     _check_shapes(run, ckpt["model"])
-    run.model.load_state_dict(ckpt["model"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scheduler.load_state_dict(ckpt["scheduler"])
-    fields = {k: ckpt[k] for k in ("epoch", "step_in_epoch", "global_step", "elapsed_s",
-                                   "epoch_sums", "history")}
-    fields["first_loss"] = ckpt.get("first_loss")
-    run.pos = Position(**fields)
+    fields = {k: ckpt[k] for k in ("epoch", "step_in_epoch", "elapsed_s", "epoch_sums",
+                                   "history")}
+    step = restore_state(ckpt, run.model, run.optimizer, run.scheduler, comm=run.comm,
+                         seed=run.cfg.seed)
+    run.pos = Position(**fields, global_step=step, first_loss=ckpt.get("first_loss"))
     if run.comm.rank != 0:  # the saved sums are already totals over ranks: count them once
         run.pos.epoch_sums = torch.zeros_like(run.pos.epoch_sums)
-    resume_rank_rng(ckpt["rng"], seed=run.cfg.seed, rank=run.comm.rank,
-                    world_size=run.comm.world_size, step=run.pos.global_step)
     run.resumed_from = ckpt
-
-
-def save_checkpoint(run: Run, epoch: int, step_in_epoch: int, epoch_sums: torch.Tensor,
-                    steplog: dict | None = None) -> None:
-    """Collective: every rank's RNG state, the task's carried state and this epoch's sums are
-    gathered, BatchNorm buffers averaged over ranks; rank 0 writes a new verified generation
-    (:class:`~hpclb.train.checkpoint.CheckpointStore`); nobody moves on before it is on disk.
-    ``steplog``: the step lines' carried state (:meth:`hpclb.train.steplog.StepLog.state_dict`,
-    rank 0's), saved as ``"steplog"``."""
-    comm = run.comm
-    average_buffers(run.model, comm)
-    task_state = run.task.state_dict(comm)
-    # a copy: the running sums stay this rank's (reducing them in place added the other ranks' in)
-    sums = epoch_sums.to(device="cpu", dtype=torch.float64, copy=True)
-    if comm.world_size > 1:
-        comm.allreduce_(sums)
-    rngs = comm.allgather_object(rng_state()) if comm.world_size > 1 else [rng_state()]
-
-    def write():
-        if comm.rank == 0:
-            run.store.save({
-                "run": {k: v for k, v in run.cfg.to_dict().items() if k != "recipe"},
-                "world_size": comm.world_size, "model": run.model.state_dict(),
-                "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-                "rng": rngs, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                "global_step": run.pos.global_step, "epoch_sums": sums,
-                "elapsed_s": run.elapsed_s(), "history": run.pos.history, "task": task_state,
-                "first_loss": run.pos.first_loss, "steplog": steplog})
-    agreed(comm, "writing the checkpoint", write)  # a failed write ends every rank

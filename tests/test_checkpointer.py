@@ -1,0 +1,106 @@
+"""One checkpoint schema for `hpclb train` and the library's `hpclb.Checkpointer`
+(hpclb/train/checkpointer.py), and a Checkpointer that loads little of hpclb."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import LAUNCH_ENV, quick_recipe
+from torch import nn
+
+from hpclb.comm.local import SelfCommunicator
+from hpclb.config import resolve
+from hpclb.errors import ConfigError
+from hpclb.sync.optimizer import DistributedOptimizer
+from hpclb.train import loop as train_mod
+from hpclb.train.checkpoint import load_checkpoint
+from hpclb.train.checkpointer import POSITION_KEYS, STATE_KEYS, Checkpointer
+from hpclb.train.setup import build_optimizer, build_recipe_model, check_resumable
+
+#: the most hpclb modules `import hpclb; hpclb.Checkpointer` may load (docs/design.md)
+MAX_CHECKPOINTER_MODULES = 25
+
+
+def test_checkpointer_loads_few_hpclb_modules():
+    """The library's Checkpointer needs the communicator, the checkpoint store, the RNG streams
+    and the preemption flag: not the recipe schema, the tasks, the loop or its progress bar
+    (tqdm itself comes with torch)."""
+    code = ("import sys, hpclb; hpclb.Checkpointer; "
+            "print('\\n'.join(m for m in sys.modules if m.startswith('hpclb')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=LAUNCH_ENV, timeout=120, check=True).stdout.split()
+    assert "hpclb.train.checkpointer" in out
+    assert len(out) <= MAX_CHECKPOINTER_MODULES, out
+    for heavy in ("hpclb.train.progress", "hpclb.config", "hpclb.tasks", "hpclb.train.loop",
+                  "hpclb.train.setup", "hpclb.sync.optimizer"):
+        assert heavy not in out, (heavy, out)
+
+
+def _library_checkpoint(out) -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    ckpt = Checkpointer(out, model, opt, sched, comm=SelfCommunicator())
+    try:
+        path = ckpt.save(7, extra={"epoch": 1})
+    finally:
+        ckpt.close()
+    return load_checkpoint(path)
+
+
+def _train(tmp_path, mnist_dir):
+    data = {"name": "mnist", "train_samples": 1024, "test_samples": 500}
+    cfg = resolve(quick_recipe(tmp_path, warmup_epochs=0.1, data=data),
+                  out=str(tmp_path / "run"), batch_size=512, epochs=1,
+                  data_dir=str(mnist_dir.parent))
+    train_mod.train(cfg, SelfCommunicator(), quiet=True)
+    return cfg, load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+
+
+@pytest.mark.slow
+def test_hpclb_train_and_the_library_write_one_schema(tmp_path, mnist_dir):
+    lib = _library_checkpoint(tmp_path / "lib")
+    _, run = _train(tmp_path, mnist_dir)
+    assert tuple(lib) == tuple(run) == STATE_KEYS
+    assert (lib["global_step"], lib["world_size"], lib["extra"], lib["run"]) == (7, 1,
+                                                                             {"epoch": 1}, None)
+    assert all(lib[k] is None for k in POSITION_KEYS + ("task", "steplog"))
+    assert lib["scheduler"]["last_epoch"] == 1 and len(lib["rng"]) == 1
+    assert (run["global_step"], run["epoch"], run["step_in_epoch"], run["extra"]) == (2, 1, 0, {})
+    assert run["run"]["experiment"] and len(run["history"]) == 1
+
+
+@pytest.mark.slow
+def test_an_hpclb_train_checkpoint_resumes_in_the_library_checkpointer(tmp_path, mnist_dir):
+    """A recipe's run continued in one's own loop: the model and the optimizer's state (momentum)
+    come back, with the global step."""
+    cfg, saved = _train(tmp_path, mnist_dir)
+    model = build_recipe_model(cfg, {})
+    comm = SelfCommunicator()
+    opt = DistributedOptimizer(build_optimizer(cfg.optimizer, model, cfg.optimizer_params),
+                               model, comm=comm)
+    ckpt = Checkpointer(tmp_path / "run", model, opt, comm=comm)
+    try:
+        assert ckpt.resume() == (saved["global_step"], {})
+    finally:
+        ckpt.close()
+        opt.close()
+    assert all(torch.equal(v, saved["model"][k]) for k, v in model.state_dict().items())
+    mine, theirs = opt.state_dict()["state"], saved["optimizer"]["state"]
+    assert mine.keys() == theirs.keys() and mine
+    assert all(torch.equal(mine[i][k], v) for i in theirs for k, v in theirs[i].items()
+               if isinstance(v, torch.Tensor))
+
+
+def test_hpclb_train_resume_refuses_a_library_checkpoint(tmp_path):
+    """`hpclb train --resume` continues a recipe's run (its settings are checked, its position in
+    an epoch restored); a library loop's checkpoint has neither: refused, naming why (exit 2)."""
+    state = _library_checkpoint(tmp_path / "lib")
+    cfg = resolve(quick_recipe(tmp_path), out=str(tmp_path / "lib"), resume=True)
+    with pytest.raises(ConfigError, match=r"library loop \(hpclb.Checkpointer\), not by hpclb "
+                                          r"train.*no run settings"):
+        check_resumable(cfg, state, tmp_path / "lib" / "checkpoint.pt")

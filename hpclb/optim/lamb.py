@@ -53,10 +53,11 @@ def lamb(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
 
     ``hp`` (:meth:`LAMB._hyper` fills it): ``segments``, ``(start, stop, beta1, beta2, eps)``
     per run of layers of one group and step count, with ``segment_steps``, each segment's
-    1-based step count t; ``lr`` (tensor ``[n]`` in the norms' dtype), ``wd`` (n floats), ``adapt`` (bool
-    ``[n]``), ``clamp`` (``(lo, hi)`` tensors ``[n]``, or None), ``norm_dtype`` (float32,
-    float64, or None for a mix). ``grad_scale`` (0-d, or None) divides ``grads`` first; where
-    ``found_inf`` (0-d, or None) is not 0 no layer changes, decided on the device. Returns
+    1-based step count t; ``lr`` (tensor ``[n]`` in the norms' dtype), ``wd`` (n floats),
+    ``adapt`` (bool ``[n]``), ``clamp`` (``(lo, hi)`` tensors ``[n]``, or None),
+    ``norm_dtype`` (float32, float64, or None for a mix). ``grad_scale`` (0-d, or None)
+    divides ``grads`` first; where ``found_inf`` (0-d, or None) is not 0 no layer changes,
+    decided on the device. Returns
     ``(ratios [n], nonfinite)``: the trust ratios and how many layers kept ``w``, ``m`` and
     ``v`` (int32 0-d: non-finite ``||w||`` or ``||u||``, or all of them under ``found_inf``).
     """

@@ -29,7 +29,10 @@
 //   otherwise, when the row's HL_HP_TMAX > 0 (a trust-ratio clamp is set; a valid clamp has
 //   max > min >= 0), ratio = min(max(ratio, HL_HP_TMIN), HL_HP_TMAX), NaN kept.
 // Non-finite layers: pass 1 counts the layers whose |w| or |g| (|u|) is inf/NaN; pass 2 leaves
-// such a layer's w, m and v untouched (it reads the norms of pass 1). LAMB's pass 1 therefore
+// such a layer's w, m and v untouched (it reads the norms of pass 1). The found-inf flag
+// (`found_inf`, a device fp32 scalar or 0 = none; torch's GradScaler contract): when it is set
+// and not 0, pass 1 still writes the norms and ratios but counts every layer as skipped, and
+// pass 2 changes nothing (no w, m or v is written). LAMB's pass 1 therefore
 // only reads the moments; pass 2 recomputes them (same arithmetic, same bits) and stores them.
 // The element-wise arithmetic uses the _rn intrinsics (no FMA contraction) in the same order as
 // hpclb/optim/lars.py and lamb.py, so the fused step follows the torch path rounding for rounding.
@@ -93,6 +96,11 @@ __device__ __forceinline__ long long hl_nchunks(long long numel, int chunk_size)
 
 __device__ __forceinline__ bool hl_isfinite(float x) {
     return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// The found-inf flag is set: the whole step is skipped (NaN counts as set, as in the torch path).
+__device__ __forceinline__ bool hl_skip(const float* found_inf) {
+    return found_inf != nullptr && !(*found_inf == 0.0f);
 }
 
 __device__ __forceinline__ float hl_bf16_to_f32(unsigned int h) {
@@ -433,7 +441,7 @@ __device__ double2 hl_block_sum(double2 a) {
 // Norms, trust ratio and non-finite count of tensor t from its sums of squares (thread 0 only).
 __device__ void hl_finalize(int t, const long long* d, const float* h, int mode, double sw,
                            double so, float* ratio, float* w_norm, float* o_norm,
-                           int* nonfinite) {
+                           int* nonfinite, bool skip) {
     const float wn = (float)__dsqrt_rn(sw), on = (float)__dsqrt_rn(so);
     const bool adapt = ((d[HL_D_META] >> 8) & 1) != 0;
     float r = 1.0f;
@@ -453,7 +461,7 @@ __device__ void hl_finalize(int t, const long long* d, const float* h, int mode,
     ratio[t] = r;
     w_norm[t] = wn;
     o_norm[t] = on;
-    if (!(hl_isfinite(wn) && hl_isfinite(on))) atomicAdd(nonfinite, 1);
+    if (skip || !(hl_isfinite(wn) && hl_isfinite(on))) atomicAdd(nonfinite, 1);
 }
 
 template <int DT>
@@ -477,8 +485,10 @@ __device__ __forceinline__ void hl_pass1(const long long* __restrict__ desc,
                                          unsigned int* __restrict__ tickets,
                                          float* __restrict__ ratio, float* __restrict__ w_norm,
                                          float* __restrict__ o_norm,
-                                         int* __restrict__ nonfinite) {
+                                         int* __restrict__ nonfinite,
+                                         const float* __restrict__ found_inf) {
     __shared__ int s_last;
+    const bool skip = hl_skip(found_inf);
     if (FUSED) mode = HL_MODE_LAMB_FUSED;
     else if (mode == HL_MODE_LAMB_FUSED) mode = HL_MODE_LAMB_NORMS;
     for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
@@ -498,7 +508,7 @@ __device__ __forceinline__ void hl_pass1(const long long* __restrict__ desc,
         if (nct == 1) {   // the only chunk: finalise at once, no partial, no ticket
             if (threadIdx.x == 0)
                 hl_finalize(t, d, h, mode, (double)s.x, (double)s.y, ratio, w_norm, o_norm,
-                            nonfinite);
+                            nonfinite, skip);
             continue;
         }
         if (threadIdx.x == 0) {
@@ -517,7 +527,8 @@ __device__ __forceinline__ void hl_pass1(const long long* __restrict__ desc,
             }
             acc = hl_block_sum(acc);
             if (threadIdx.x == 0) {
-                hl_finalize(t, d, h, mode, acc.x, acc.y, ratio, w_norm, o_norm, nonfinite);
+                hl_finalize(t, d, h, mode, acc.x, acc.y, ratio, w_norm, o_norm, nonfinite,
+                            skip);
                 tickets[t] = 0u;   // ready for the next launch on this table
             }
         }
@@ -532,9 +543,10 @@ hl_norms_pass1(const long long* __restrict__ desc, const int* __restrict__ chunk
                int n_chunks, int chunk_size, const float* __restrict__ hp, int mode,
                float2* __restrict__ partials, unsigned int* __restrict__ tickets,
                float* __restrict__ ratio, float* __restrict__ w_norm,
-               float* __restrict__ o_norm, int* __restrict__ nonfinite) {
+               float* __restrict__ o_norm, int* __restrict__ nonfinite,
+               const float* __restrict__ found_inf) {
     hl_pass1<false>(desc, chunk_tensor, n_chunks, chunk_size, hp, mode, partials, tickets, ratio,
-                    w_norm, o_norm, nonfinite);
+                    w_norm, o_norm, nonfinite, found_inf);
 }
 
 // Pass 1, mode LAMB_FUSED (the `mode` argument is ignored). More registers per thread (the IEEE
@@ -544,9 +556,10 @@ hl_lamb_pass1(const long long* __restrict__ desc, const int* __restrict__ chunk_
               int n_chunks, int chunk_size, const float* __restrict__ hp, int mode,
               float2* __restrict__ partials, unsigned int* __restrict__ tickets,
               float* __restrict__ ratio, float* __restrict__ w_norm,
-              float* __restrict__ o_norm, int* __restrict__ nonfinite) {
+              float* __restrict__ o_norm, int* __restrict__ nonfinite,
+              const float* __restrict__ found_inf) {
     hl_pass1<true>(desc, chunk_tensor, n_chunks, chunk_size, hp, mode, partials, tickets, ratio,
-                   w_norm, o_norm, nonfinite);
+                   w_norm, o_norm, nonfinite, found_inf);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -562,7 +575,8 @@ extern "C" __global__ void __launch_bounds__(HL_MAX_THREADS)
 hl_lars_apply(const long long* __restrict__ desc, const int* __restrict__ chunk_tensor,
               int n_chunks, int chunk_size, const float* __restrict__ hp,
               const float* __restrict__ ratio, const float* __restrict__ w_norm,
-              const float* __restrict__ o_norm) {
+              const float* __restrict__ o_norm, const float* __restrict__ found_inf) {
+    if (hl_skip(found_inf)) return;   // the whole step skipped: nothing written
     for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const int t = chunk_tensor[c];
         if (!hl_layer_finite(t, w_norm, o_norm)) continue;   // leave w and m untouched
@@ -587,7 +601,8 @@ extern "C" __global__ void __launch_bounds__(HL_MAX_THREADS_LAMB)
 hl_lamb_apply(const long long* __restrict__ desc, const int* __restrict__ chunk_tensor,
               int n_chunks, int chunk_size, const float* __restrict__ hp,
               const float* __restrict__ ratio, const float* __restrict__ w_norm,
-              const float* __restrict__ o_norm) {
+              const float* __restrict__ o_norm, const float* __restrict__ found_inf) {
+    if (hl_skip(found_inf)) return;   // the whole step skipped: nothing written
     for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const int t = chunk_tensor[c];
         if (!hl_layer_finite(t, w_norm, o_norm)) continue;   // leave w, m and v untouched

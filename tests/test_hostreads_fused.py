@@ -79,3 +79,30 @@ def test_fused_step_masked_by_found_inf(emu, cls, kw):
                 continue
             opts[0].step()
             assert all(torch.equal(p, q) for p, q in zip(plain, masked)), step
+
+
+@pytest.mark.parametrize("cls,kw", [(LARS, dict(lr=1.0, momentum=0.9, weight_decay=1e-4)),
+                                    (LAMB, dict(lr=0.01))])
+def test_found_inf_reaches_the_kernel_as_a_flag(emu, cls, kw):
+    """The fused step hands found_inf to both kernels as a device flag (their last argument),
+    no NaN written into the gradients: the trust ratios and the count of skipped layers are the
+    torch path's, and nothing is updated."""
+    fused = K.FusedTrust(H.EmulatorLauncher(emu))
+    args = []
+    launch = fused.launcher.launch
+    fused.launcher.launch = lambda name, grid, block, a: (args.append(a), launch(name, grid,
+                                                                                   block, a))
+    ps, ref = _params(3), _params(3)
+    opts = cls(ps, **kw), cls(ref, **kw)
+    for o, group in zip(opts, (ps, ref)):
+        _set_grads(group, 4)
+        o.found_inf, o.grad_scale = torch.tensor(1.0), None
+    before = [p.detach().clone() for p in ps]
+    with K.use_fused("cpu", fused):
+        opts[0].step()
+    opts[1].step()
+    assert (opts[0].path, opts[1].path) == ("emulator", "torch")
+    assert len(args) == 2 and all(int(a[-1]) != 0 for a in args)   # the flag's address
+    assert all(torch.equal(a, p) for a, p in zip(before, ps))
+    assert int(opts[0].nonfinite_layers) == int(opts[1].nonfinite_layers) == len(SHAPES)
+    torch.testing.assert_close(opts[0].trust_ratios, opts[1].trust_ratios, rtol=1e-5, atol=0)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import chain
+from operator import attrgetter, is_, itemgetter, methodcaller
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -28,10 +30,10 @@ import torch
 from torch import Tensor
 
 from hpclb.optim import fused as kernels
-from hpclb.optim.plan import StepPlan, all_grads
-from hpclb.optim.trust import check_trust_clamp
+from hpclb.optim.plan import StepPlan
 
-__all__ = ["check_range", "check_eps", "LayerwiseOptimizer", "clamp_row", "select_"]
+__all__ = ["check_range", "check_eps", "check_trust_clamp", "LayerwiseOptimizer", "clamp_row",
+           "host_to_device", "unscale_grads_"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.trust_ratios: Tensor | None = None
         self.path: str | None = None
         self._paths_logged: set[tuple[str, str]] = set()
-        self._adapted_index: tuple[tuple, Tensor] | None = None
         self._step_plan: StepPlan | None = None
 
     def invalidate_plan(self) -> None:
@@ -147,6 +148,50 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     _STATE_KEYS: tuple[str, ...] = ()
     _KIND = ""
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every layer with a gradient (the subclass's module docstring).
+
+        torch's ``_step_supports_amp_scaling`` contract (``GradScaler.step``, and
+        :class:`hpclb.DistributedOptimizer`'s non-finite guard), gathered here as torch's
+        ``Adam.step`` does: ``grad_scale`` (when set and not None) divides the gradients first;
+        ``found_inf`` (0-d tensor; when set and not 0) leaves every layer and its optimizer
+        state as they were, decided on the device (no host read), handed as an argument to the
+        kernel or to the torch path's math. Raises RuntimeError naming a parameter whose
+        gradient is sparse."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._plan()
+        if not plan.params:
+            return loss
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        self._hyper(plan)
+        res = None
+        if plan.fused is not None:
+            res = self._run_fused(plan, grad_scale, found_inf)
+            if res is None:   # the launch failed: the torch path from now on
+                plan = self._build(plan.grads_all)
+                self._hyper(plan)
+        if res is None:
+            ratios, nonfinite, adapted = self._torch_step(plan, grad_scale, found_inf)
+        else:
+            ratios, nonfinite, adapted = res.ratio, res.nonfinite, plan.adapted
+        self.nonfinite_layers = nonfinite.reshape(()).to(torch.int32)
+        self.trust_ratios = ratios.index_select(0, adapted).to(torch.float32)
+        return loss
+
+    def _hyper(self, plan: StepPlan) -> None:
+        """The plan's hyper-parameters (``plan.cache``; the fused path's rows, uploaded),
+        refilled when a group's value changed since the last step."""
+
+    def _torch_step(self, plan: StepPlan, grad_scale: Tensor | None,
+                    found_inf: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """The step on the torch path: ``(ratios, nonfinite count, index of the adapted
+        layers in ratios)``."""
+        raise NotImplementedError
+
     def _init_state(self, params: list[Tensor]) -> None:
         """Create the state of ``params`` that have none (called as a plan is built)."""
 
@@ -154,14 +199,27 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         """Set ``plan.rows`` (each layer's hyper-parameter row); default: its group."""
 
     def _plan(self) -> StepPlan:
-        """The step plan (:mod:`hpclb.optim.plan`): the one of the last step when it still fits,
-        else a new one (layers gathered and checked, state created, fused path chosen, its
-        table found). Raises RuntimeError naming a parameter whose gradient is sparse."""
-        grads_all = all_grads(self.param_groups)
+        """The step plan (:mod:`hpclb.optim.plan`): the one of the last step when it still
+        describes the optimizer (checked by identity; what it watches: that module's
+        docstring), else a new one (:meth:`_build`)."""
+        grads = list(map(_GRAD, chain.from_iterable(map(_PARAMS, self.param_groups))))
         plan = self._step_plan
-        if plan is not None and plan.fits(self, grads_all) and self._fused_fits(plan):
-            return plan
-        plan = StepPlan(self, grads_all, self._STATE_KEYS)
+        if plan is not None and self.state is plan.state_dict_obj \
+                and len(grads) == len(plan.grads_all) and all(map(is_, grads, plan.grads_all)) \
+                and list(map(_EXCLUDE, self.param_groups)) == plan.exclude \
+                and plan.served == kernels.SERVED[0] \
+                and (plan.fused is None or self._stream_key(plan.fused) == plan.stream):
+            for get, held in plan.held:   # the state tensors: the same objects
+                if not all(map(is_, map(get, plan.states), held)):
+                    break
+            else:
+                return plan
+        return self._build(grads)
+
+    def _build(self, grads_all: list) -> StepPlan:
+        """A new plan: layers gathered and checked, state created, the fused path chosen and
+        its table found. Raises RuntimeError naming a parameter whose gradient is sparse."""
+        plan = StepPlan(self, grads_all, self._STATE_KEYS, kernels.SERVED[0])
         self._plan_rows(plan)
         if plan.params:
             self._choose_fused(plan)
@@ -171,12 +229,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _stream_key(fused: kernels.FusedTrust) -> int:
         return int(getattr(fused.launcher, "stream_key", lambda: 0)())
-
-    def _fused_fits(self, plan: StepPlan) -> bool:
-        if not plan.params:
-            return True
-        fused = kernels.fused_for(plan.device)
-        return fused is plan.fused and (fused is None or self._stream_key(fused) == plan.stream)
 
     def _choose_fused(self, plan: StepPlan) -> None:
         """The fused kernel when it serves the plan's layers (``plan.fused``, ``plan.table``),
@@ -194,13 +246,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             plan.table = fused.table(*lists, adapt=plan.adapt, rows=plan.rows)
         self._announce("torch" if fused is None else fused.launcher.name, plan.device, reason)
 
-    def _run_fused(self, plan: StepPlan) -> kernels.TrustResult | None:
-        """Both passes of the fused step over the plan (its rows uploaded); None when a launch
+    def _run_fused(self, plan: StepPlan, grad_scale: Tensor | None,
+                   found_inf: Tensor | None) -> kernels.TrustResult | None:
+        """Both passes of the fused step over the plan (its rows uploaded by :meth:`_hyper`),
+        the gradients unscaled first, ``found_inf`` handed to the kernel; None when a launch
         failed in the GPU stack (:func:`hpclb.optim.fused.is_backend_error`): the device is
         refused from then on (one warning) and the caller runs the torch path instead (pass 1
         writes no parameter or state, and a failed launch runs nothing)."""
+        if grad_scale is not None:
+            unscale_grads_(plan.nonempty, grad_scale)
         try:
-            return plan.fused.run_step(self._KIND, plan.table, plan.hp)
+            return plan.fused.run_step(self._KIND, plan.table, plan.hp, found_inf=found_inf)
         except Exception as e:
             if not kernels.is_backend_error(e):
                 raise
@@ -222,22 +278,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             log.info("%s: fused trust-ratio kernel (%s, 2 launches per step) on %s", name, path,
                      device)
 
-    def _record(self, ratios: Tensor, nonfinite: Tensor, adapt: list[bool]) -> None:
-        """Keep the step's non-finite count and the adapted layers' ratios (device-side)."""
-        self.nonfinite_layers = nonfinite.reshape(()).to(torch.int32)
-        key = (tuple(adapt), ratios.device)
-        if self._adapted_index is None or self._adapted_index[0] != key:
-            idx = torch.tensor([i for i, a in enumerate(adapt) if a], dtype=torch.long)
-            self._adapted_index = (key, idx.to(ratios.device))
-        self.trust_ratios = ratios.index_select(0, self._adapted_index[1]).to(torch.float32)
 
-    @staticmethod
-    def _finite(*norms: Tensor) -> Tensor:
-        """bool ``[n]``: the layer's norms are all finite (it will be updated)."""
-        ok = torch.isfinite(norms[0])
-        for n in norms[1:]:
-            ok &= torch.isfinite(n)
-        return ok
+_GRAD, _PARAMS, _EXCLUDE = attrgetter("grad"), itemgetter("params"), methodcaller("get", "exclude")
 
 
 def clamp_row(group: dict[str, Any]) -> tuple[float, float]:
@@ -249,8 +291,37 @@ def clamp_row(group: dict[str, Any]) -> tuple[float, float]:
     return lo, (0.0 if math.isinf(hi) and lo == 0 else hi)
 
 
-def select_(update: Tensor, olds: Sequence[Tensor], news: Sequence[Tensor]) -> None:
-    """In place ``old <- new`` for the layers where ``update`` (bool ``[n]``) is True; the others
-    keep their values bit for bit. A device-side select per layer, no host sync."""
-    for k, old, new in zip(update.unbind(), olds, news):
-        torch.where(k, new, old, out=old)
+def check_trust_clamp(trust_clamp: Any) -> tuple[float, float] | None:
+    """``trust_clamp`` as ``(min, max)`` floats, or None. Raises ValueError unless it is None or
+    two numbers with ``0 <= min < max`` (max may be inf), e.g. ``(0.0, 10.0)``."""
+    if trust_clamp is None:
+        return None
+    try:
+        lo, hi = (float(x) for x in trust_clamp)
+    except (TypeError, ValueError):
+        lo = hi = math.nan
+    if not (0.0 <= lo < hi):   # also false for NaN
+        raise ValueError(f"Invalid trust_clamp: {trust_clamp!r} (must be None or (min, max) "
+                         "with 0 <= min < max, e.g. (0.0, 10.0))")
+    return lo, hi
+
+
+def host_to_device(values: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``values`` (host numbers, a list or a NumPy array) as a ``dtype`` tensor on ``device``:
+    for a CUDA device through pinned memory with ``non_blocking=True`` (a pageable copy would
+    wait for the stream: a host synchronisation per call)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def unscale_grads_(grads: Sequence[Tensor], grad_scale: Tensor | None) -> None:
+    """Divide ``grads`` by ``grad_scale`` in place (as ``GradScaler.unscale_`` does); no-op for
+    None. Part of torch's ``_step_supports_amp_scaling`` contract (``GradScaler.step`` sets
+    ``optimizer.grad_scale`` when the gradients are still scaled)."""
+    if grad_scale is None:
+        return
+    grads = [g for g in grads if g.numel()]
+    if grads:
+        torch._foreach_div_(grads, grad_scale.to(grads[0].device))

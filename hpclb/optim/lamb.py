@@ -14,8 +14,9 @@ counted in ``nonfinite_layers`` (see :mod:`hpclb.optim.base`).
 
 On CUDA with CuPy (:mod:`hpclb.optim.fused`) the step is two fused launches for all layers: pass 1
 forms the new moments and ``u`` on the fly (storing neither) and reduces ||w|| and ||u||; pass 2
-recomputes them, stores the moments and applies ``u``, in the arithmetic order of
-:func:`lamb_direction`.
+recomputes them, stores the moments and applies ``u``, in the arithmetic order of :func:`lamb`,
+the torch path's math (torch ``adam.py``'s pattern: :meth:`LAMB.step` gathers, :func:`lamb`
+computes).
 
 Weight decay sits in ``u`` (inside the ratio), not in ``g``. Excluded layers (``ndim < 2`` by
 default) take the Adam direction without weight decay and ratio 1.
@@ -25,38 +26,83 @@ from __future__ import annotations
 from collections import deque
 from itertools import repeat
 from operator import itemgetter, setitem
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from hpclb.optim import fused as kernels
-from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
-from hpclb.optim.plan import StepPlan
-from hpclb.optim.trust import host_to_device, lamb_trust_ratios, nan_if_found, unscale_grads_
+from hpclb.optim.base import (
+    LayerwiseOptimizer,
+    check_range,
+    clamp_row,
+    host_to_device,
+    unscale_grads_,
+)
+from hpclb.optim.plan import StepPlan, adapted_index
+from hpclb.optim.trust import _torch_norms, clamp_bounds
 
-__all__ = ["lamb_direction", "LAMB"]
+__all__ = ["lamb", "LAMB"]
 
 
-def lamb_direction(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                   exp_avg_sqs: Sequence[Tensor], *, step: int, beta1: float, beta2: float,
-                   eps: float, weight_decay: Sequence[float]
-                   ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """``(u, m_new, v_new)`` for every layer, all new tensors (the moments are not touched);
-    ``step`` is the 1-based step count t of the bias corrections."""
-    m = [t.clone() for t in exp_avgs]   # in-place ops on copies: the rounding of in-place
-    v = [t.clone() for t in exp_avg_sqs]   # updates, bit for bit (out-of-place differ in bf16)
-    torch._foreach_lerp_(m, list(grads), 1 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, list(grads), list(grads), 1 - beta2)
-    m_hat = torch._foreach_div(m, 1 - beta1 ** step)
-    denom = torch._foreach_sqrt(torch._foreach_div(v, 1 - beta2 ** step))
-    torch._foreach_add_(denom, eps)
-    u = torch._foreach_div(m_hat, denom)
-    torch._foreach_add_(u, torch._foreach_mul(list(params), list(weight_decay)))
-    return u, m, v
+def lamb(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+         exp_avg_sqs: Sequence[Tensor], hp: dict[str, Any], *, grad_scale: Tensor | None = None,
+         found_inf: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One LAMB step of n layers on the torch path, in place (module docstring).
 
+    ``hp`` (:meth:`LAMB._hyper` fills it): ``segments``, ``(start, stop, beta1, beta2, eps)``
+    per run of layers of one group and step count, with ``segment_steps``, each segment's
+    1-based step count t; ``lr`` (tensor ``[n]`` in the norms' dtype), ``wd`` (n floats),
+    ``adapt`` (bool ``[n]``), ``clamp`` (``(lo, hi)`` tensors ``[n]``, or None),
+    ``norm_dtype`` (float32, float64, or None for a mix). ``grad_scale`` (0-d, or None)
+    divides ``grads`` first; where ``found_inf`` (0-d, or None) is not 0 no layer changes,
+    decided on the device. Returns
+    ``(ratios [n], nonfinite)``: the trust ratios and how many layers kept ``w``, ``m`` and
+    ``v`` (int32 0-d: non-finite ``||w||`` or ``||u||``, or all of them under ``found_inf``).
+    """
+    if grad_scale is not None:
+        unscale_grads_(grads, grad_scale)
+    us: list[Tensor] = []
+    ms: list[Tensor] = []
+    vs: list[Tensor] = []
+    for (a, b, beta1, beta2, eps), step in zip(hp["segments"], hp["segment_steps"]):
+        m = list(map(Tensor.clone, exp_avgs[a:b]))   # in-place ops on copies: the rounding of
+        v = list(map(Tensor.clone, exp_avg_sqs[a:b]))   # in-place updates (not out-of-place's)
+        g = grads[a:b]
+        torch._foreach_lerp_(m, g, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, 1 - beta2)
+        m_hat = torch._foreach_div(m, 1 - beta1 ** step)
+        denom = torch._foreach_sqrt(torch._foreach_div(v, 1 - beta2 ** step))
+        torch._foreach_add_(denom, eps)
+        u = torch._foreach_div(m_hat, denom)      # u = m_hat / (sqrt(v_hat) + eps) + wd * w
+        torch._foreach_add_(u, torch._foreach_mul(params[a:b], hp["wd"][a:b]))
+        us += u
+        ms += m
+        vs += v
+    dtype = hp["norm_dtype"]
+    if dtype is None:
+        w_norm, u_norm = _torch_norms(params), _torch_norms(us)
+    else:
+        w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=dtype))
+        u_norm = torch.stack(torch._foreach_norm(us, 2, dtype=dtype))
+    ratios = w_norm / torch.where(u_norm > 0, u_norm, torch.ones_like(u_norm))
+    if hp["clamp"] is not None:   # NaN stays NaN, as in the kernel
+        ratios = torch.minimum(torch.maximum(ratios, hp["clamp"][0]), hp["clamp"][1])
+    use = hp["adapt"] & (w_norm > 0) & (u_norm > 0)
+    ratios = torch.where(use, ratios, torch.ones_like(w_norm))
+    ok = torch.isfinite(w_norm)
+    ok &= torch.isfinite(u_norm)
+    if found_inf is not None:   # the whole step masked on the device
+        ok &= found_inf.to(ok.device) == 0
+    for k, m_old, m_new, v_old, v_new in zip(ok.unbind(), exp_avgs, ms, exp_avg_sqs, vs):
+        torch.where(k, m_new, m_old, out=m_old)   # a skipped layer keeps m and v bit for bit
+        torch.where(k, v_new, v_old, out=v_old)
+    us = list(map(torch.where, ok.unbind(), us, repeat(0)))   # inf/NaN -> 0
+    torch._foreach_mul_(us, torch.where(ok, hp["lr"] * ratios, 0).unbind())
+    torch._foreach_sub_(params, us)
+    return ratios, (~ok).sum(dtype=torch.int32)
 
 
 class LAMB(LayerwiseOptimizer):
@@ -101,32 +147,7 @@ class LAMB(LayerwiseOptimizer):
     _KIND = "lamb"
     #: the group values the plan's lists derive from (a change refills them; the LR, which a
     #: schedule changes every step, is read per step)
-    _HP = ("betas", "eps", "weight_decay", "trust_clamp")
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        plan = self._plan()
-        if not plan.params:
-            return loss
-        plan = self._advance(plan)
-        found_inf = getattr(self, "found_inf", None)
-        unscale_grads_(plan.nonempty, getattr(self, "grad_scale", None))
-        self._refresh(plan)
-        if plan.fused is not None:
-            self._upload_rows(plan)
-            with nan_if_found(plan.heads() if found_inf is not None else [], found_inf):
-                res = self._run_fused(plan)
-            if res is not None:
-                self._record(res.ratio, res.nonfinite, plan.adapt)
-                return loss
-            plan = self._plan()   # the launch failed: the torch path from now on
-            self._refresh(plan)
-        self._torch_step(plan, found_inf)
-        return loss
+    _HP_OF = itemgetter("betas", "eps", "weight_decay", "trust_clamp")
 
     def _init_state(self, params: list[Tensor]) -> None:
         for p in params:
@@ -146,67 +167,75 @@ class LAMB(LayerwiseOptimizer):
         for k, step in zip(plan.group_index, steps):
             index.setdefault((k, step), len(index))
         plan.rows = [index[key] for key in zip(plan.group_index, steps)]
-        plan.cache["steps"], plan.cache["row_keys"] = steps, list(index)
+        plan.cache.update(steps=steps, row_keys=list(index), advanced=0)
         plan.cache["segments"] = [
             (k, [i for i, (g, s) in enumerate(zip(plan.group_index, steps)) if (g, s) == (k, s0)])
             for k in range(len(self.param_groups))
             for s0 in sorted({s for g, s in zip(plan.group_index, steps) if g == k})]
 
-    def _advance(self, plan: StepPlan) -> StepPlan:
-        """Every layer's step count + 1 (``state["step"]``); a count that is not the one the plan
-        expects (set by hand) rebuilds the plan first."""
+    def _plan(self) -> StepPlan:
+        """The base's plan with every layer's step count + 1 (``state["step"]``); a count that
+        is not the one the plan expects (set by hand) rebuilds the plan first."""
+        plan = super()._plan()
         if list(map(_STEP, plan.states)) != plan.cache["steps"]:
-            self._step_plan = None
-            plan = self._plan()
-        new = list(map((1).__add__, plan.cache["steps"]))
-        deque(map(setitem, plan.states, repeat("step"), new), maxlen=0)   # C-speed loop
-        plan.cache["steps"] = new
-        plan.cache["row_keys"] = [(k, s + 1) for k, s in plan.cache["row_keys"]]
+            plan = self._build(plan.grads_all)
+        c = plan.cache
+        c["steps"] = list(map((1).__add__, c["steps"]))
+        deque(map(setitem, plan.states, repeat("step"), c["steps"]), maxlen=0)   # C-speed loop
+        c["advanced"] += 1
         return plan
 
-    def _refresh(self, plan: StepPlan) -> None:
-        """Checks eps against the parameters' dtypes and refills the per-layer weight decay,
-        when a group's value changed since the last step."""
-        key = [tuple(g[k] for k in self._HP) for g in self.param_groups]
-        if key == plan.hp_key:
+    def _hyper(self, plan: StepPlan) -> None:
+        """Per step: each segment's step count (torch path) or the kernel's rows, uploaded
+        (fused path: the bias corrections change); when a group's value changed since the last
+        step, the per-layer values (eps checked against the parameters' dtypes)."""
+        c = plan.cache
+        key = list(map(self._HP_OF, self.param_groups))
+        if key != plan.hp_key:
+            plan.hp_key = key
+            self._layer_hp(plan)
+        if plan.fused is not None:
+            self._upload_rows(plan)
             return
-        plan.hp_key = key
-        for k, idx in plan.cache["segments"]:
-            self._check_eps_dtype(self.param_groups[k], [plan.params[i] for i in idx])
-        groups = [self.param_groups[k] for k in plan.group_index]
-        plan.cache["wd"] = [g["weight_decay"] if a else 0.0 for g, a in zip(groups, plan.adapt)]
+        lrs = list(map(_LR, self.param_groups))
+        if lrs != c.get("group_lr"):
+            c["group_lr"] = lrs
+            c["lr"] = host_to_device(list(map(lrs.__getitem__, c["layer_group"])),
+                                     plan.norm_dtype or torch.float64, plan.device)
+        c["segment_steps"] = list(map(c["steps"].__getitem__, c["segment_first"]))
 
-    def _torch_step(self, plan: StepPlan, found_inf: Tensor | None) -> None:
-        """The step with torch._foreach ops; layers in the plan's segments (group, step count);
-        nothing changes where ``found_inf`` > 0."""
-        params, us, ms, vs, m_new, v_new, adapt, lrs, clamps = ([] for _ in range(9))
-        m_all, v_all, wd_all = plan.tensors["exp_avg"], plan.tensors["exp_avg_sq"], \
-            plan.cache["wd"]
-        for k, idx in plan.cache["segments"]:
-            group = self.param_groups[k]
-            beta1, beta2 = group["betas"]
-            same = [plan.params[i] for i in idx]
-            m, v = [m_all[i] for i in idx], [v_all[i] for i in idx]
-            u, mn, vn = lamb_direction(
-                same, [plan.grads[i] for i in idx], m, v,
-                step=plan.cache["steps"][idx[0]], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=[wd_all[i] for i in idx])
-            for acc, part in ((params, same), (us, u), (ms, m), (vs, v), (m_new, mn),
-                              (v_new, vn), (adapt, [plan.adapt[i] for i in idx])):
-                acc += part
-            lrs += [group["lr"]] * len(same)
-            clamps += [group.get("trust_clamp")] * len(same)
-        ratios, w_norm, u_norm = lamb_trust_ratios(params, us, adapt=adapt, trust_clamp=clamps)
-        ok = self._finite(w_norm, u_norm)
-        if found_inf is not None:   # the whole step masked on the device
-            ok &= found_inf.to(ok.device) == 0
-        select_(ok, ms, m_new)
-        select_(ok, vs, v_new)
-        step_sizes = host_to_device(lrs, ratios.dtype, ratios.device) * ratios
-        us = [torch.where(k, u, 0) for k, u in zip(ok.unbind(), us)]   # inf/NaN -> 0
-        torch._foreach_mul_(us, torch.where(ok, step_sizes, 0).unbind())
-        torch._foreach_sub_(params, us)
-        self._record(ratios, (~ok).sum(dtype=torch.int32), adapt)
+    def _layer_hp(self, plan: StepPlan) -> None:
+        """The torch path's per-layer values in segment order (``hp`` of :func:`lamb`; lists
+        ``p``, ``g``, ``m``, ``v`` of the layers in that order), refilled when a group's value
+        changes."""
+        c, order, segments = plan.cache, [], []
+        for k, idx in c["segments"]:
+            self._check_eps_dtype(self.param_groups[k], [plan.params[i] for i in idx])
+            beta1, beta2 = self.param_groups[k]["betas"]
+            segments.append((len(order), len(order) + len(idx), beta1, beta2,
+                             self.param_groups[k]["eps"]))
+            order += idx
+        groups = [self.param_groups[plan.group_index[i]] for i in order]
+        adapt = [plan.adapt[i] for i in order]
+        dtype = plan.norm_dtype or torch.float64
+        for name, ts in (("p", plan.params), ("g", plan.grads), ("m", plan.tensors["exp_avg"]),
+                         ("v", plan.tensors["exp_avg_sq"])):
+            c[name] = [ts[i] for i in order]
+        c.update(segments=segments, segment_first=[order[a] for a, *_ in segments],
+                 norm_dtype=plan.norm_dtype, layer_group=[plan.group_index[i] for i in order],
+                 wd=[g["weight_decay"] if a else 0.0 for g, a in zip(groups, adapt)],
+                 adapt=host_to_device(adapt, torch.bool, plan.device),
+                 adapted=adapted_index(adapt, plan.device), group_lr=None)
+        bounds = clamp_bounds([g.get("trust_clamp") for g in groups], len(groups))
+        c["clamp"] = None if bounds is None else \
+            tuple(host_to_device(b, dtype, plan.device) for b in bounds)
+
+    def _torch_step(self, plan: StepPlan, grad_scale: Tensor | None,
+                    found_inf: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        c = plan.cache
+        ratios, nonfinite = lamb(c["p"], c["g"], c["m"], c["v"], c,
+                                 grad_scale=grad_scale, found_inf=found_inf)
+        return ratios, nonfinite, c["adapted"]
 
     _eps_checked: set = set()
 
@@ -229,15 +258,15 @@ class LAMB(LayerwiseOptimizer):
         """The kernel's rows, one per (group, step count), filled and uploaded (every step: the
         bias corrections change)."""
         hp = np.zeros((len(plan.cache["row_keys"]), kernels.HP_WORDS), dtype=np.float32)
-        for k, (gi, step) in enumerate(plan.cache["row_keys"]):
-            g = self.param_groups[gi]
+        for k, (gi, built) in enumerate(plan.cache["row_keys"]):
+            g, step = self.param_groups[gi], built + plan.cache["advanced"]
             b1, b2 = g["betas"]
             hp[k, _ROW_SLOTS] = (g["lr"], g["weight_decay"], g["eps"], b1, b2, 1 - b1 ** step,
                                  1 - b2 ** step, 1 - b1, 1 - b2, *clamp_row(g))
         plan.upload(hp)
 
 
-_STEP = itemgetter("step")
+_STEP, _LR = itemgetter("step"), itemgetter("lr")
 #: the hyper-parameter slots of a LAMB row, in the order :meth:`LAMB._upload_rows` fills them
 _ROW_SLOTS = [kernels.HP_LR, kernels.HP_WD, kernels.HP_EPS, kernels.HP_BETA1, kernels.HP_BETA2,
               kernels.HP_BC1, kernels.HP_BC2, kernels.HP_OMB1, kernels.HP_OMB2, kernels.HP_TMIN,

@@ -11,7 +11,8 @@ A layer whose ``||w||`` or ``||g||`` is inf/NaN is left as it was (``w`` and ``v
 ``nonfinite_layers``; see :mod:`hpclb.optim.base` for that and ``trust_ratios``.
 
 On CUDA with CuPy (:mod:`hpclb.optim.fused`) the whole step is two fused launches for all layers
-(norms and ratios, then the update), in the same arithmetic order as :func:`lars_update_`.
+(norms and ratios, then the update), in the same arithmetic order as :func:`lars`, the torch
+path's math (torch ``adam.py``'s pattern: :meth:`LARS.step` gathers, :func:`lars` computes).
 
 The LR sits *inside* the momentum buffer, as in the TF/TPU and MLPerf reference code (torch-style
 implementations keep it outside; the two differ whenever the LR changes, i.e. during warmup).
@@ -20,46 +21,71 @@ without weight decay: ``v <- m * v + lr * g``.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from operator import itemgetter
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from hpclb.optim import fused as kernels
-from hpclb.optim.base import LayerwiseOptimizer, check_range, clamp_row, select_
+from hpclb.optim.base import (
+    LayerwiseOptimizer,
+    check_range,
+    clamp_row,
+    host_to_device,
+    unscale_grads_,
+)
 from hpclb.optim.plan import StepPlan
-from hpclb.optim.trust import host_to_device, lars_trust_ratios, nan_if_found, unscale_grads_
+from hpclb.optim.trust import _torch_norms, clamp_bounds
 
-__all__ = ["lars_update_", "LARS"]
+__all__ = ["lars", "LARS"]
 
 
-def lars_update_(params: Sequence[Tensor], grads: Sequence[Tensor],
-                 momentum_buffers: Sequence[Tensor], step_sizes: Tensor,
-                 momentum: Sequence[float], weight_decay: Sequence[float],
-                 update: Tensor | None = None) -> None:
-    """In place: ``v <- m*v + step_size*(g + wd*w); w <- w - v`` for every layer.
+def lars(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
+         hp: dict[str, Any], *, grad_scale: Tensor | None = None,
+         found_inf: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One LARS step of n layers on the torch path, in place (module docstring).
 
-    ``step_sizes``: tensor ``[n]`` (fp32, or fp64 for fp64 models) holding ``lr * ratio`` per
-    layer. ``update``: bool ``[n]``; where False the layer's ``w`` and ``v`` stay exactly as they
-    were (device-side selects, no host sync). None updates every layer.
+    ``hp``: the per-layer hyper-parameters (:meth:`LARS._hyper` fills them when a group's value
+    changes): ``lr``, ``eta``, ``wd_t``, ``eps`` (tensors ``[n]`` in the norms' dtype on the
+    layers' device), ``wd`` and ``momentum`` (n floats), ``adapt`` (bool ``[n]``), ``clamp``
+    (``(lo, hi)`` tensors ``[n]``, or None) and ``norm_dtype`` (float32, float64, or None for
+    a mix of fp64 and narrower layers). ``grad_scale`` (0-d, or None) divides ``grads`` first;
+    where ``found_inf`` (0-d, or None) is not 0 no layer changes, decided on the device.
+    Returns ``(ratios [n], nonfinite)``: the trust ratios and how many layers were left as
+    they were (int32 0-d: non-finite ``||w||`` or ``||g||``, or all of them under
+    ``found_inf``).
     """
-    decay = torch._foreach_mul(list(params), list(weight_decay))
-    direction = torch._foreach_add(list(grads), decay)
-    bufs = list(momentum_buffers)
-    if update is None:
-        torch._foreach_mul_(direction, step_sizes.unbind())
-        torch._foreach_mul_(bufs, list(momentum))
-        torch._foreach_add_(bufs, direction)
-        torch._foreach_sub_(list(params), bufs)
-        return
-    torch._foreach_mul_(direction, torch.where(update, step_sizes, 0).unbind())
-    new_bufs = [b.clone() for b in bufs]    # the in-place ops of the path above, bit for bit
-    torch._foreach_mul_(new_bufs, list(momentum))
+    if grad_scale is not None:
+        unscale_grads_(grads, grad_scale)
+    dtype = hp["norm_dtype"]
+    if dtype is None:
+        w_norm, g_norm = _torch_norms(params), _torch_norms(grads)
+    else:
+        w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=dtype))
+        g_norm = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype))
+    den = g_norm + hp["wd_t"] * w_norm + hp["eps"]
+    ratios = hp["eta"] * w_norm / torch.where(den > 0, den, torch.ones_like(den))
+    if hp["clamp"] is not None:   # NaN stays NaN, as in the kernel
+        ratios = torch.minimum(torch.maximum(ratios, hp["clamp"][0]), hp["clamp"][1])
+    use = hp["adapt"] & (w_norm > 0) & (g_norm > 0)
+    ratios = torch.where(use, ratios, torch.ones_like(w_norm))
+    ok = torch.isfinite(w_norm)
+    ok &= torch.isfinite(g_norm)
+    if found_inf is not None:   # the whole step masked on the device
+        ok &= found_inf.to(ok.device) == 0
+    # v <- m*v + step*(g + wd*w); w <- w - v, where ok; elsewhere w and v kept bit for bit
+    direction = torch._foreach_add(grads, torch._foreach_mul(params, hp["wd"]))
+    torch._foreach_mul_(direction, torch.where(ok, hp["lr"] * ratios, 0).unbind())
+    new_bufs = list(map(Tensor.clone, momentum_buffers))   # the in-place ops' rounding
+    torch._foreach_mul_(new_bufs, hp["momentum"])
     torch._foreach_add_(new_bufs, direction)
-    select_(update, bufs, new_bufs)                                  # skipped layers: v kept
-    keep = update.to(step_sizes.dtype).unbind()                      # 1, or 0 for skipped
-    torch._foreach_sub_(list(params), torch._foreach_mul(bufs, keep))
+    for k, old, new in zip(ok.unbind(), momentum_buffers, new_bufs):
+        torch.where(k, new, old, out=old)
+    keep = ok.to(ratios.dtype).unbind()                      # 1, or 0 for a skipped layer
+    torch._foreach_sub_(params, torch._foreach_mul(momentum_buffers, keep))
+    return ratios, (~ok).sum(dtype=torch.int32)
 
 
 class LARS(LayerwiseOptimizer):
@@ -103,43 +129,13 @@ class LARS(LayerwiseOptimizer):
     _KIND = "lars"
     #: the group values the plan's lists derive from (a change refills them; the LR is
     #: compared on its own: a schedule changes it every step)
-    _HP = ("trust_coefficient", "weight_decay", "eps", "momentum", "trust_clamp")
+    _HP_OF = itemgetter("trust_coefficient", "weight_decay", "eps", "momentum", "trust_clamp")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        plan = self._plan()
-        if not plan.params:
-            return loss
-        found_inf = getattr(self, "found_inf", None)
-        unscale_grads_(plan.nonempty, getattr(self, "grad_scale", None))
-        self._refresh(plan)
-        if plan.fused is not None:
-            with nan_if_found(plan.heads() if found_inf is not None else [], found_inf):
-                res = self._run_fused(plan)
-            if res is not None:
-                self._record(res.ratio, res.nonfinite, plan.adapt)
-                return loss
-            plan = self._plan()   # the launch failed: the torch path from now on
-            self._refresh(plan)
-        self._torch_step(plan, found_inf)
-        return loss
-
-    def _torch_step(self, plan: StepPlan, found_inf: Tensor | None) -> None:
-        c = plan.cache
-        ratios, w_norm, g_norm = lars_trust_ratios(
-            plan.params, plan.grads, trust_coefficient=c["trust_coefficient"],
-            weight_decay=c["wd"], eps=c["eps"], adapt=plan.adapt, trust_clamp=c["trust_clamp"])
-        lrs = host_to_device(c["lr"], ratios.dtype, ratios.device)
-        ok = self._finite(w_norm, g_norm)
-        if found_inf is not None:   # the whole step masked on the device
-            ok &= found_inf.to(ok.device) == 0
-        lars_update_(plan.params, plan.grads, plan.tensors["momentum_buffer"], lrs * ratios,
-                     c["momentum"], c["wd"], update=ok)
-        self._record(ratios, (~ok).sum(dtype=torch.int32), plan.adapt)
+    def _torch_step(self, plan: StepPlan, grad_scale: Tensor | None,
+                    found_inf: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        ratios, nonfinite = lars(plan.params, plan.grads, plan.tensors["momentum_buffer"],
+                                 plan.cache, grad_scale=grad_scale, found_inf=found_inf)
+        return ratios, nonfinite, plan.adapted
 
     def _init_state(self, params: list[Tensor]) -> None:
         for p in params:
@@ -147,22 +143,22 @@ class LARS(LayerwiseOptimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
 
-    def _refresh(self, plan: StepPlan) -> None:
-        """Per-layer hyper-parameter lists (torch path) and the kernel's rows, one per group
-        (fused path, uploaded), refilled when a group's value changed since the last step (the
-        LR, which a schedule changes every step, alone: only its list and the rows)."""
-        lrs = [g["lr"] for g in self.param_groups]
-        key = [tuple(g[k] for k in self._HP) for g in self.param_groups]
+    def _hyper(self, plan: StepPlan) -> None:
+        """The torch path's per-layer hyper-parameters (``plan.cache``, the ``hp`` of
+        :func:`lars`) and the kernel's rows, one per group (fused path, uploaded), refilled
+        when a group's value changed since the last step (the LR, which a schedule changes
+        every step, alone: only its vector and the rows)."""
+        lrs = list(map(_LR, self.param_groups))
+        key = list(map(self._HP_OF, self.param_groups))
         c = plan.cache
         if key == plan.hp_key and lrs == c.get("group_lr"):
             return
+        dtype = plan.norm_dtype or torch.float64   # the norms' dtype
         if key != plan.hp_key:
             plan.hp_key = key
-            groups = [self.param_groups[k] for k in plan.group_index]
-            for name in ("trust_coefficient", "eps", "momentum", "trust_clamp"):
-                c[name] = [g.get(name) for g in groups]
-            c["wd"] = [g["weight_decay"] if a else 0.0 for g, a in zip(groups, plan.adapt)]
-        c["group_lr"], c["lr"] = lrs, list(map(lrs.__getitem__, plan.group_index))
+            self._layer_hp(plan, dtype)
+        c["group_lr"] = lrs
+        c["lr"] = host_to_device(list(map(lrs.__getitem__, plan.group_index)), dtype, plan.device)
         if plan.fused is None:
             return
         hp = np.zeros((len(self.param_groups), kernels.HP_WORDS), dtype=np.float32)
@@ -172,3 +168,20 @@ class LARS(LayerwiseOptimizer):
                 g["lr"], g["trust_coefficient"], g["weight_decay"], g["eps"], g["momentum"],
                 *clamp_row(g))
         plan.upload(hp)
+
+    def _layer_hp(self, plan: StepPlan, dtype: torch.dtype) -> None:
+        """The per-layer values that change only with a group's hyper-parameters."""
+        c, groups = plan.cache, [self.param_groups[k] for k in plan.group_index]
+        c["norm_dtype"] = plan.norm_dtype
+        c["momentum"] = [g["momentum"] for g in groups]
+        c["wd"] = [g["weight_decay"] if a else 0.0 for g, a in zip(groups, plan.adapt)]
+        for name, values in (("eta", [g["trust_coefficient"] for g in groups]),
+                             ("wd_t", c["wd"]), ("eps", [g["eps"] for g in groups])):
+            c[name] = host_to_device(values, dtype, plan.device)
+        c["adapt"] = host_to_device(plan.adapt, torch.bool, plan.device)
+        bounds = clamp_bounds([g.get("trust_clamp") for g in groups], len(groups))
+        c["clamp"] = None if bounds is None else \
+            tuple(host_to_device(b, dtype, plan.device) for b in bounds)
+
+
+_LR = itemgetter("lr")

@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from hpclb.optim import fused as kernels
+from hpclb.optim.base import check_trust_clamp, host_to_device
 
 __all__ = ["TrustClamp", "backend_for", "fused_backend", "layer_norms", "clamp_bounds",
-           "check_trust_clamp", "lars_trust_ratios", "lamb_trust_ratios", "host_to_device",
-           "nan_if_found", "unscale_grads_"]
+           "check_trust_clamp", "lars_trust_ratios", "lamb_trust_ratios", "host_to_device"]
 
 log = logging.getLogger(__name__)
 _announced: set[str] = set()
@@ -112,51 +111,12 @@ def _torch_norms(tensors: Sequence[Tensor]) -> Tensor:
     return out
 
 
-def host_to_device(values: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``values`` (host numbers, a list or a NumPy array) as a ``dtype`` tensor on ``device``:
-    for a CUDA device through pinned memory with ``non_blocking=True`` (a pageable copy would
-    wait for the stream: a host synchronisation per call)."""
-    t = torch.as_tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _as_layer_vector(x: float | Sequence[float] | Tensor, n: int, like: Tensor) -> Tensor:
     if isinstance(x, Tensor):
         return x.to(dtype=like.dtype, device=like.device).expand(n)
     if isinstance(x, (int, float)):   # filled on the device: nothing copied
         return torch.full((n,), float(x), dtype=like.dtype, device=like.device)
     return host_to_device(x, like.dtype, like.device).expand(n)
-
-
-def unscale_grads_(grads: Sequence[Tensor], grad_scale: Tensor | None) -> None:
-    """Divide ``grads`` by ``grad_scale`` in place (as ``GradScaler.unscale_`` does); no-op for
-    None. Part of torch's ``_step_supports_amp_scaling`` contract (``GradScaler.step`` sets
-    ``optimizer.grad_scale`` when the gradients are still scaled)."""
-    if grad_scale is None:
-        return
-    grads = [g for g in grads if g.numel()]
-    if grads:
-        torch._foreach_div_(grads, grad_scale.to(grads[0].device))
-
-
-@contextmanager
-def nan_if_found(heads: Sequence[Tensor], found_inf: Tensor | None) -> Iterator[None]:
-    """For a kernel that leaves a layer untouched when its norms are not finite (the fused
-    LARS/LAMB step): while the block runs, every gradient's first element (``heads``: 1-element
-    views, ``g.view(-1)[:1]`` of each non-empty gradient, made once by the step plan) is NaN
-    where ``found_inf`` (0-d, > 0 = skip the step) is set, so the whole step is masked; the first
-    elements are restored afterwards, bit for bit. Device-side only, no host read."""
-    if found_inf is None or not heads:
-        yield
-        return
-    saved = torch._foreach_mul(heads, 1.0)   # exact copies (x * 1 = x, signs of 0 kept)
-    torch._foreach_mul_(heads, torch.where(found_inf.to(heads[0].device) > 0, math.nan, 1.0))
-    try:
-        yield
-    finally:
-        torch._foreach_copy_(heads, saved)
 
 
 def clamp_bounds(trust_clamp: TrustClamp, n: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -176,21 +136,6 @@ def clamp_bounds(trust_clamp: TrustClamp, n: int) -> tuple[np.ndarray, np.ndarra
         if c is not None:
             lo[i], hi[i] = check_trust_clamp(c)
     return (lo, hi) if any(c is not None for c in items) else None
-
-
-def check_trust_clamp(trust_clamp: Any) -> tuple[float, float] | None:
-    """``trust_clamp`` as ``(min, max)`` floats, or None. Raises ValueError unless it is None or
-    two numbers with ``0 <= min < max`` (max may be inf), e.g. ``(0.0, 10.0)``."""
-    if trust_clamp is None:
-        return None
-    try:
-        lo, hi = (float(x) for x in trust_clamp)
-    except (TypeError, ValueError):
-        lo = hi = math.nan
-    if not (0.0 <= lo < hi):   # also false for NaN
-        raise ValueError(f"Invalid trust_clamp: {trust_clamp!r} (must be None or (min, max) "
-                         "with 0 <= min < max, e.g. (0.0, 10.0))")
-    return lo, hi
 
 
 def _clamp(ratio: Tensor, bounds: tuple[np.ndarray, np.ndarray] | None) -> Tensor:

@@ -84,6 +84,7 @@ from hpclb.optim.fused.source import (
     kernel_source,
 )
 from hpclb.optim.fused.trust import (
+    SERVED,
     FusedTrust,
     TrustResult,
     fused_for,
@@ -97,7 +98,8 @@ __all__ = [
     "DEFAULT_CHUNK", "DESC_WORDS", "F16", "F32", "HP_BC1", "HP_BC2", "HP_BETA1", "HP_BETA2",
     "HP_EPS", "HP_ETA", "HP_LR", "HP_OMB1", "HP_OMB2", "HP_TMAX", "HP_TMIN", "HP_WD", "HP_WORDS",
     "KERNEL_PATH", "KERNELS", "KERNELS_DIR", "MODE_LAMB_FUSED", "MODE_LAMB_NORMS", "MODE_LARS",
-    "NVRTC_OPTIONS", "PACKAGE_KERNELS_DIR", "REPO_KERNELS_DIR", "CupyLauncher", "FusedTrust",
+    "NVRTC_OPTIONS", "PACKAGE_KERNELS_DIR", "REPO_KERNELS_DIR", "SERVED", "CupyLauncher",
+    "FusedTrust",
     "KernelCompileError", "Table", "TrustResult", "build_layout", "cupy_available", "dtype_code",
     "find_nvrtc", "fused_for", "is_backend_error", "kernel_source", "nvrtc_compile",
     "nvrtc_version", "refuse", "upload", "use_fused", "vector_chunks"]

@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # torch is imported lazily so kernels/testing can run this un
     import torch
     from torch import Tensor
 
-__all__ = ["FusedTrust", "TrustResult", "fused_for", "is_backend_error", "refuse", "use_fused"]
+__all__ = ["SERVED", "FusedTrust", "TrustResult", "fused_for", "is_backend_error", "refuse",
+           "use_fused"]
 
 _TABLE_CACHE_SIZE = 8
 #: kind -> (pass-1 kernel, pass-2 kernel, pass-1 mode)
@@ -288,7 +289,7 @@ class FusedTrust:
         c["vector_launches"] += vec == tab.n_chunks
 
     def _pass1(self, kernel: str, tab: Table, hp: "Tensor", mode: int,
-               res: TrustResult) -> None:
+               res: TrustResult, found_inf: int = 0) -> None:
         self._count(kernel, tab)
         block = self._block(kernel)
         self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block, kernel), block, (
@@ -296,16 +297,17 @@ class FusedTrust:
             np.int32(tab.n_chunks), np.int32(self.chunk_size), _u64(hp.data_ptr()),
             np.int32(mode), _u64(tab.partials.data_ptr()), _u64(tab.tickets.data_ptr()),
             _u64(res.ratio.data_ptr()), _u64(res.w_norm.data_ptr()),
-            _u64(res.o_norm.data_ptr()), _u64(res.nonfinite.data_ptr())))
+            _u64(res.o_norm.data_ptr()), _u64(res.nonfinite.data_ptr()), _u64(found_inf)))
 
-    def _pass2(self, kernel: str, tab: Table, hp: "Tensor", res: TrustResult) -> None:
+    def _pass2(self, kernel: str, tab: Table, hp: "Tensor", res: TrustResult,
+               found_inf: int) -> None:
         self._count(kernel, tab)
         block = self._block(kernel)
         self.launcher.launch(kernel, self.launcher.grid_for(tab.n_chunks, block, kernel), block, (
             _u64(tab.desc.data_ptr()), _u64(tab.chunk_tensor.data_ptr()),
             np.int32(tab.n_chunks), np.int32(self.chunk_size), _u64(hp.data_ptr()),
             _u64(res.ratio.data_ptr()), _u64(res.w_norm.data_ptr()),
-            _u64(res.o_norm.data_ptr())))
+            _u64(res.o_norm.data_ptr()), _u64(found_inf)))
 
     def _empty(self) -> TrustResult:
         import torch
@@ -369,7 +371,7 @@ class FusedTrust:
 
     def lars_step(self, params: Sequence["Tensor"], grads: Sequence["Tensor"],
                   momentum_buffers: Sequence["Tensor"], hp_rows: np.ndarray,
-                  rows: Sequence[int], adapt: Sequence[bool], *,
+                  rows: Sequence[int], adapt: Sequence[bool], *, found_inf: "Tensor | None" = None,
                   out: TrustResult | None = None) -> TrustResult:
         """One LARS step for every layer, in place (pass 1 + pass 2; hpclb/optim/lars.py math):
         ``v <- m*v + lr*ratio*(g + wd*w); w <- w - v``; excluded layers: ratio 1, wd 0; a layer
@@ -377,29 +379,38 @@ class FusedTrust:
 
         ``hp_rows``: float32 ``[R, HP_WORDS]`` (HP_LR, HP_ETA, HP_WD, HP_EPS, HP_BETA1 =
         momentum, HP_TMIN/HP_TMAX = trust-ratio clamp or 0); ``rows[i]``: layer i's row.
-        Returns the pass-1 results (``nonfinite``: how many layers were left untouched).
+        ``found_inf``: see :meth:`run_step`. Returns the pass-1 results (``nonfinite``: how many
+        layers were left untouched).
         """
         n = len(params)
         if n == 0:
             return self._empty()
         tab = self.table(params, grads, momentum_buffers, adapt=adapt, rows=rows)
-        return self.run_step("lars", tab, self._upload_hp(hp_rows), out=out)
+        return self.run_step("lars", tab, self._upload_hp(hp_rows), found_inf=found_inf, out=out)
 
-    def run_step(self, kind: str, tab: Table, hp: "Tensor", *,
+    def run_step(self, kind: str, tab: Table, hp: "Tensor", *, found_inf: "Tensor | None" = None,
                  out: TrustResult | None = None) -> TrustResult:
         """Both passes of one ``kind`` (``"lars"`` or ``"lamb"``) step over the tensors of
         ``tab`` (a :meth:`table` of weights, gradients and state, held by the caller's step
         plan) with the device hyper-parameter rows ``hp``: what :meth:`lars_step` and
-        :meth:`lamb_step` do once the table is found. Returns the pass-1 results."""
+        :meth:`lamb_step` do once the table is found. ``found_inf``: torch's found-inf flag
+        (0-d tensor; not 0 = skip), handed to both kernels: when set, the norms and ratios are
+        still written, every layer is counted in ``nonfinite`` and nothing is updated (decided
+        on the device, no host read). Returns the pass-1 results."""
+        import torch
+
         pass1, pass2, mode = _STEPS[kind]
         res = self._outputs(tab.n, out)
-        self._pass1(pass1, tab, hp, mode, res)
-        self._pass2(pass2, tab, hp, res)
+        flag = None if found_inf is None else found_inf.to(self.device, torch.float32)
+        ptr = 0 if flag is None else flag.data_ptr()
+        self._pass1(pass1, tab, hp, mode, res, ptr)
+        self._pass2(pass2, tab, hp, res, ptr)
         return res
 
     def lamb_step(self, params: Sequence["Tensor"], grads: Sequence["Tensor"],
                   exp_avgs: Sequence["Tensor"], exp_avg_sqs: Sequence["Tensor"],
                   hp_rows: np.ndarray, rows: Sequence[int], adapt: Sequence[bool], *,
+                  found_inf: "Tensor | None" = None,
                   out: TrustResult | None = None) -> TrustResult:
         """One LAMB step for every layer, in place (hpclb/optim/lamb.py math): pass 1 forms the
         new moments and ``u`` (storing neither) and the norms; pass 2 stores the moments and
@@ -408,13 +419,14 @@ class FusedTrust:
 
         ``hp_rows``: float32 ``[R, HP_WORDS]`` with HP_LR, HP_WD, HP_EPS, HP_BETA1, HP_BETA2,
         HP_BC1 = 1-beta1^t, HP_BC2 = 1-beta2^t, HP_OMB1 = 1-beta1, HP_OMB2 = 1-beta2,
-        HP_TMIN/HP_TMAX (trust-ratio clamp, or 0).
+        HP_TMIN/HP_TMAX (trust-ratio clamp, or 0). ``found_inf``: see :meth:`run_step`.
         """
         n = len(params)
         if n == 0:
             return self._empty()
         tab = self.table(params, grads, exp_avgs, exp_avg_sqs, adapt=adapt, rows=rows)
-        return self.run_step("lamb", tab, self._upload_hp(hp_rows), out=out)
+        return self.run_step("lamb", tab, self._upload_hp(hp_rows), found_inf=found_inf,
+                             out=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,6 +436,10 @@ class FusedTrust:
 _FUSED: dict[str, FusedTrust] = {}
 _REFUSED: dict[str, str] = {}  # device -> why CuPy's kernel could not be had (warned once)
 _OVERRIDES: dict[str, FusedTrust] = {}
+#: ``[n]``: how many times :func:`fused_for`'s answer may have changed (an override installed or
+#: removed, a device refused); an optimizer's step plan keeps the count it chose its path under
+#: and chooses again when it differs (one list read per step, no call)
+SERVED = [0]
 
 
 def is_backend_error(e: BaseException) -> bool:
@@ -445,6 +461,7 @@ def refuse(device: "torch.device | str", error: BaseException, when: str) -> Non
     if key in _REFUSED:
         return
     _REFUSED[key] = f"{type(error).__name__}: {error}"
+    SERVED[0] += 1
     hint = (f"CuPy could not write its kernel cache: set {CUPY_CACHE_ENV} to a writable "
             "directory" if isinstance(error, OSError) else
             "check the CUDA driver, CuPy and NVRTC versions (docs/clusters-gpu.md), or set "
@@ -501,9 +518,11 @@ def use_fused(device: "torch.device | str", fused: FusedTrust | None) -> Iterato
         _OVERRIDES.pop(key, None)
     else:
         _OVERRIDES[key] = fused
+    SERVED[0] += 1
     try:
         yield
     finally:
+        SERVED[0] += 1
         if before is None:
             _OVERRIDES.pop(key, None)
         else:

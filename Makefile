@@ -78,7 +78,9 @@ test-unit: install data
 	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m "not extended"
 
 # Slower variants of cases make test covers (bf16/fp16 accuracy runs, more signal timings, the
-# GPU check's CPU dry run), and everything: make test, the extended variants, the fault matrix.
+# benchmark CLIs at 2 ranks, the kernel under AddressSanitizer, the other settings whose rank
+# disagreement make test checks on one), and everything: make test, the extended variants, the
+# fault matrix.
 .PHONY: test-extended test-all
 test-extended: install data
 	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m extended

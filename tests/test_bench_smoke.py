@@ -28,6 +28,7 @@ def finite(x) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.extended  # a slower variant: make test-extended
 def test_allreduce_cli_two_ranks_reports_ratios(tmp_path):
     """`hpclb bench allreduce --np 2`: exit 0; hpclb against the fastest raw schedule (with the
     buckets each used) and against DDP are in the JSON."""
@@ -50,6 +51,7 @@ def test_allreduce_cli_two_ranks_reports_ratios(tmp_path):
     assert finite(res["hpclb_divided_vs_raw_mean_allreduce"])
 
 
+@pytest.mark.extended  # a slower variant: make test-extended
 def test_allreduce_parts_sync_alone(tmp_path):
     """`--parts sync`: only GradientSync against the raw schedules is measured (no raw sweep,
     no step, no DDP ratio), and that is no failure."""

@@ -207,7 +207,7 @@ def test_join_on_uneven_batches_names_join_and_the_fix(tmp_path):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.extended), 2])
 def test_horovods_mnist_script_runs_with_its_import_changed(ranks, tmp_path, mnist_dir):
     """The same result, bit for bit, as the script on hpclb's own API; and it learns."""
     hvd_result = _run_port("horovod_mnist.py", ranks, tmp_path)

@@ -747,6 +747,7 @@ ASAN_TESTS = ("test_lars_sweep or test_lars_step or test_lamb_step or test_lamb_
               "test_step_leaves_nonfinite or test_clamp_in_the_kernel")
 
 
+@pytest.mark.extended  # a slower variant: make test-extended
 @pytest.mark.skipif(H.asan_runtime() is None, reason="no libasan")
 @pytest.mark.skipif(bool(os.environ.get("HPCLB_EMULATOR_LIB")), reason="already in a subprocess")
 def test_kernel_runs_clean_under_address_sanitizer(libs):

@@ -68,6 +68,7 @@ def test_an_exception_on_rank_1_ends_every_rank(tmp_path):
     assert seconds < 90, seconds  # start-up of 2 ranks included; the abort itself takes < 1 s
 
 
+@pytest.mark.extended  # a slower variant: make test-extended
 def test_the_abort_can_be_turned_off_and_then_the_watchdog_ends_the_wait(tmp_path):
     """abort_on_exception=False: rank 1 dies alone; rank 0's lost allreduce is ended by the
     watchdog instead of waiting forever: at its first report, which names rank 1 as exited

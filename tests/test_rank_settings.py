@@ -77,8 +77,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,args0,recipe1,args1,env1,message", CASES,
-                         ids=[c[0] for c in CASES])
+# lr, seed and epochs go through the same comparison as batch-size: make test-extended
+@pytest.mark.parametrize("case,args0,recipe1,args1,env1,message", [
+    pytest.param(*c, marks=[pytest.mark.extended] if c[0] in ("lr", "seed", "epochs") else [])
+    for c in CASES], ids=[c[0] for c in CASES])
 def test_ranks_with_different_settings_all_exit_2(tmp_path, mnist_dir, case, args0, recipe1,
                                                   args1, env1, message):
     recipe = quick_recipe(tmp_path)

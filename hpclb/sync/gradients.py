@@ -400,10 +400,10 @@ class GradientSync(WindowMixin):
             self.used_in_window = [(p, u) for b in self.buckets for p, u in zip(b.params, b.used)]
         t0 = time.perf_counter()
         try:
-            with _record("hpclb/allreduce_wait") if _profiling() else nullcontext():
-                if self._driver is None:
-                    self._finish_alone()
-                else:
+            if self._driver is None:
+                self._finish_alone()
+            else:
+                with _record("hpclb/allreduce_wait") if _profiling() else nullcontext():
                     self._reduce()
         finally:
             self.steps += 1  # counted after the reduction (its buckets are labelled steps + 1)
@@ -441,6 +441,12 @@ class GradientSync(WindowMixin):
             raise error
 
     def _finish_alone(self) -> None:
+        """One process: no allreduce; the window's gradients are made final here (the divide),
+        labelled as the wait it stands for at several ranks."""
+        with _record("hpclb/allreduce_wait") if _profiling() else nullcontext():
+            self._finish_alone_unlabelled()
+
+    def _finish_alone_unlabelled(self) -> None:
         if not self.grads_are_views():  # someone replaced a gradient (or set it to None)
             for b in self.buckets:
                 for j in range(len(b.params)):

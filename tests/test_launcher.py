@@ -226,3 +226,29 @@ def _is_our_sleep(cmdline: Path) -> bool:
         return cmdline.read_bytes().split(b"\0")[:2] == [b"sleep", b"60"]
     except OSError:
         return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+def test_a_benchmark_stopped_by_a_signal_stops_its_launcher_session(sig):
+    """SIGTERM or Ctrl-C to a benchmark waiting in ``run_group`` ends the launcher it started
+    and the launcher's children (in a session of their own, so no signal reached them); before,
+    SIGTERM ended the benchmark alone and Ctrl-C left ``communicate`` without stopping them."""
+    import signal
+
+    from helpers import descendants
+
+    code = ("import os\nfrom hpclb.bench.launch import run_group\n"
+            "run_group(['bash', '-c', 'sleep 300 & wait'], dict(os.environ), 600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, start_new_session=True)
+    try:
+        assert _wait_for(lambda: len(descendants(proc.pid)) >= 2), "bash and sleep never ran"
+        started = descendants(proc.pid)
+        proc.send_signal(getattr(signal, f"SIG{sig}"))
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            stop_session(proc, grace_s=5)
+    # SystemExit(143); an uncaught KeyboardInterrupt ends Python by SIGINT
+    assert rc == (143 if sig == "TERM" else -signal.SIGINT), rc
+    assert not [pid for pid in started if running(pid)], started

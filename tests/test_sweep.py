@@ -251,13 +251,12 @@ def test_micro_batch_accumulates_to_the_global_batch(tmp_path, mnist_dir):
 def test_a_point_under_mpirun_that_was_preempted_stops_the_sweep_with_75(tmp_path, monkeypatch):
     """An `mpirun ... hpclb train` point that exits 75 (its ranks checkpointed on a signal) is
     a preemption of the sweep, not a failed point (before: RuntimeError, exit 1)."""
-    import subprocess
-
+    from hpclb.comm.launcher import Forwarded
     from hpclb.errors import Preempted
 
     monkeypatch.setattr(sweep, "mpirun_path", lambda: "mpirun")
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
-        a[0], 75, None, "hpclb: rank 0 of 2: preempted after step 7, checkpoint saved; exit 75"))
+    monkeypatch.setattr(sweep, "run_forwarding_signals", lambda *a, **k: Forwarded(
+        75, "hpclb: rank 0 of 2: preempted after step 7, checkpoint saved; exit 75"))
     p = sweep.Point(256, "legw", 0, "adam", 1.0, 2)
     with pytest.raises(Preempted):
         sweep._run_mpi(_tiny(tmp_path), p, tmp_path / "run", None, False, True)

@@ -2,10 +2,13 @@
 JSON it wrote."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,11 +33,34 @@ def run_group(argv: list[str], env: dict[str, str], timeout_s: float
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        with _term_exits():
+            stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         stop_session(proc)
         return None
+    except BaseException:  # Ctrl-C or SIGTERM: the launcher's session ends with the benchmark
+        stop_session(proc)
+        raise
     return proc.returncode, stdout, stderr
+
+
+@contextlib.contextmanager
+def _term_exits():
+    """SIGTERM raises SystemExit(143) within the block (from the main thread), so the caller
+    can stop what it started; its default action would end this process alone, leaving the
+    launcher (in a session of its own) and its ranks running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_143(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_143)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,

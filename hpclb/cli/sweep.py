@@ -59,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """``hpclb sweep``: 0 when every point is recorded (a diverged point is a result: it is
     named, with its step), 2 for bad input, 1 when a point was rejected (each is named) or
-    crashed, 75 when stopped by a signal."""
+    crashed, 75 when stopped by SIGTERM/SIGUSR2, 130 by Ctrl-C."""
     from hpclb.tools.sweep import failed_points, run_sweep, sweep_status
 
     setup_logging(0)

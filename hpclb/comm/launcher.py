@@ -15,6 +15,11 @@ under the next process ids (``tests/test_launcher.py``). The cure is to remove t
 whose ``mpirun`` is gone, which :func:`remove_stale_session_dirs` does before every launch
 hpclb makes, and to stop a launcher with SIGTERM first (it then cleans up) and SIGKILL only
 after a grace period (:func:`stop_session`).
+
+A tool that runs ``mpirun`` for a command that checkpoints on a signal (``hpclb sweep``'s points)
+passes the scheduler's or the user's signal on with :func:`run_forwarding_signals`: Open MPI 5's
+``mpirun`` forwards SIGUSR2 to its ranks, but SIGTERM and SIGINT end the job at once (the ranks
+are killed before they can checkpoint), so every one of USR2, TERM and INT reaches it as USR2.
 """
 from __future__ import annotations
 
@@ -26,11 +31,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LISTENER_FAILURE", "explain_launch_failure", "mpirun_path", "process_alive",
-           "remove_stale_session_dirs", "stale_session_dirs", "stop_session"]
+__all__ = ["FORWARD_GRACE_S", "LISTENER_FAILURE", "Forwarded", "explain_launch_failure",
+           "mpirun_path", "process_alive", "remove_stale_session_dirs", "run_forwarding_signals",
+           "stale_session_dirs", "stop_session"]
 
 #: What Open MPI 5 prints when PMIx finds a left-behind rendezvous file (see the module text).
 LISTENER_FAILURE = "PMIx server's listener thread failed to start"
@@ -176,6 +184,110 @@ def stop_session(proc: subprocess.Popen, grace_s: float = 10.0) -> tuple[str, st
     _kill_session(proc.pid, leader=False)  # ranks that outlived their launcher
     remove_stale_session_dirs()
     return out[0] or "", out[1] or ""
+
+
+#: Seconds a launcher has, after the first signal was passed on, to end (its ranks checkpoint at
+#: their next step) before :func:`run_forwarding_signals` stops its session.
+FORWARD_GRACE_S = 120.0
+_FORWARDED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+_REPEAT_S = 10.0  # the signal is passed on again this often (a rank started after it missed it)
+_POLL_S = 0.2
+
+
+@dataclass
+class Forwarded:
+    """How a launcher run by :func:`run_forwarding_signals` ended: its exit status (negative:
+    the signal that ended it), its standard error, the first signal this process received
+    while it ran (None: none) and whether it was stopped (``forced``: a second SIGINT, or it
+    outlived the grace period)."""
+
+    returncode: int
+    stderr: str
+    signal: int | None = None
+    forced: bool = False
+
+
+class _Received:
+    """Handlers that only record USR2/TERM/INT (no I/O in a handler); restored on exit."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.first_at: float | None = None
+        main = threading.current_thread() is threading.main_thread()
+        self._previous = {s: signal.signal(s, self._handler) for s in _FORWARDED} if main else {}
+        # one the command line recorded before (a signal between two launches) counts
+        if any(getattr(self._previous.get(s), "pending", False) for s in _FORWARDED):
+            self._handler(signal.SIGTERM, None)
+
+    def _handler(self, signum, _frame) -> None:
+        self.signals.append(signum)
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+def _catches_usr2(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGUSR2 yet (``/proc/<pid>/status``; True when
+    unknown): before ``mpirun`` installs its own, a SIGUSR2 would end it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signal.SIGUSR2 - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return True
+
+
+def run_forwarding_signals(argv: list[str], *, env: dict[str, str], stdout=None,
+                           grace_s: float = FORWARD_GRACE_S) -> Forwarded:
+    """Run the launcher ``argv`` (``mpirun ...``) in a session of its own, standard error
+    captured, ``stdout`` as given (None: this process's), passing SIGUSR2, SIGTERM and SIGINT
+    received meanwhile on to it as SIGUSR2 (Open MPI's ``mpirun`` forwards USR2 to its ranks and
+    kills them at once on TERM/INT), again every 10 s while it runs. It then has ``grace_s``
+    seconds to end; past them, or at a second SIGINT (a second Ctrl-C forces), its whole
+    session is stopped (:func:`stop_session`), so no rank outlives it. A USR2/TERM recorded
+    before the call (a handler with a true ``pending``, as ``hpclb``'s command line installs)
+    counts as received at the start. Left-behind session directories are removed first.
+    The handlers are this process's during the call only (from the main thread; from another
+    thread nothing is forwarded). Returns :class:`Forwarded`."""
+    remove_stale_session_dirs()  # a reused process id would stop mpirun at start-up
+    received = _Received()
+    proc = None
+    try:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        return _wait_forwarding(proc, received, grace_s)
+    except BaseException:
+        if proc is not None and proc.poll() is None:
+            stop_session(proc)
+        raise
+    finally:
+        received.restore()
+
+
+def _wait_forwarding(proc: subprocess.Popen, received: _Received, grace_s: float) -> Forwarded:
+    """Wait for ``proc``, passing each signal ``received`` records on as SIGUSR2; stop its
+    session at a second SIGINT or ``grace_s`` seconds after the first signal."""
+    forwarded_at = None
+    while True:
+        out = _communicate(proc, _POLL_S)
+        first = received.signals[0] if received.signals else None
+        if out is not None:
+            return Forwarded(proc.returncode, out[1] or "", first)
+        if first is None:
+            continue
+        now = time.monotonic()
+        if received.signals.count(signal.SIGINT) > 1 or now - received.first_at > grace_s:
+            _, err = stop_session(proc)
+            return Forwarded(proc.returncode, err, first, forced=True)
+        if (forwarded_at is None or now - forwarded_at >= _REPEAT_S) \
+                and _catches_usr2(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR2)
+            forwarded_at = now
 
 
 def main() -> int:

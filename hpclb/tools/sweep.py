@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -36,7 +37,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hpclb._io import write_text_atomic
-from hpclb.comm.launcher import explain_launch_failure, mpirun_path, remove_stale_session_dirs
+from hpclb.comm.launcher import (
+    FORWARD_GRACE_S,
+    explain_launch_failure,
+    mpirun_path,
+    run_forwarding_signals,
+)
 from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
 from hpclb.config.outputs import check_run_dir, clear_run, refuse_foreign
@@ -57,6 +63,11 @@ def metric_of(recipe: dict) -> tuple[str, str]:
     metric; else ``test_accuracy``) and its :func:`~hpclb.tasks.spec.metric_mode`."""
     name = primary_metric(recipe)
     return name, metric_mode(name, recipe)
+
+
+# Each rank starts with the preemption signals blocked; `hpclb train` unblocks them once its
+# handler is in (a USR2 passed on by the sweep before that stays pending instead of killing it).
+_BLOCKED = ("env", "--block-signal=USR2", "--block-signal=TERM")
 
 
 class _PointDiverged(Exception):
@@ -80,10 +91,15 @@ def _run_in_process(experiment: str, p: Point, run_dir: Path, data_dir: str | No
 
 def _run_mpi(experiment: str, p: Point, run_dir: Path, data_dir: str | None, resume: bool,
              quiet: bool) -> dict:
-    cmd = [mpirun_path(), "-n", str(p.ranks), "--bind-to", "none", sys.executable, "-m",
-           "hpclb", "train", experiment, "--batch-size", str(p.batch), "--scaling", p.scheme,
-           "--optimizer", p.optimizer, "--epochs", str(p.epochs), "--seed", str(p.seed),
-           "--out", str(run_dir), "--expect-world-size", str(p.ranks),
+    """One point as ``mpirun -n RANKS ... hpclb train``; its summary. A USR2, TERM or INT sent
+    to the sweep meanwhile reaches the ranks through mpirun (as USR2: they checkpoint at their
+    next step), and the sweep stops with Preempted (``"interrupted"`` for a Ctrl-C) however the
+    point ended, unless it was rejected or diverged; the ranks start with USR2/TERM blocked
+    until their handlers are in (``env --block-signal``, as in the job templates)."""
+    cmd = [mpirun_path(), "-n", str(p.ranks), "--bind-to", "none", *_BLOCKED, sys.executable,
+           "-m", "hpclb", "train", experiment, "--batch-size", str(p.batch), "--scaling",
+           p.scheme, "--optimizer", p.optimizer, "--epochs", str(p.epochs), "--seed",
+           str(p.seed), "--out", str(run_dir), "--expect-world-size", str(p.ranks),
            "--accumulation-steps", str(p.accumulation)]
     if data_dir:
         cmd += ["--data-dir", str(data_dir)]
@@ -92,21 +108,24 @@ def _run_mpi(experiment: str, p: Point, run_dir: Path, data_dir: str | None, res
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p.ranks)))
-    remove_stale_session_dirs()  # a reused process id would stop mpirun at start-up
-    proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, text=True,
-                          stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE)
-    err = proc.stderr.strip()
-    if proc.returncode == 2:
+    done = run_forwarding_signals(cmd, env=env, stdout=subprocess.DEVNULL if quiet else None)
+    err = done.stderr.strip()
+    if done.returncode == 2:
         raise ConfigError(err.splitlines()[-1] if err else "hpclb train rejected the settings")
-    if proc.returncode == PREEMPTED_EXIT_CODE:  # the point checkpointed: the sweep stops too
-        raise Preempted(0)
-    if proc.returncode == 3:
+    if done.returncode == 3:
         step = re.findall(r"(?:global|optimizer) step (\d+)", err)
         raise _PointDiverged(err.splitlines()[-1] if err else "diverged (exit 3)",
                              int(step[-1]) if step else None)
-    if proc.returncode != 0:
-        hint = explain_launch_failure(proc.stderr)
-        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}: "
+    if done.signal is not None or done.returncode == PREEMPTED_EXIT_CODE:
+        # the point checkpointed (or keeps its last checkpoint when stopped): the sweep stops
+        if done.forced:
+            print(f"hpclb sweep: mpirun did not end within {FORWARD_GRACE_S:g} s of the signal "
+                  f"(or a second Ctrl-C came): stopped with its ranks; the point keeps its "
+                  f"last checkpoint", file=sys.stderr, flush=True)
+        raise Preempted(0, "interrupted") if done.signal == signal.SIGINT else Preempted(0)
+    if done.returncode != 0:
+        hint = explain_launch_failure(done.stderr)
+        raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: "
                            f"{err[-2000:]}" + (f"\n{hint}" if hint else ""))
     return json.loads((run_dir / "summary.json").read_text())
 

@@ -59,9 +59,13 @@ def _signalled_sweep(args: list[str], sig: int, times: int = 1) -> tuple[int, st
 
 
 @pytest.mark.timeout(600)  # about 1-6 min on the shared 2-core machine
-@pytest.mark.parametrize("ranks", [1, 2])
-@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 75), (signal.SIGINT, 130)],
-                         ids=["TERM", "INT"])
+# SIGTERM at 2 ranks (the path that forwards to mpirun) in make test; the others in
+# make test-extended
+@pytest.mark.parametrize("sig,status,ranks", [
+    pytest.param(signal.SIGTERM, 75, 2, id="TERM-2"),
+    pytest.param(signal.SIGTERM, 75, 1, id="TERM-1", marks=pytest.mark.extended),
+    pytest.param(signal.SIGINT, 130, 2, id="INT-2", marks=pytest.mark.extended),
+    pytest.param(signal.SIGINT, 130, 1, id="INT-1", marks=pytest.mark.extended)])
 def test_a_signalled_sweep_checkpoints_its_point_and_the_next_resumes_it(
         tmp_path, mnist_dir, ranks, sig, status):
     if ranks > 1 and not MPIRUN.exists():
@@ -84,6 +88,7 @@ def test_a_signalled_sweep_checkpoints_its_point_and_the_next_resumes_it(
     assert len(rows) == 1 and rows[0]["steps"] == 8 and rows[0]["metric"] is not None
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(200)
 def test_a_second_ctrl_c_stops_the_ranks_at_once(tmp_path, mnist_dir):
     """Two Ctrl-Cs in a row: the second one stops ``mpirun`` and its ranks without waiting for

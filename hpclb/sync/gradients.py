@@ -79,7 +79,9 @@ class GradientSync(WindowMixin):
             ``synchronize()`` returns True once per window.
         step_after: the caller's loop, ``"micro_batch"`` (``synchronize()`` after every
             backward; a window is k calls) or ``"window"`` (once after the window's backward
-            passes; every call ends the window, a short one with what is there); None
+            passes; every call ends the window, a short one with what is there),
+            ``"full_window"`` (the same, every window full on every rank: no count exchanged);
+            None
             (default): recognised at the first ``synchronize()``. See
             :mod:`hpclb.sync.window`, which also says how a short window is weighted.
         compression: None, ``"fp16"`` or ``"bf16"`` (default $HPCLB_COMPRESSION): buckets travel

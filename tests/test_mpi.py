@@ -103,6 +103,49 @@ def test_multi_rank_training_equals_one_process(comm, tmp_path_factory, mnist_di
                  f"max param diff {diff:.3g}, accuracy gap {acc_gap:.4f}")
 
 
+COLLECTIVES = ("allreduce_", "iallreduce_", "broadcast_", "allgather", "allgather_object",
+               "broadcast_object", "barrier")
+
+
+def test_hpclb_train_at_k2_adds_no_collective_to_a_step(comm, tmp_path_factory, mnist_dir,
+                                                        monkeypatch):
+    """hpclb train at accumulation_steps=2: inside train_step the only collectives are the
+    gradient buckets' allreduces (every rank counts both micro-batches, so no count of them
+    is exchanged). Before: one 1-element allreduce of the window's micro-batch count per step
+    at 2 ranks (the loop read as Horovod's, whose windows may be short)."""
+    tmp = comm.broadcast_object(str(tmp_path_factory.mktemp("k2")) if comm.rank == 0 else None)
+    recipe = quick_recipe(tmp_path_factory.mktemp("recipe"), warmup_epochs=0.0625,
+                          data={"name": "mnist", "train_samples": 2048, "test_samples": 200})
+    extra, steps, real_step = [], [], train_mod.train_step
+
+    def counted_step(run, *args, **kwargs):
+        buckets = {b.comm_buffer.data_ptr() for b in run.optimizer.sync.buckets}
+
+        def counted(name, real):
+            def collective(*a, **kw):
+                if not (a and isinstance(a[0], torch.Tensor) and a[0].data_ptr() in buckets):
+                    extra.append(name)
+                return real(*a, **kw)
+            return collective
+        for name in COLLECTIVES:
+            if hasattr(run.comm, name):
+                setattr(run.comm, name, counted(name, getattr(run.comm, name)))
+        try:
+            steps.append(1)
+            return real_step(run, *args, **kwargs)
+        finally:
+            for name in COLLECTIVES:
+                vars(run.comm).pop(name, None)
+
+    monkeypatch.setattr(train_mod, "train_step", counted_step)
+    summary = train_mod.train(resolve(recipe, out=f"{tmp}/run", batch_size=512, epochs=1,
+                                      accumulation_steps=2, data_dir=str(mnist_dir.parent)),
+                              comm, quiet=True)
+    all_ranks_ok(comm, len(steps) == summary["steps"] == 4 and not extra,
+                 f"{len(steps)} steps at K=2 made collectives other than the gradient "
+                 f"buckets': {extra}")
+
+
 @pytest.mark.slow
 def test_accumulation_on_n_ranks_equals_one_process_without(comm, tmp_path_factory, mnist_dir):
     """2 micro-batches per step on every rank, one allreduce per step, = the same global batch

@@ -223,3 +223,30 @@ def test_the_recognised_loop_survives_refresh_parameters(comm):
             _check_update(comm, model, ref, stepped, f"update {u} (a window of {c} of 2)")
     finally:
         opt.close()
+
+
+def test_full_window_counts_skips_and_refuses_a_short_window(comm):
+    """step_after='full_window' (hpclb train's loop): every rank counts K micro-batches, an
+    empty share with skip_micro_batch() (here the last rank's second), and each window is the
+    mean over world_size * K as it is; a step() after fewer is refused, naming the fix."""
+    k, w, r = 2, comm.world_size, comm.rank
+    model, ref = _model(), _model()
+    opt, ref_opt = _make("hpclb", comm, model, k, step_after="full_window"), _sgd(ref)
+    try:
+        opt.zero_grad()
+        for m in range(k):
+            if m and r == w - 1:
+                opt.sync.skip_micro_batch()
+            else:
+                _loss(model, *(t[r::w] for t in _micro_batch(0, m, w))).backward()
+        stepped = opt.step()
+        parts = [(x[q::w], y[q::w], 1 / (w * k)) for m in range(k)
+                 for x, y in [_micro_batch(0, m, w)] for q in range(w) if not (m and q == w - 1)]
+        _reference_step(ref, ref_opt, parts)
+        _check_update(comm, model, ref, stepped, "a full window with an empty share")
+        opt.zero_grad()
+        _loss(model, *(t[r::w] for t in _micro_batch(1, 0, w))).backward()
+        with pytest.raises(RuntimeError, match="skip_micro_batch"):
+            opt.step()
+    finally:
+        opt.close()

@@ -44,21 +44,19 @@ class _MPIHandle(Handle):
     def __init__(self, request, tensor: Tensor, finish=None):
         self._req, self._tensor, self._finish_cb, self._done = request, tensor, finish, False
 
-    def _finish(self) -> None:
-        if not self._done:
-            self._done = True
-            if self._finish_cb is not None:
-                self._finish_cb()
-
     def wait(self) -> Tensor:
         if not self._done:
             self._req.Wait()
-            self._finish()
+            self._done = True
+            if self._finish_cb is not None:
+                self._finish_cb()
         return self._tensor
 
     def test(self) -> bool:
         if not self._done and self._req.Test():
-            self._finish()
+            self._done = True
+            if self._finish_cb is not None:
+                self._finish_cb()
         return self._done
 
 
@@ -313,7 +311,6 @@ class MPICommunicator(Communicator):
         return tensor.device.type != "cpu"
 
     def _buf_op(self, host: Tensor, op: str):
-        check_op(op)
         if host.dtype == torch.bfloat16:
             return host.view(torch.int16).numpy(), _bf16_op(self._MPI, op)
         return host.numpy(), self._ops[op]
@@ -321,11 +318,15 @@ class MPICommunicator(Communicator):
     def _prepare(self, tensor: Tensor, op: str, stream):
         """``(buffer for MPI, MPI op, finish)``: ``finish()`` (or None) must run once MPI has
         completed, before anything reads ``tensor``."""
-        check_op(op)
+        mpi_op = self._ops.get(op)
+        if mpi_op is None:
+            check_op(op)  # raises, naming the choices
         if not tensor.is_contiguous():
             raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
         if not self._is_device_tensor(tensor):
-            return (*self._buf_op(tensor, op), None)
+            if tensor.dtype == torch.bfloat16:
+                return (*self._buf_op(tensor, op), None)
+            return tensor.numpy(), mpi_op, None
         stager = self._stager(tensor.device)
         if stream is None:
             stream = stager.api.current_stream()
@@ -335,7 +336,7 @@ class MPICommunicator(Communicator):
             done = stager.api.new_event()
             done.record(stream)
             done.synchronize()  # MPI reads the buffer once the producer has written it
-            return _DeviceBuffer(tensor), self._ops[op], None
+            return _DeviceBuffer(tensor), mpi_op, None
         host = stager.to_host(tensor, stream)
         buf, mpi_op = self._buf_op(host, op)
         return buf, mpi_op, lambda: stager.to_device(host, tensor, stream)

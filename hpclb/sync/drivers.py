@@ -78,7 +78,7 @@ class NonblockingDriver(BlockingDriver):
 
     def launch(self, b) -> None:
         b.handle = self.comm.iallreduce_(b.comm_buffer, "sum", name=f"hpclb.grad.{b.index}",
-                                         **_stream_of(b))
+                                         **(_stream_of(b) if b.comm_buffer.is_cuda else {}))
 
     def progress(self, launched) -> None:
         if self.comm.async_progress:

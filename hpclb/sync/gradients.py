@@ -79,7 +79,9 @@ class GradientSync(WindowMixin):
             ``synchronize()`` returns True once per window.
         step_after: the caller's loop, ``"micro_batch"`` (``synchronize()`` after every
             backward; a window is k calls) or ``"window"`` (once after the window's backward
-            passes; every call ends the window, a short one with what is there); None
+            passes; every call ends the window, a short one with what is there),
+            ``"full_window"`` (the same, every window full on every rank: no count exchanged);
+            None
             (default): recognised at the first ``synchronize()``. See
             :mod:`hpclb.sync.window`, which also says how a short window is weighted.
         compression: None, ``"fp16"`` or ``"bf16"`` (default $HPCLB_COMPRESSION): buckets travel
@@ -339,7 +341,7 @@ class GradientSync(WindowMixin):
         b.pending -= 1
         if b.pending == 0:
             self._launch_ready()
-        elif self._driver.needs_progress:
+        elif self._next and self._driver.needs_progress:  # buckets in flight: advance them
             self._driver.progress(self.buckets[:self._next])
 
     @torch.no_grad()
@@ -423,8 +425,18 @@ class GradientSync(WindowMixin):
             self._no_sync = before
 
     def _reduce(self) -> None:
-        """World size > 1: start what is left, wait for every bucket in order, divide."""
-        self._fill_missing()
+        """World size > 1: start what is left (a parameter without a gradient in this window
+        travels as zeros), wait for every bucket in order, divide; the buckets are then ready
+        for the next window."""
+        for b in self.buckets:
+            if b.pending:
+                for j, ready in enumerate(b.ready):
+                    if not ready:
+                        if not b.used[j]:
+                            b.views[j].zero_()
+                        b.params[j].grad = b.views[j]
+                        b.ready[j] = True
+                b.pending = 0
         self._launch_ready()
         error = None
         for b in self.buckets:
@@ -434,7 +446,12 @@ class GradientSync(WindowMixin):
                 self._driver.wait(b)
             if b.error is not None and error is None:
                 error = RuntimeError(f"allreduce of {label} failed: {b.error!r}")
-            self._finish_bucket(b)
+            if b.comm_buffer is not b.buffer:
+                b.buffer.copy_(b.comm_buffer)
+            if not b.predivide and self.divisor != 1:
+                b.buffer.div_(self.divisor)
+            n = len(b.params)
+            b.ready, b.used, b.pending, b.launched = [False] * n, [False] * n, n, False
         self._next = 0
         self._driver.end_step()
         if error is not None:
@@ -496,28 +513,6 @@ class GradientSync(WindowMixin):
         :meth:`grads_are_views`)."""
         for b in self.buckets:
             b.buffer.zero_()
-
-    def _fill_missing(self) -> None:
-        """Parameters without a gradient in this window travel as zeros."""
-        for b in self.buckets:
-            if b.pending:
-                for j, ready in enumerate(b.ready):
-                    if not ready:
-                        if not b.used[j]:
-                            b.views[j].zero_()
-                        b.params[j].grad = b.views[j]
-                        b.ready[j] = True
-                b.pending = 0
-
-    def _finish_bucket(self, b: Bucket) -> None:
-        if b.comm_buffer is not b.buffer:
-            b.buffer.copy_(b.comm_buffer)
-        if not b.predivide and self.divisor != 1:
-            b.buffer.div_(self.divisor)
-        b.ready = [False] * len(b.params)
-        b.used = [False] * len(b.params)
-        b.pending = len(b.params)
-        b.launched = False
 
     def _local_sq(self, b: Bucket) -> Tensor:
         """``|g_local|^2`` of bucket ``b`` before anything is divided: this rank's mean over

@@ -162,7 +162,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``backward()`` and ``step()`` after each; every K-th ``step()`` communicates and
             updates, the others return False; ``"window"``, Horovod's: K ``backward()``, then
             one ``step()``; every ``step()`` ends the window, and one after fewer passes (an
-            epoch's short last batch) reduces the micro-batches given and updates once. Default
+            epoch's short last batch) reduces the micro-batches given and updates once (one
+            allreduce of their count per window); ``"full_window"``, ``hpclb train``'s:
+            Horovod's with every window's K micro-batches counted on every rank
+            (``sync.skip_micro_batch()`` for an empty share; no count exchanged). Default
             None: the loop is recognised at the first ``step()`` (after two or more backward
             passes: Horovod's). The result is the mean over ranks and the micro-batches given
             (the gradient of the K-times larger batch when each micro-batch loss is a mean; of

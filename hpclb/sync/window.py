@@ -15,6 +15,11 @@ With ``accumulation_steps`` K > 1 the caller runs one of two loops (``step_after
   the mean over the micro-batches given on all ranks: the ranks' sum divided by their number
   (``world_size * K`` for a full window); with a ``divisor`` (:mod:`hpclb.horovod`) the passes
   given are summed and divided by it, as Horovod does.
+- ``"full_window"``, ``hpclb train``'s loop: Horovod's, but every rank counts all K
+  micro-batches of every window (a backward, or :meth:`~WindowMixin.skip_micro_batch` for an
+  empty share), so every window is full on every rank and is the mean over ``world_size * K``
+  as it is: no count is exchanged (``"window"`` allreduces one per window). A ``step()`` after
+  fewer is refused.
 - None (default): the loop is recognised at the first ``synchronize()``: after two or more
   backward passes, ``"window"``; after one or none, ``"micro_batch"``.
 
@@ -28,7 +33,7 @@ import torch
 
 __all__ = ["STEP_AFTER", "WindowMixin", "checked_step_after"]
 
-STEP_AFTER = ("micro_batch", "window")
+STEP_AFTER = ("micro_batch", "window", "full_window")
 
 
 def checked_step_after(step_after: str | None) -> str | None:
@@ -37,8 +42,9 @@ def checked_step_after(step_after: str | None) -> str | None:
     if step_after not in (None, *STEP_AFTER):
         raise ValueError(f"step_after={step_after!r}: use 'micro_batch' (step() after every "
                          f"backward, hpclb's loop), 'window' (one step() after the window's "
-                         f"backward passes, Horovod's loop) or None (recognised at the first "
-                         f"step())")
+                         f"backward passes, Horovod's loop), 'full_window' (Horovod's loop with "
+                         f"every window's K micro-batches counted on every rank, hpclb train's) "
+                         f"or None (recognised at the first step())")
     return step_after
 
 
@@ -124,6 +130,13 @@ class WindowMixin:
         if not self._reduced:
             if self.step_after == "window":
                 self._end_window()  # a short window: what is there
+            elif self.step_after == "full_window":
+                raise RuntimeError(
+                    f"step() after {self._micro} of the window's accumulation_steps="
+                    f"{self.accumulation_steps} micro-batches with step_after='full_window' "
+                    f"(every rank counts K per window): count an empty share with "
+                    f"skip_micro_batch(), or build the optimizer with step_after='window' "
+                    f"for short windows")
             elif not self._since_sync:
                 self._end_backward()  # an empty micro-batch
         if self._reduced and self.step_after == "window" and self.divisor_is_mean:

@@ -434,6 +434,7 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_pa
     inner = build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
     optimizer = DistributedOptimizer(inner, model, comm=comm,
                                      accumulation_steps=cfg.accumulation_steps,
+                                     step_after="full_window",  # train_step: K counted
                                      grad_clip_norm=cfg.spec.grad_clip_norm,
                                      max_nonfinite_steps=cfg.max_nonfinite_steps, scaler=scaler,
                                      track_local_norm=cfg.noise_scale and comm.world_size > 1,

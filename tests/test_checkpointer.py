@@ -15,7 +15,8 @@ from hpclb.sync.optimizer import DistributedOptimizer
 from hpclb.train import loop as train_mod
 from hpclb.train.checkpoint import load_checkpoint
 from hpclb.train.checkpointer import POSITION_KEYS, STATE_KEYS, Checkpointer
-from hpclb.train.setup import build_optimizer, build_recipe_model, check_resumable
+from hpclb.train.rundir import check_resumable
+from hpclb.train.setup import build_optimizer, build_recipe_model
 
 #: the most hpclb modules `import hpclb; hpclb.Checkpointer` may load (docs/design.md)
 MAX_CHECKPOINTER_MODULES = 25

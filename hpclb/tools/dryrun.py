@@ -33,7 +33,8 @@ from hpclb.tasks.registry import TASKS
 from hpclb.train.agreed import agreed
 from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.profile import check_profile_window
-from hpclb.train.setup import check_model, check_resumable
+from hpclb.train.rundir import check_resumable
+from hpclb.train.setup import check_model
 
 __all__ = ["WARMUP_WARN_FRACTION", "dry_run", "format_plan", "plan_run", "train_set_size_of",
            "warmup_warning"]

@@ -1,9 +1,10 @@
-"""Setting up one run on one rank, resuming it, and checkpointing it.
+"""Building one run on one rank from the start it is handed.
 
 :func:`setup_run` takes every start-up decision that ranks must share so that a disagreement ends
-every rank with the message, never a hang: settings, data, the out directory and the checkpoint
-are checked inside :func:`agreed` (every rank runs the check, then all compare verdicts), and the
-resume-or-start decision is rank 0's, broadcast. Then, in this order: the device is bound (by the
+every rank with the message, never a hang: settings and data are checked inside :func:`agreed`
+(every rank runs the check, then all compare verdicts); the run directory and the
+resume-or-start decision are :mod:`hpclb.train.rundir`'s (rank 0's, broadcast). Then, from that
+:class:`~hpclb.train.rundir.Decision`, in this order: the device is bound (by the
 communicator), the model is built on it, checked and broadcast, each rank gets its own random
 streams (:mod:`hpclb.train.rng`), the optimizer is wrapped in
 :class:`~hpclb.sync.optimizer.DistributedOptimizer`
@@ -13,10 +14,7 @@ onto whatever device this run uses.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +26,7 @@ from torch import nn
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
 from hpclb.config.agreement import agree_run_settings, run_settings
-from hpclb.config.outputs import check_run_dir, clear_run, start_run
-from hpclb.errors import CheckpointError, ConfigError
+from hpclb.errors import ConfigError
 from hpclb.models import build_model
 from hpclb.noise import check_world_size
 from hpclb.optim import OPTIMIZERS
@@ -44,13 +41,13 @@ from hpclb.train.checkpoint import CheckpointStore
 from hpclb.train.checkpointer import restore_state
 from hpclb.train.profile import StepProfiler, check_profile_window
 from hpclb.train.rng import seed_rank
+from hpclb.train.rundir import Decision, check_out, decide
 from hpclb.train.usercode import describe
 
-__all__ = ["LOCK_NAME", "MODEL_FIELDS", "PRECISIONS", "Position", "Run", "build_optimizer",
-           "build_recipe_model", "check_model", "check_resumable", "setup_run"]
+__all__ = ["PRECISIONS", "Position", "Run", "build_optimizer", "build_recipe_model",
+           "check_model", "setup_run"]
 
 log = logging.getLogger(__name__)
-LOCK_NAME = ".hpclb.lock"
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -158,168 +155,6 @@ def _local_checks(cfg: RunConfig, comm: Communicator, profile: tuple[int, int] |
     return per_rank, micro, task, sched
 
 
-def _lock_out(out: Path):
-    """Rank 0's exclusive lock on the run directory for the whole run (``flock`` on
-    ``.hpclb.lock``; released by the kernel when the process ends, even killed). Raises
-    ConfigError when another run holds it; on a file system without locks, warns and goes on."""
-    import fcntl
-
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        f = open(out / LOCK_NAME, "a+")
-    except OSError as e:  # not a directory, no permission, read-only file system
-        raise ConfigError(f"--out {out}: cannot create the run directory or its lock ({e}); "
-                          f"choose another --out") from e
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise ConfigError(f"--out {out}: another hpclb train ({holder}) is writing to this run "
-                          f"directory; wait for it, or choose another --out") from None
-    except OSError as e:  # e.g. a network file system mounted without locks
-        log.warning("--out %s: cannot lock the run directory (%s); make sure no other run "
-                    "writes to it", out, e)
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f
-
-
-def _decide_resume(cfg: RunConfig, comm: Communicator, store: CheckpointStore):
-    """Rank 0 locks the run directory and decides (None: start afresh; else the checkpoint's
-    path; ``--resume auto``: the newest checkpoint that verifies, else afresh); every rank
-    loads it (the decision is broadcast). Returns ``(checkpoint or None, its path, rank 0's
-    lock)``."""
-    lock = []
-
-    def decide():
-        found = check_run_dir(store.out_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite)
-        lock.append(_lock_out(store.out_dir))
-        path = _resume_path(cfg, store, found) if cfg.resume else None
-        if found and not cfg.resume:  # --overwrite: no stale summary, metrics or checkpoint
-            log.warning("--overwrite: deleting the run in %s (%s)", store.out_dir,
-                        ", ".join(found))
-            clear_run(store.out_dir)  # hpclb's files only
-        start_run(store.out_dir)  # the marker: what this run writes is hpclb's
-        return path
-    try:
-        return _load_decided(cfg, comm, agreed(comm, "checking --out and the checkpoint",
-                                               lambda: decide() if comm.rank == 0 else None),
-                             lock[0] if lock else None)
-    except BaseException:
-        if lock:
-            lock[0].close()  # a failed start-up leaves the run directory free
-        raise
-
-
-def _resume_path(cfg: RunConfig, store: CheckpointStore, found: list[str]) -> str | None:
-    """Rank 0's ``--resume`` decision: the checkpoint's path (checked against ``cfg``), or None
-    (``--resume auto`` without one: start afresh)."""
-    loaded = store.latest()
-    if loaded is None and cfg.resume == "auto":
-        return _start_afresh(store.out_dir, found)
-    if loaded is None:  # a usage error, the same for every rank: exit 2
-        raise ConfigError(f"--resume: no checkpoint to resume from in {store.out_dir}; "
-                          f"drop --resume to start afresh (add --overwrite if the "
-                          f"directory holds a run), or use --resume auto")
-    for path, why in loaded.skipped:
-        log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
-                    loaded.path)
-    check_resumable(cfg, loaded.state, loaded.path.resolve())  # before anything is written
-    return str(loaded.path.resolve())
-
-
-def _start_afresh(out: Path, found: list[str]) -> None:
-    """``--resume auto`` without a checkpoint in ``out`` (rank 0): start afresh. The logs of a
-    run stopped before its first checkpoint are replaced; a finished run (``summary.json``)
-    whose checkpoints are gone is refused (ConfigError naming --overwrite), never deleted."""
-    if "summary.json" in found:
-        raise ConfigError(f"--resume auto: {out} holds a finished run without a checkpoint; "
-                          f"add --overwrite (instead of --resume) to delete it ({', '.join(found)})"
-                          f" and start afresh, or choose another --out")
-    if found:
-        log.warning("--resume auto: no checkpoint in %s, only the logs of a run stopped before "
-                    "its first one (%s); starting afresh from step 0", out, ", ".join(found))
-        clear_run(out)
-    else:
-        log.info("--resume auto: no checkpoint in %s; starting afresh", out)
-    return None
-
-
-def _load_decided(cfg: RunConfig, comm: Communicator, path: str | None, held):
-    if comm.world_size > 1:
-        path = comm.broadcast_object(path, 0)
-    if path is None:
-        return None, None, held
-
-    def load():
-        from hpclb.train.checkpoint import load_checkpoint
-        try:
-            return load_checkpoint(path)
-        except (CheckpointError, OSError) as e:
-            raise ConfigError(f"cannot read rank 0's checkpoint {path} ({e}); --out must be on "
-                              f"a file system every rank sees") from e
-    return agreed(comm, "loading the checkpoint", load), path, held
-
-
-#: the recipe fields that fix the model's parameters (a checkpoint of others cannot be loaded)
-MODEL_FIELDS = ("model", "task", "data.name")
-
-
-def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
-    """Refuse (ConfigError) to resume ``cfg`` from the checkpoint ``ckpt`` read from ``path``
-    where it was made with other settings (experiment, batch, scaling, optimizer, seed...) or
-    another model: a recipe field of :data:`MODEL_FIELDS` (``model.hidden_size``...) other than
-    the run's ``config.json`` in ``cfg.out`` records, named with both values, or a
-    checkpoint without run settings (written by a library loop's ``hpclb.Checkpointer``)."""
-    if not isinstance(ckpt.get("run"), dict):
-        raise ConfigError(f"--resume: the checkpoint in {path} was written by a library loop "
-                          f"(hpclb.Checkpointer), not by hpclb train: it holds no run settings "
-                          f"(experiment, batch, scaling, optimizer, seed) to continue; resume it "
-                          f"with that script's hpclb.Checkpointer, or use another --out")
-    for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs", "lr"):
-        if ckpt["run"][key] != getattr(cfg, key):
-            raise ConfigError(f"--resume: the checkpoint in {path} was made with {key}="
-                              f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; resume "
-                              f"with the same settings or use another --out")
-    try:  # every start writes config.json after this check: its recipe is the checkpoint's
-        saved = json.loads((Path(cfg.out) / "config.json").read_text())["recipe"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no record: the parameters' shapes are checked when the checkpoint is loaded
-    then, now = _model_fields(saved), _model_fields(json.loads(json.dumps(cfg.recipe)))
-    for key in sorted(then.keys() | now.keys()):
-        if then.get(key, _ABSENT) != now.get(key, _ABSENT):
-            raise ConfigError(f"--resume: {key}: {_show(then.get(key, _ABSENT))} in the "
-                              f"checkpoint's run, {_show(now.get(key, _ABSENT))} now (recipe "
-                              f"{cfg.experiment}); the checkpoint in {path} holds another model: "
-                              f"resume with the recipe it was made with, or use another --out")
-
-
-_ABSENT = object()
-
-
-def _show(value: Any) -> str:
-    return "absent" if value is _ABSENT else json.dumps(value)
-
-
-def _model_fields(recipe: dict) -> dict[str, Any]:
-    """The :data:`MODEL_FIELDS` of ``recipe``, sections flattened to ``model.<field>``."""
-    fields = {}
-    for name in MODEL_FIELDS:
-        section, _, key = name.partition(".")
-        value = recipe.get(section)
-        if key:
-            value = value.get(key, _ABSENT) if isinstance(value, dict) else _ABSENT
-        if isinstance(value, dict):
-            fields.update({f"{name}.{k}": v for k, v in value.items()})
-        elif value is not _ABSENT:
-            fields[name] = value
-    return fields
-
-
 def build_recipe_model(cfg: RunConfig, model_kwargs: dict[str, Any]) -> nn.Module:
     """``cfg``'s model: the recipe's ``model.name`` built with the recipe's model fields and
     the task's ``model_kwargs`` (set from the data, e.g. ``vocab_size``), on torch's default
@@ -379,37 +214,16 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     every rank), DataError, CheckpointError."""
     device = torch.device(device or getattr(comm, "device", "cpu"))
     agree_run_settings(comm, run_settings(cfg))  # ranks given other settings: all stop, exit 2
-    # a run directory that may not be written is refused before any rank loads data
-    agreed(comm, "checking --out", lambda: check_run_dir(
-        cfg.out, resume=bool(cfg.resume), overwrite=cfg.overwrite) if comm.rank == 0 else None)
+    check_out(cfg, comm)  # a run directory that may not be written: refused before any data
     per_rank, micro, task, sched = agreed(comm, "checking settings and data",
                                           lambda: _local_checks(cfg, comm, profile))
     store = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints)
-    ckpt, ckpt_path, out_lock = _decide_resume(cfg, comm, store)
+    start = decide(cfg, comm, store)  # rank 0 locks --out; resume or start, on every rank
     try:
-        return _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
-                      out_lock, profile)
+        return _build(cfg, comm, device, task, sched, store, per_rank, micro, start, profile)
     except BaseException:
-        if out_lock is not None:
-            out_lock.close()
-            _forget_empty_start(store.out_dir)
+        start.abandon(store.out_dir)
         raise
-
-
-def _forget_empty_start(out: Path) -> None:
-    """After a start-up that failed before the run wrote anything: remove the lock and the
-    marker it left, and the directory when that leaves it empty (no ``--out`` holding only
-    ``.hpclb.lock``). A directory that holds a run's files keeps them all; other files stay."""
-    from hpclb.config.outputs import RUN_MARKER, run_files
-
-    try:
-        if not run_files(out):
-            for name in (LOCK_NAME, RUN_MARKER):
-                (out / name).unlink(missing_ok=True)
-            if not any(out.iterdir()):
-                out.rmdir()
-    except OSError:
-        pass  # best effort: the start-up error is what the user needs to see
 
 
 def prescale_exactly(divisor: int, scaler) -> bool:
@@ -421,9 +235,10 @@ def prescale_exactly(divisor: int, scaler) -> bool:
     return divisor > 1 and divisor & (divisor - 1) == 0 and scaler is None
 
 
-def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_path,
-           out_lock, profile) -> Run:
-    """The model, optimizer, schedule and task of :func:`setup_run`, restored from ``ckpt``."""
+def _build(cfg, comm, device, task, sched, store, per_rank, micro, start: Decision,
+           profile) -> Run:
+    """The model, optimizer, schedule and task of :func:`setup_run`, restored from ``start``'s
+    checkpoint, if any."""
     model = _build_model(cfg, task, device)
     if cfg.compile and comm.rank == 0:
         warn_eager_rnns(model)
@@ -446,9 +261,9 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, ckpt, ckpt_pa
                device=device)
     run = Run(cfg, comm, device, task, sched, model, optimizer, scheduler, store, Position(),
               per_rank, micro, PRECISIONS[cfg.precision])
-    run.out_lock, run.resumed_path = out_lock, ckpt_path
-    if ckpt is not None:
-        _restore(run, ckpt)
+    run.out_lock, run.resumed_path = start.lock, start.path
+    if start.checkpoint is not None:
+        _restore(run, start.checkpoint)
     if profile is not None:
         run.profiler = StepProfiler(profile, run.out, comm, device, run.pos.global_step)
     return run
@@ -469,8 +284,7 @@ def _check_shapes(run: Run, saved: dict) -> None:
 
 
 def _shape(state: dict, key: str) -> str:
-    value = state.get(key, _ABSENT)
-    return "absent" if value is _ABSENT else str(list(getattr(value, "shape", ())))
+    return str(list(getattr(state[key], "shape", ()))) if key in state else "absent"
 
 
 def _restore(run: Run, ckpt: dict) -> None:

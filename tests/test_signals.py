@@ -79,14 +79,32 @@ def test_nothing_heavy_is_imported_before_the_handler(entry):
     assert "HEAVY [] HANDLER PendingSignal" in r.stdout, (mod, r.stdout, r.stderr)
 
 
+def _wait_until_caught(p: subprocess.Popen, sig: int, timeout: float = 120) -> None:
+    """Until process ``p`` has a handler for ``sig`` (bit ``sig - 1`` of SigCgt in
+    /proc/PID/status)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and p.poll() is None:
+        status = Path(f"/proc/{p.pid}/status").read_text()
+        caught = int(next(x for x in status.splitlines() if x.startswith("SigCgt:")).split()[1],
+                     16)
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no handler for signal {sig} in {timeout} s (exit {p.poll()})")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM], ids=["USR2", "TERM"])
 @pytest.mark.parametrize("delay", [0.3, pytest.param(1.0, marks=pytest.mark.extended)])
 def test_signal_soon_after_launch_exits_75(tmp_path, mnist_dir, sig, delay):
-    """`kill -USR2` (or TERM) 0.3 s / 1 s after `hpclb train` starts: exit 75, not 140/143."""
+    """`kill -USR2` (or TERM) as soon as `hpclb train`'s first handler is in place (then 0.3 s
+    / 1 s later), during start-up: exit 75, not 140/143. The wait is for the handler (the
+    process's caught-signal mask), not a fixed time: before it, nothing but a blocked signal
+    (the job templates' launch, the next test) can survive, on a loaded machine too."""
     p = subprocess.Popen(train_argv(tmp_path, mnist_dir), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=ENV)
+    _wait_until_caught(p, sig)
     time.sleep(delay)
     p.send_signal(sig)
     rc, out = finish(p)

@@ -240,7 +240,10 @@ def test_a_benchmark_stopped_by_a_signal_stops_its_launcher_session(sig):
 
     code = ("import os\nfrom hpclb.bench.launch import run_group\n"
             "run_group(['bash', '-c', 'sleep 300 & wait'], dict(os.environ), 600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, start_new_session=True)
+    # Ctrl-C as in a terminal: SIGINT at its default action in the benchmark (a job started in
+    # the background by a shell without job control, as CI may be, inherits it ignored)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert _wait_for(lambda: len(descendants(proc.pid)) >= 2), "bash and sleep never ran"
         started = descendants(proc.pid)

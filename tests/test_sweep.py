@@ -228,9 +228,9 @@ def test_a_cut_point_resumes_from_its_checkpoint_bit_for_bit(tmp_path, mnist_dir
     cut = sweep.run_sweep(recipe, [256], ["legw"], out_dir=tmp_path / "b",
                           runs_dir=tmp_path / "rb", **{**kw, "log": said.append})
     assert any("resuming" in line for line in said)
-    one = json.loads((tmp_path / "a" / "points" / "adam-legw-b256-s0" / "summary.json")
+    one = json.loads((tmp_path / "a" / "points" / "adam-legw-b256-e2-s0" / "summary.json")
                      .read_text())
-    two = json.loads((tmp_path / "b" / "points" / "adam-legw-b256-s0" / "summary.json")
+    two = json.loads((tmp_path / "b" / "points" / "adam-legw-b256-e2-s0" / "summary.json")
                      .read_text())
     assert two["final_test_loss"] == one["final_test_loss"]  # bit for bit
     assert cut[0]["metric"] == whole[0]["metric"] and cut[0]["steps"] == whole[0]["steps"]

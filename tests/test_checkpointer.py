@@ -1,5 +1,6 @@
 """One checkpoint schema for `hpclb train` and the library's `hpclb.Checkpointer`
 (hpclb/train/checkpointer.py), and a Checkpointer that loads little of hpclb."""
+import json
 import subprocess
 import sys
 
@@ -105,3 +106,61 @@ def test_hpclb_train_resume_refuses_a_library_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match=r"library loop \(hpclb.Checkpointer\), not by hpclb "
                                           r"train.*no run settings"):
         check_resumable(cfg, state, tmp_path / "lib" / "checkpoint.pt")
+
+
+MID_WINDOW = '''
+import hashlib, json, os, signal, sys
+import torch
+import torch.nn.functional as F
+import hpclb
+out, sig_at = sys.argv[1], int(sys.argv[2])
+comm = hpclb.init()
+torch.manual_seed(0)
+x_all = torch.randn(128, 8)
+ds = torch.utils.data.TensorDataset(x_all, (x_all.sum(1) > 0).long())
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+opt = hpclb.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                 model, accumulation_steps=2)
+loader = hpclb.shard_loader(ds, batch_size=16, generator=torch.Generator())
+ckpt = hpclb.Checkpointer(out, model, opt, seed=0)
+start, _ = ckpt.resume()
+step = start
+for epoch in range(start // len(loader), 2):
+    loader.batch_sampler.set_epoch(epoch)
+    for i, (x, y) in enumerate(loader):
+        if epoch * len(loader) + i < step:
+            continue
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()  # hpclb's loop: after every micro-batch, the second of each pair updates
+        step += 1
+        if step == sig_at:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        ckpt.step_done(step)
+ckpt.close()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+print(json.dumps({"resumed_from": start, "updates": opt.steps, "sha": digest.hexdigest()}))
+'''
+
+
+def test_a_signal_inside_an_accumulation_window_is_saved_at_the_windows_end(tmp_path):
+    """hpclb's accumulation loop (``step()`` after every micro-batch, K = 2) and
+    ``step_done()`` after every ``step()``: a SIGUSR2 after micro-batch 7 (half a window) is
+    saved at micro-batch 8, and the resumed run ends with the uninterrupted run's weights (before:
+    step 7 was saved without its gradient, and the resumed run silently lost it)."""
+    script = tmp_path / "mid_window.py"
+    script.write_text(MID_WINDOW)
+
+    def run(out, sig_at):
+        return subprocess.run([sys.executable, str(script), str(out), str(sig_at)],
+                              capture_output=True, text=True, timeout=120, env=LAUNCH_ENV)
+
+    whole = run(tmp_path / "whole", 0)
+    assert whole.returncode == 0, whole.stderr
+    cut = run(tmp_path / "cut", 7)
+    assert cut.returncode == 75 and "checkpoint of step 8 saved" in cut.stderr, cut.stderr
+    resumed = run(tmp_path / "cut", 0)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = json.loads(whole.stdout), json.loads(resumed.stdout)
+    assert b["resumed_from"] == 8 and b["updates"] == a["updates"] == 8
+    assert b["sha"] == a["sha"]

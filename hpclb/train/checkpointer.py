@@ -188,7 +188,13 @@ class Checkpointer:
     def step_done(self, step: int, extra: dict | None = None) -> None:
         """Call after every optimizer step on every rank, with the global step count so far.
         One 1-element allreduce; when any rank received SIGUSR2/SIGTERM, saves step ``step``
-        and exits with status 75 on every rank (``SystemExit(75)``)."""
+        and exits with status 75 on every rank (``SystemExit(75)``). Inside an accumulation
+        window (hpclb's loop: ``step()`` after every micro-batch, the window's gradients not yet
+        reduced) it does nothing until the window's last ``step()``: a checkpoint never holds
+        half a window, whose gradients it does not save (the ranks' windows are in step, so all
+        of them skip the same calls)."""
+        if getattr(getattr(self.optimizer, "sync", None), "micro_batches", 0):
+            return
         if self.flag.agreed(self.comm):
             path = self.save(step, extra)
             if path is not None:

@@ -461,19 +461,16 @@ class GradientSync(WindowMixin):
         """One process: no allreduce; the window's gradients are made final here (the divide),
         labelled as the wait it stands for at several ranks."""
         with _record("hpclb/allreduce_wait") if _profiling() else nullcontext():
-            self._finish_alone_unlabelled()
-
-    def _finish_alone_unlabelled(self) -> None:
-        if not self.grads_are_views():  # someone replaced a gradient (or set it to None)
+            if not self.grads_are_views():  # someone replaced a gradient (or set it to None)
+                for b in self.buckets:
+                    for j in range(len(b.params)):
+                        self._adopt(b, j)
             for b in self.buckets:
-                for j in range(len(b.params)):
-                    self._adopt(b, j)
-        for b in self.buckets:
-            b.used = [False] * len(b.params)
-            if self.track_local_norm:
-                b.local_sq = self._local_sq(b)
-            if self.divisor != 1:
-                b.buffer.div_(self.divisor)
+                b.used = [False] * len(b.params)
+                if self.track_local_norm:
+                    b.local_sq = self._local_sq(b)
+                if self.divisor != 1:
+                    b.buffer.div_(self.divisor)
 
     # -- the gradients as a whole (what step() does once per window) ---------------------------
     def grads_are_views(self) -> bool:

@@ -319,3 +319,9 @@ def test_compare_tells_a_diverged_run_from_a_cut_one(finished, tmp_path, mnist_d
     assert p.returncode == 0, p.stderr
     rows = list(csv.DictReader(io.StringIO(p.stdout)))
     assert [r["status"] for r in rows] == [f"diverged at step {step}", "unfinished"], rows
+    # the diverged row's steps are the step it stopped at (was 0: no epoch line); the budget and
+    # the schedule (peak LR, warmup) are shown, from config.json
+    assert int(rows[0]["steps"]) == step and float(rows[0]["epochs"]) == 2.0, rows
+    assert float(rows[0]["peak_lr"]) > 0 and rows[0]["warmup_steps"] != "", rows
+    md = run_hpclb("compare", tmp_path / "diverged", cut, timeout=60).stdout
+    assert "| peak LR | warmup steps |" in md and "| epochs |" in md, md

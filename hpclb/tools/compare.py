@@ -10,8 +10,10 @@ on non-finite values (its ``metrics.jsonl`` says so). The metric of a row is the
 taken in the metric's direction (:func:`~hpclb.tasks.spec.metric_mode`).
 
 Row fields (:data:`COLUMNS`): ``run`` (the directory as given), ``experiment``, ``batch`` (the
-global batch in samples), ``scheme`` (the scaling), ``optimizer``, ``ranks``, ``steps``
-(optimizer steps done), ``epochs``, ``metric`` (its name), ``final`` and ``best`` (its values),
+global batch in samples), ``scheme`` (the scaling), ``optimizer``, ``peak_lr`` (the
+schedule's peak learning rate), ``warmup_steps``, ``ranks``, ``steps`` (optimizer steps done;
+for a diverged run the step it stopped at; None when no epoch ended), ``epochs`` (the budget),
+``metric`` (its name), ``final`` and ``best`` (its values),
 ``time_to_target_s`` (wall seconds to the first epoch that reached the recipe's target; None when
 not reached or without a target), ``samples_per_s`` (mean over the epochs measured in one
 go), ``wall_time_s`` and ``status`` (``finished``, ``unfinished`` or ``diverged at step S``).
@@ -38,9 +40,9 @@ from hpclb.tools.sweep_report import format_metric
 
 __all__ = ["COLUMNS", "compare_rows", "csv_table", "markdown_table", "run_row"]
 
-COLUMNS = ("run", "experiment", "batch", "scheme", "optimizer", "ranks", "steps", "epochs",
-           "metric", "final", "best", "time_to_target_s", "samples_per_s", "wall_time_s",
-           "status", "sync")
+COLUMNS = ("run", "experiment", "batch", "scheme", "optimizer", "peak_lr", "warmup_steps",
+           "ranks", "steps", "epochs", "metric", "final", "best", "time_to_target_s",
+           "samples_per_s", "wall_time_s", "status", "sync")
 # gradient-sync settings shown when a run's differ from these (config.json's "sync": what
 # hpclb train uses unless an HPCLB_* variable says otherwise; stall_abort_s None: never)
 _SYNC_DEFAULTS = {"fusion_threshold_bytes": DEFAULT_FUSION_THRESHOLD_BYTES, "compression": "none",
@@ -91,7 +93,8 @@ def _from_epochs(row: dict, rows: RunRows, recipe: dict | None) -> None:
                isinstance(r.get(metric), (int, float)) and
                (r[metric] >= target["value"] if mode == "max" else r[metric] <= target["value"])]
     last = epochs[-1] if epochs else {}
-    row.update(steps=last.get("step", 0), final=values[-1] if values else None,
+    steps = rows.diverged.get("step") if rows.diverged is not None else last.get("step")
+    row.update(steps=steps, final=values[-1] if values else None,
                best=(max if mode == "max" else min)(values) if values else None,
                time_to_target_s=reached[0].get("elapsed_s") if reached else None,
                samples_per_s=_mean([r.get("samples_per_s") for r in epochs]),
@@ -113,7 +116,8 @@ def run_row(run_dir: str | Path, warn: Warn | None = None) -> dict[str, Any]:
     recipe = (config or {}).get("recipe")
     row = {"run": str(run_dir), "experiment": source.get("experiment"),
            "batch": source.get("global_batch_size"), "scheme": source.get("scaling"),
-           "optimizer": source.get("optimizer"), "ranks": source.get("world_size"),
+           "optimizer": source.get("optimizer"), "peak_lr": source.get("peak_lr"),
+           "warmup_steps": source.get("warmup_steps"), "ranks": source.get("world_size"),
            "epochs": source.get("epochs"), "metric": _metric(recipe, summary),
            "status": "finished" if summary is not None else "unfinished",
            "sync": _sync_shown(config)}
@@ -159,14 +163,17 @@ def _number(value: Any, digits: str = ",.0f") -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table: metrics as in sweep tables (accuracies in %), times in
     seconds, throughput in samples/s; "—" for a value a run does not have."""
-    head = ("run", "experiment", "batch", "scheme", "optimizer", "ranks", "steps", "metric",
+    head = ("run", "experiment", "batch", "scheme", "optimizer", "peak LR", "warmup steps",
+            "ranks", "steps", "epochs", "metric",
             "final", "best", "time to target (s)", "samples/s", "wall time (s)", "status",
             "sync settings")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         m = r["metric"] or ""
         cells = (r["run"], r["experiment"] or "—", _number(r["batch"], "d"), r["scheme"] or "—",
-                 r["optimizer"] or "—", _number(r["ranks"], "d"), _number(r["steps"], "d"),
+                 r["optimizer"] or "—", _number(r["peak_lr"], ".4g"),
+                 _number(r["warmup_steps"], "d"), _number(r["ranks"], "d"),
+                 _number(r["steps"], "d"), _number(r["epochs"], "g"),
                  m or "—", format_metric(m, r["final"]), format_metric(m, r["best"]),
                  _number(r["time_to_target_s"], ".1f"), _number(r["samples_per_s"]),
                  _number(r["wall_time_s"], ".1f"), r["status"], r["sync"] or "—")

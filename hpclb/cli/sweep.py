@@ -90,9 +90,16 @@ def run(args: argparse.Namespace) -> int:
         error(f"{type(e).__name__}: {e}")
         return EXIT_FAILURE
     except Preempted as p:
-        error("sweep stopped by a signal; the point in progress is checkpointed: run the same "
-              "command again to resume")
-        return 130 if p.args[1:] == ("interrupted",) else PREEMPTED_EXIT_CODE
+        code = 130 if p.args[1:] == ("interrupted",) else PREEMPTED_EXIT_CODE
+        step = p.args[0] if p.args else None
+        saved = (f"the point in progress checkpointed at global step {step}" if step is not None
+                 else "the point in progress wrote no new checkpoint (stopped before it trained, "
+                      "or forced; it keeps its last one, if any)")
+        ranks = (" (its ranks report exit 75: mpirun passes a stop on to them as USR2)"
+                 if code == 130 and args.ranks > 1 and step is not None else "")
+        error(f"sweep stopped by {'Ctrl-C' if code == 130 else 'a signal'}, exit {code}; "
+              f"{saved}{ranks}: run the same command again to resume")
+        return code
     for r in rows:
         if r.get("status") == "diverged":
             print(f"sweep {args.experiment}: B={r['batch_size']} {r['scheme']} seed {r['seed']}: "

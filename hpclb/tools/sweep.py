@@ -122,7 +122,11 @@ def _run_mpi(experiment: str, p: Point, run_dir: Path, data_dir: str | None, res
             print(f"hpclb sweep: mpirun did not end within {FORWARD_GRACE_S:g} s of the signal "
                   f"(or a second Ctrl-C came): stopped with its ranks; the point keeps its "
                   f"last checkpoint", file=sys.stderr, flush=True)
-        raise Preempted(0, "interrupted") if done.signal == signal.SIGINT else Preempted(0)
+        # the step its ranks checkpointed (stderr: "preempted after step S"), or None: stopped
+        # before training began or forced, so no new checkpoint
+        saved = re.findall(r"preempted after step (\d+)", err) if not done.forced else []
+        step = int(saved[-1]) if saved else None
+        raise Preempted(step, "interrupted") if done.signal == signal.SIGINT else Preempted(step)
     if done.returncode != 0:
         hint = explain_launch_failure(done.stderr)
         raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: "

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from helpers import LAUNCH_ENV, quick_recipe
+from helpers import LAUNCH_ENV, quick_recipe, run_hpclb
 from torch import nn
 
 from hpclb.comm.local import SelfCommunicator
@@ -106,6 +106,20 @@ def test_hpclb_train_resume_refuses_a_library_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match=r"library loop \(hpclb.Checkpointer\), not by hpclb "
                                           r"train.*no run settings"):
         check_resumable(cfg, state, tmp_path / "lib" / "checkpoint.pt")
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--overwrite"])
+def test_hpclb_train_names_a_library_checkpoint_directory_given_as_out(tmp_path, flag):
+    """`hpclb train --out DIR` on a library loop's checkpoint directory: exit 2, nothing
+    touched, and the message says what the files are (hpclb.Checkpointer's, with no run's
+    config.json) rather than only "files hpclb did not write"."""
+    _library_checkpoint(tmp_path / "lib")
+    before = sorted(p.name for p in (tmp_path / "lib").rglob("*"))
+    p = run_hpclb("train", quick_recipe(tmp_path), "--out", tmp_path / "lib", flag,
+                  timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "hpclb.Checkpointer" in p.stderr and "config.json" in p.stderr, p.stderr
+    assert sorted(p.name for p in (tmp_path / "lib").rglob("*")) == before
 
 
 MID_WINDOW = '''

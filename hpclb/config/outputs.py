@@ -180,9 +180,20 @@ def refuse_foreign(out: str | Path, flag: str = "--out") -> None:
     if found:
         shown = ", ".join(found[:_SHOWN]) + (f" and {len(found) - _SHOWN} more"
                                              if len(found) > _SHOWN else "")
-        raise ConfigError(f"{flag} {out} holds files hpclb did not write where a run writes its "
-                          f"own ({shown}); hpclb never deletes or replaces them, not even with "
-                          f"--overwrite: choose another {flag}, or move them out of {out}")
+        what = ("checkpoints with no run's config.json beside them (as hpclb.Checkpointer "
+                "writes for a library loop: hpclb train resumes only the runs it started)"
+                if _only_checkpoints(found) else "files hpclb did not write")
+        raise ConfigError(f"{flag} {out} holds {what} where a run writes its own ({shown}); "
+                          f"hpclb never deletes or replaces them, not even with --overwrite: "
+                          f"choose another {flag}, or move them out of {out}")
+
+
+def _only_checkpoints(found: list[str]) -> bool:
+    """Whether the foreign entries ``found`` all have a checkpoint's names (a directory of a
+    library loop's :class:`hpclb.Checkpointer`)."""
+    return all(f in ("checkpoint.pt", "checkpoint.pt.sha256") or
+               (f.startswith("checkpoints/") and
+                _INSIDE["checkpoints"].fullmatch(f[len("checkpoints/"):])) for f in found)
 
 
 def check_run_dir(out: str | Path, *, resume: bool, overwrite: bool, flag: str = "--out",

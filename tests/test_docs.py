@@ -71,6 +71,18 @@ def test_design_names_every_module():
     assert modules and not missing, f"docs/design.md's layer table lacks {missing}"
 
 
+def test_cli_sync_settings_table_is_the_declaration():
+    """docs/cli.md's table of gradient-sync settings is hpclb.config.sync_settings_table()."""
+    from hpclb.config import sync_settings_table
+
+    text = (REPO / "docs" / "cli.md").read_text()
+    start = text.index("<!-- sync-settings-table:")
+    body = text[text.index("\n", start) + 1:text.index("<!-- end sync-settings-table -->")]
+    assert body == sync_settings_table(), (
+        "docs/cli.md's sync settings table differs from the declaration; replace it with: "
+        "python -c 'from hpclb.config import sync_settings_table as t; print(t(), end=\"\")'")
+
+
 def test_cli_settings_table_is_the_declaration():
     """docs/cli.md's table of run settings is hpclb.config.settings_table(), generated from the
     one declaration of each setting (hpclb/config/fields.py): it cannot drift from the flags and

@@ -133,7 +133,13 @@ def _recipe_device(args: argparse.Namespace) -> str:
 def _resolve(args: argparse.Namespace, comm):
     """The run's RunConfig from the flags, after the checks that need the world size;
     ConfigError (on every rank alike) for a bad setting."""
-    from hpclb.config import SETTINGS, check_checkpoint_interval, check_expect_world_size, resolve
+    from hpclb.config import (
+        SETTINGS,
+        SYNC_SETTINGS,
+        check_checkpoint_interval,
+        check_expect_world_size,
+        resolve,
+    )
     from hpclb.train.profile import parse_profile_steps
 
     check_checkpoint_interval(args.checkpoint_interval)
@@ -150,6 +156,7 @@ def _resolve(args: argparse.Namespace, comm):
                    optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
                    data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr,
                    overwrite=args.overwrite, compile=args.compile,
+                   sync={name: getattr(args, name) for name in SYNC_SETTINGS},
                    **{name: getattr(args, name) for name in SETTINGS})
 
 

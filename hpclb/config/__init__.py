@@ -16,7 +16,13 @@ reads) are computed from the registries when read, so that registered additions 
 """
 from __future__ import annotations
 
-from hpclb.config.fields import SETTINGS, RunSettings, settings_table
+from hpclb.config.fields import (
+    SETTINGS,
+    SYNC_SETTINGS,
+    RunSettings,
+    settings_table,
+    sync_settings_table,
+)
 from hpclb.config.recipe import available_experiments, load_recipe, parse_recipe
 from hpclb.config.schema import (
     DEVICES,
@@ -43,10 +49,12 @@ from hpclb.tasks.spec import (
 )
 
 __all__ = ["COMPILE_MODES", "DATASETS", "DEVICES", "LR_WARN_ABOVE", "OPTIMIZERS", "PRECISIONS",
-           "RECIPE_KEYS", "RUN_SETTINGS", "SETTINGS", "TASKS", "ConfigError", "DataSpec",
+           "RECIPE_KEYS", "RUN_SETTINGS", "SETTINGS", "SYNC_SETTINGS", "TASKS", "ConfigError",
+           "DataSpec",
            "ModelSpec", "OptimizerSpec", "Recipe", "RecipeWarning", "RunConfig", "RunSettings",
            "ScheduleSpec", "TargetSpec", "available_experiments", "check_checkpoint_interval",
-           "check_expect_world_size", "load_recipe", "parse_recipe", "resolve", "settings_table"]
+           "check_expect_world_size", "load_recipe", "parse_recipe", "resolve", "settings_table",
+           "sync_settings_table"]
 
 
 def __getattr__(name: str):

@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from hpclb.comm.base import Communicator
+from hpclb.config.fields import SYNC_SETTINGS
 from hpclb.errors import ConfigError
 from hpclb.sync.options import (
     DEFAULT_COMM_POLL_S,
@@ -60,6 +61,8 @@ def run_settings(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         value = getattr(cfg, f.name)
         if f.name == "recipe":
             settings.update(_recipe_fields(value, "recipe"))
+        elif f.name == "sync":  # each gradient-sync setting by its flag
+            settings.update({f"sync.{k} ({SYNC_SETTINGS[k].flag})": v for k, v in value.items()})
         elif f.name not in LOCATIONS:
             settings[f"{f.name} ({_FLAGS.get(f.name, '--' + f.name.replace('_', '-'))})"] = value
     for name, (default, parse) in AGREED_ENVIRONMENT.items():

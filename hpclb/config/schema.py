@@ -13,7 +13,14 @@ import math
 import warnings
 from typing import Any
 
-from hpclb.config.fields import DEVICES, PRECISIONS, SETTINGS, check_setting, recipe_where
+from hpclb.config.fields import (
+    DEVICES,
+    PRECISIONS,
+    SETTINGS,
+    check_setting,
+    check_sync_section,
+    recipe_where,
+)
 from hpclb.data.registry import DATASETS
 from hpclb.errors import ConfigError, RecipeWarning
 from hpclb.models import MODELS
@@ -46,6 +53,8 @@ RECIPE_KEYS = (
     "tuning",              # free text: how the B0 hyper-parameters were tuned
     "per_gpu_batch",       # hpclb jobs render's default per-rank batch
     "plugin_path",         # extra directories (relative to the recipe) to import plug-ins from
+    "sync",                # {fusion_threshold_bytes, overlap, compression, stall_timeout_s,
+                           #  stall_abort_s}: gradient sync (hpclb/config/fields.py)
     *SETTINGS,
 )
 
@@ -479,3 +488,5 @@ def check_settings(recipe: dict, where: str, epochs: float | None = None) -> Non
     for key in SETTINGS:
         if key in recipe:
             check_setting(key, recipe[key], recipe_where(key, where))
+    if recipe.get("sync") is not None:
+        check_sync_section(recipe["sync"], where)

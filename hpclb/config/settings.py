@@ -6,11 +6,12 @@ rank raises the same error.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 from hpclb import schedules
-from hpclb.config.fields import SETTINGS, RunSettings, setting_value
+from hpclb.config.fields import SETTINGS, RunSettings, resolve_sync, setting_value
 from hpclb.config.outputs import default_run_dir
 from hpclb.config.recipe import load_recipe
 from hpclb.config.schema import check_lr, positive_int, positive_number, require
@@ -53,6 +54,10 @@ class RunConfig(RunSettings):
     lr: float | None = None
     overwrite: bool = False
     compile: str | None = None
+    #: the gradient-sync settings (:data:`~hpclb.config.fields.SYNC_SETTINGS`, resolved:
+    #: flag, else ``$HPCLB_*``, else the recipe's ``sync:``, else the default; ``stall_abort_s``
+    #: None: never); empty: the library's (``GradientSync`` reads ``$HPCLB_*`` itself)
+    sync: dict = field(default_factory=dict)
 
     @cached_property
     def spec(self) -> Recipe:
@@ -171,7 +176,7 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
             optimizer: str | None = None, epochs: float | None = None, seed: int = 0,
             data_dir: str | None = None, out: str | None = None,
             resume: bool | str = False, lr: float | None = None, overwrite: bool = False,
-            compile: str | None = None, **settings) -> RunConfig:
+            compile: str | None = None, sync: dict | None = None, **settings) -> RunConfig:
     """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
 
     ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``settings``: the command
@@ -182,9 +187,12 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     defaults to ``runs/<name>/<scaling>-b<batch>``;
     ``overwrite`` lets a new run replace a run already there (checked by
     :func:`hpclb.train.setup.setup_run`). ``compile``: None, or the ``torch.compile`` mode the
-    model's forward is compiled with (:data:`COMPILE_MODES`). Raises ConfigError naming the bad
-    field and its command-line flag, TypeError for a keyword that is not a setting;
-    warns (:class:`RecipeWarning`) for valid values outside their sensible range.
+    model's forward is compiled with (:data:`COMPILE_MODES`). ``sync``: the command line's
+    gradient-sync settings (``{"compression": "bf16"}``; :func:`~hpclb.config.fields.
+    resolve_sync` applies ``$HPCLB_*`` and the recipe's ``sync:`` once, here).
+    Raises ConfigError naming the bad field and its command-line flag, TypeError for a keyword
+    that is not a setting; warns (:class:`RecipeWarning`) for valid values outside their
+    sensible range.
     """
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
@@ -219,4 +227,6 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
                      optimizer_params=dict(spec.optimizers[opt].params),
                      epochs=float(n_epochs), seed=seed, data_dir=data_dir,
                      out=out or default_run_dir(spec.name, scaling, batch), resume=resume,
-                     overwrite=overwrite, lr=lr, compile=compile, **values)
+                     overwrite=overwrite, lr=lr, compile=compile,
+                     sync=resolve_sync(recipe.get("sync"), sync or {}, dict(os.environ),
+                                       f"recipe {spec.name}"), **values)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,15 @@ class Run:
             stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
         stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
         return stack
+
+
+def _sync_options(sync: dict) -> dict:
+    """``cfg.sync`` (resolved once, with ``$HPCLB_*`` applied) as GradientSync's arguments:
+    ``stall_abort_s`` None (never) is infinity there (None would mean "the default")."""
+    if not sync:
+        return {}
+    return {**sync, "stall_abort_s": math.inf if sync["stall_abort_s"] is None
+            else sync["stall_abort_s"]}
 
 
 def build_optimizer(name: str, model: nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:
@@ -254,7 +264,8 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, start: Decisi
                                      max_nonfinite_steps=cfg.max_nonfinite_steps, scaler=scaler,
                                      track_local_norm=cfg.noise_scale and comm.world_size > 1,
                                      loss_prescaled=prescale_exactly(
-                                         comm.world_size * cfg.accumulation_steps, scaler))
+                                         comm.world_size * cfg.accumulation_steps, scaler),
+                                     **_sync_options(cfg.sync))
     scheduler = ScheduleLR(inner, sched)
     task.setup(per_rank_batch=per_rank, global_batch=cfg.global_batch_size, rank=comm.rank,
                world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=sched.steps_per_epoch,

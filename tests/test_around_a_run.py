@@ -165,7 +165,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, ranks):
                  f"global 1024 = {ranks} x {per_rank} per rank", "B0 128, k = 8",
                  "legw: peak 0.005657 (B0: 0.002)", "warmup       117 steps = 1.983 epochs "
                  "(9.9% of the run)", "1180 = 20 epochs x 59 steps/epoch on 60000 images",
-                 f"{out}: a new run"):
+                 f"{out}: a new run", "sync         buckets of 25 MiB, overlap auto, "
+                 "compression none, stall report after 60 s, abort after 600 s"):
         assert want in stdout, stdout
     assert "more than half" not in stderr and not out.exists() and "epoch   1/" not in stdout
 

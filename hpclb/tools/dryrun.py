@@ -107,6 +107,7 @@ def plan_run(cfg: RunConfig, comm, devices: list[str],
         "train_samples": n, "sample_unit": unit, "out": _out_plan(cfg),
         "profile": None if profile is None else f"steps {profile[0] + 1} to {profile[1]} -> "
                                                 f"{cfg.out}/profile/rank<r>/",
+        "sync": dict(cfg.sync),
     }
 
 
@@ -129,6 +130,13 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"steps/epoch on {p['train_samples']} {p['sample_unit']}",
         f"  out          {p['out']}",
     ]
+    if p.get("sync"):
+        s = p["sync"]
+        abort = ("no abort" if s["stall_abort_s"] is None else
+                 f"abort after {s['stall_abort_s']:g} s")
+        lines.insert(-1, f"  sync         buckets of {s['fusion_threshold_bytes'] / 2**20:g} MiB, "
+                         f"overlap {s['overlap']}, compression {s['compression']}, stall report "
+                         f"after {s['stall_timeout_s']:g} s, {abort}")
     if p.get("profile"):
         lines.append(f"  profile      {p['profile']}")
     return "\n".join(lines)

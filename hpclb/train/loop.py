@@ -5,19 +5,22 @@
    per-rank random streams; the optimizer wrapped in
    :class:`~hpclb.sync.optimizer.DistributedOptimizer`.
 2. Each step (:func:`train_step`), each rank reads its share of the global batch from the
-   :class:`~hpclb.tasks.Task` (a :class:`~hpclb.data.sampler.GlobalBatchSampler`: no padding,
-   the same global batch at every world size; language models: this rank's token streams),
-   copies it to the device and runs forward (under autocast for bf16/fp16) and backward, as
+   :class:`~hpclb.tasks.Task` in one call (``Task.micro_batches``, on the device; a
+   :class:`~hpclb.data.sampler.GlobalBatchSampler`: no padding, the same global batch at every
+   world size; language models: this rank's token streams) and runs forward (in
+   ``run.autocast``: bf16/fp16) and backward, as
    ``accumulation_steps`` micro-batches, each part's mean loss weighted by
    ``GradientSync.loss_weight`` so the averaged gradient is the exact mean over the global
    batch, even when the last step's shares are uneven. The gradients are averaged during
    backward (fused buckets); the window's last backward waits for them. Then ONE
    ``DistributedOptimizer.step()`` guards against non-finite values, clips, steps.
 3. The LR comes from :mod:`hpclb.schedules` for this global step (LEGW or a baseline).
-4. Every ``log_every`` steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios,
-   samples/s, compute vs exposed communication, skipped steps, device memory) goes to
-   ``metrics.jsonl`` and TensorBoard (:mod:`hpclb.train.metrics`); statistics stay on the device in
-   between. At each epoch end: metrics reduced over ranks, BatchNorm buffers averaged, evaluation,
+4. After each step one call, ``StepLog.after_step``, logs and shows it: every ``log_every``
+   steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios, samples/s, compute vs
+   exposed communication, skipped steps, device memory) goes to ``metrics.jsonl`` and
+   TensorBoard (:mod:`hpclb.train.metrics`), statistics staying on the device in between; on
+   rank 0 the progress bar or line when due. At each epoch end: metrics reduced over ranks,
+   BatchNorm buffers averaged, evaluation,
    an epoch line, a checkpoint.
 
 Preemption: SIGUSR2/SIGTERM only set a flag; at the next step the ranks agree (allreduce max),

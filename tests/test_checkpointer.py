@@ -178,3 +178,26 @@ def test_a_signal_inside_an_accumulation_window_is_saved_at_the_windows_end(tmp_
     a, b = json.loads(whole.stdout), json.loads(resumed.stdout)
     assert b["resumed_from"] == 8 and b["updates"] == a["updates"] == 8
     assert b["sha"] == a["sha"]
+
+
+def test_preemption_flag_carries_rank_0s_checkpoint_clock(monkeypatch):
+    """``checkpoint_interval_s``: agreed() sets checkpoint_now once the clock is that far past
+    checkpoint_saved() (no signal: not a stop), and checkpoint_saved() restarts it."""
+    from hpclb.train import preemption as pre
+
+    clock = {"t": 50.0}
+    monkeypatch.setattr(pre.time, "monotonic", lambda: clock["t"])
+    flag = pre.PreemptionFlag(checkpoint_interval_s=10.0)
+    never = pre.PreemptionFlag()
+    try:
+        comm = SelfCommunicator()
+        clock["t"] = 59.0
+        assert not flag.agreed(comm) and not flag.checkpoint_now
+        clock["t"] = 60.0
+        assert not flag.agreed(comm) and flag.checkpoint_now
+        assert not never.agreed(comm) and not never.checkpoint_now
+        flag.checkpoint_saved()
+        assert not flag.agreed(comm) and not flag.checkpoint_now
+    finally:
+        never.restore()
+        flag.restore()

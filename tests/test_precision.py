@@ -4,8 +4,9 @@ optimizer state in fp32, count the fp16 scaler's skipped steps in summary.json, 
 within ACCURACY_TOLERANCE of fp32, and a fp16 checkpoint resumes with its scaler state.
 
 CPU autocast casts nn.LSTM to bf16/fp16, and oneDNN has no such LSTM primitive on a CPU without
-avx512_bf16/AMX; hpclb/train/setup.py's Run.autocast turns oneDNN off around the forward of a model
-holding an RNN on the CPU, so the native kernels run (the CLI test below is the check).
+avx512_bf16/AMX; hpclb/train/setup.py's forward_context (Run.autocast) turns oneDNN off around
+the forward of a model holding an RNN on the CPU, so the native kernels run (the CLI test below
+is the check).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def test_parameters_gradients_and_state_stay_fp32(tmp_path, mnist_dir, precision
     run = run_mod.setup_run(cfg, SelfCommunicator())
     run.task.start_epoch(0)
     sums = torch.zeros(3, dtype=torch.float64)
-    with run.autocast():
+    with run.autocast:
         logits = run.model(run.task.batch(0)[0])
     assert logits.dtype == run_mod.PRECISIONS[precision]   # the forward is in low precision
     for i in range(3):

@@ -107,3 +107,24 @@ def test_a_closed_stdout_does_not_end_the_run(tmp_path, mnist_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "run" / "summary.json").is_file()
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
+
+
+def test_due_at_says_when_an_update_has_something_to_show(monkeypatch):
+    """The step log calls update() only from due_at on: every every_s for lines, every step
+    for a bar, never when disabled or between epochs."""
+    clock = {"t": 100.0}
+    monkeypatch.setattr(P.time, "monotonic", lambda: clock["t"])
+    lines = P.Progress(True, n_epochs=1, total_steps=10, global_batch=1, every_s=30,
+                       stream=io.StringIO(), tty=False)
+    off = P.Progress(False, n_epochs=1, total_steps=10, global_batch=1, stream=io.StringIO())
+    bar = P.Progress(True, n_epochs=1, total_steps=10, global_batch=1, stream=io.StringIO(),
+                     tty=True)
+    for p in (lines, off, bar):
+        p.start_epoch(0, 0, 10, 0)
+    assert (lines.due_at, off.due_at, bar.due_at) == (130.0, float("inf"), 0.0)
+    clock["t"] = 131.0
+    lines.update(0, 1, 0.1, None)
+    assert lines.due_at == 161.0
+    lines.end_epoch()
+    bar.end_epoch()
+    assert lines.due_at == bar.due_at == float("inf")

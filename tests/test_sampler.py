@@ -129,6 +129,63 @@ def test_classification_task_draws_each_sample_once_at_any_world_size(parts):
         assert set(steps[3][i].tolist()) == set(steps[6][i].tolist()) == set(steps[1][i].tolist())
 
 
+def _parts_path(task, i, parts):
+    """Step i as the loop read it before Task.micro_batches: global_size, part_size, batch."""
+    return [(task.part_size(i, p, parts)[0], task.global_size(i),
+             task.batch(i, p, parts) if task.part_size(i, p, parts)[0] else None)
+            for p in range(parts)]
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_micro_batches_are_the_parts_path_in_one_call(parts):
+    """N=13, B=8 on 3 ranks: the short last step has uneven and empty pieces; one call gives
+    what global_size, part_size and batch give, for the one-pass kind and a subclass that
+    reads its own batches (a plug-in's override is still used)."""
+    from hpclb.tasks import ClassificationTask
+
+    class Doubled(ClassificationTask):
+        def batch(self, i, part=0, parts=1):
+            x, y = super().batch(i, part, parts)
+            return 2 * x, y
+
+    for kind in (ClassificationTask, Doubled):
+        for r in range(3):
+            t = kind(_Split(13), _Split(1))
+            t.setup(per_rank_batch=3, global_batch=8, rank=r, world_size=3, seed=2,
+                    steps_per_epoch=2)
+            t.start_epoch(1)
+            for i in range(2):
+                got = list(t.micro_batches(i, parts, torch.device("cpu")))
+                want = _parts_path(t, i, parts)
+                assert [g[:2] for g in got] == [w[:2] for w in want]
+                assert all((g[2] is None) == (w[2] is None) for g, w in zip(got, want))
+                assert all(torch.equal(g[2][0], w[2][0]) and torch.equal(g[2][1], w[2][1])
+                           for g, w in zip(got, want) if w[2] is not None)
+    t = Doubled(_Split(13), _Split(1))
+    t.setup(per_rank_batch=8, global_batch=8, rank=0, world_size=1, seed=2, steps_per_epoch=2)
+    (_, _, (x, _)), = t.micro_batches(0, 1, torch.device("cpu"))
+    assert torch.equal(x, 2 * t.sampler.share(0))
+
+
+def test_task_micro_batches_default_goes_through_the_plug_in_interface():
+    """A plug-in Task that defines only batch and part_size (and global_batch in setup) is read
+    by the default Task.micro_batches: sizes from it, the batch moved to the device."""
+    from hpclb.tasks import Task
+
+    class Mine(Task):
+        global_batch = 6
+
+        def batch(self, i, part=0, parts=1):
+            return {"x": torch.full((2,), float(10 * i + part))}
+
+        def part_size(self, i, part, parts):
+            return (0 if part == 1 else 2), 2 * parts
+
+    got = list(Mine().micro_batches(3, 3, torch.device("cpu")))
+    assert [(n, g) for n, g, _ in got] == [(2, 6), (0, 6), (2, 6)]
+    assert got[1][2] is None and torch.equal(got[2][2]["x"], torch.full((2,), 32.0))
+
+
 def test_classification_task_rejects_a_schedule_with_other_steps_per_epoch():
     from hpclb.tasks import ClassificationTask
 

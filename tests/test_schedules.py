@@ -176,3 +176,30 @@ def test_schedule_lr_load_state_dict_restores_the_step_lr():
     assert sch2.get_last_lr() == pytest.approx([s.lr(151)])
     with pytest.raises(ValueError, match="last_epoch"):
         sch2.load_state_dict({"last_epoch": -3})
+
+
+def test_schedule_lr_steps_set_the_schedules_lr_times_lr_scale_as_torch_would():
+    """ScheduleLR.step sets each group's LR itself after the first update: the same values as
+    torch's get_lr path (schedule.lr(step) * lr_scale), tensor LRs filled in place,
+    get_last_lr() and last_epoch kept, and torch's order warning still given."""
+    import warnings
+
+    s = S.Schedule(peak_lr=0.4, warmup_steps=3, total_steps=10, steps_per_epoch=5,
+                   decay="poly", decay_params={"power": 2.0})
+    w = torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [w]}, {"params": [b], "lr_scale": 0.5,
+                                             "lr": torch.tensor(0.0)}], lr=0.0)
+    sch = ScheduleLR(opt, s)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sch.step()  # before any optimizer.step(): torch's warning
+    assert any("optimizer.step()" in str(c.message) for c in caught)
+    for step in range(2, 9):
+        opt.step()
+        sch.step()
+        assert sch.last_epoch == step
+        assert opt.param_groups[0]["lr"] == s.lr(step)
+        assert float(opt.param_groups[1]["lr"]) == pytest.approx(0.5 * s.lr(step), rel=1e-6)
+        assert sch.get_last_lr()[0] == s.lr(step) and sch.get_lr()[0] == s.lr(step)
+    assert torch.is_tensor(opt.param_groups[1]["lr"])

@@ -64,16 +64,19 @@ class GlobalBatchSampler:
         g.manual_seed(self.seed + epoch)
         self.permutation = torch.randperm(self.num_samples, generator=g)
 
-    def _check_step(self, i: int) -> int:
+    def global_batch_indices(self, i: int) -> torch.Tensor:
+        """Sample indices of global step ``i`` over all ranks: int64 ``[global_size(i)]``.
+        Raises IndexError when ``i`` is not a step of the epoch."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.steps_per_epoch:
             raise IndexError(f"GlobalBatchSampler: step {i!r} is outside the epoch's "
                              f"{self.steps_per_epoch} steps [0, {self.steps_per_epoch})")
-        return i
-
-    def global_batch_indices(self, i: int) -> torch.Tensor:
-        """Sample indices of global step ``i`` over all ranks: int64 ``[global_size(i)]``."""
         b = self.global_batch
-        return self.permutation[self._check_step(i) * b:(i + 1) * b]
+        return self.permutation[i * b:(i + 1) * b]
+
+    def step(self, i: int) -> tuple[int, torch.Tensor]:
+        """``(global_size(i), share(i))`` in one call: what a training step needs."""
+        batch = self.global_batch_indices(i)
+        return len(batch), batch[self.rank::self.world_size]
 
     def share(self, i: int) -> torch.Tensor:
         """This rank's sample indices in global step ``i``: int64 ``[n]`` with
@@ -82,7 +85,7 @@ class GlobalBatchSampler:
 
     def global_size(self, i: int) -> int:
         """Samples in global step ``i`` over all ranks: ``B``, or ``N - i * B`` on the last."""
-        return min(self.global_batch, self.num_samples - self._check_step(i) * self.global_batch)
+        return len(self.global_batch_indices(i))
 
     def __len__(self) -> int:
         """Samples this rank draws in one epoch (sum of its shares' sizes)."""

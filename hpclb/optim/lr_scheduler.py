@@ -51,13 +51,29 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
         return [lr * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
 
     def step(self, epoch=None) -> None:
-        """Advance one global step (with ``updates``: only after a new optimizer update)."""
+        """Advance one global step (with ``updates``: only after a new optimizer update) and
+        set every group's LR to ``schedule.lr(step) * lr_scale`` directly. The first two calls
+        (construction's and the first update's, where torch warns about a ``step()`` before
+        ``optimizer.step()``) and a deprecated ``epoch`` go through torch's ``step()``."""
         if self._updates is not None and self.last_epoch >= 0:
             seen = self._updates()
             if seen == self._seen:
                 return  # no optimizer update since the last step(): hold the LR
             self._seen = seen
-        super().step(epoch)
+        if epoch is not None or self._step_count <= 1:
+            super().step(epoch)
+            return
+        self._step_count += 1
+        self.last_epoch += 1
+        lr, last = self.schedule.lr(self.last_epoch), []
+        for group in self.optimizer.param_groups:
+            value = lr * group.get("lr_scale", 1.0)
+            if isinstance(group["lr"], torch.Tensor):  # a tensor LR (capturable): in place
+                group["lr"].fill_(value)
+            else:
+                group["lr"] = value
+            last.append(group["lr"])
+        self._last_lr = last
 
     def state_dict(self) -> dict:
         state = {"last_epoch": self.last_epoch}

@@ -4,7 +4,8 @@ The loop in :mod:`hpclb.train.loop` is the same for every kind; a :class:`Task` 
 
 - ``num_train_samples``: ``N`` of the schedule (``steps_per_epoch = ceil(N / B)``, docs/design.md);
 - ``start_epoch(epoch)`` then ``batch(i)`` for step ``i`` of the epoch: this rank's share of the
-  global batch (the union over ranks is the same global batch at every world size);
+  global batch (the union over ranks is the same global batch at every world size; the loop
+  reads a step through ``micro_batches(i, parts, device)``, which by default calls these);
   ``batch(i, part, parts)`` is micro-batch ``part`` of ``parts`` of that share (gradient
   accumulation), and ``part_size(i, part, parts) -> (n_part, n_share)`` the units (samples,
   sentences, streams) the two mean losses average over, so that the loop can weight the parts;
@@ -23,7 +24,7 @@ reader returned (:mod:`hpclb.data.registry`) for the recipe's data section ``spe
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -94,6 +95,20 @@ class Task:
             raise NotImplementedError(f"{type(self).__name__}.global_size: store global_batch "
                                       f"in setup() or override global_size(i)")
         return int(size)
+
+    def micro_batches(self, i: int, parts: int, device: torch.device
+                      ) -> Iterator[tuple[int, int, Any]]:
+        """Step ``i``'s ``parts`` micro-batches of this rank's share, in order, one
+        ``(n_part, n_global, batch)`` each: ``n_part`` units in the micro-batch (0: an empty
+        one, ``batch`` None), ``n_global`` units in the global step over all ranks (the loss
+        weight's denominator) and ``batch`` on ``device``. What the training loop calls; the
+        default goes through :meth:`global_size`, :meth:`part_size`, :meth:`batch` and
+        :func:`to_device`, so a task needs only those (a kind may override it with one pass)."""
+        n_global = self.global_size(i)
+        for part in range(parts):
+            n_part, _ = self.part_size(i, part, parts)
+            yield n_part, n_global, (to_device(self.batch(i, part, parts), device) if n_part
+                                     else None)
 
     def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

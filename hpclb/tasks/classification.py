@@ -37,6 +37,7 @@ class ClassificationTask(Task):
         self.train_set, self.test_set = train, test
         self.num_train_samples, self.num_test_samples = len(train), len(test)
         self.num_workers = num_workers
+        self._normalize = getattr(train, "normalize", None)  # uint8 images -> model inputs
 
     @classmethod
     def from_data(cls, data, spec, *, train_samples=None, test_samples=None):
@@ -53,6 +54,9 @@ class ClassificationTask(Task):
         None: pinned when CUDA is in use in this process)."""
         self.per_rank_batch, self.seed, self.device = per_rank_batch, seed, device
         self.epoch, self._step_loader = 0, None
+        # a subclass that reads its own batches or sizes keeps them (Task.micro_batches' path)
+        self._one_pass = all(getattr(type(self), m) is getattr(ClassificationTask, m)
+                             for m in ("batch", "part_size", "global_size", "_part_indices"))
         self.sampler = GlobalBatchSampler(self.num_train_samples, global_batch, rank, world_size,
                                           seed)
         if self.sampler.steps_per_epoch != steps_per_epoch:
@@ -65,6 +69,7 @@ class ClassificationTask(Task):
         self.sampler.set_epoch(epoch)
         if hasattr(self.train_set, "set_epoch"):  # per-sample augmentation draws (ImageFolder)
             self.train_set.set_epoch(epoch, seed=self.seed)
+        self._loader()  # the loader workers, if any, before the epoch's first batch
 
     def _part_indices(self, i: int, part: int = 0, parts: int = 1) -> torch.Tensor:
         """Indices of micro-batch ``part`` of ``parts`` of this rank's step ``i``: near-equal
@@ -72,6 +77,24 @@ class ClassificationTask(Task):
         mine = self.sampler.share(i)
         n = len(mine)
         return mine[part * n // parts:(part + 1) * n // parts]
+
+    def micro_batches(self, i, parts, device):
+        """:meth:`Task.micro_batches` in one pass: the sampler's step ``i`` once, cut into the
+        pieces of :meth:`_part_indices`, each read as :meth:`batch` reads it (a subclass that
+        overrides those: through them, as :class:`Task` does)."""
+        if not self._one_pass:
+            yield from super().micro_batches(i, parts, device)
+            return
+        n_global, mine = self.sampler.step(i)
+        n, loader = len(mine), self._step_loader
+        for part in range(parts):
+            idx = mine[part * n // parts:(part + 1) * n // parts]
+            if not len(idx):
+                yield 0, n_global, None
+                continue
+            x, y = (loader.batch(self.epoch, i, part, parts) if loader is not None
+                    else self.train_set.batch(idx))
+            yield len(idx), n_global, (to_device(x, device), to_device(y, device))
 
     def part_size(self, i, part, parts):
         return len(self._part_indices(i, part, parts)), len(self._part_indices(i))
@@ -115,7 +138,8 @@ class ClassificationTask(Task):
 
     def loss(self, model, batch):
         x, y = batch
-        logits = model(self._inputs(self.train_set, x))
+        normalize = self._normalize
+        logits = model(x if normalize is None else normalize(x))
         loss = F.cross_entropy(logits, y)
         with torch.no_grad():  # on the device: no host sync per step
             stats = torch.stack([loss.detach().double() * len(y),

@@ -73,6 +73,7 @@ class Seq2seqTask(Task):
 
     setup = ClassificationTask.setup
     start_epoch = ClassificationTask.start_epoch
+    _loader = ClassificationTask._loader  # None: no ``sample`` method, pairs read in the thread
 
     @property
     def train_set(self):

@@ -39,6 +39,7 @@ HOST_SIDE = (
     (f"hpclb{os.sep}data{os.sep}", "*"),
     (f"hpclb{os.sep}tasks{os.sep}", "batch"),
     (f"hpclb{os.sep}tasks{os.sep}", "_part_indices"),
+    (f"hpclb{os.sep}tasks{os.sep}", "micro_batches"),
     (f"hpclb{os.sep}tasks{os.sep}", "part_size"),
     (f"hpclb{os.sep}tasks{os.sep}", "global_size"),
     (f"torch{os.sep}nn{os.sep}utils{os.sep}rnn.py", "*"),

@@ -5,19 +5,22 @@
    per-rank random streams; the optimizer wrapped in
    :class:`~hpclb.sync.optimizer.DistributedOptimizer`.
 2. Each step (:func:`train_step`), each rank reads its share of the global batch from the
-   :class:`~hpclb.tasks.Task` (a :class:`~hpclb.data.sampler.GlobalBatchSampler`: no padding,
-   the same global batch at every world size; language models: this rank's token streams),
-   copies it to the device and runs forward (under autocast for bf16/fp16) and backward, as
+   :class:`~hpclb.tasks.Task` in one call (``Task.micro_batches``, on the device; a
+   :class:`~hpclb.data.sampler.GlobalBatchSampler`: no padding, the same global batch at every
+   world size; language models: this rank's token streams) and runs forward (in
+   ``run.autocast``: bf16/fp16) and backward, as
    ``accumulation_steps`` micro-batches, each part's mean loss weighted by
    ``GradientSync.loss_weight`` so the averaged gradient is the exact mean over the global
    batch, even when the last step's shares are uneven. The gradients are averaged during
    backward (fused buckets); the window's last backward waits for them. Then ONE
    ``DistributedOptimizer.step()`` guards against non-finite values, clips, steps.
 3. The LR comes from :mod:`hpclb.schedules` for this global step (LEGW or a baseline).
-4. Every ``log_every`` steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios,
-   samples/s, compute vs exposed communication, skipped steps, device memory) goes to
-   ``metrics.jsonl`` and TensorBoard (:mod:`hpclb.train.metrics`); statistics stay on the device in
-   between. At each epoch end: metrics reduced over ranks, BatchNorm buffers averaged, evaluation,
+4. After each step one call, ``StepLog.after_step``, logs and shows it: every ``log_every``
+   steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios, samples/s, compute vs
+   exposed communication, skipped steps, device memory) goes to ``metrics.jsonl`` and
+   TensorBoard (:mod:`hpclb.train.metrics`), statistics staying on the device in between; on
+   rank 0 the progress bar or line when due. At each epoch end: metrics reduced over ranks,
+   BatchNorm buffers averaged, evaluation,
    an epoch line, a checkpoint.
 
 Preemption: SIGUSR2/SIGTERM only set a flag; at the next step the ranks agree (allreduce max),
@@ -48,7 +51,6 @@ from hpclb.config import RunConfig, check_checkpoint_interval
 from hpclb.data.paths import data_dir
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
 from hpclb.sync.agree import average_buffers
-from hpclb.tasks import to_device
 from hpclb.tasks.spec import metric_mode
 from hpclb.train.checkpointer import save_run_checkpoint
 from hpclb.train.metrics import RunLogger
@@ -85,21 +87,20 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
     ``first`` (float64 ``[3]``, zeros until then): receives the statistics of the first step
     that was not skipped (the reference of the explosion check).
     Returns the optimizer's verdict (False: a step skipped on the host)."""
-    task, opt, k = run.task, run.optimizer, run.cfg.accumulation_steps
+    opt = run.optimizer
     label = run.profiler.label if run.profiler is not None else contextlib.nullcontext
     opt.zero_grad()
-    n_global = task.global_size(i)
     before = sums.clone()
-    for part in range(k):
-        n_part, _ = task.part_size(i, part, k)
+    parts = run.task.micro_batches(i, run.cfg.accumulation_steps, run.device)
+    for _ in range(run.cfg.accumulation_steps):
+        with label("hpclb/data"):
+            n_part, n_global, batch = next(parts)  # on the device
         if not n_part:  # no samples of this micro-batch here: counted in the window, empty
             opt.sync.skip_micro_batch()
             continue
-        with label("hpclb/data"):
-            batch = to_device(task.batch(i, part, k), run.device)
         with label("hpclb/forward_backward"):  # the last one waits for the allreduce at its end
-            with run.autocast():
-                loss, stats = task.loss(run.model, batch)
+            with run.autocast:
+                loss, stats = run.task.loss(run.model, batch)
             weight = opt.sync.loss_weight(n_part, n_global)
             loss = loss if weight == 1 else loss * weight
             (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
@@ -192,7 +193,6 @@ def i_first(run: Run, epoch: int, begin: int) -> bool:
 
 
 def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, say,
-               checkpoint_interval_s: float | None, last_checkpoint: list[float],
                progress: Progress) -> dict:
     """One epoch (from the resumed step); returns its row. Raises Preempted, Diverged."""
     task, pos, sched = run.task, run.pos, run.schedule
@@ -218,15 +218,15 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
             if run.profiler is not None:
                 run.profiler.before_step(pos.global_step)
             stepped = train_step(run, i, sums, first)
-            steplog.after_step(sums, stepped)  # a log point also checks the skip limit
-            if run.profiler is not None:
+            steplog.after_step(sums, stepped, i)  # step lines (a log point checks the skip
+            if run.profiler is not None:          # limit) and the progress bar or line
                 run.profiler.after_step(pos.global_step)
         except NonFiniteError as e:
             raise _diverged(run, e, f"global step {at}, epoch {epoch + 1}, step {i + 1}/"
                                     f"{steps}") from e
-        progress.update(i, pos.global_step, sched.lr(pos.global_step - 1), steplog.last)
-        _agree_and_checkpoint(run, epoch, i, steps, sums, first, preempt, say, steplog,
-                              checkpoint_interval_s, last_checkpoint)
+        stop = preempt.agreed(run.comm)  # one allreduce: a signal on any rank, rank 0's clock
+        if stop or preempt.checkpoint_now:
+            _checkpoint_mid_epoch(run, epoch, i, steps, sums, first, steplog, preempt, say, stop)
     progress.end_epoch()
     try:
         return _epoch_row(run, epoch, sums, time.perf_counter() - t_epoch, bool(begin), steplog,
@@ -235,31 +235,25 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
         raise _diverged(run, e, f"global step {pos.global_step}, end of epoch {epoch + 1}") from e
 
 
-def _agree_and_checkpoint(run: Run, epoch: int, i: int, steps: int, sums: torch.Tensor,
-                          first: torch.Tensor | None, preempt: PreemptionFlag, say,
-                          steplog: StepLog, checkpoint_interval_s: float | None,
-                          last_checkpoint: list[float]) -> None:
-    """After step ``i``: the preemption / periodic checkpoint agreement (one allreduce), and
-    the checkpoint it asks for. Raises Preempted."""
-    comm, pos = run.comm, run.pos
-    since = time.monotonic() - last_checkpoint[0]
-    preempt.checkpoint_due = bool(comm.rank == 0 and checkpoint_interval_s and
-                                  since >= checkpoint_interval_s)
-    if preempt.agreed(comm):
-        _resolve_first_loss(run, first)
-        save_run_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
-        where = (f"checkpoint of global step {pos.global_step} (epoch {epoch + 1}, step "
-                 f"{i + 1}/{steps}) saved to {run.store.latest_path}")
-        preempt.requested = True  # on every rank, also those the signal missed
-        if preempt.interrupted:
-            say(f"interrupted (Ctrl-C): {where}; --resume continues from it")
-            raise Preempted(pos.global_step, "interrupted")
-        say(f"preempted: {where}; exiting with {PREEMPTED_EXIT_CODE} to requeue")
-        raise Preempted(pos.global_step)
-    if preempt.checkpoint_now:
-        _resolve_first_loss(run, first)
-        save_run_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
-        last_checkpoint[0] = time.monotonic()
+def _checkpoint_mid_epoch(run: Run, epoch: int, i: int, steps: int, sums: torch.Tensor,
+                          first: torch.Tensor | None, steplog: StepLog,
+                          preempt: PreemptionFlag, say, stop: bool) -> None:
+    """After step ``i``: the checkpoint the ranks agreed on (``preempt.agreed``); with ``stop``
+    (a signal on some rank) every rank then raises Preempted."""
+    _resolve_first_loss(run, first)
+    save_run_checkpoint(run, epoch, i + 1, sums, steplog.state_dict())
+    preempt.checkpoint_saved()
+    if not stop:
+        return
+    pos = run.pos
+    where = (f"checkpoint of global step {pos.global_step} (epoch {epoch + 1}, step "
+             f"{i + 1}/{steps}) saved to {run.store.latest_path}")
+    preempt.requested = True  # on every rank, also those the signal missed
+    if preempt.interrupted:
+        say(f"interrupted (Ctrl-C): {where}; --resume continues from it")
+        raise Preempted(pos.global_step, "interrupted")
+    say(f"preempted: {where}; exiting with {PREEMPTED_EXIT_CODE} to requeue")
+    raise Preempted(pos.global_step)
 
 
 class _Say:
@@ -329,7 +323,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     say = _Say(comm.rank == 0 and not quiet)
     _set_threads(comm)
     run = setup_run(cfg, comm, profile=profile)
-    preempt = PreemptionFlag(interrupt=True)  # before the header: a Ctrl-C then checkpoints
+    # before the header: a Ctrl-C then checkpoints
+    preempt = PreemptionFlag(interrupt=True, checkpoint_interval_s=checkpoint_interval_s)
     logger = None
     try:
         _header(run, say)
@@ -343,7 +338,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         logger = RunLogger(run.out, enabled=comm.rank == 0, tensorboard=tensorboard,
                            resume_step=run.pos.global_step if run.resumed_from is not None
                            else None)
-        _epochs(run, say, logger, preempt, checkpoint_interval_s, progress_every_s)
+        _epochs(run, say, logger, preempt, progress_every_s)
     except Diverged as d:  # the run directory says so (`hpclb compare`: diverged, not cut)
         if logger is not None:
             logger.log_diverged(run.pos.global_step if d.step is None else d.step, str(d))
@@ -377,24 +372,23 @@ def _trust_backend() -> str:
 
 
 def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,
-            checkpoint_interval_s: float | None, progress_every_s: float | None) -> None:
+            progress_every_s: float | None) -> None:
     """Every epoch left: its steps, its line and its checkpoint."""
     cfg, sched = run.cfg, run.schedule
-    steplog = StepLog(run, logger)
     n_epochs = math.ceil(sched.total_steps / sched.steps_per_epoch)
-    last_checkpoint = [time.monotonic()]
     progress = Progress(say.enabled, n_epochs=n_epochs, total_steps=sched.total_steps,
                         global_batch=cfg.global_batch_size, every_s=progress_every_s)
+    steplog = StepLog(run, logger, progress)
+    preempt.checkpoint_saved()  # the periodic checkpoints' clock starts with the first epoch
     for epoch in range(run.pos.epoch, n_epochs):
-        row = _run_epoch(run, epoch, preempt, steplog, say, checkpoint_interval_s,
-                         last_checkpoint, progress)
+        row = _run_epoch(run, epoch, preempt, steplog, say, progress)
         run.pos.history.append(row)
         logger.log_epoch(row)
         steplog.epoch_histograms()
         say(_epoch_line(row, n_epochs if float(cfg.epochs).is_integer() else cfg.epochs))
         save_run_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64),
                             steplog.state_dict())
-        last_checkpoint[0] = time.monotonic()
+        preempt.checkpoint_saved()
 
 
 def _epoch_line(row: dict, n_epochs: float) -> str:

@@ -10,6 +10,7 @@ clock (``--checkpoint-interval``) and, in ``hpclb train``, a Ctrl-C.
 from __future__ import annotations
 
 import signal
+import time
 
 import torch
 
@@ -27,7 +28,8 @@ class PreemptionFlag:
 
     SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
-    def __init__(self, interrupt: bool = False) -> None:
+    def __init__(self, interrupt: bool = False,
+                 checkpoint_interval_s: float | None = None) -> None:
         self.requested = False
         self.interrupted = False  # agreed: the stop was asked for by Ctrl-C, not a scheduler
         self._ctrl_c = False
@@ -35,6 +37,9 @@ class PreemptionFlag:
         # clock says so, and agreed() leaves checkpoint_now set on every rank.
         self.checkpoint_due = False
         self.checkpoint_now = False
+        # ... or rank 0's own clock does: due every checkpoint_interval_s (None/0: never)
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.checkpoint_saved()
         self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         if interrupt:
             self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
@@ -50,12 +55,20 @@ class PreemptionFlag:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self._ctrl_c = self.requested = True
 
+    def checkpoint_saved(self) -> None:
+        """Restart the periodic-checkpoint clock: a checkpoint was just saved (or the run
+        starts)."""
+        self._last_checkpoint = time.monotonic()
+
     def agreed(self, comm: Communicator) -> bool:
         """True on every rank when any rank received a signal (one 1-element allreduce); the same
-        allreduce sets ``checkpoint_now`` on every rank when rank 0 set ``checkpoint_due``, and
+        allreduce sets ``checkpoint_now`` on every rank when rank 0 set ``checkpoint_due`` or
+        its clock is ``checkpoint_interval_s`` past :meth:`checkpoint_saved`, and
         ``interrupted`` when the signal was a Ctrl-C."""
-        mine = 3.0 if self._ctrl_c else 2.0 if self.requested else \
-            (1.0 if self.checkpoint_due else 0.0)
+        interval = self.checkpoint_interval_s
+        due = self.checkpoint_due or bool(interval and comm.rank == 0 and
+                                          time.monotonic() - self._last_checkpoint >= interval)
+        mine = 3.0 if self._ctrl_c else 2.0 if self.requested else (1.0 if due else 0.0)
         if comm.world_size > 1:
             mine = comm.allreduce_(torch.tensor([mine]), op="max").item()
         self.checkpoint_now = mine == 1.0

@@ -1,4 +1,5 @@
-"""Rank 0's progress during an epoch (:class:`Progress`), owned by :func:`hpclb.train.loop.train`.
+"""Rank 0's progress during an epoch (:class:`Progress`), owned by :func:`hpclb.train.loop.train`
+and updated by the step log (:meth:`hpclb.train.steplog.StepLog.after_step`) when ``due_at``.
 
 On a terminal (stderr a TTY): a tqdm bar per epoch, its postfix the last logged loss and the LR.
 Elsewhere (a SLURM or PBS log, a pipe): one line every ``every_s`` seconds, so a log shows life
@@ -52,6 +53,9 @@ class Progress:
         self.n_epochs, self.total, self.batch = n_epochs, total_steps, global_batch
         self.bar = None
         self._run_t0 = self._run_step0 = None
+        # when update() next has something to show (time.monotonic()): every step for a bar,
+        # every ``every_s`` for lines, never when disabled; the step log checks it per step
+        self.due_at = float("inf")
 
     def start_epoch(self, epoch: int, begin: int, steps: int, global_step: int) -> None:
         """Before the first step of epoch ``epoch`` (0-based), at step ``begin`` of ``steps``."""
@@ -61,7 +65,9 @@ class Progress:
         if self._run_t0 is None:
             self._run_t0, self._run_step0 = now, global_step
         self.epoch, self.steps, self._t0, self._i0, self._last = epoch, steps, now, begin, now
+        self.due_at = now + self.every_s if self.every_s else float("inf")
         if self.tty:
+            self.due_at = 0.0
             self.bar = tqdm(total=steps, initial=begin, desc=f"epoch {epoch + 1}/{self.n_epochs}",
                             leave=False, file=self.stream, dynamic_ncols=True)
 
@@ -83,7 +89,7 @@ class Progress:
         now = time.monotonic()
         if not self.every_s or now - self._last < self.every_s:
             return
-        self._last = now
+        self._last, self.due_at = now, now + self.every_s
         self._line(i + 1, global_step, lr, loss, now)
 
     def _line(self, done: int, global_step: int, lr: float, loss: str | None,
@@ -113,6 +119,7 @@ class Progress:
             self.enabled = False  # a closed log does not stop training
 
     def end_epoch(self) -> None:
+        self.due_at = float("inf")
         if self.bar is not None:
             self.bar.close()
             self.bar = None

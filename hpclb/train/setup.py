@@ -84,7 +84,7 @@ class Run:
     pos: Position
     per_rank_batch: int
     micro_batch: int
-    autocast_dtype: torch.dtype | None
+    autocast: Any  # the forward's precision context (:func:`forward_context`), reusable
     resumed_from: dict | None = None
     resumed_path: str | None = None
     out_lock: Any = None
@@ -111,18 +111,33 @@ class Run:
             self.out_lock.close()
             self.out_lock = None
 
-    def autocast(self):
-        """The forward's precision context (bf16/fp16 autocast; fp32: nothing)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        if self.device.type == "cpu" and any(isinstance(m, nn.RNNBase)
-                                             for m in self.model.modules()):
-            # oneDNN has no low-precision LSTM kernel on CPUs without AVX512-BF16/AMX; PyTorch's
-            # own LSTM kernels run bf16/fp16 everywhere
-            stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
-        stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
-        return stack
+
+class _CpuRnnAutocast:
+    """``torch.autocast`` with oneDNN off, reusable: oneDNN has no low-precision LSTM kernel on
+    CPUs without AVX512-BF16/AMX, while PyTorch's own LSTM kernels run bf16/fp16 everywhere."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.autocast, self.flags = torch.autocast("cpu", dtype=dtype), None
+
+    def __enter__(self):
+        self.flags = torch.backends.mkldnn.flags(enabled=False)
+        self.flags.__enter__()
+        self.autocast.__enter__()
+
+    def __exit__(self, *exc):
+        self.autocast.__exit__(*exc)
+        self.flags.__exit__(*exc)
+
+
+def forward_context(precision: str, device: torch.device, model: nn.Module):
+    """The forward's precision context for a run, built once and entered at every forward:
+    bf16/fp16 ``torch.autocast`` (with oneDNN off around a CPU RNN), nothing for fp32."""
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    if device.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        return _CpuRnnAutocast(dtype)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def _sync_options(sync: dict) -> dict:
@@ -271,7 +286,7 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, start: Decisi
                world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=sched.steps_per_epoch,
                device=device)
     run = Run(cfg, comm, device, task, sched, model, optimizer, scheduler, store, Position(),
-              per_rank, micro, PRECISIONS[cfg.precision])
+              per_rank, micro, forward_context(cfg.precision, device, model))
     run.out_lock, run.resumed_path = start.lock, start.path
     if start.checkpoint is not None:
         _restore(run, start.checkpoint)

@@ -38,11 +38,12 @@ def _finite_or_none(x: float) -> float | None:
 
 
 class StepLog:
-    """Owned by :func:`hpclb.train.loop.train`; ``after_step`` after each step, ``epoch_fields`` and
-    ``epoch_histograms`` at epoch ends (collective where noted)."""
+    """Owned by :func:`hpclb.train.loop.train`; ``after_step`` after each step (the step lines,
+    and rank 0's ``progress``, a :class:`~hpclb.train.progress.Progress`, when it is due),
+    ``epoch_fields`` and ``epoch_histograms`` at epoch ends (collective where noted)."""
 
-    def __init__(self, run, logger):
-        self.run, self.logger = run, logger
+    def __init__(self, run, logger, progress=None):
+        self.run, self.logger, self.progress = run, logger, progress
         self.every = run.cfg.log_every
         self.noise = NoiseScaleEstimator() if run.cfg.noise_scale and run.comm.world_size > 1 \
             else None
@@ -68,10 +69,11 @@ class StepLog:
         self._resume_base = None
         self._last = torch.zeros_like(sums) if base is None else base.to(sums.device)
 
-    def after_step(self, sums: torch.Tensor, stepped: bool) -> None:
-        """Accumulate one step (on the device; a skipped step adds nothing); every
-        ``log_every`` global steps, log (collective; raises NonFiniteError at the limit of
-        skipped steps in a row)."""
+    def after_step(self, sums: torch.Tensor, stepped: bool, i: int = 0) -> None:
+        """What the run logs and shows after step ``i`` of the epoch (0-based): accumulate it
+        (on the device; a skipped step adds nothing); every ``log_every`` global steps, log
+        (collective; raises NonFiniteError at the limit of skipped steps in a row); update the
+        progress bar or line when it is due (its LR: the step's, from the schedule)."""
         self.steps += 1
         opt = self.run.optimizer
         if self.noise is not None and stepped and opt.sync.local_sq_norm is not None:
@@ -80,8 +82,11 @@ class StepLog:
                                torch.ones((), dtype=torch.float64, device=sums.device)])
             skipped = opt.step_skipped
             self._noise_sums += one if skipped is None else torch.where(skipped, 0.0, one)
-        if self.every and self.run.pos.global_step % self.every == 0:
+        step = self.run.pos.global_step
+        if self.every and step % self.every == 0:
             self._flush(sums)
+        if self.progress is not None and time.monotonic() >= self.progress.due_at:
+            self.progress.update(i, step, self.run.schedule.lr(step - 1), self.last)
 
     def _read(self, sums: torch.Tensor) -> tuple[list[float], list[float]]:
         """One read from the device: ``[loss sum, count, local squared norms]`` of the interval

@@ -128,6 +128,25 @@ def test_bad_shard_sets_are_named(tmp_path):
         tars.batch(torch.arange(12))
 
 
+def test_overwrite_deletes_only_the_shards_its_index_lists(tmp_path):
+    # before: a user's data.tar was counted as a shard, and --overwrite deleted a user's
+    # shard-000005.tar (matched by name only)
+    src = _folder(tmp_path / "train")
+    out = write_shards(src, tmp_path / "s", samples_per_shard=6)
+    (out / "data.tar").write_bytes(b"mine")
+    (out / "shard-000005.tar").write_bytes(b"mine too")
+    with pytest.raises(DataError, match=r"\(3 files: index.npz, shard-000000.tar, "
+                                        r"shard-000001.tar\).*kept \(data.tar, shard-000005.tar"):
+        write_shards(src, out)
+    write_shards(src, out, samples_per_shard=6, overwrite=True)
+    assert (out / "data.tar").read_bytes() == b"mine"
+    assert (out / "shard-000005.tar").read_bytes() == b"mine too"
+    assert len(read_index(out)["label"]) == 12
+    with pytest.raises(DataError, match="shard-000005.tar, which hpclb's index does not list"):
+        write_shards(src, out, samples_per_shard=2, overwrite=True)  # would write shard-000005
+    assert (out / "shard-000005.tar").read_bytes() == b"mine too"
+
+
 def test_imagenet_reads_shards_when_the_recipe_says_so(tmp_path):
     for split in ("train", "val"):
         src = _folder(tmp_path / "folders" / split)

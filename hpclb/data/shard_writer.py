@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from hpclb.data.shards import COLUMNS, INDEX, INDEX_VERSION, SAMPLES_PER_SHARD
 from hpclb.errors import EXIT_USAGE, DataError
 
 __all__ = ["write_shards"]
+
+_SHARD = re.compile(r"shard-\d{6}\.tar")  # a shard's name in an index hpclb wrote
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -65,15 +68,54 @@ def _bad_out(message: str) -> DataError:
     return error
 
 
+def _own_files(out: Path) -> list[Path]:
+    """The files a shard set of hpclb holds in ``out``: its index and the shards the index
+    lists (present ones). Raises DataError (exit 2) when the index is not one hpclb wrote."""
+    index = out / INDEX
+    if not index.exists():
+        return []
+    try:
+        with np.load(index) as z:
+            names = [str(n) for n in z["shards"]]
+    except (OSError, ValueError, KeyError) as e:
+        raise _bad_out(f"{index}: not an index hpclb data shards wrote ({e}); move it away or "
+                       f"choose another OUT") from e
+    return [index] + sorted(out / n for n in names
+                            if _SHARD.fullmatch(n) and (out / n).exists())
+
+
+def _clear_old(out: Path, n_shards: int, overwrite: bool) -> None:
+    """Delete the shard set hpclb wrote in ``out`` (:func:`_own_files`) when ``overwrite``;
+    DataError naming it (and the other ``.tar`` files, which are kept) otherwise, and always
+    when a file the index does not list has one of the ``n_shards`` new shards' names."""
+    old = _own_files(out)
+    planned = {f"shard-{k:06d}.tar" for k in range(n_shards)}
+    others = sorted(p.name for p in out.glob("*.tar") if p not in old) if out.is_dir() else []
+    kept = f"; the other files there are not hpclb's and are kept ({', '.join(others)})" \
+        if others else ""
+    clash = sorted(planned.intersection(others))
+    if clash:
+        raise _bad_out(f"{out}: holds {', '.join(clash)}, which hpclb's index does not list "
+                       f"(not written by hpclb data shards) and the new shards would replace; "
+                       f"move them away or choose another OUT{kept}")
+    if old and not overwrite:
+        raise DataError(f"{out}: holds tar shards already ({len(old)} files: "
+                        f"{', '.join(p.name for p in old)}); choose another directory or pass "
+                        f"--overwrite to replace them{kept}")
+    for path in old:
+        path.unlink()
+
+
 def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = SAMPLES_PER_SHARD,
                  overwrite: bool = False) -> Path:
     """Pack the ImageFolder ``src`` into tar shards in ``out`` (module docstring); returns
     ``out``. Every image is checked to decode while it is packed: one that does not (empty,
     truncated, not an image) raises DataError naming it, and the shards written so far are
-    removed. Raises DataError when ``out`` already holds shards (unless ``overwrite``: they are
-    deleted first), when ``out`` is inside ``src``, is not a directory or cannot be created
-    (these with ``exit_code`` 2: the command line's bad input), or ``src`` is not an ImageFolder;
-    ValueError for ``samples_per_shard`` < 1."""
+    removed. Raises DataError when ``out`` already holds a shard set (unless ``overwrite``: its
+    index and the shards the index lists are deleted first; other files there are kept), when a
+    file the index does not list has the name of a new shard, when ``out`` is inside ``src``,
+    is not a directory or cannot be created (these with ``exit_code`` 2: the command line's bad
+    input), or ``src`` is not an ImageFolder; ValueError for ``samples_per_shard`` < 1."""
     if samples_per_shard < 1:
         raise ValueError(f"write_shards: samples_per_shard must be >= 1, got {samples_per_shard}")
     src, out = Path(src), Path(out)
@@ -83,12 +125,7 @@ def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = S
     if out.exists() and not out.is_dir():
         raise _bad_out(f"{out}: exists and is not a directory; choose another OUT")
     classes, files = folder_index(src)
-    old = sorted(out.glob("shard-*.tar")) + ([out / INDEX] if (out / INDEX).exists() else [])
-    if old and not overwrite:
-        raise DataError(f"{out}: holds tar shards already ({len(old)} files); choose another "
-                        f"directory or pass --overwrite to replace them")
-    for path in old:
-        path.unlink()
+    _clear_old(out, -(-len(files) // samples_per_shard), overwrite)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a parent is a file, or not writable

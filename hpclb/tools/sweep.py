@@ -50,7 +50,8 @@ from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError, Diverged, NonFiniteEr
 from hpclb.schedules import SCHEMES
 from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.figures import pyplot
-from hpclb.tools.sweep_points import Point, SweepStatus, flock, load_rows, row_of, shown
+from hpclb.tools.sweep_points import Point, SweepStatus, flock, row_of, shown
+from hpclb.tools.sweep_records import Settings, check_outputs, load_rows, refuse_stale
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
 
@@ -173,6 +174,29 @@ class _Sweep:
         self.metric, self.mode = metric_of(self.recipe)
         self.json_path = self.out_dir / f"{self.name}.json"
         self.results_lock = self.runs_dir / ".results.lock"
+        self.settings = Settings(self.recipe, lambda p: resolve(
+            self.experiment, batch_size=p.batch, scaling=p.scheme, optimizer=p.optimizer,
+            epochs=p.epochs, seed=p.seed, accumulation_steps=p.accumulation))
+
+    def check(self, points: list[Point]) -> None:
+        """Before any point trains: the files under ``out_dir`` are the sweep's own
+        (:func:`~hpclb.tools.sweep_records.check_outputs`), and each recorded point and run
+        directory of ``points`` is of the settings now; else ConfigError naming them and the
+        fixes (unless ``overwrite``: they are replaced)."""
+        check_outputs(self.out_dir, self.name, [p.dir_name for p in points], self.overwrite)
+        rows, stale = self.rows(), {}
+        for p in points:
+            row = next((r for r in rows if Point.of_row(r) == p), None)
+            found = self.settings.stale(p, row) if row is not None else \
+                self.settings.stale_run(p, self.runs_dir / p.dir_name)
+            if found:
+                stale[str(p)] = found
+        if not self.overwrite:
+            refuse_stale(stale, self.name)
+
+    def done(self, p: Point, row: dict) -> bool:
+        """Whether ``row`` records ``p`` under the settings now."""
+        return Point.of_row(row) == p and not self.settings.stale(p, row)
 
     def rows(self) -> list[dict]:
         with flock(self.results_lock):
@@ -198,12 +222,12 @@ class _Sweep:
         """Record ``p`` unless done: from its twin at k = 1, else by training it (unless
         another sweep process holds its lock)."""
         rows = self.rows()
-        if any(Point.of_row(r) == p for r in rows):
+        if any(self.done(p, r) for r in rows):
             self.log(f"sweep {self.name}: {p}: already recorded, skipped")
             return
         twin = next((r for r in rows if p.batch == self.recipe["base_batch_size"]
                      and r.get("status", "done") in ("done", "diverged")
-                     and Point.of_row(r) == p.with_scheme(r["scheme"])), None)
+                     and self.done(p.with_scheme(r["scheme"]), r)), None)
         if twin is not None:  # k = 1: every scheme starts from the same B0 recipe
             self.record({**twin, "scheme": p.scheme,
                          "note": f"k = 1: the B0 recipe, the run of {twin['scheme']}"})
@@ -220,7 +244,8 @@ class _Sweep:
         """The summary.json of this very point's finished run, else None."""
         path = run_dir / "summary.json"
         summary = json.loads(path.read_text()) if path.exists() else None
-        if summary is not None and Point.of_summary(summary) != p:
+        if summary is not None and (Point.of_summary(summary) != p or
+                                    self.settings.stale_run(p, run_dir)):
             return None  # a different run left it there: rerun from scratch
         return summary
 
@@ -230,6 +255,7 @@ class _Sweep:
             mine = Point.of_summary(json.loads((run_dir / "config.json").read_text())) == p
         except (OSError, ValueError, KeyError):
             mine = False
+        mine = mine and not self.settings.stale_run(p, run_dir)
         resume = mine and (run_dir / "checkpoint.pt").exists()
         if not resume and run_dir.exists():  # another run's directory: only when told
             check_run_dir(run_dir, resume=False, overwrite=self.overwrite or mine,
@@ -253,13 +279,15 @@ class _Sweep:
             except (ConfigError, _PointDiverged) as e:
                 diverged = isinstance(e, _PointDiverged)
                 self.log(f"sweep {self.name}: {p}: {'diverged' if diverged else 'rejected'}: {e}")
-                self.record(p.failed_row(self.metric, e, run_dir, time.perf_counter() - t0,
-                                         getattr(e, "step", None) if diverged else None),
+                self.record({**p.failed_row(self.metric, e, run_dir, time.perf_counter() - t0,
+                                            getattr(e, "step", None) if diverged else None),
+                             "recipe": self.settings.fields(p.optimizer)},
                             run_dir if diverged else None)
                 return
             self.log(f"sweep {self.name}: {p}: {self.metric} "
                      f"{summary.get('final_' + self.metric)} in {time.perf_counter() - t0:.0f} s")
-        self.record(row_of(summary, p, metric=self.metric, run_dir=run_dir), run_dir)
+        self.record({**row_of(summary, p, metric=self.metric, run_dir=run_dir),
+                     "recipe": self.settings.fields(p.optimizer)}, run_dir)
 
 
 def _accumulation(batch: int, ranks: int, micro_batch: int) -> int:
@@ -339,6 +367,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
                              quiet=quiet, log=log, overwrite=overwrite,
                              batch_sizes=batch_sizes, schemes=schemes, micro_batch=micro_batch)
     pyplot("the sweep's figure")  # without matplotlib: say so before the first point trains
+    sweep.check(points)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
     for p in points:
         status = SweepStatus.of(points, sweep.rows(), sweep.runs_dir,

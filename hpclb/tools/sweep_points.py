@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["Point", "SweepStatus", "flock", "load_rows", "row_of", "shown"]
+__all__ = ["Point", "SweepStatus", "flock", "row_of", "shown"]
 
 
 @contextlib.contextmanager
@@ -28,11 +28,6 @@ def flock(path: Path, *, block: bool = True):
         yield True
     finally:
         os.close(fd)  # releases the lock
-
-
-def load_rows(path: Path) -> list[dict]:
-    """The rows of a sweep's JSON (an empty list when it does not exist)."""
-    return json.loads(path.read_text()) if path.exists() else []
 
 
 def shown(path: Path) -> str:

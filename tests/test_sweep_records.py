@@ -1,0 +1,97 @@
+"""`hpclb sweep` reuses a recorded point (or resumes a cut point's run) only when it was made
+with the settings now, and replaces files under --out-dir only when they are its own (before: a
+changed recipe's points were skipped as "already recorded", exit 0, the tables kept the old
+peak LR; someone's notes in <out-dir>/<name>.md were overwritten, a foreign <name>.json gave a
+JSONDecodeError traceback)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from helpers import quick_recipe, run_hpclb
+
+from hpclb.errors import ConfigError
+from hpclb.tools import sweep
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(300)
+
+_DATA = {"name": "mnist", "train_samples": 512, "test_samples": 200}
+
+
+def _recipes(tmp_path):
+    """The quick recipe and the same one (same name) with Adam's LR 25x higher."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    return (quick_recipe(tmp_path / "a", data=_DATA),
+            quick_recipe(tmp_path / "b", data=_DATA, optimizers={"adam": {"lr": 0.05}}))
+
+
+def _no_training(*a, **k):
+    raise AssertionError("a point was trained")
+
+
+def test_a_changed_recipe_is_refused_then_rerun_with_overwrite(tmp_path, mnist_dir, monkeypatch):
+    q2, q2b = _recipes(tmp_path)
+    kw = dict(epochs=1, data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+              runs_dir=tmp_path / "runs", log=lambda m: None)
+    rows = sweep.run_sweep(q2, [128, 256], ["legw", "none"], **kw)
+    assert all(r["recipe"]["optimizers.adam.lr"] == 0.002 for r in rows)
+    monkeypatch.setattr(sweep, "_run_in_process", _no_training)
+    assert sweep.run_sweep(q2, [128, 256], ["legw", "none"], **kw) == rows  # same recipe: kept
+    with pytest.raises(ConfigError, match=r"optimizers\.adam\.lr: 0\.002 recorded, 0\.05 now.*"
+                                          r"--overwrite"):
+        sweep.run_sweep(q2b, [128, 256], ["legw", "none"], **kw)
+    # a row of an earlier version (no "recipe"): compared on the schedule it holds
+    path = tmp_path / "res" / "mnist-lstm.json"
+    path.write_text(json.dumps([{k: v for k, v in r.items() if k != "recipe"} for r in rows]))
+    assert len(sweep.run_sweep(q2, [128, 256], ["legw", "none"], **kw)) == 4
+    with pytest.raises(ConfigError, match=r"schedule base_lr: 0\.002 recorded, 0\.05 now"):
+        sweep.run_sweep(q2b, [128, 256], ["legw", "none"], **kw)
+    # a finished run not recorded: its config.json's recipe is compared before it is read back
+    path.write_text(json.dumps(rows[:-1]))
+    with pytest.raises(ConfigError, match=r"B=256 none seed 0: recipe field optimizers\.adam"):
+        sweep.run_sweep(q2b, [128, 256], ["legw", "none"], **kw)
+    monkeypatch.undo()
+    new = sweep.run_sweep(q2b, [128, 256], ["legw", "none"], **kw, overwrite=True)
+    assert [r["peak_lr"] for r in new] == pytest.approx([25 * r["peak_lr"] for r in rows])
+    assert json.loads(path.read_text()) == new
+
+
+def test_cli_refuses_a_changed_recipe_with_exit_2(tmp_path, mnist_dir):
+    q2, q2b = _recipes(tmp_path)
+    env = {**os.environ, "HPCLB_DATA": str(mnist_dir.parent), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    args = ["--batch-sizes", "128", "--schemes", "none", "--epochs", "1", "--runs-dir", "RD"]
+    first = run_hpclb("sweep", q2, *args, cwd=tmp_path, env=env, timeout=280)
+    assert first.returncode == 0, first.stderr
+    again = run_hpclb("sweep", q2b, *args, cwd=tmp_path, env=env, timeout=280)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "optimizers.adam.lr" in again.stderr and "already recorded" not in again.stdout
+    assert "Traceback" not in again.stderr
+
+
+def test_foreign_files_in_out_dir_are_refused_before_any_point_trains(tmp_path, monkeypatch):
+    q2, _ = _recipes(tmp_path)
+    monkeypatch.setattr(sweep, "_run_in_process", _no_training)
+    out = tmp_path / "OD"
+    out.mkdir()
+    (out / "mnist-lstm.md").write_text("MY NOTES\n")
+    kw = dict(epochs=1, out_dir=out, runs_dir=tmp_path / "runs", log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"mnist-lstm\.md.*--overwrite"):
+        sweep.run_sweep(q2, [128], ["none"], **kw)
+    assert (out / "mnist-lstm.md").read_text() == "MY NOTES\n"
+    (out / "mnist-lstm.md").unlink()
+    (out / "mnist-lstm.png").write_bytes(b"\x89PNG mine")  # no sweep record beside it
+    with pytest.raises(ConfigError, match=r"mnist-lstm\.png"):
+        sweep.run_sweep(q2, [128], ["none"], **kw)
+    assert (out / "mnist-lstm.png").read_bytes() == b"\x89PNG mine"
+    (out / "mnist-lstm.json").write_text("my,csv,data\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    p = run_hpclb("sweep", q2, "--batch-sizes", "128", "--schemes", "none", "--out-dir", out,
+                  "--runs-dir", tmp_path / "runs", cwd=tmp_path, env=env, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "mnist-lstm.json" in p.stderr and "--overwrite" in p.stderr
+    assert (out / "mnist-lstm.json").read_text() == "my,csv,data\n"

@@ -103,7 +103,7 @@ def test_resume_of_a_finished_run_leaves_its_record(tmp_path, mnist_dir):
     for resume in (["--resume"], ["--resume", "auto"]):
         rc, out = hpclb(*args, *resume)
         assert rc == 0, out
-        assert f"--resume: {run} holds a finished run (quick legw global batch 256 on 2 " \
+        assert f"--resume: {run} holds a finished run (mnist-lstm legw global batch 256 on 2 " \
                f"rank(s): test_accuracy" in out, out
         assert "after 2 steps" in out and "nothing left to train" in out, out
         assert "summary:" not in out and "epoch   1/" not in out, out

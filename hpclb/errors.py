@@ -17,7 +17,7 @@ from __future__ import annotations
 __all__ = [
     "EXIT_FAILURE", "EXIT_USAGE", "DIVERGED_EXIT_CODE", "PREEMPTED_EXIT_CODE",
     "HpclbError", "ConfigError", "RecipeWarning", "DataError", "CheckpointError", "JobError",
-    "ModelMismatchError", "AgreedFailure", "NonFiniteError", "Preempted", "Diverged",
+    "ModelMismatchError", "AgreedFailure", "RunFinished", "NonFiniteError", "Preempted", "Diverged",
     "KernelCompileError", "MissingExtraError", "WarmupTooLong", "BudgetTooLarge",
 ]
 
@@ -71,6 +71,14 @@ class AgreedFailure(HpclbError, RuntimeError):
     """A start-up check failed on some rank and every rank raises this, with that rank's
     message: no rank is left behind in a collective, so no MPI_Abort is needed."""
 
+    agreed = True
+
+
+class RunFinished(HpclbError):
+    """``--resume`` of a run that is finished (its ``summary.json`` written): nothing is trained
+    or written; raised on every rank together, its message the run's recorded summary."""
+
+    exit_code = 0
     agreed = True
 
 

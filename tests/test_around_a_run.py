@@ -57,9 +57,13 @@ def test_resume_auto_starts_afresh_then_resumes(finished, mnist_dir):
     assert "optimizer adam, compile off (eager)" in text, text  # the header names the mode
     steps = json.loads((out / "summary.json").read_text())["steps"]
     assert steps == STEPS
+    before = (out / "summary.json").read_bytes(), (out / "config.json").read_bytes()
     rc, text = _train(recipe, out, "--resume", "auto", data=mnist_dir.parent)
-    assert rc == 0 and re.search(r"resumed from \S+checkpoint.* at global step 8 \(epoch 2, step 0 of it\)", text), text
-    assert json.loads((out / "summary.json").read_text())["steps"] == steps
+    # finished: its checkpoint found, nothing trained, its record left as it is
+    assert rc == 0 and re.search(r"holds a finished run \(.* after 8 steps; checkpoint "
+                                 r"\S+checkpoint\S*\): nothing left to train", text), text
+    assert "epoch   1/" not in text and "summary:" not in text, text
+    assert ((out / "summary.json").read_bytes(), (out / "config.json").read_bytes()) == before
 
 
 def test_resume_auto_replaces_a_run_stopped_before_its_first_checkpoint(finished, tmp_path,
@@ -108,6 +112,7 @@ def test_resume_auto_and_profile_under_mpirun(tmp_path, mnist_dir):
         labels = _labels(out / "profile" / f"rank{rank}")
         assert {"hpclb/forward_backward", "hpclb/allreduce_wait", "hpclb/optimizer"} <= labels
         assert labels & {"hpclb/allreduce", "hpclb/iallreduce"}, labels
+    (out / "summary.json").unlink()  # as if stopped after its last checkpoint
     rc, text = _train(recipe, out, "--resume", "auto", ranks=2, data=mnist_dir.parent)
     assert rc == 0 and text.count("resumed from") == 1, text  # rank 0's header
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2

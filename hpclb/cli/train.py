@@ -20,6 +20,7 @@ from hpclb.errors import (
     Diverged,
     Preempted,
     RecipeWarning,
+    RunFinished,
 )
 
 __all__ = ["HELP", "add_parser", "run"]
@@ -185,7 +186,7 @@ _CLI_ONLY = {"checkpoint_interval": "--checkpoint-interval", "profile": "--profi
 
 def _train(args: argparse.Namespace, comm, cfg, early) -> int:
     """Train ``cfg``; 75 when preempted (before training began, or after the checkpoint), 3
-    when the run diverged."""
+    when the run diverged, 0 (nothing trained) on ``--resume`` of a finished run."""
     from hpclb.train.loop import train
 
     if preempted_during_start_up(comm, early):
@@ -209,6 +210,10 @@ def _train(args: argparse.Namespace, comm, cfg, early) -> int:
         if comm.rank == 0:
             error(f"diverged: {d}; exit {DIVERGED_EXIT_CODE}")
         return DIVERGED_EXIT_CODE
+    except RunFinished as f:  # every rank together: nothing trained, nothing written
+        if comm.rank == 0:
+            print(f"hpclb: {f}", flush=True)
+        return 0
     return 0
 
 

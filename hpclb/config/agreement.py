@@ -29,7 +29,8 @@ from hpclb.sync.options import (
     parse_bytes,
 )
 
-__all__ = ["AGREED_ENVIRONMENT", "LOCATIONS", "agree_run_settings", "run_settings"]
+__all__ = ["AGREED_ENVIRONMENT", "LOCATIONS", "agree_run_settings", "config_settings",
+           "run_settings"]
 
 #: RunConfig fields and recipe fields that are locations: each rank may have its own
 LOCATIONS = ("out", "data_dir", "recipe.plugin_path")
@@ -56,29 +57,41 @@ def run_settings(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     the name the message shows: ``"epochs (--epochs)"``, ``"recipe field model.hidden_size"``,
     ``"$HPCLB_OVERLAP"`` (the value in force: its default when unset), then ``extra`` (the
     command line's other options, named by their flags). Never raises."""
-    settings: dict[str, Any] = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name == "recipe":
-            settings.update(_recipe_fields(value, "recipe"))
-        elif f.name == "sync":  # each gradient-sync setting by its flag
-            settings.update({f"sync.{k} ({SYNC_SETTINGS[k].flag})": v for k, v in value.items()})
-        elif f.name not in LOCATIONS:
-            settings[f"{f.name} ({_FLAGS.get(f.name, '--' + f.name.replace('_', '-'))})"] = value
+    settings = config_settings(cfg)
     for name, (default, parse) in AGREED_ENVIRONMENT.items():
         settings[f"${name}"] = _in_force(name, default, parse)
     settings.update(extra or {})
     return settings
 
 
-def _recipe_fields(value, path: str) -> dict[str, Any]:
+def config_settings(cfg, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of ``cfg`` (a :class:`~hpclb.config.RunConfig`) but :data:`LOCATIONS` and
+    ``skip``, named as :func:`run_settings` names them: each RunConfig field (``epochs``), each
+    gradient-sync setting (``sync.compression``), each leaf of the recipe (``recipe.model`` skips
+    the whole section, ``recipe.model.hidden_size`` one field). Never raises."""
+    settings: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in LOCATIONS or f.name in skip:
+            continue
+        if f.name == "recipe":
+            settings.update(_recipe_fields(value, "recipe", skip))
+        elif f.name == "sync":  # each gradient-sync setting by its flag
+            settings.update({f"sync.{k} ({SYNC_SETTINGS[k].flag})": v for k, v in value.items()
+                             if f"sync.{k}" not in skip})
+        else:
+            settings[f"{f.name} ({_FLAGS.get(f.name, '--' + f.name.replace('_', '-'))})"] = value
+    return settings
+
+
+def _recipe_fields(value, path: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """The leaves of the recipe mapping ``value`` under ``path``, as ``recipe field a.b``."""
-    if path in LOCATIONS:
+    if path in LOCATIONS or path in skip:
         return {}
     if isinstance(value, dict) and value:
         out: dict[str, Any] = {}
         for key, sub in value.items():
-            out.update(_recipe_fields(sub, f"{path}.{key}"))
+            out.update(_recipe_fields(sub, f"{path}.{key}", skip))
         return out
     return {f"recipe field {path.split('.', 1)[1]}": value}
 

@@ -14,8 +14,9 @@ kept):
   ``[3]`` task sums so far, totals over ranks), ``elapsed_s``, ``history`` (epoch rows),
   ``first_loss``;
 - ``task`` (the task's carried state, e.g. a language model's hidden state), ``steplog`` (the
-  step lines' carried state), ``run`` (``hpclb train``'s settings, which ``--resume`` checks;
-  None for a library loop), ``extra`` (the library user's own dict; ``{}`` for ``hpclb train``).
+  step lines' carried state), ``run`` (``hpclb train``'s settings and recipe, which
+  ``--resume`` checks; None for a library loop), ``extra`` (the library user's own dict; ``{}``
+  for ``hpclb train``).
 
 Checkpoints written before ``extra`` (``hpclb train``) or before the position and ``run`` keys
 (the library) load: a missing key reads as its default.
@@ -120,7 +121,7 @@ def save_run_checkpoint(run, epoch: int, step_in_epoch: int, epoch_sums: torch.T
     position = {"epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_sums": sums,
                 "elapsed_s": run.elapsed_s(), "history": run.pos.history,
                 "first_loss": run.pos.first_loss}
-    settings = {k: v for k, v in run.cfg.to_dict().items() if k != "recipe"}
+    settings = run.cfg.to_dict()  # with the recipe: what --resume compares
     state = checkpoint_state(comm, run.model, run.optimizer, run.scheduler, run.pos.global_step,
                              position=position, task=task_state, steplog=steplog, run=settings)
     agreed(comm, "writing the checkpoint",

@@ -10,6 +10,7 @@ a hang. :class:`Decision` is what :mod:`hpclb.train.setup` builds the run from.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,12 +21,15 @@ from typing import Any
 
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
+from hpclb.config.agreement import config_settings
+from hpclb.config.fields import SETTINGS, SYNC_SETTINGS
 from hpclb.config.outputs import RUN_MARKER, check_run_dir, clear_run, run_files, start_run
-from hpclb.errors import CheckpointError, ConfigError
+from hpclb.errors import CheckpointError, ConfigError, RunFinished
 from hpclb.train.agreed import agreed
 from hpclb.train.checkpoint import CheckpointStore
 
-__all__ = ["LOCK_NAME", "MODEL_FIELDS", "Decision", "check_out", "check_resumable", "decide"]
+__all__ = ["LOCK_NAME", "MAY_CHANGE", "MODEL_FIELDS", "Decision", "check_out", "check_resumable",
+           "decide"]
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".hpclb.lock"
@@ -69,6 +73,9 @@ def decide(cfg: RunConfig, comm: Communicator, store: CheckpointStore) -> Decisi
         found = check_run_dir(store.out_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         lock.append(_lock_out(store.out_dir))
         path = _resume_path(cfg, store, found) if cfg.resume else None
+        if path is not None and "summary.json" in found:  # nothing left to train
+            start_run(store.out_dir)  # a run of an earlier version: marked, nothing else
+            return RunFinished(_finished(store.out_dir, path))
         if found and not cfg.resume:  # --overwrite: no stale summary, metrics or checkpoint
             log.warning("--overwrite: deleting the run in %s (%s)", store.out_dir,
                         ", ".join(found))
@@ -78,6 +85,10 @@ def decide(cfg: RunConfig, comm: Communicator, store: CheckpointStore) -> Decisi
     try:
         path = agreed(comm, "checking --out and the checkpoint",
                       lambda: decide_on_rank0() if comm.rank == 0 else None)
+        if comm.world_size > 1:
+            path = comm.broadcast_object(path, 0)
+        if isinstance(path, RunFinished):
+            raise path
         return _load_decided(comm, path, lock[0] if lock else None)
     except BaseException:
         if lock:
@@ -132,6 +143,21 @@ def _resume_path(cfg: RunConfig, store: CheckpointStore, found: list[str]) -> st
     return str(loaded.path.resolve())
 
 
+def _finished(out: Path, path: str) -> str:
+    """What ``--resume`` of the finished run in ``out`` says: its recorded summary."""
+    try:
+        s = json.loads((out / "summary.json").read_text())
+        metric = s["metric_name"]
+        shown = (f"{s['experiment']} {s['scaling']} global batch {s['global_batch_size']} on "
+                 f"{s['world_size']} rank(s): {metric} {s['final_' + metric]:.4g} after "
+                 f"{s['steps']} steps")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        shown = f"its summary.json cannot be read ({e})"
+    return (f"--resume: {out} holds a finished run ({shown}; checkpoint {path}): nothing left to "
+            f"train, its files are left as they are -> {out / 'summary.json'}; to train "
+            f"further, start a new run with another --out")
+
+
 def _start_afresh(out: Path, found: list[str]) -> None:
     """``--resume auto`` without a checkpoint in ``out`` (rank 0): start afresh. The logs of a
     run stopped before its first checkpoint are replaced; a finished run (``summary.json``)
@@ -150,9 +176,7 @@ def _start_afresh(out: Path, found: list[str]) -> None:
 
 
 def _load_decided(comm: Communicator, path: str | None, held) -> Decision:
-    """Every rank's side of rank 0's decision ``path``: broadcast it, load the checkpoint."""
-    if comm.world_size > 1:
-        path = comm.broadcast_object(path, 0)
+    """Every rank's side of rank 0's decision ``path`` (broadcast): load the checkpoint."""
     if path is None:
         return Decision(None, None, held)
 
@@ -182,35 +206,67 @@ def _forget_empty_start(out: Path) -> None:
 
 #: the recipe fields that fix the model's parameters (a checkpoint of others cannot be loaded)
 MODEL_FIELDS = ("model", "task", "data.name")
+#: what ``--resume`` may change (docs/cli.md), beside the locations (``--out``, ``--data-dir``,
+#: the recipe's ``plugin_path``) and the world size: how the run executes, observes and keeps
+#: checkpoints, none of which moves its trajectory beyond rounding. The recipe's copies of
+#: resolved settings (its run settings, ``sync:``, ``epochs``, ``optimizers``) are compared as
+#: the resolved ones (``epochs``, ``optimizer_params``, ``sync.compression``...).
+MAY_CHANGE = ("resume", "overwrite", "accumulation_steps", "device", "compile", "log_every",
+              "noise_scale", "max_nonfinite_steps", "keep_checkpoints",
+              *(f"sync.{k}" for k in SYNC_SETTINGS if k != "compression"),
+              *(f"recipe.{k}" for k in (*SETTINGS, "sync", "epochs", "optimizers")))
 
 
 def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
     """Refuse (ConfigError) to resume ``cfg`` from the checkpoint ``ckpt`` read from ``path``
-    where it was made with other settings (experiment, batch, scaling, optimizer, seed...) or
-    another model: a recipe field of :data:`MODEL_FIELDS` (``model.hidden_size``...) other than
-    the run's ``config.json`` in ``cfg.out`` records, named with both values, or a
-    checkpoint without run settings (written by a library loop's ``hpclb.Checkpointer``)."""
+    where it was made with another model (a recipe field of :data:`MODEL_FIELDS`, e.g.
+    ``model.hidden_size``, named with both values) or other settings (every setting of
+    :func:`~hpclb.config.agreement.config_settings` but :data:`MAY_CHANGE`: the experiment,
+    batch, scaling, optimizer and its hyper-parameters, LR, epochs, seed, precision, every
+    recipe field such as ``warmup_epochs`` or ``decay``; each named with both values), or a
+    checkpoint without run settings (written by a library loop's ``hpclb.Checkpointer``). The
+    run's recipe is the checkpoint's; one written before checkpoints held it: ``config.json``'s
+    in ``cfg.out``, else only the other settings are compared."""
     if not isinstance(ckpt.get("run"), dict):
         raise ConfigError(f"--resume: the checkpoint in {path} was written by a library loop "
                           f"(hpclb.Checkpointer), not by hpclb train: it holds no run settings "
                           f"(experiment, batch, scaling, optimizer, seed) to continue; resume it "
                           f"with that script's hpclb.Checkpointer, or use another --out")
-    for key in ("experiment", "global_batch_size", "scaling", "optimizer", "seed", "epochs", "lr"):
-        if ckpt["run"][key] != getattr(cfg, key):
-            raise ConfigError(f"--resume: the checkpoint in {path} was made with {key}="
-                              f"{ckpt['run'][key]!r}, this run has {getattr(cfg, key)!r}; resume "
-                              f"with the same settings or use another --out")
-    try:  # every start writes config.json after this check: its recipe is the checkpoint's
-        saved = json.loads((Path(cfg.out) / "config.json").read_text())["recipe"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no record: the parameters' shapes are checked when the checkpoint is loaded
-    then, now = _model_fields(saved), _model_fields(json.loads(json.dumps(cfg.recipe)))
+    names = {f.name for f in dataclasses.fields(cfg)}
+    recorded = {k: v for k, v in ckpt["run"].items() if k in names}
+    recorded.setdefault("recipe", _config_json_recipe(cfg.out, cfg.recipe))
+    now = json.loads(json.dumps(cfg.recipe))
+    then, now = _model_fields(recorded["recipe"]), _model_fields(now)
     for key in sorted(then.keys() | now.keys()):
         if then.get(key, _ABSENT) != now.get(key, _ABSENT):
             raise ConfigError(f"--resume: {key}: {_show(then.get(key, _ABSENT))} in the "
                               f"checkpoint's run, {_show(now.get(key, _ABSENT))} now (recipe "
                               f"{cfg.experiment}); the checkpoint in {path} holds another model: "
                               f"resume with the recipe it was made with, or use another --out")
+    before = _canonical(config_settings(dataclasses.replace(cfg, **recorded), MAY_CHANGE))
+    after = _canonical(config_settings(cfg, MAY_CHANGE))
+    differ = [f"{name}: {before.get(name, 'absent')} there, {after.get(name, 'absent')} now"
+              for name in [*before, *sorted(after.keys() - before.keys())]
+              if before.get(name) != after.get(name)]
+    if differ:
+        raise ConfigError(f"--resume: the checkpoint in {path} was made with other settings than "
+                          f"this run's, {len(differ)} differ: {'; '.join(differ)}; resume with "
+                          f"the recipe and flags the run was started with (its config.json "
+                          f"records them), or start a new run with another --out")
+
+
+def _config_json_recipe(out: str, default: dict) -> dict:
+    """The recipe the run in ``out`` records in its ``config.json`` (``default`` without one)."""
+    try:
+        recipe = json.loads((Path(out) / "config.json").read_text())["recipe"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+    return recipe if isinstance(recipe, dict) else default
+
+
+def _canonical(settings: dict[str, Any]) -> dict[str, str]:
+    """``settings``' values as JSON text (sorted keys), which compare and print alike."""
+    return {k: json.dumps(v, sort_keys=True, default=repr) for k, v in settings.items()}
 
 
 _ABSENT = object()

@@ -188,7 +188,9 @@ def test_dry_run_tells_what_happens_to_out(finished):
     rc, stdout, stderr = _dry("--out", out, experiment=recipe)
     assert rc == 2 and "already holds a finished run; add --resume" in stderr, stderr
     rc, stdout, stderr = _dry("--out", out, "--resume", "auto", experiment=recipe)
-    assert rc == 0 and re.search(rf"{out}: resumes from \S+ \(global step 8\)", stdout), stdout
+    # a finished run: the dry run says what the run does (leaves it as it is), not "resumes"
+    assert rc == 0 and f"{out}: holds a finished run (global step 8): --resume leaves it as " \
+        "it is" in stdout, stdout
     assert "steps        8 = 1 epochs x 8 steps/epoch on 1024 images" in stdout, stdout
 
 

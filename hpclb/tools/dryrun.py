@@ -70,6 +70,9 @@ def _out_plan(cfg: RunConfig) -> str:
     loaded = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints).latest()
     if loaded is not None:
         check_resumable(cfg, loaded.state, loaded.path.resolve())  # the run's words
+        if "summary.json" in found:  # as the run: nothing trained, nothing written
+            return (f"{cfg.out}: holds a finished run (global step "
+                    f"{loaded.state.get('global_step')}): --resume leaves it as it is")
         return (f"{cfg.out}: resumes from {loaded.path} (global step "
                 f"{loaded.state.get('global_step')})")
     if cfg.resume != "auto":

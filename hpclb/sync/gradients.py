@@ -160,6 +160,9 @@ class GradientSync(WindowMixin):
         self._since_sync = 0    # backward passes ended since the last synchronize()
         self._local = False     # a backward ended under no_sync() since the last window
         self._no_sync = False
+        #: the loop is recognised at the first synchronize() (step_after None, K > 1): until
+        #: then backward passes accumulate locally and launch nothing (window.py)
+        self._recognising = self.step_after is None and accumulation_steps > 1
         self.used_in_window: list[tuple[nn.Parameter, bool]] = []
         self._hooks = []
         self._driver = None
@@ -328,7 +331,8 @@ class GradientSync(WindowMixin):
         if p.grad is not b.views[j]:
             self._adopt(b, j)
         b.used[j] = True
-        if self._no_sync or self._micro != self.accumulation_steps - 1 or self._driver is None:
+        if self._no_sync or self._micro != self.accumulation_steps - 1 or self._driver is None \
+                or self._recognising:
             return  # accumulating locally (or one process: all is done at the window's end)
         if b.ready[j]:
             if b.launched:

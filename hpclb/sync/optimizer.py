@@ -166,8 +166,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             allreduce of their count per window); ``"full_window"``, ``hpclb train``'s:
             Horovod's with every window's K micro-batches counted on every rank
             (``sync.skip_micro_batch()`` for an empty share; no count exchanged). Default
-            None: the loop is recognised at the first ``step()`` (after two or more backward
-            passes: Horovod's). The result is the mean over ranks and the micro-batches given
+            None: the loop is recognised at the first ``step()``, the same on every rank (after
+            two or more backward passes on any rank: Horovod's; the first window is then
+            reduced at that ``step()``, not at its last backward). The result is the mean over ranks and the micro-batches given
             (the gradient of the K-times larger batch when each micro-batch loss is a mean; of
             the micro-batches given, on every rank, in a short window). A backward that would
             put the passes and the ``step()`` calls out of step (more than K before a

@@ -20,8 +20,12 @@ With ``accumulation_steps`` K > 1 the caller runs one of two loops (``step_after
   empty share), so every window is full on every rank and is the mean over ``world_size * K``
   as it is: no count is exchanged (``"window"`` allreduces one per window). A ``step()`` after
   fewer is refused.
-- None (default): the loop is recognised at the first ``synchronize()``: after two or more
-  backward passes, ``"window"``; after one or none, ``"micro_batch"``.
+- None (default): the loop is recognised at the first ``synchronize()``, by every rank alike:
+  until then backward passes accumulate locally and start no collective (as under
+  ``no_sync()``); at that ``synchronize()`` the ranks agree in one allreduce (the most passes
+  any rank ran since the start): two or more, ``"window"`` (the first window is reduced there,
+  on every rank, weighted as a short one); one or none, ``"micro_batch"``. Ranks whose first
+  window's shares are uneven (one pass on one, two on another) read the same loop.
 
 Refused in both, on the backward that would do it, before anything of it is sent: a backward
 after the window's K passes and before ``step()`` (Horovod's "Gradients were computed more than
@@ -68,7 +72,7 @@ class WindowMixin:
                 f"backward(), or run the extra passes under optimizer.no_sync(); for Horovod's "
                 f"loop (the window's backward passes, then one step()) build the optimizer with "
                 f"step_after='window' (hpclb.horovod's DistributedOptimizer does)")
-        if self._reduced:
+        if self._reduced or (self._recognising and self._micro >= k and not self._no_sync):
             raise RuntimeError(
                 f"backward() after the window's accumulation_steps={k} backward passes and "
                 f"before step(): more than {k} backward passes per step() would add this one to "
@@ -87,7 +91,7 @@ class WindowMixin:
             return
         self._since_sync += 1
         self._micro += 1
-        if self._micro == self.accumulation_steps:
+        if self._micro == self.accumulation_steps and not self._recognising:
             self._end_window()
 
     def skip_micro_batch(self) -> None:
@@ -121,12 +125,12 @@ class WindowMixin:
             self.steps += 1
             self._finish_alone()
             return True
+        if self._recognising:
+            self._recognise_loop()
         if self._local and not self._reduced:
             raise RuntimeError("step() after a backward under no_sync() with no backward outside "
                                "it: the gradients are this rank's local sums. Run the window's "
                                "last backward outside no_sync(), then step()")
-        if self.step_after is None and self.accumulation_steps > 1:
-            self.step_after = "window" if self._since_sync > 1 else "micro_batch"
         if not self._reduced:
             if self.step_after == "window":
                 self._end_window()  # a short window: what is there
@@ -144,6 +148,19 @@ class WindowMixin:
         reduced, self._reduced, self._since_sync = self._reduced, False, 0
         self._window = self.accumulation_steps
         return reduced
+
+    def _recognise_loop(self) -> None:
+        """The first ``synchronize()`` with ``step_after`` None: every rank takes the same loop
+        from the most backward passes any rank ran (one allreduce, the first collective of the
+        run's gradients: nothing was launched before). A full first window is reduced here, as
+        its K-th backward would have; a short one by the caller, as every short window."""
+        passes = torch.tensor([float(self._since_sync)], dtype=torch.float64)
+        if self.comm.world_size > 1:
+            self.comm.allreduce_(passes, op="max")
+        self.step_after = "window" if passes.item() > 1 else "micro_batch"
+        self._recognising = False
+        if self._micro == self.accumulation_steps:
+            self._end_window()
 
     @torch.no_grad()
     def _weigh_window(self) -> None:

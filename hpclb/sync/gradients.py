@@ -361,22 +361,23 @@ class GradientSync(WindowMixin):
             p.grad = view
 
     def _launch_ready(self) -> None:
+        """Start every complete bucket from the next one on, in bucket order (all ranks start
+        the same buckets in the same order): this rank's norm (``track_local_norm``), the
+        division before a cast, then the driver's launch."""
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
+            b = self.buckets[self._next]
+            if self.track_local_norm:  # this rank's mean gradient, before anything is divided
+                b.local_sq = self._local_sq(b)
+            if b.predivide:  # divide each rank's share first, then cast: the sum cannot overflow
+                if self.divisor != 1:
+                    b.buffer.div_(self.divisor)
+                if b.comm_buffer is not b.buffer:
+                    b.comm_buffer.copy_(b.buffer)
+            b.launched = True
+            b.error = None
+            b.seq = self._watchdog.entered(f"step {self.steps + 1} {b.what}")
+            self._driver.launch(b)
             self._next += 1
-
-    def _launch(self, b: Bucket) -> None:
-        if self.track_local_norm:  # this rank's mean gradient, before anything is divided
-            b.local_sq = self._local_sq(b)
-        if b.predivide:  # divide each rank's share first, then cast: the sum cannot overflow
-            if self.divisor != 1:
-                b.buffer.div_(self.divisor)
-            if b.comm_buffer is not b.buffer:
-                b.comm_buffer.copy_(b.buffer)
-        b.launched = True
-        b.error = None
-        b.seq = self._watchdog.entered(f"step {self.steps + 1} {b.what}")
-        self._driver.launch(b)
 
     def loss_weight(self, n_part: int, n_global: int) -> float:
         """What a micro-batch's mean loss over its ``n_part`` samples is multiplied by before

@@ -330,8 +330,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.optimizer.zero_grad(set_to_none=False)
 
-    _synchronized: bool | None = None  # the result of synchronize() not yet used by step()
-
     def synchronize(self) -> bool:
         """Horovod's ``synchronize()``. The gradients are already averaged when the window's
         last ``backward()`` returns (DDP's contract), so this only checks the parameter set and
@@ -341,7 +339,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         synchronise again. Returns False on a micro-batch of hpclb's loop that is not the
         window's last (the gradients are still local). Raises RuntimeError for a
         parameter set that changed, or a backward under ``no_sync()`` with none after it."""
-        if self._synchronized is not None:
+        window = self.sync.window  # window.reported: this result, until step() takes it
+        if window.reported is not None:
             raise RuntimeError("synchronize() was already called for this step; call step()")
         if not all(map(self._synced_ids.__contains__,
                        map(id, chain.from_iterable(map(_params_of, self.optimizer.param_groups))))):
@@ -350,20 +349,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             except RuntimeError:
                 self.sync.synchronize()  # take this window on every rank, then refuse
                 raise
-        self._synchronized = self.sync.synchronize()
-        if self._synchronized:
+        window.reported = self.sync.synchronize()
+        if window.reported:
             if not all(map(_requires_grad, self.params)):  # frozen at this step
                 drop_frozen_grads(self.params)
             if self.find_unused_parameters:
                 drop_unused(self.sync.used_in_window, self.comm)
-        return self._synchronized
+        return window.reported
 
     @contextmanager
     def skip_synchronize(self):
         """Horovod's idiom: ``opt.synchronize(); clip...; with opt.skip_synchronize():
         opt.step()``. ``step()`` never synchronises twice, so this only checks that
         ``synchronize()`` was called (RuntimeError naming the fix otherwise)."""
-        if self._synchronized is None:
+        if self.sync.window.reported is None:
             raise RuntimeError("skip_synchronize(): call optimizer.synchronize() before step()")
         yield
 
@@ -402,9 +401,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure: run forward and "
                              "backward before calling step()")
-        if self._synchronized is None:  # unless the caller synchronised already
+        window = self.sync.window
+        if window.reported is None:  # unless the caller synchronised already
             self.synchronize()
-        synced, self._synchronized = self._synchronized, None
+        synced, window.reported = window.reported, None
         if not synced:
             return False
         self.steps += 1

@@ -250,3 +250,42 @@ def test_full_window_counts_skips_and_refuses_a_short_window(comm):
             opt.step()
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_ranks_with_uneven_first_windows_recognise_the_same_loop(comm):
+    """step_after None (the default) and an uneven first window: rank 0 runs two backward
+    passes, the others one, then every rank calls step(). Every rank must read Horovod's loop
+    (the most passes any rank ran) and the gradient must be the mean over the micro-batches
+    given on all ranks, as one process computes it; the next (full) window too. Before: rank 0
+    read Horovod's loop and reduced at its second backward, the others read hpclb's loop and
+    returned False, and the ranks waited on each other until the stall abort (bounded here:
+    stall_abort_s=10 ends the job, the timeout ends a lone rank)."""
+    k, w, r = 2, comm.world_size, comm.rank
+    given = [[2] + [1] * (w - 1), [k] * w]  # window -> micro-batches given per rank
+    model, ref = _model(), _model()
+    opt = _make("hpclb", comm, model, k, stall_timeout_s=5, stall_abort_s=10)
+    ref_opt = _sgd(ref)
+    try:
+        for u, counts in enumerate(given):
+            opt.zero_grad()
+            for m in range(counts[r]):
+                _loss(model, *(t[r::w] for t in _micro_batch(u, m, w))).backward()
+            synced = opt.synchronize()
+            ref_opt.zero_grad()
+            for q in range(w):
+                for m in range(counts[q]):
+                    x, y = _micro_batch(u, m, w)
+                    (_loss(ref, x[q::w], y[q::w]) / sum(counts)).backward()
+            err = max((p.grad - q.grad).abs().max().item()
+                      for p, q in zip(model.parameters(), ref.parameters()))
+            assert_all(comm, synced is True and err < 1e-6,
+                       f"window {u} ({counts} micro-batches): synchronize() returned {synced}, "
+                       f"max |grad - grad_reference| = {err:.3g}")
+            with opt.skip_synchronize():
+                stepped = opt.step()
+            ref_opt.step()
+            _check_update(comm, model, ref, stepped, f"update {u} ({counts} micro-batches)")
+        assert_all(comm, opt.sync.step_after == "window", f"recognised {opt.sync.step_after!r}")
+    finally:
+        opt.close()

@@ -37,7 +37,7 @@ from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
 from hpclb.sync.drivers import DRIVERS
 from hpclb.sync.options import MiB, SyncOptions
-from hpclb.sync.window import WindowMixin, checked_step_after
+from hpclb.sync.window import Window, WindowMixin, checked_step_after
 
 __all__ = ["GradientSync"]
 
@@ -150,16 +150,15 @@ class GradientSync(WindowMixin):
         self._bucket_views = [v for b in self.buckets for v in b.views]
         for p in self.params:
             _OWNERS[id(p)] = self
-        self._micro = 0  # micro-batches counted in the current window
-        self._window = accumulation_steps  # micro-batches in the window being reduced
+        self.window = Window(given=accumulation_steps)
         self._next = 0   # next bucket to launch
         self.steps = 0   # synchronised (optimizer) steps so far
         self.wait_s = 0.0  # host seconds spent waiting for the allreduce (all windows)
         self._task = -1    # the backward (autograd graph task) whose end callback is queued
-        self._reduced = False   # a window ended (reduced) and synchronize() has not said so
-        self._since_sync = 0    # backward passes ended since the last synchronize()
-        self._local = False     # a backward ended under no_sync() since the last window
         self._no_sync = False
+        #: the loop is recognised at the first synchronize() (step_after None, K > 1): until
+        #: then backward passes accumulate locally and launch nothing (window.py)
+        self._recognising = self.step_after is None and accumulation_steps > 1
         self.used_in_window: list[tuple[nn.Parameter, bool]] = []
         self._hooks = []
         self._driver = None
@@ -328,7 +327,8 @@ class GradientSync(WindowMixin):
         if p.grad is not b.views[j]:
             self._adopt(b, j)
         b.used[j] = True
-        if self._no_sync or self._micro != self.accumulation_steps - 1 or self._driver is None:
+        if self._no_sync or self.window.micro != self.accumulation_steps - 1 \
+                or self._driver is None or self._recognising:
             return  # accumulating locally (or one process: all is done at the window's end)
         if b.ready[j]:
             if b.launched:
@@ -357,22 +357,23 @@ class GradientSync(WindowMixin):
             p.grad = view
 
     def _launch_ready(self) -> None:
+        """Start every complete bucket from the next one on, in bucket order (all ranks start
+        the same buckets in the same order): this rank's norm (``track_local_norm``), the
+        division before a cast, then the driver's launch."""
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
+            b = self.buckets[self._next]
+            if self.track_local_norm:  # this rank's mean gradient, before anything is divided
+                b.local_sq = self._local_sq(b)
+            if b.predivide:  # divide each rank's share first, then cast: the sum cannot overflow
+                if self.divisor != 1:
+                    b.buffer.div_(self.divisor)
+                if b.comm_buffer is not b.buffer:
+                    b.comm_buffer.copy_(b.buffer)
+            b.launched = True
+            b.error = None
+            b.seq = self._watchdog.entered(f"step {self.steps + 1} {b.what}")
+            self._driver.launch(b)
             self._next += 1
-
-    def _launch(self, b: Bucket) -> None:
-        if self.track_local_norm:  # this rank's mean gradient, before anything is divided
-            b.local_sq = self._local_sq(b)
-        if b.predivide:  # divide each rank's share first, then cast: the sum cannot overflow
-            if self.divisor != 1:
-                b.buffer.div_(self.divisor)
-            if b.comm_buffer is not b.buffer:
-                b.comm_buffer.copy_(b.buffer)
-        b.launched = True
-        b.error = None
-        b.seq = self._watchdog.entered(f"step {self.steps + 1} {b.what}")
-        self._driver.launch(b)
 
     def loss_weight(self, n_part: int, n_global: int) -> float:
         """What a micro-batch's mean loss over its ``n_part`` samples is multiplied by before
@@ -397,7 +398,7 @@ class GradientSync(WindowMixin):
     def _end_window(self) -> None:
         """End the window with the micro-batches counted (K, or fewer in a short window of
         Horovod's loop): reduce every bucket and divide (:mod:`hpclb.sync.window`)."""
-        self._window, self._micro = self._micro, 0
+        self.window.given, self.window.micro = self.window.micro, 0
         if self.track_used:
             self.used_in_window = [(p, u) for b in self.buckets for p, u in zip(b.params, b.used)]
         t0 = time.perf_counter()
@@ -409,7 +410,7 @@ class GradientSync(WindowMixin):
                     self._reduce()
         finally:
             self.steps += 1  # counted after the reduction (its buckets are labelled steps + 1)
-            self._reduced, self._local = True, False
+            self.window.reduced, self.window.local = True, False
             self.wait_s += time.perf_counter() - t0
 
     @contextmanager
@@ -516,7 +517,7 @@ class GradientSync(WindowMixin):
         the window's micro-batches (the buffer holds their sum, or with ``loss_prescaled`` that
         sum over ``world_size * k``)."""
         sq = torch.linalg.vector_norm(b.buffer, dtype=torch.float32).square()
-        given = max(self._window, 1)
+        given = max(self.window.given, 1)
         if self.loss_prescaled:
             return sq * (float(self.comm.world_size) * self.accumulation_steps / given) ** 2
         return sq / given ** 2

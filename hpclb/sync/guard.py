@@ -72,19 +72,21 @@ class NonFiniteGuard:
             return torch.zeros_like(found)
         return found & (scale.to(found.device) < CALIBRATION_SCALE)
 
-    def record_on_device(self, found: Tensor, step: int) -> None:
-        """Count this step (``step``: the optimizer step, 1-based) on the device: six small
-        ops (four in place on the three counts), no read. The streak is
-        ``(streak + counted) * found`` (a finite step resets it); the step at which it first
-        reached the limit is kept as ``_HIT_BASE - step``, so a later step never replaces it
-        (``clamp_(min=...)``)."""
+    def found_on_device(self, grad_norm: Tensor, step: int) -> Tensor:
+        """The device path: the step's found-inf flag (0-d bool, no read), counted on the
+        device (``step``: the optimizer step, 1-based) in six small ops, four in place on the
+        three counts. The streak is ``(streak + counted) * found`` (a finite step resets it);
+        the step at which it first reached the limit is kept as ``_HIT_BASE - step``, so a
+        later step never replaces it (``clamp_(min=...)``)."""
+        found = self.found_inf = ~torch.isfinite(grad_norm)
         if self._counts is None:
             self._counts = torch.zeros(3, dtype=torch.int64, device=found.device)
             self._count_views = self._counts.unbind()
         skipped, streak, hit = self._count_views
         skipped.add_(found)
-        streak.add_(self._counted(found)).mul_(found)
+        streak.add_(found if self.scaler is None else self._counted(found)).mul_(found)
         hit.clamp_(min=(streak >= self.max_steps) * (_HIT_BASE - step))
+        return found
 
     def skip_on_host_norm(self, grad_norm: Tensor) -> bool:
         """The host path without a scaler: one read of the norm itself (``item()``, the same

@@ -35,7 +35,7 @@ The contracts kept for torch.optim, DDP and Horovod users (``docs/library.md``),
 where it can break: Horovod's ``synchronize()`` / ``skip_synchronize()`` (the window is already
 reduced; ``p.grad`` may be changed before ``step()``, which does not synchronise again);
 ``zero_grad()`` zeroes at a window's start, is a no-op inside one of the per-backward loop, and
-raises between a ``backward()`` and its ``step()`` (:func:`zero_grad_action`); a parameter that
+raises between a ``backward()`` and its ``step()``; a parameter that
 became trainable or was added after construction is refused at the next ``step()`` until
 :meth:`~DistributedOptimizer.refresh_parameters` (:func:`check_parameter_set`); a parameter
 frozen at the step gets ``grad = None`` (:func:`drop_frozen_grads`); ``find_unused_parameters``
@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import operator
 from contextlib import contextmanager
+from itertools import chain
 
 import torch
 from torch import Tensor, nn
@@ -74,6 +75,7 @@ def _named(model_or_named_parameters) -> list[tuple[str, nn.Parameter]]:
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+_params_of = operator.itemgetter("params")
 
 
 def drop_unused(used: list, comm) -> None:
@@ -89,30 +91,13 @@ def drop_unused(used: list, comm) -> None:
             p.grad = None
 
 
-def zero_grad_action(sync) -> bool:
-    """True when ``zero_grad()`` should zero now: at the start of an accumulation window, i.e.
-    after every ``step()`` that ended one (with ``accumulation_steps=1``: always, as in torch;
-    the gradients are final once backward returns). False (a no-op) inside a window of hpclb's
-    loop (``step()`` after every backward, which returned False). Raises RuntimeError with
-    ``accumulation_steps`` > 1 when a backward ended since the last ``step()`` (zeroing would
-    silently drop that micro-batch, or the whole reduced window, from the update)."""
-    if sync.accumulation_steps > 1 and sync.backward_pending:
-        raise RuntimeError(
-            "zero_grad() between backward() and step() with accumulation_steps="
-            f"{sync.accumulation_steps}: it would drop this micro-batch's gradients from the "
-            "window. Call step() after every backward(), and zero_grad() before backward()")
-    return sync.micro_batches == 0
-
-
 def check_parameter_set(optimizer: torch.optim.Optimizer, synced: set[int],
                         names: dict[int, str]) -> None:
     """Raise RuntimeError when ``optimizer`` holds a trainable parameter whose id is not in
     ``synced`` (unfrozen or added after the DistributedOptimizer was built), naming it and the
-    fix. ``names``: id -> parameter name, for the message."""
-    groups = optimizer.param_groups
-    if all(all(map(synced.__contains__, map(id, g["params"]))) for g in groups):
-        return  # every parameter is synchronised (one C-level pass: the check of every step)
-    for gi, group in enumerate(groups):
+    fix. ``names``: id -> parameter name, for the message. (The check of every step is the
+    one C-level pass :meth:`DistributedOptimizer.synchronize` makes; this runs when it fails.)"""
+    for gi, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
             if p.requires_grad and id(p) not in synced:
                 name = names.get(id(p), f"param_groups[{gi}]['params'][{j}]")
@@ -128,9 +113,8 @@ def check_parameter_set(optimizer: torch.optim.Optimizer, synced: set[int],
 def drop_frozen_grads(params: list[nn.Parameter]) -> None:
     """``grad = None`` for every parameter frozen at this step (``requires_grad=False``): torch
     optimizers skip such parameters (no momentum, weight decay or moment update). The next
-    backward that reaches the parameter makes its gradient the bucket view again."""
-    if all(map(_requires_grad, params)):
-        return  # none frozen (one C-level pass: the check of every step)
+    backward that reaches the parameter makes its gradient the bucket view again. (The check
+    of every step, none frozen, is one C-level pass in :meth:`DistributedOptimizer.synchronize`.)"""
     for p in params:
         if not p.requires_grad:
             p.grad = None
@@ -166,12 +150,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             allreduce of their count per window); ``"full_window"``, ``hpclb train``'s:
             Horovod's with every window's K micro-batches counted on every rank
             (``sync.skip_micro_batch()`` for an empty share; no count exchanged). Default
-            None: the loop is recognised at the first ``step()`` (after two or more backward
-            passes: Horovod's). The result is the mean over ranks and the micro-batches given
-            (the gradient of the K-times larger batch when each micro-batch loss is a mean; of
-            the micro-batches given, on every rank, in a short window). A backward that would
-            put the passes and the ``step()`` calls out of step (more than K before a
-            ``step()``; two without ``step()`` in hpclb's loop) raises RuntimeError.
+            None: the loop is recognised at the first ``step()``, the same on every rank (after
+            two or more backward passes on any rank: Horovod's; the first window is then
+            reduced at that ``step()``, not at its last backward). The result is the mean over
+            ranks and the micro-batches given (the gradient of the K-times larger batch when
+            each micro-batch loss is a mean; of the micro-batches given, on every rank, in a
+            short window). A backward that would put the passes and the ``step()`` calls out
+            of step (more than K before a ``step()``; two without ``step()`` in hpclb's loop)
+            raises RuntimeError.
         grad_clip_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         max_nonfinite_steps: non-finite steps skipped in a row before :class:`NonFiniteError`
             (>= 1; default 3). With an fp16 scaler, overflows count only once the loss scale has
@@ -332,13 +318,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ended a window it zeroes. With ``accumulation_steps`` > 1 raises
         RuntimeError whenever it would drop a micro-batch's gradients (after its backward,
         before its ``step()``)."""
-        if zero_grad_action(self.sync):
+        sync = self.sync
+        if sync.accumulation_steps > 1 and sync.backward_pending:
+            raise RuntimeError(
+                "zero_grad() between backward() and step() with accumulation_steps="
+                f"{sync.accumulation_steps}: it would drop this micro-batch's gradients from the "
+                "window. Call step() after every backward(), and zero_grad() before backward()")
+        if sync.micro_batches == 0:  # a window's start: after every step() that ended one
             if self._zero_by_bucket and self.sync.grads_are_views():
                 self.sync.zero_grads_()  # the same zeros, one fill per bucket
             else:
                 self.optimizer.zero_grad(set_to_none=False)
-
-    _synchronized: bool | None = None  # the result of synchronize() not yet used by step()
 
     def synchronize(self) -> bool:
         """Horovod's ``synchronize()``. The gradients are already averaged when the window's
@@ -349,33 +339,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         synchronise again. Returns False on a micro-batch of hpclb's loop that is not the
         window's last (the gradients are still local). Raises RuntimeError for a
         parameter set that changed, or a backward under ``no_sync()`` with none after it."""
-        if self._synchronized is not None:
+        window = self.sync.window  # window.reported: this result, until step() takes it
+        if window.reported is not None:
             raise RuntimeError("synchronize() was already called for this step; call step()")
-        try:
-            check_parameter_set(self.optimizer, self._synced_ids, self._names_by_id)
-        except RuntimeError:
-            self.sync.synchronize()  # take this window on every rank, then refuse
-            raise
-        self._synchronized = self.sync.synchronize()
-        if self._synchronized:
-            drop_frozen_grads(self.params)
+        if not all(map(self._synced_ids.__contains__,
+                       map(id, chain.from_iterable(map(_params_of, self.optimizer.param_groups))))):
+            try:  # a parameter the optimizer holds is not synchronised: trainable now?
+                check_parameter_set(self.optimizer, self._synced_ids, self._names_by_id)
+            except RuntimeError:
+                self.sync.synchronize()  # take this window on every rank, then refuse
+                raise
+        window.reported = self.sync.synchronize()
+        if window.reported:
+            if not all(map(_requires_grad, self.params)):  # frozen at this step
+                drop_frozen_grads(self.params)
             if self.find_unused_parameters:
                 drop_unused(self.sync.used_in_window, self.comm)
-        return self._synchronized
-
-    def _take_synchronized(self) -> bool:
-        """step(): the result of an earlier :meth:`synchronize`, else synchronise now."""
-        if self._synchronized is None:
-            self.synchronize()
-        synced, self._synchronized = self._synchronized, None
-        return synced
+        return window.reported
 
     @contextmanager
     def skip_synchronize(self):
         """Horovod's idiom: ``opt.synchronize(); clip...; with opt.skip_synchronize():
         opt.step()``. ``step()`` never synchronises twice, so this only checks that
         ``synchronize()`` was called (RuntimeError naming the fix otherwise)."""
-        if self._synchronized is None:
+        if self.sync.window.reported is None:
             raise RuntimeError("skip_synchronize(): call optimizer.synchronize() before step()")
         yield
 
@@ -414,7 +401,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step() takes no closure: run forward and "
                              "backward before calling step()")
-        synced = self._take_synchronized()  # synchronize(), unless the caller did it already
+        window = self.sync.window
+        if window.reported is None:  # unless the caller synchronised already
+            self.synchronize()
+        synced, window.reported = window.reported, None
         if not synced:
             return False
         self.steps += 1
@@ -429,9 +419,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._apply(None)
             return True
         if self.guard.on_device:  # the optimizer masks the update: no host read
-            found = self.guard.found(self.grad_norm)
-            self.guard.record_on_device(found, self.steps)
-            self._apply(found)
+            self._apply(self.guard.found_on_device(self.grad_norm, self.steps))
             if self.check_nonfinite_every and self.steps % self.check_nonfinite_every == 0:
                 self.check_nonfinite()  # one read every N steps: raises at the limit
             return True

@@ -20,8 +20,12 @@ With ``accumulation_steps`` K > 1 the caller runs one of two loops (``step_after
   empty share), so every window is full on every rank and is the mean over ``world_size * K``
   as it is: no count is exchanged (``"window"`` allreduces one per window). A ``step()`` after
   fewer is refused.
-- None (default): the loop is recognised at the first ``synchronize()``: after two or more
-  backward passes, ``"window"``; after one or none, ``"micro_batch"``.
+- None (default): the loop is recognised at the first ``synchronize()``, by every rank alike:
+  until then backward passes accumulate locally and start no collective (as under
+  ``no_sync()``); at that ``synchronize()`` the ranks agree in one allreduce (the most passes
+  any rank ran since the start): two or more, ``"window"`` (the first window is reduced there,
+  on every rank, weighted as a short one); one or none, ``"micro_batch"``. Ranks whose first
+  window's shares are uneven (one pass on one, two on another) read the same loop.
 
 Refused in both, on the backward that would do it, before anything of it is sent: a backward
 after the window's K passes and before ``step()`` (Horovod's "Gradients were computed more than
@@ -29,9 +33,11 @@ backward_passes_per_step times before call to step()"; it would be added to the 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["STEP_AFTER", "WindowMixin", "checked_step_after"]
+__all__ = ["STEP_AFTER", "Window", "WindowMixin", "checked_step_after"]
 
 STEP_AFTER = ("micro_batch", "window", "full_window")
 
@@ -48,10 +54,29 @@ def checked_step_after(step_after: str | None) -> str | None:
     return step_after
 
 
+@dataclass
+class Window:
+    """Where the accumulation window stands, in one place: what the backward passes and the
+    ``synchronize()`` / ``step()`` calls have counted since the window began."""
+
+    #: micro-batches counted in the current window (0 at its start; K: it is reduced)
+    micro: int = 0
+    #: backward passes ended since the last ``synchronize()``
+    passes: int = 0
+    #: a window ended (was reduced) and ``synchronize()`` has not reported it yet
+    reduced: bool = False
+    #: micro-batches in the window last reduced (a short window's weighting)
+    given: int = 0
+    #: a backward ended under ``no_sync()`` since the last window (its gradients are local)
+    local: bool = False
+    #: ``DistributedOptimizer.synchronize()``'s result, not yet taken by ``step()`` (None: none)
+    reported: bool | None = None
+
+
 class WindowMixin:
     """The counting half of :class:`~hpclb.sync.gradients.GradientSync` (which provides
-    ``accumulation_steps``, ``step_after``, ``divisor_is_mean``, ``comm``, ``buckets``, the
-    counters set in its ``__init__``, ``_finish_alone`` and ``_end_window``)."""
+    ``accumulation_steps``, ``step_after``, ``divisor_is_mean``, ``comm``, ``buckets``, its
+    :class:`Window` as ``window``, ``_finish_alone`` and ``_end_window``)."""
 
     def _check_pass(self) -> None:
         """A backward pass begins (its first gradient hook, or :meth:`mark_all_ready`): raise
@@ -60,7 +85,7 @@ class WindowMixin:
         k = self.accumulation_steps
         if k == 1:
             return
-        if self.step_after == "micro_batch" and self._since_sync and not self._no_sync:
+        if self.step_after == "micro_batch" and self.window.passes and not self._no_sync:
             raise RuntimeError(
                 f"a second backward() without step() in hpclb's accumulation loop (step() after "
                 f"every backward(), accumulation_steps={k}; recognised at the first step()): "
@@ -68,7 +93,8 @@ class WindowMixin:
                 f"backward(), or run the extra passes under optimizer.no_sync(); for Horovod's "
                 f"loop (the window's backward passes, then one step()) build the optimizer with "
                 f"step_after='window' (hpclb.horovod's DistributedOptimizer does)")
-        if self._reduced:
+        w = self.window
+        if w.reduced or (self._recognising and w.micro >= k and not self._no_sync):
             raise RuntimeError(
                 f"backward() after the window's accumulation_steps={k} backward passes and "
                 f"before step(): more than {k} backward passes per step() would add this one to "
@@ -83,11 +109,11 @@ class WindowMixin:
         K-th, reduce every bucket and divide, so ``p.grad`` is the global mean on return."""
         self._task = -1
         if self._no_sync:
-            self._local = True
+            self.window.local = True
             return
-        self._since_sync += 1
-        self._micro += 1
-        if self._micro == self.accumulation_steps:
+        self.window.passes += 1
+        self.window.micro += 1
+        if self.window.micro == self.accumulation_steps and not self._recognising:
             self._end_window()
 
     def skip_micro_batch(self) -> None:
@@ -117,40 +143,53 @@ class WindowMixin:
                                f"averaged; build a new DistributedOptimizer / GradientSync "
                                f"(or refresh_parameters()) instead of stepping a closed one")
         if not self._hooks:  # one process, no accumulation: every backward is a window
-            self._since_sync = 0
+            self.window.passes = 0
             self.steps += 1
             self._finish_alone()
             return True
-        if self._local and not self._reduced:
+        if self._recognising:
+            self._recognise_loop()
+        if self.window.local and not self.window.reduced:
             raise RuntimeError("step() after a backward under no_sync() with no backward outside "
                                "it: the gradients are this rank's local sums. Run the window's "
                                "last backward outside no_sync(), then step()")
-        if self.step_after is None and self.accumulation_steps > 1:
-            self.step_after = "window" if self._since_sync > 1 else "micro_batch"
-        if not self._reduced:
+        if not self.window.reduced:
             if self.step_after == "window":
                 self._end_window()  # a short window: what is there
             elif self.step_after == "full_window":
                 raise RuntimeError(
-                    f"step() after {self._micro} of the window's accumulation_steps="
+                    f"step() after {self.window.micro} of the window's accumulation_steps="
                     f"{self.accumulation_steps} micro-batches with step_after='full_window' "
                     f"(every rank counts K per window): count an empty share with "
                     f"skip_micro_batch(), or build the optimizer with step_after='window' "
                     f"for short windows")
-            elif not self._since_sync:
+            elif not self.window.passes:
                 self._end_backward()  # an empty micro-batch
-        if self._reduced and self.step_after == "window" and self.divisor_is_mean:
+        if self.window.reduced and self.step_after == "window" and self.divisor_is_mean:
             self._weigh_window()
-        reduced, self._reduced, self._since_sync = self._reduced, False, 0
-        self._window = self.accumulation_steps
+        w = self.window
+        reduced, w.reduced, w.passes, w.given = w.reduced, False, 0, self.accumulation_steps
         return reduced
+
+    def _recognise_loop(self) -> None:
+        """The first ``synchronize()`` with ``step_after`` None: every rank takes the same loop
+        from the most backward passes any rank ran (one allreduce, the first collective of the
+        run's gradients: nothing was launched before). A full first window is reduced here, as
+        its K-th backward would have; a short one by the caller, as every short window."""
+        passes = torch.tensor([float(self.window.passes)], dtype=torch.float64)
+        if self.comm.world_size > 1:
+            self.comm.allreduce_(passes, op="max")
+        self.step_after = "window" if passes.item() > 1 else "micro_batch"
+        self._recognising = False
+        if self.window.micro == self.accumulation_steps:
+            self._end_window()
 
     @torch.no_grad()
     def _weigh_window(self) -> None:
         """Horovod's loop with hpclb's mean: the buckets were divided by ``world_size * K``;
         make them the mean over the micro-batches given on all ranks (one allreduce of a
         count; a window with none on any rank stays as it is: zeros after ``zero_grad()``)."""
-        given = torch.tensor([float(self._window)], dtype=torch.float64)
+        given = torch.tensor([float(self.window.given)], dtype=torch.float64)
         if self.comm.world_size > 1:
             self.comm.allreduce_(given, op="sum")
         n, full = int(given.item()), self.comm.world_size * self.accumulation_steps
@@ -162,15 +201,16 @@ class WindowMixin:
     def backward_pending(self) -> bool:
         """A backward ended since the last :meth:`synchronize` (``zero_grad()`` then would drop
         its gradients from the window)."""
-        return self._since_sync > 0
+        return self.window.passes > 0
 
     @property
     def micro_batches(self) -> int:
         """Micro-batches accumulated so far in the current window (0 at a window's start)."""
-        return self._micro
+        return self.window.micro
 
     def reset_epoch(self) -> int:
         """Start a new accumulation window at an epoch boundary; returns how many micro-batches
         of an unfinished window are dropped (their gradients stay local: zero them)."""
-        dropped, self._micro, self._since_sync = self._micro, 0, 0
+        w = self.window
+        dropped, w.micro, w.passes = w.micro, 0, 0
         return dropped

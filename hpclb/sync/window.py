@@ -113,8 +113,11 @@ class WindowMixin:
             return
         self.window.passes += 1
         self.window.micro += 1
-        if self.window.micro == self.accumulation_steps and not self._recognising:
-            self._end_window()
+        if self.window.micro == self.accumulation_steps:
+            if self._recognising:  # K passes with no step(): the loop is known; agree it
+                self._recognise_loop()  # first, then reduce (DDP's contract: p.grad is the
+            else:                       # global mean when the window's last backward returns)
+                self._end_window()
 
     def skip_micro_batch(self) -> None:
         """This rank has no samples in the current micro-batch (an uneven last step): count it
@@ -172,10 +175,13 @@ class WindowMixin:
         return reduced
 
     def _recognise_loop(self) -> None:
-        """The first ``synchronize()`` with ``step_after`` None: every rank takes the same loop
-        from the most backward passes any rank ran (one allreduce, the first collective of the
-        run's gradients: nothing was launched before). A full first window is reduced here, as
-        its K-th backward would have; a short one by the caller, as every short window."""
+        """With ``step_after`` None, at the first window's K-th backward or the first
+        ``synchronize()``, whichever comes first on this rank: every rank takes the same loop
+        from the most backward passes any rank ran (one allreduce, before any bucket of the
+        run's gradients is sent, on every rank: the ranks meet in it whichever of the two calls
+        each is in). A full first window is reduced here (at its K-th backward, so ``p.grad``
+        is the global mean when it returns); a short one by ``synchronize()``, as every short
+        window."""
         passes = torch.tensor([float(self.window.passes)], dtype=torch.float64)
         if self.comm.world_size > 1:
             self.comm.allreduce_(passes, op="max")

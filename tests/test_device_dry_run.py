@@ -62,12 +62,12 @@ def test_the_dry_run_catches_a_tensor_left_on_the_cpu(tmp_path, monkeypatch):
     """The check can fail: a task whose batch stays on the CPU breaks the meta step."""
     if not (REPO / "data" / "mnist" / ".verified").exists():
         pytest.skip("mnist not staged (make data)")
-    import hpclb.train.loop as train_mod
+    import hpclb.tasks.classification as task_mod
 
     cfg = _cfg(tmp_path, "mnist-lstm", None, (512, 100), REPO / "data")
     run = setup_run(cfg, SelfCommunicator(), device=META)
     run.task.start_epoch(0)
-    monkeypatch.setattr(train_mod, "to_device", lambda batch, device: batch)
+    monkeypatch.setattr(task_mod, "to_device", lambda batch, device: batch)
     with pytest.raises(RuntimeError, match="meta|device"):
         train_step(run, 0, torch.zeros(3, dtype=torch.float64, device=META))
     run.close()

@@ -106,7 +106,7 @@ def test_accumulation_steps_setting_and_errors_name_the_field(tmp_path):
 
 def test_resume_refuses_a_different_run(tmp_path, mnist_dir):
     run(tmp_path, "r", data_dir=str(mnist_dir.parent))
-    with pytest.raises(ConfigError, match="global_batch_size=512.*256"):
+    with pytest.raises(ConfigError, match=r"global_batch_size \(--batch-size\): 512 there, 256 now"):
         run(tmp_path, "r", data_dir=str(mnist_dir.parent), batch_size=256, resume=True)
 
 

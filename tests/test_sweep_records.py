@@ -95,3 +95,33 @@ def test_foreign_files_in_out_dir_are_refused_before_any_point_trains(tmp_path, 
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "mnist-lstm.json" in p.stderr and "--overwrite" in p.stderr
     assert (out / "mnist-lstm.json").read_text() == "my,csv,data\n"
+
+
+def test_rows_of_an_earlier_version_are_compared_on_the_real_training_set(tmp_path):
+    """The committed MNIST-LSTM Adam rows predate ``recipe`` in rows: they are compared on their
+    schedule with the one the recipe gives on MNIST's 60,000 images (before: on steps_per_epoch
+    x batch, 65,536 at B = 8192, so LEGW's 117 warmup steps read as 128 and every point was
+    refused), and at k = 1 a scheme's row copied from another scheme's run is of the settings
+    now. A row whose warmup really differs is reported stale by --status and refused."""
+    rows = json.loads((REPO / "results/science/mnist-lstm-adam/mnist-lstm.json").read_text())
+    rows = [r for r in rows if r["batch_size"] in (128, 8192) and "recipe" not in r]
+    assert len(rows) == 24  # 2 batches x 4 schemes x 3 seeds, all of the earlier version
+    assert {r["warmup_steps"] for r in rows if r["scheme"] == "goyal" and r["batch_size"] == 128} \
+        == {117}  # the B0 run of legw, copied
+    out = tmp_path / "res"
+    out.mkdir()
+    (out / "mnist-lstm.json").write_text(json.dumps(rows))
+    kw = dict(seeds=[0, 1, 2], optimizer="adam", out_dir=out, runs_dir=tmp_path / "runs")
+    schemes = ["legw", "sqrt", "goyal", "none"]
+    st = sweep.sweep_status("mnist-lstm", [128, 8192], schemes, **kw)
+    assert (len(st.done), len(st.stale), len(st.left)) == (24, 0, 0)
+    for r in rows:
+        if r["batch_size"] == 8192 and r["scheme"] == "legw" and r["seed"] == 1:
+            r["warmup_steps"] = 128  # what the old comparison expected
+    (out / "mnist-lstm.json").write_text(json.dumps(rows))
+    st = sweep.sweep_status("mnist-lstm", [128, 8192], schemes, **kw)
+    assert [str(p) for p in st.stale] == ["B=8192 legw seed 1"]
+    assert "1 recorded with other settings than now" in st.line()
+    with pytest.raises(ConfigError, match=r"B=8192 legw seed 1: schedule warmup_steps: 128 "
+                                          r"recorded, 117 now"):
+        sweep.run_sweep("mnist-lstm", [128, 8192], schemes, log=lambda m: None, **kw)

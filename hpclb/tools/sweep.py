@@ -332,7 +332,7 @@ def sweep_status(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[
                              quiet=True, log=print, overwrite=False, batch_sizes=batch_sizes,
                              schemes=schemes, micro_batch=micro_batch)
     return SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
-                          base_batch=sweep.recipe["base_batch_size"])
+                          base_batch=sweep.recipe["base_batch_size"], current=sweep.done)
 
 
 def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,

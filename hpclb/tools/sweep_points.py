@@ -9,6 +9,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 __all__ = ["Point", "SweepStatus", "flock", "row_of", "shown"]
 
@@ -143,24 +144,27 @@ def row_of(summary: dict, p: Point, *, metric: str, run_dir: Path) -> dict:
 
 @dataclass
 class SweepStatus:
-    """A sweep's points split into ``done`` (recorded), ``running`` (another process holds the
-    point's lock) and ``left``; ``expected_s``: the seconds the left points are expected to take,
-    from the mean wall time of recorded points at the same batch (else of all recorded points;
-    None when nothing is recorded yet)."""
+    """A sweep's points split into ``done`` (recorded), ``stale`` (recorded with other settings
+    than now: the sweep refuses them without ``--overwrite``), ``running`` (another process
+    holds the point's lock) and ``left``; ``expected_s``: the seconds the left points are
+    expected to take, from the mean wall time of recorded points at the same batch (else of all
+    recorded points; None when nothing is recorded yet)."""
 
     done: list[Point] = field(default_factory=list)
     running: list[Point] = field(default_factory=list)
     left: list[Point] = field(default_factory=list)
     expected_s: float | None = None
+    stale: list[Point] = field(default_factory=list)
 
     @classmethod
-    def of(cls, points: list[Point], rows: list[dict], runs_dir: Path,
-           base_batch: int) -> "SweepStatus":
-        recorded = {Point.of_row(r) for r in rows}
+    def of(cls, points: list[Point], rows: list[dict], runs_dir: Path, base_batch: int,
+           current: Callable[[Point, dict], bool] = lambda p, row: True) -> "SweepStatus":
+        """``current(p, row)``: whether ``row`` records ``p`` under the settings now."""
+        recorded = {Point.of_row(r): r for r in rows}
         st = cls()
         for p in points:
             if p in recorded:
-                st.done.append(p)
+                (st.done if current(p, recorded[p]) else st.stale).append(p)
             elif _held(runs_dir / f".{p.dir_name}.lock"):
                 st.running.append(p)
             else:
@@ -183,7 +187,9 @@ class SweepStatus:
         """``"3 done, 1 running, 8 left (about 1.2 h expected)"``."""
         eta = "time unknown until a point is recorded" if self.expected_s is None else \
             f"about {self.expected_s / 3600:.1f} h expected on this machine"
-        return (f"{len(self.done)} done, {len(self.running)} running elsewhere, "
+        stale = f", {len(self.stale)} recorded with other settings than now (refused " \
+            f"without --overwrite)" if self.stale else ""
+        return (f"{len(self.done)} done{stale}, {len(self.running)} running elsewhere, "
                 f"{len(self.left)} left ({eta})")
 
 

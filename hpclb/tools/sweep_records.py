@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpclb.errors import ConfigError
+from hpclb.schedules import SCHEMES
 from hpclb.tools.sweep_points import Point
 
 __all__ = ["SCHEDULE_KEYS", "Settings", "check_outputs", "differences", "foreign_outputs",
@@ -173,6 +174,14 @@ class Settings:
 
     def __init__(self, recipe: dict, resolve: Callable[[Any], Any]):
         self.recipe, self.resolve = recipe, resolve
+        self._train_samples: int | None = None
+
+    def train_samples(self, cfg) -> int:
+        """The training set's size, as the run counts it (read once)."""
+        if self._train_samples is None:
+            from hpclb.tools.dryrun import train_set_size_of
+            self._train_samples = train_set_size_of(cfg)[0]
+        return self._train_samples
 
     def fields(self, optimizer: str) -> dict[str, Any]:
         """:func:`recipe_fields` of the recipe now, for ``optimizer``."""
@@ -180,15 +189,24 @@ class Settings:
 
     def _schedule(self, p, row: dict) -> dict:
         cfg = self.resolve(p)
-        sched = cfg.schedule(int(row["steps_per_epoch"]) * p.batch)
+        sched = cfg.schedule(self.train_samples(cfg))
         return {"batch_ratio_k": p.batch / cfg.base_batch_size, "base_lr": cfg.base_lr,
                 "peak_lr": sched.peak_lr, "warmup_steps": sched.warmup_steps,
                 "warmup_start_lr": sched.warmup_start_lr, "decay": cfg.recipe["decay"],
                 "target": cfg.recipe.get("target") or None}
 
     def stale(self, p, row: dict) -> list[str]:
-        """How the row of point ``p`` differs from the settings now (:func:`differences`)."""
-        return differences(row, self.fields(p.optimizer), lambda r: self._schedule(p, r))
+        """How the row of point ``p`` differs from the settings now (:func:`differences`). At
+        k = 1 every scheme's row is the run of one of them (the sweep copies it), so a row
+        without ``recipe`` there is of the settings now when it matches any scheme's schedule."""
+        found = differences(row, self.fields(p.optimizer), lambda r: self._schedule(p, r))
+        if found and "recipe" not in row and p.batch == self.recipe["base_batch_size"]:
+            for scheme in SCHEMES:
+                q = p.with_scheme(scheme)
+                if not differences(row, self.fields(q.optimizer),
+                                   lambda r, q=q: self._schedule(q, r)):
+                    return []
+        return found
 
     def stale_run(self, p, run_dir: Path) -> list[str]:
         """How the run of point ``p`` in ``run_dir`` (its ``config.json``'s recipe) differs

@@ -125,3 +125,36 @@ def test_rows_of_an_earlier_version_are_compared_on_the_real_training_set(tmp_pa
     with pytest.raises(ConfigError, match=r"B=8192 legw seed 1: schedule warmup_steps: 128 "
                                           r"recorded, 117 now"):
         sweep.run_sweep("mnist-lstm", [128, 8192], schemes, log=lambda m: None, **kw)
+
+
+def test_a_row_of_an_earlier_version_is_checked_on_the_data_of_data_dir(tmp_path, monkeypatch):
+    """PTB's training-set size is counted from the data: --data-dir is where the check reads it
+    (before: the check ignored it and failed with 'data/ptb.train.txt: no such file' from a
+    directory without ./data). Rows with no wall time do not crash --status; --schemes '' is
+    refused."""
+    from hpclb.config import resolve
+    from hpclb.tools.dryrun import train_set_size_of
+
+    data = os.environ.get("HPCLB_DATA", str(REPO / "data"))
+    if not os.path.isfile(os.path.join(data, "ptb", "ptb.train.txt")):
+        pytest.skip(f"PTB not staged in {data}; run `make data`")
+    monkeypatch.delenv("HPCLB_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)  # no ./data here
+    cfg = resolve("ptb-small-cpu", batch_size=20, scaling="legw", data_dir=data)
+    sched = cfg.schedule(train_set_size_of(cfg)[0])
+    row = {"batch_size": 20, "scheme": "legw", "seed": 0, "optimizer": cfg.optimizer,
+           "epochs": cfg.epochs, "ranks": 1, "status": "done", "wall_time_s": None,
+           "steps_per_epoch": sched.steps_per_epoch, "batch_ratio_k": 1.0,
+           "base_lr": cfg.base_lr, "peak_lr": sched.peak_lr, "warmup_steps": sched.warmup_steps,
+           "warmup_start_lr": sched.warmup_start_lr, "decay": cfg.recipe["decay"]}
+    out = tmp_path / "res"
+    out.mkdir()
+    (out / "ptb-small-cpu.json").write_text(json.dumps([row]))
+    kw = dict(out_dir=out, runs_dir=tmp_path / "runs", data_dir=data)
+    st = sweep.sweep_status("ptb-small-cpu", [20], ["legw", "none"], **kw)
+    assert (len(st.done), len(st.stale), len(st.left)) == (1, 0, 1)
+    (out / "ptb-small-cpu.json").write_text(json.dumps([{**row, "warmup_steps": 1}]))
+    assert [str(p) for p in sweep.sweep_status("ptb-small-cpu", [20], ["legw"], **kw).stale] \
+        == ["B=20 legw seed 0"]
+    with pytest.raises(ConfigError, match="--schemes: give at least one"):
+        sweep.sweep_status("ptb-small-cpu", [20], [], **kw)

@@ -74,13 +74,14 @@ def run(args: argparse.Namespace) -> int:
     seeds = [args.seed] if args.seed is not None else lists["--seeds"]
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     common = dict(epochs=args.epochs, ranks=args.ranks, seeds=seeds, optimizer=args.optimizer,
-                  out_dir=args.out_dir, runs_dir=args.runs_dir, micro_batch=args.micro_batch)
+                  out_dir=args.out_dir, runs_dir=args.runs_dir, micro_batch=args.micro_batch,
+                  data_dir=args.data_dir)
     try:
         if args.status:
             print(f"sweep {args.experiment}: "
                   f"{sweep_status(args.experiment, batches, schemes, **common).line()}")
             return 0
-        rows = run_sweep(args.experiment, batches, schemes, data_dir=args.data_dir,
+        rows = run_sweep(args.experiment, batches, schemes,
                          quiet=not args.verbose, log=lambda m: print(m, flush=True),
                          overwrite=args.overwrite, **common)
     except ConfigError as e:

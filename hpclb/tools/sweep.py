@@ -142,6 +142,8 @@ def _checked(batch_sizes: Iterable[int], schemes: Iterable[str], ranks: int,
     batch_sizes = sorted(set(int(b) for b in batch_sizes))
     schemes = list(dict.fromkeys(schemes))
     seeds = list(dict.fromkeys(seeds))
+    if not schemes:
+        raise ConfigError(f"--schemes: give at least one of {tuple(SCHEMES)}")
     for s in schemes:
         if s not in SCHEMES:
             raise ConfigError(f"--schemes: {s!r} is not one of {tuple(SCHEMES)}")
@@ -176,7 +178,8 @@ class _Sweep:
         self.results_lock = self.runs_dir / ".results.lock"
         self.settings = Settings(self.recipe, lambda p: resolve(
             self.experiment, batch_size=p.batch, scaling=p.scheme, optimizer=p.optimizer,
-            epochs=p.epochs, seed=p.seed, accumulation_steps=p.accumulation))
+            epochs=p.epochs, seed=p.seed, accumulation_steps=p.accumulation,
+            data_dir=self.data_dir))
 
     def check(self, points: list[Point]) -> None:
         """Before any point trains: the files under ``out_dir`` are the sweep's own
@@ -323,12 +326,12 @@ def _prepare(experiment: str, *, epochs, ranks, optimizer, seeds, out_dir, runs_
 def sweep_status(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
                  seeds: Iterable[int] = (0,), epochs: float | None = None, ranks: int = 1,
                  optimizer: str | None = None, out_dir: str | Path | None = None,
-                 runs_dir: str | Path = "runs/sweeps",
-                 micro_batch: int | None = None) -> SweepStatus:
+                 runs_dir: str | Path = "runs/sweeps", micro_batch: int | None = None,
+                 data_dir: str | None = None) -> SweepStatus:
     """What a sweep has done, what other processes are training and what is left, with the
     hours expected (:class:`~hpclb.tools.sweep_points.SweepStatus`); trains nothing."""
     sweep, points = _prepare(experiment, epochs=epochs, ranks=ranks, optimizer=optimizer,
-                             seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=None,
+                             seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
                              quiet=True, log=print, overwrite=False, batch_sizes=batch_sizes,
                              schemes=schemes, micro_batch=micro_batch)
     return SweepStatus.of(points, sweep.rows(), sweep.runs_dir,

@@ -169,7 +169,8 @@ class SweepStatus:
                 st.running.append(p)
             else:
                 st.left.append(p)
-        trained = [r for r in rows if r.get("status", "done") == "done" and not r.get("note")]
+        trained = [r for r in rows if r.get("status", "done") == "done" and not r.get("note")
+                   and isinstance(r.get("wall_time_s"), (int, float))]
         if trained:
             overall = sum(r["wall_time_s"] for r in trained) / len(trained)
             st.expected_s = 0.0

@@ -39,7 +39,9 @@ try:
 except (OSError, ValueError, KeyError):
     sys.exit(f"{path}: no B0 tuning recorded yet: run the tuning step first")
 lr = load_recipe(recipe)["optimizers"][opt]["lr"]
-if best is None or abs(lr - best) > 1e-12 * best:
+if best is None:
+    sys.exit(f"{path}: the B0 tuning has not run its whole grid yet: run the tuning step first")
+if abs(lr - best) > 1e-12 * best:
     sys.exit(f"{recipe}: optimizers.{opt}.lr is {lr}, the B0 tuning chose {best} ({path}): "
              f"write it (and the grid) into the recipe's lr and tuning, then run this step")
 PYEOF

@@ -55,7 +55,8 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
-    for lr in (float(x) for x in args.lrs.split(",")):
+    grid = [float(x) for x in args.lrs.split(",")]
+    for lr in grid:
         if any(r["lr"] == lr for r in rows):
             continue
         run_dir = Path(args.runs_dir) / args.experiment / f"{args.optimizer}-lr{lr:g}-s{args.seed}"
@@ -63,10 +64,13 @@ def main() -> int:
         rows.sort(key=lambda r: r["lr"])
         ok = [r for r in rows if r["metric"] is not None]
         best = (max if mode == "max" else min)(ok, key=lambda r: r["metric"]) if ok else None
+        complete = all(any(r["lr"] == g for r in rows) for g in grid)
+        # best_lr only once the whole grid is run: a cut tuning chooses nothing
         write_json(out, {"experiment": args.experiment, "optimizer": args.optimizer,
                          "seed": args.seed, "metric": metric, "mode": mode,
-                         "rule": "best final metric at B0; diverged runs lose",
-                         "best_lr": best and best["lr"], "rows": rows})
+                         "rule": "best final metric at B0 over the whole grid; diverged runs "
+                                 "lose", "grid": grid,
+                         "best_lr": best["lr"] if best and complete else None, "rows": rows})
         print(f"tune {args.experiment} {args.optimizer}: lr {lr:g} -> {rows}", flush=True)
     return 0
 

@@ -76,7 +76,7 @@ def differences(row: dict, now: dict[str, Any],
                 schedule: Callable[[dict], dict]) -> list[str]:
     """How the recorded ``row`` differs from the settings now (empty: it is of them). ``now``:
     :func:`recipe_fields` of the recipe; ``schedule(row)``: the :data:`SCHEDULE_KEYS` the
-    recipe now gives the row's point (on its ``steps_per_epoch``), used for a row without
+    recipe now gives the row's point (on the training set the run reads), used for a row without
     ``recipe``; it may raise ConfigError (the point is rejected now)."""
     if isinstance(row.get("recipe"), dict):
         return _compare(row["recipe"], now, "recipe field")
@@ -187,7 +187,7 @@ class Settings:
         """:func:`recipe_fields` of the recipe now, for ``optimizer``."""
         return recipe_fields(self.recipe, optimizer)
 
-    def _schedule(self, p, row: dict) -> dict:
+    def _schedule(self, p) -> dict:
         cfg = self.resolve(p)
         sched = cfg.schedule(self.train_samples(cfg))
         return {"batch_ratio_k": p.batch / cfg.base_batch_size, "base_lr": cfg.base_lr,
@@ -199,12 +199,12 @@ class Settings:
         """How the row of point ``p`` differs from the settings now (:func:`differences`). At
         k = 1 every scheme's row is the run of one of them (the sweep copies it), so a row
         without ``recipe`` there is of the settings now when it matches any scheme's schedule."""
-        found = differences(row, self.fields(p.optimizer), lambda r: self._schedule(p, r))
+        now = self.fields(p.optimizer)
+        found = differences(row, now, lambda r: self._schedule(p))
         if found and "recipe" not in row and p.batch == self.recipe["base_batch_size"]:
             for scheme in SCHEMES:
                 q = p.with_scheme(scheme)
-                if not differences(row, self.fields(q.optimizer),
-                                   lambda r, q=q: self._schedule(q, r)):
+                if not differences(row, now, lambda r, q=q: self._schedule(q)):
                     return []
         return found
 

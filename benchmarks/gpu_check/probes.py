@@ -12,12 +12,16 @@ autocast (no loss scaler); exit 1 on CUDA when it does not (the documentation mu
 host-reads: STEPS training steps (after one untimed) per optimizer (LARS, LAMB, Adam; fp32),
 counting device-to-host reads: on CUDA the warnings of ``torch.cuda.set_sync_debug_mode("warn")``
 (every synchronising call), on the CPU the calls ``item``, ``__bool__``, ``__float__``,
-``__int__``, ``tolist``, ``cpu``, ``numpy`` made on tensors (a TorchFunctionMode). Target: 0
+``__int__``, ``tolist``, ``cpu``, ``numpy`` made on tensors (a TorchFunctionMode); each read is
+recorded with its site (``sites``: ``path:line function`` of the innermost caller). Target: 0
 reads per step for LARS and LAMB, at most 1 for Adam; exit 1 (CUDA only) when missed.
 """
+import collections
 import json
+import os
 import sys
 import tempfile
+import traceback
 import warnings
 
 import torch
@@ -31,16 +35,32 @@ from hpclb.train.setup import setup_run
 READS = {"item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"}
 
 
+def _site() -> str:
+    """The innermost caller outside this file and ``warnings``, as ``path:line function``
+    (path from its ``site-packages`` or repository root): where a read was asked for."""
+    here = os.path.abspath(__file__)
+    for f in reversed(traceback.extract_stack()[:-1]):
+        name = os.path.abspath(f.filename)
+        if name == here or name.endswith(("/warnings.py", "/torch/overrides.py")):
+            continue
+        short = name.split("site-packages/")[-1].split("/hpclb/", 1)
+        short = "hpclb/" + short[1] if len(short) == 2 else short[0]
+        return f"{short}:{f.lineno} {f.name}"
+    return "?"
+
+
 class CountReads(TorchFunctionMode):
-    """Counts the tensor methods of READS called inside the block (CPU stand-in)."""
+    """Counts the tensor methods of READS called inside the block (CPU stand-in), by site."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.sites = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in READS:
             self.count += 1
+            self.sites[_site()] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -82,25 +102,35 @@ def host_reads(device, recipe, data, steps):
         run = _run(device, recipe, data, opt, "fp32")
         sums = torch.zeros(3, dtype=torch.float64, device=run.device)
         _step(run, 0, sums)
+        sites = collections.Counter()
         if cuda:
             torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as w:
+
+            def seen(message, *rest):
+                if "synchroniz" in str(message):
+                    sites[_site()] += 1
+
+            # the mode is set outside the counted block: torch warns once on setting it
+            # (torch/cuda/__init__.py set_sync_debug_mode), which is no read of the step's
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
+                warnings.showwarning = seen
                 try:
                     for i in range(1, steps + 1):
                         _step(run, i, sums)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            n = sum("synchroniz" in str(x.message) for x in w)
         else:
             with CountReads() as c:
                 for i in range(1, steps + 1):
                     _step(run, i, sums)
-            n = c.count
+            sites = c.sites
+        n = sum(sites.values())
         run.close()
         inner = getattr(run.optimizer, "optimizer", run.optimizer)
-        per[opt] = {"reads": n, "per_step": n / steps, "path": getattr(inner, "path", None)}
+        per[opt] = {"reads": n, "per_step": n / steps, "path": getattr(inner, "path", None),
+                    "sites": dict(sites.most_common())}
     ok = per["lars"]["reads"] == 0 and per["lamb"]["reads"] == 0 and \
         per["adam"]["per_step"] <= 1
     return {"device": device, "steps": steps, "how": "cuda sync debug mode" if cuda else

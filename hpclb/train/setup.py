@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hpclb.comm.base import Communicator
+from hpclb.comm.device import select_device
 from hpclb.config import RunConfig
 from hpclb.config.agreement import agree_run_settings, run_settings
 from hpclb.errors import ConfigError
@@ -228,17 +229,43 @@ def warn_eager_rnns(model: nn.Module) -> None:
                     ", ".join(rnns))
 
 
+def run_device(cfg: RunConfig, comm: Communicator) -> torch.device:
+    """The device this rank trains on: the communicator's when one was bound (``hpclb train``,
+    ``hpclb.init`` and ``get_communicator`` bind it from ``--device``), else ``cfg.device``
+    bound now the way ``hpclb train`` binds it (:func:`hpclb.comm.device.select_device` with
+    the communicator's local rank; a bare ``SelfCommunicator`` in ``hpclb sweep`` or a user's
+    script), and kept on the communicator.
+
+    Raises ConfigError when ``cfg.device`` asks for ``cpu`` or ``cuda`` and the communicator
+    was bound to the other (a run that asked for a GPU never trains on the CPU unasked), and
+    select_device's errors (``cuda`` without a visible GPU, naming the fix)."""
+    bound = vars(comm).get("device")
+    if bound is None:
+        comm.device = select_device(cfg.device, comm.local_rank, comm.local_size)
+        return comm.device
+    bound = torch.device(bound)
+    if cfg.device in ("cpu", "cuda") and bound.type != cfg.device:
+        raise ConfigError(
+            f"device {cfg.device!r} (--device or the recipe's device), but this process's "
+            f"communicator was bound to {bound}: create it with the same device "
+            f"(hpclb.init(device=...) / get_communicator(..., device=...)) or change the "
+            f"setting")
+    return bound
+
+
 def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = None,
               profile: tuple[int, int] | None = None) -> Run:
     """Build (or resume) the run of ``cfg`` on this rank; collective.
 
-    ``device``: where the model, optimizer state and batches live (default the communicator's,
-    bound by ``--device``; tests pass ``meta`` for a device dry run). ``profile``: the
+    ``device``: where the model, optimizer state and batches live (default
+    :func:`run_device`: the communicator's, else ``cfg.device`` bound now; tests pass ``meta``
+    for a device dry run). ``profile``: the
     ``--profile`` window, checked against the run's steps with the other settings (then
     ``run.profiler`` traces it: :mod:`hpclb.train.profile`). Raises ConfigError (same on
     every rank), DataError, CheckpointError."""
-    device = torch.device(device or getattr(comm, "device", "cpu"))
     agree_run_settings(comm, run_settings(cfg))  # ranks given other settings: all stop, exit 2
+    device = torch.device(device) if device is not None else agreed(
+        comm, "binding the device", lambda: run_device(cfg, comm))
     check_out(cfg, comm)  # a run directory that may not be written: refused before any data
     per_rank, micro, task, sched = agreed(comm, "checking settings and data",
                                           lambda: _local_checks(cfg, comm, profile))

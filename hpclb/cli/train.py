@@ -126,7 +126,8 @@ def _recipe_device(args: argparse.Namespace) -> str:
     try:
         from hpclb.config import load_recipe
 
-        return load_recipe(args.experiment).get("device", "auto")
+        # --epochs as the budget: a recipe whose own epochs are shorter than its warmup loads
+        return load_recipe(args.experiment, epochs=args.epochs).get("device", "auto")
     except Exception:  # noqa: BLE001 (reported with its rank-0 message later)
         return "auto"
 

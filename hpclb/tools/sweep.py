@@ -339,15 +339,20 @@ def sweep_status(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[
                           base_batch=sweep.recipe["base_batch_size"], current=sweep.done)
 
 
-def _check_device(experiment: str, epochs: float | None) -> None:
-    """The recipe's device can be had here, before any point: a sweep of a ``device: cuda``
-    recipe on a machine without a GPU stops with ConfigError instead of recording every point
-    as rejected (and never trains on the CPU: :func:`hpclb.train.setup.run_device`)."""
+def _check_device(experiment: str, epochs: float | None, ranks: int) -> None:
+    """The recipe's device can be had here for ``ranks`` ranks (one GPU each, unless
+    ``$HPCLB_SHARE_GPU`` lets them share), before any point: a sweep of a ``device: cuda``
+    recipe on a machine without enough GPUs stops with ConfigError instead of recording every
+    point as rejected (and never trains on the CPU: :func:`hpclb.train.setup.run_device`)."""
     device = resolve(experiment, epochs=epochs).device
     try:
-        select_device(device, 0, 1, share_gpu=True)
-    except ConfigError as e:
-        raise ConfigError(f"{experiment}: device {device!r} (the recipe's device): {e}") from e
+        select_device(device, 0, ranks)
+    except ConfigError as e:  # its fixes name hpclb train's flags: say the sweep's instead
+        own = "set the recipe's `device:` to cpu or auto"
+        msg = (str(e).replace(f"--device {device}, but", f"the recipe's device is {device!r}, but")
+               .replace("train with --device cpu", own).replace("use --device cpu", own)
+               .replace("pass --share-gpu (or set", "set").replace("=1) to let", "=1 to let"))
+        raise ConfigError(f"{experiment} ({ranks} rank(s) per point): {msg}") from e
 
 
 def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
@@ -383,7 +388,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
                              quiet=quiet, log=log, overwrite=overwrite,
                              batch_sizes=batch_sizes, schemes=schemes, micro_batch=micro_batch)
     pyplot("the sweep's figure")  # without matplotlib: say so before the first point trains
-    _check_device(experiment, epochs)
+    _check_device(experiment, epochs, ranks)
     sweep.check(points)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
     for p in points:

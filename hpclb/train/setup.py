@@ -234,15 +234,14 @@ def run_device(cfg: RunConfig, comm: Communicator) -> torch.device:
     ``hpclb.init`` and ``get_communicator`` bind it from ``--device``), else ``cfg.device``
     bound now the way ``hpclb train`` binds it (:func:`hpclb.comm.device.select_device` with
     the communicator's local rank; a bare ``SelfCommunicator`` in ``hpclb sweep`` or a user's
-    script), and kept on the communicator.
+    script; the communicator stays unbound, so a later run of ``auto`` on it picks again).
 
     Raises ConfigError when ``cfg.device`` asks for ``cpu`` or ``cuda`` and the communicator
     was bound to the other (a run that asked for a GPU never trains on the CPU unasked), and
     select_device's errors (``cuda`` without a visible GPU, naming the fix)."""
     bound = vars(comm).get("device")
     if bound is None:
-        comm.device = select_device(cfg.device, comm.local_rank, comm.local_size)
-        return comm.device
+        return select_device(cfg.device, comm.local_rank, comm.local_size)
     bound = torch.device(bound)
     if cfg.device in ("cpu", "cuda") and bound.type != cfg.device:
         raise ConfigError(

@@ -2,6 +2,7 @@
 import json
 import logging
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -80,6 +81,11 @@ def test_tensorboard_resume_purges_killed_events(tmp_path):
     with RunLogger(tmp_path, enabled=True) as rl:
         for s in (1, 2, 3):
             rl.log_step(s, {"loss": float(s)})
+    # a resumed run is a later process: its event file's name (events.out.tfevents.<seconds>.
+    # <host>.<pid>.<n>) sorts after the killed run's by its time. In one process within one
+    # second only <n> differs, and it sorts as text (".10" before ".9") once the process has
+    # made ten writers (a flake under pytest-xdist); a new second keeps the real order.
+    time.sleep(1.05)
     with RunLogger(tmp_path, enabled=True, resume_step=1) as rl:
         rl.log_step(2, {"loss": 20.0})
     assert _scalars(_events(tmp_path), "train/loss") == [(1, 1.0), (2, 20.0)]

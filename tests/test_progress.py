@@ -93,6 +93,34 @@ def test_a_log_shows_progress_lines_during_the_epoch(tmp_path, mnist_dir):
     assert "ETA epoch" in lines[0] and "samples/s" in lines[0]
 
 
+def test_a_fractional_budget_is_shown_alike_in_progress_and_epoch_lines():
+    """--epochs 0.5: the epoch line says `epoch 1/0.5`; the progress lines and bar say so too
+    (the loop passes them the same figure), not `epoch 1/1`."""
+    out = io.StringIO()
+    p = P.Progress(True, n_epochs=0.5, total_steps=16, global_batch=8, every_s=1e-9,
+                   stream=out, tty=False)
+    p.start_epoch(0, 0, 16, 0)
+    p.due_at = 0.0
+    p.update(0, 1, 0.1, {"loss": 1.0})
+    assert "progress: epoch 1/0.5 step 1/16" in out.getvalue(), out.getvalue()
+    bar = io.StringIO()
+    p = P.Progress(True, n_epochs=2, total_steps=4, global_batch=1, stream=bar, tty=True)
+    p.start_epoch(1, 0, 2, 2)
+    assert p.bar.desc == "epoch 2/2"
+    p.end_epoch()
+
+
+@pytest.mark.slow
+def test_a_half_epoch_run_says_1_of_0_5_in_every_line(tmp_path, mnist_dir):
+    argv = _train(tmp_path, mnist_dir, "--progress-every", "1e-9")
+    argv[argv.index("--epochs") + 1] = "0.5"
+    r = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr
+    said = r.stdout + r.stderr
+    assert "progress: epoch 1/0.5 step 16/16" in said and "epoch   1/0.5  loss" in said, said
+    assert "epoch 1/1" not in said, said
+
+
 @pytest.mark.slow
 def test_a_closed_stdout_does_not_end_the_run(tmp_path, mnist_dir):
     """`hpclb train ... | head -1`: the console lines stop, the run finishes and says so in its

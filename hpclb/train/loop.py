@@ -376,7 +376,8 @@ def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,
     """Every epoch left: its steps, its line and its checkpoint."""
     cfg, sched = run.cfg, run.schedule
     n_epochs = math.ceil(sched.total_steps / sched.steps_per_epoch)
-    progress = Progress(say.enabled, n_epochs=n_epochs, total_steps=sched.total_steps,
+    shown = n_epochs if float(cfg.epochs).is_integer() else cfg.epochs  # "epoch 1/0.5"
+    progress = Progress(say.enabled, n_epochs=shown, total_steps=sched.total_steps,
                         global_batch=cfg.global_batch_size, every_s=progress_every_s)
     steplog = StepLog(run, logger, progress)
     preempt.checkpoint_saved()  # the periodic checkpoints' clock starts with the first epoch
@@ -385,7 +386,7 @@ def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,
         run.pos.history.append(row)
         logger.log_epoch(row)
         steplog.epoch_histograms()
-        say(_epoch_line(row, n_epochs if float(cfg.epochs).is_integer() else cfg.epochs))
+        say(_epoch_line(row, shown))
         save_run_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64),
                             steplog.state_dict())
         preempt.checkpoint_saved()

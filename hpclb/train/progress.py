@@ -37,13 +37,14 @@ def format_duration(seconds: float) -> str:
 class Progress:
     """Progress lines or a bar on rank 0 (nothing when ``enabled`` is False).
 
-    Args: ``n_epochs`` (epochs shown, the last may be partial), ``total_steps`` (optimizer
+    Args: ``n_epochs`` (the run's epochs as the epoch lines show them: ``0.5`` for a
+    fractional budget, the last epoch may be partial), ``total_steps`` (optimizer
     steps in the run), ``global_batch`` (samples per step), ``every_s`` (seconds between
     lines when not on a terminal; 0 or None: no lines), ``stream`` (default stderr), ``tty``
     (default ``stream.isatty()``).
     """
 
-    def __init__(self, enabled: bool, *, n_epochs: int, total_steps: int, global_batch: int,
+    def __init__(self, enabled: bool, *, n_epochs: float, total_steps: int, global_batch: int,
                  every_s: float | None = 60.0, stream: TextIO | None = None,
                  tty: bool | None = None):
         self.stream = stream or sys.stderr
@@ -68,7 +69,7 @@ class Progress:
         self.due_at = now + self.every_s if self.every_s else float("inf")
         if self.tty:
             self.due_at = 0.0
-            self.bar = tqdm(total=steps, initial=begin, desc=f"epoch {epoch + 1}/{self.n_epochs}",
+            self.bar = tqdm(total=steps, initial=begin, desc=f"epoch {epoch + 1}/{self.n_epochs:g}",
                             leave=False, file=self.stream, dynamic_ncols=True)
 
     def update(self, i: int, global_step: int, lr: float, logged: dict | None) -> None:
@@ -99,7 +100,7 @@ class Progress:
         run_rate = (now - self._run_t0) / max(1, run_steps)
         sps = self.batch / per_step if per_step > 0 else 0.0
         shown = f"  {loss}" if loss is not None else ""
-        self._write(f"progress: epoch {self.epoch + 1}/{self.n_epochs} step {done}/{self.steps} "
+        self._write(f"progress: epoch {self.epoch + 1}/{self.n_epochs:g} step {done}/{self.steps} "
                     f"({100 * done / self.steps:.1f}%){shown}  lr {lr:.3e}  samples/s "
                     f"{sps:,.0f}  ETA epoch {format_duration((self.steps - done) * per_step)}, "
                     f"run {format_duration((self.total - global_step) * run_rate)}")

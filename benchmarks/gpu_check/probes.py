@@ -54,12 +54,10 @@ class CountReads(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.count = 0
         self.sites = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in READS:
-            self.count += 1
             self.sites[_site()] += 1
         return func(*args, **(kwargs or {}))
 

@@ -95,6 +95,31 @@ def test_runs_share_axes_and_carry_the_logged_values(tmp_path):
     assert one == b / "plot.png"
 
 
+def test_sparse_step_lines_give_way_to_epoch_rows(tmp_path):
+    """A large-batch sweep point: 3 step lines over 10 epochs, no config.json. Loss and LR come
+    from the epoch rows (a line through the step lines would claim values nobody logged), the
+    metric from summary.json's metric_name, and a loss that spans > 100x is drawn on a log
+    scale."""
+    run = tmp_path / "big"
+    with RunLogger(run, enabled=True, tensorboard=False) as rl:
+        for e in range(1, 11):
+            if e in (3, 6, 9):
+                rl.log_step(e * 2, {"loss": 50.0, "lr": 9.0})
+            rl.log_epoch({"epoch": e, "step": 2 * e, "train_loss": 10.0 ** (3 - e / 2),
+                          "test_loss": 1.0, "test_accuracy": e / 10, "lr": 1.0 / e})
+    (run / "summary.json").write_text(json.dumps({"steps_per_epoch": 2,
+                                                  "metric_name": "test_accuracy"}))
+    notes = []
+    _, fig = plot.plot_runs([run], tmp_path / "p.png", warn=notes.append)
+    loss, metric, lr, _ = fig.axes
+    assert list(_lines(loss)["big"][:, 1]) == [10.0 ** (3 - e / 2) for e in range(1, 11)]
+    assert loss.get_yscale() == "log"
+    assert list(_lines(lr)["big"][:, 1]) == [1.0 / e for e in range(1, 11)]
+    assert metric.get_ylabel() == "test_accuracy"
+    assert list(_lines(metric)["big"][:, 1]) == [e / 10 for e in range(1, 11)]
+    assert any("3 per-step lines against 10 epoch rows" in n for n in notes), notes
+
+
 def test_old_run_without_step_lines(tmp_path):
     run = tmp_path / "old"
     run.mkdir()

@@ -172,10 +172,13 @@ def _steps_per_epoch(info: dict, epoch_rows: list[dict]) -> float | None:
 
 
 def _metric_of(info: dict, epoch_rows: list[dict]) -> str | None:
+    """The recipe's target metric (config.json), else the summary's ``metric_name`` (a sweep
+    point keeps only summary.json), else the first ``test_``/``valid_`` key."""
     target = ((info.get("config.json", {}).get("recipe") or {}).get("target") or {})
     keys = [k for r in epoch_rows for k in r if k.startswith(("test_", "valid_"))]
-    if target.get("metric") in keys:
-        return target["metric"]
+    for name in (target.get("metric"), info.get("summary.json", {}).get("metric_name")):
+        if name in keys:
+            return name
     return keys[0] if keys else None
 
 
@@ -212,22 +215,28 @@ def _draw_run(axes, i: int, run: Path, warn) -> tuple[str | None, bool]:
     by_step = lambda r: r["step"] / spe if spe and finite(r.get("step")) else None  # noqa: E731
     by_epoch = lambda r: r["epoch"] if finite(r.get("epoch")) else None  # noqa: E731
     _warn_missing_steps(rows, info)
+    # Per-step lines where they are at least as dense as the epoch rows; else the epoch rows
+    # (a large-batch run logs a step line every log_every steps: 3 lines over 20 epochs would
+    # draw a straight line through 6 epochs of loss and LR that nobody logged)
     x, y = points(rows, rows.steps, "loss", by_step)
-    if x:
+    ex, ey = points(rows, rows.epochs, "train_loss", by_epoch)
+    if x and len(x) >= len(ex):
         ax_loss.plot(x, y, color=color, lw=0.8, label=label)
     else:
-        ax_loss.plot(*points(rows, rows.epochs, "train_loss", by_epoch), color=color,
-                     marker="o", label=label)
+        if x:
+            rows.warn(f"{rows.path}: {len(x)} per-step lines against {len(ex)} epoch rows: "
+                      f"loss and LR are drawn at epoch ends")
+        ax_loss.plot(ex, ey, color=color, marker="o", label=label)
     metric = _metric_of(info, rows.epochs)
     if metric:
         ax_metric.plot(*points(rows, rows.epochs, metric, by_epoch), color=color, marker="o",
                        label=label)
     x, y = points(rows, rows.steps, "lr", by_step)
-    if x:
+    ex, ey = points(rows, rows.epochs, "lr", by_epoch)
+    if x and len(x) >= len(ex):
         ax_lr.plot(x, y, color=color, label=label)
     else:  # known at epoch ends only: markers, no line claiming the LR in between
-        ax_lr.plot(*points(rows, rows.epochs, "lr", by_epoch), color=color, marker="o",
-                   linestyle="none", label=label)
+        ax_lr.plot(ex, ey, color=color, marker="o", linestyle="none", label=label)
     x, med = points(rows, rows.steps, "trust_median", by_step)
     if x:
         ax_trust.plot(x, med, color=color, lw=0.8, label=label)
@@ -261,6 +270,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None,
     ax_metric.set_ylabel(" / ".join(sorted(metrics)) or "no test metric")
     ax_lr.set_ylabel("learning rate")
     ax_trust.set_ylabel("trust ratio (median, min-max)")
+    for ax in (ax_loss, ax_lr):  # a loss that blew up 100x, or LRs k apart: log scale
+        ys = [v for line in ax.get_lines() for v in line.get_ydata() if finite(v)]
+        if ys and min(ys) > 0 and max(ys) > 100 * min(ys):
+            ax.set_yscale("log")
     if not any(t for _, t in drawn):
         ax_trust.text(0.5, 0.5, "no trust ratios logged\n(LARS/LAMB runs with per-step lines)",
                       ha="center", va="center", transform=ax_trust.transAxes, fontsize=8)

@@ -118,6 +118,14 @@ def test_sparse_step_lines_give_way_to_epoch_rows(tmp_path):
     assert metric.get_ylabel() == "test_accuracy"
     assert list(_lines(metric)["big"][:, 1]) == [e / 10 for e in range(1, 11)]
     assert any("3 per-step lines against 10 epoch rows" in n for n in notes), notes
+    # a diverged point (no summary.json) beside it: the shared panel keeps test_accuracy
+    dead = tmp_path / "dead"
+    with RunLogger(dead, enabled=True, tensorboard=False) as rl:
+        rl.log_epoch({"epoch": 1, "step": 2, "train_loss": 300.0, "test_loss": 900.0,
+                      "test_accuracy": 0.1, "lr": 9.0})
+    _, fig = plot.plot_runs([dead, run], tmp_path / "q.png", warn=notes.append)
+    assert fig.axes[1].get_ylabel() == "test_accuracy"
+    assert list(_lines(fig.axes[1])["dead"][:, 1]) == [0.1]
 
 
 def test_old_run_without_step_lines(tmp_path):

@@ -171,12 +171,18 @@ def _steps_per_epoch(info: dict, epoch_rows: list[dict]) -> float | None:
     return full[0]["step"] / full[0]["epoch"] if full else None
 
 
-def _metric_of(info: dict, epoch_rows: list[dict]) -> str | None:
+def _declared_metric(info: dict) -> str | None:
     """The recipe's target metric (config.json), else the summary's ``metric_name`` (a sweep
-    point keeps only summary.json), else the first ``test_``/``valid_`` key."""
+    point keeps only summary.json); None when the run declares neither."""
     target = ((info.get("config.json", {}).get("recipe") or {}).get("target") or {})
+    return target.get("metric") or info.get("summary.json", {}).get("metric_name")
+
+
+def _metric_of(info: dict, epoch_rows: list[dict], shared: str | None = None) -> str | None:
+    """The run's declared metric, else ``shared`` (the one the other runs on the axes declare:
+    a diverged sweep point has no summary), else the first ``test_``/``valid_`` key."""
     keys = [k for r in epoch_rows for k in r if k.startswith(("test_", "valid_"))]
-    for name in (target.get("metric"), info.get("summary.json", {}).get("metric_name")):
+    for name in (_declared_metric(info), shared):
         if name in keys:
             return name
     return keys[0] if keys else None
@@ -204,7 +210,8 @@ def _warn_missing_steps(rows: RunRows, info: dict) -> None:
                   f"ratios; the trust-ratio panel has no line for it")
 
 
-def _draw_run(axes, i: int, run: Path, warn) -> tuple[str | None, bool]:
+def _draw_run(axes, i: int, run: Path, warn, shared: str | None = None
+              ) -> tuple[str | None, bool]:
     """One run's lines (colour ``C<i>``) on the four panels of :func:`plot_runs`; returns
     (its metric, whether it logged trust ratios)."""
     ax_loss, ax_metric, ax_lr, ax_trust = axes
@@ -227,7 +234,7 @@ def _draw_run(axes, i: int, run: Path, warn) -> tuple[str | None, bool]:
             rows.warn(f"{rows.path}: {len(x)} per-step lines against {len(ex)} epoch rows: "
                       f"loss and LR are drawn at epoch ends")
         ax_loss.plot(ex, ey, color=color, marker="o", label=label)
-    metric = _metric_of(info, rows.epochs)
+    metric = _metric_of(info, rows.epochs, shared)
     if metric:
         ax_metric.plot(*points(rows, rows.epochs, metric, by_epoch), color=color, marker="o",
                        label=label)
@@ -263,7 +270,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None,
     for run in runs:  # before drawing: a missing one is named, nothing half drawn
         metrics_path(run)
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8), sharex=True)
-    drawn = [_draw_run(axes, i, run, warn) for i, run in enumerate(runs)]
+    declared = [_declared_metric(_run_info(run, lambda _: None)) for run in runs]
+    shared = next((m for m in declared if m), None)  # one metric on the shared panel
+    drawn = [_draw_run(axes, i, run, warn, shared) for i, run in enumerate(runs)]
     metrics = {m for m, _ in drawn if m}
     ax_loss, ax_metric, ax_lr, ax_trust = axes
     ax_loss.set_ylabel("training loss")

@@ -158,3 +158,25 @@ def test_a_row_of_an_earlier_version_is_checked_on_the_data_of_data_dir(tmp_path
         == ["B=20 legw seed 0"]
     with pytest.raises(ConfigError, match="--schemes: give at least one"):
         sweep.sweep_status("ptb-small-cpu", [20], [], **kw)
+
+
+def test_rows_never_name_a_runs_dir_outside_the_working_directory(tmp_path, monkeypatch):
+    """A sweep's rows are committed: with ``--runs-dir`` outside the working directory the row
+    names ``…/<experiment>/<point>``, in ``run_dir`` and in a diverged point's error text,
+    never the machine's path (tests/test_docs.py refuses results that point outside)."""
+    from hpclb.tools.sweep_points import Point, shown
+
+    work = tmp_path / "repo"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    inside = work / "runs" / "mnist-lstm" / "adam-legw-b128-s0"
+    outside = tmp_path / "scratch" / "mnist-lstm" / "adam-legw-b128-s0"
+    assert shown(inside) == "runs/mnist-lstm/adam-legw-b128-s0"
+    assert shown(outside) == "…/mnist-lstm/adam-legw-b128-s0"
+    p = Point(128, "legw", 0, "adam", 20.0, 1, 1)
+    row = p.failed_row("test_accuracy", RuntimeError(f"diverged at step 5; the last checkpoint, "
+                                                     f"{outside}/checkpoint.pt, is kept"),
+                       outside, 1.0, 5)
+    assert row["run_dir"] == "…/mnist-lstm/adam-legw-b128-s0"
+    assert str(tmp_path) not in json.dumps(row, ensure_ascii=False)
+    assert "…/mnist-lstm/adam-legw-b128-s0/checkpoint.pt" in row["error"]

@@ -32,10 +32,11 @@ def flock(path: Path, *, block: bool = True):
 
 
 def shown(path: Path) -> str:
-    """``path`` relative to the working directory when it lies under it (the rows of a sweep
-    are committed with a repository and must not name this machine's directories)."""
+    """``path`` relative to the working directory when it lies under it, else ``…/`` and its
+    last two parts (``--runs-dir`` elsewhere): the rows of a sweep are committed with a
+    repository and must not name this machine's directories."""
     rel = os.path.relpath(Path(path).resolve(), Path.cwd().resolve())
-    return str(path) if rel.startswith("..") else rel
+    return str(Path("…", *Path(path).parts[-2:])) if rel.startswith("..") else rel
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ class Point:
                 "time_to_target_s": None,
                 **(_schedule_of(run_dir, self) if what == "diverged" else {}),
                 "run_dir": shown(run_dir), "status": what,
-                "diverged_at_step": diverged_at_step, "error": str(error)}
+                "diverged_at_step": diverged_at_step,
+                "error": str(error).replace(str(run_dir), shown(run_dir))}
 
 
 #: a row's schedule columns: known before the first step, so a diverged point's row has them

@@ -31,12 +31,15 @@ def flock(path: Path, *, block: bool = True):
         os.close(fd)  # releases the lock
 
 
-def shown(path: Path) -> str:
-    """``path`` relative to the working directory when it lies under it, else ``…/`` and its
-    last two parts (``--runs-dir`` elsewhere): the rows of a sweep are committed with a
-    repository and must not name this machine's directories."""
+def shown(path: Path, *, scratch: bool = False) -> str:
+    """``path`` relative to the working directory when it lies under it (the rows of a sweep
+    are committed with a repository and must not name this machine's directories); else the
+    path itself, or for a ``scratch`` one (a point's run directory under a ``--runs-dir``
+    elsewhere) ``…/`` and its last two parts."""
     rel = os.path.relpath(Path(path).resolve(), Path.cwd().resolve())
-    return str(Path("…", *Path(path).parts[-2:])) if rel.startswith("..") else rel
+    if not rel.startswith(".."):
+        return rel
+    return str(Path("…", *Path(path).parts[-2:])) if scratch else str(path)
 
 
 @dataclass(frozen=True)
@@ -104,9 +107,9 @@ class Point:
                 "metric": None, **self.settings(), "wall_time_s": wall_s, "steps": 0,
                 "time_to_target_s": None,
                 **(_schedule_of(run_dir, self) if what == "diverged" else {}),
-                "run_dir": shown(run_dir), "status": what,
+                "run_dir": shown(run_dir, scratch=True), "status": what,
                 "diverged_at_step": diverged_at_step,
-                "error": str(error).replace(str(run_dir), shown(run_dir))}
+                "error": str(error).replace(str(run_dir), shown(run_dir, scratch=True))}
 
 
 #: a row's schedule columns: known before the first step, so a diverged point's row has them
@@ -141,7 +144,7 @@ def row_of(summary: dict, p: Point, *, metric: str, run_dir: Path) -> dict:
             "warmup_epochs": summary["warmup_epochs"],
             "warmup_start_lr": summary.get("warmup_start_lr", 0.0), "decay": summary["decay"],
             "mean_samples_per_s": summary.get("mean_samples_per_s"),
-            "run_dir": shown(run_dir), "status": "done", "error": None, "note": None}
+            "run_dir": shown(run_dir, scratch=True), "status": "done", "error": None, "note": None}
 
 
 @dataclass

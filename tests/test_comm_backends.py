@@ -184,3 +184,39 @@ def test_get_communicator_refuses_a_second_backend(no_launcher):
             get_communicator("mpi")
     finally:
         hc._world = saved
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+atexit.register(lambda: print("AT EXIT initialized", dist.is_initialized(), flush=True))
+if sys.argv[1] == "torch":
+    from hpclb.comm.torch_dist import TorchCommunicator
+    TorchCommunicator(device="cpu").barrier()
+else:
+    from hpclb.comm.local import SelfCommunicator
+    from hpclb.comm.torch_dist import init_default_group
+    init_default_group(SelfCommunicator())
+    dist.all_reduce(__import__("torch").ones(1))
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["torch", "default-group"])
+def test_the_process_group_hpclb_made_is_destroyed_before_the_interpreter_exits(tmp_path, how):
+    """A group hpclb created is destroyed at exit before Python finalizes (an atexit hook
+    registered before it runs after it, and finds none). Left alive, Gloo's worker thread
+    dropped a collective's tensor during shutdown and a finished 4-rank job aborted (exit 134,
+    "terminate called without an active exception") in about one launch in eight."""
+    import sys
+
+    from helpers import LAUNCH_ENV, run_bounded
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {k: v for k, v in LAUNCH_ENV.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = str(__import__("conftest").REPO)
+    p = run_bounded([sys.executable, str(script), how], capture_output=True, text=True,
+                    timeout=120, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.splitlines()[-2:] == ["DONE", "AT EXIT initialized False"], p.stdout

@@ -14,6 +14,7 @@ algorithm itself; ``NCCL_ALGO=Ring`` forces the ring (docs/gradient-sync.md,
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -37,6 +38,29 @@ from hpclb.comm.env import (
 __all__ = ["STORE_TIMEOUT_S", "TorchCommunicator"]
 
 STORE_TIMEOUT_S = 300.0
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, before it finalizes (a
+    group hpclb created; one the script made itself is left to it). Left alive, Gloo's worker
+    threads drop their last reference to a collective's tensor while Python shuts down, and the
+    process aborts (SIGABRT, "terminate called without an active exception") after its work is
+    done: a run that succeeded exited 134. Registered once; ``abort`` (``os._exit``) skips it."""
+    global _EXIT_HOOKED
+    if _EXIT_HOOKED:
+        return
+    _EXIT_HOOKED = True
+
+    def destroy() -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+
+
+_EXIT_HOOKED = False
 
 
 def _on_stream(stream):
@@ -156,6 +180,7 @@ def init_default_group(comm: Communicator) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("hpclb.default", store),
                             rank=comm.rank, world_size=comm.world_size,
                             timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    _destroy_at_exit()
     set_torchrun_variables(comm)
 
 
@@ -241,6 +266,7 @@ class TorchCommunicator(Communicator):
             self._store = dist.HashStore()
             dist.init_process_group(pg_backend, store=dist.PrefixStore("pg", self._store),
                                     rank=0, world_size=1)
+        _destroy_at_exit()
         if nccl:  # every rank creates it at the same point (new_group is collective)
             self._cpu_group = dist.new_group(backend="gloo")
 

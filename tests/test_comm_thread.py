@@ -11,7 +11,7 @@ import torch
 
 from hpclb.comm.streams import TorchCudaAPI
 from hpclb.sync.buckets import make_bucket
-from hpclb.sync.drivers import ThreadDriver
+from hpclb.sync.reduction import ThreadDriver
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from hpclb.config.settings import RunConfig
-from hpclb.sync.guard import CALIBRATION_SCALE
+from hpclb.sync.optimizer import CALIBRATION_SCALE
 from hpclb.sync.options import SMALL_FUSION_BYTES, TRAIN_STALL_ABORT_S
 from hpclb.train.loop import EXPLODED_LOSS_FACTOR
 

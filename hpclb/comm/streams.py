@@ -1,6 +1,6 @@
 """The CUDA stream, event, pinned-memory and device operations that the backends' host staging
 (:class:`hpclb.comm.mpi.HostStaging`) and the gradient-sync communication thread
-(:class:`hpclb.sync.drivers.ThreadDriver`) need, for one device: one seam, so that tests on the
+(:class:`hpclb.sync.reduction.ThreadDriver`) need, for one device: one seam, so that tests on the
 CPU pass a stand-in with the same methods that records every call."""
 from __future__ import annotations
 

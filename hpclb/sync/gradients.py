@@ -16,7 +16,7 @@ the same reason one communicator carries one GradientSync at a time.
 Bucket planning and layout: :mod:`hpclb.sync.buckets`; the start-up checks that make ranks agree
 (model, parameters, buffers, step counts): :mod:`hpclb.sync.agree`.
 Settings: :mod:`hpclb.sync.options` (arguments and ``HPCLB_*`` variables, one place).
-How buckets travel (``overlap=thread|nonblocking|none``): :mod:`hpclb.sync.drivers`; the
+How buckets travel (``overlap=thread|nonblocking|none``): :mod:`hpclb.sync.reduction`; the
 measurements behind the defaults are in ``docs/gradient-sync.md``.
 """
 from __future__ import annotations
@@ -35,9 +35,8 @@ from hpclb.comm.base import Communicator
 from hpclb.comm.watchdog import StallReport, watchdog_for
 from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
-from hpclb.sync.drivers import DRIVERS
 from hpclb.sync.options import MiB, SyncOptions
-from hpclb.sync.window import Window, WindowMixin, checked_step_after
+from hpclb.sync.reduction import DRIVERS, Window, WindowMixin, checked_step_after
 
 __all__ = ["GradientSync"]
 
@@ -72,7 +71,7 @@ class GradientSync(WindowMixin):
         overlap: ``"thread"``, ``"nonblocking"``, ``"none"`` or ``"auto"`` (default
             $HPCLB_OVERLAP or auto: ``thread`` for MPI, ``nonblocking`` for backends that
             progress on their own threads and for gradients that fit one bucket, where nothing
-            can overlap); see :mod:`hpclb.sync.drivers`.
+            can overlap); see :mod:`hpclb.sync.reduction`.
         accumulation_steps: k backward passes (micro-batches) per window: the first k-1
             accumulate locally (no communication), the k-th reduces at its end. The result is
             the mean over ranks and micro-batches (one division by ``world_size * k``).
@@ -83,7 +82,7 @@ class GradientSync(WindowMixin):
             ``"full_window"`` (the same, every window full on every rank: no count exchanged);
             None
             (default): recognised at the first ``synchronize()``. See
-            :mod:`hpclb.sync.window`, which also says how a short window is weighted.
+            :mod:`hpclb.sync.reduction`, which also says how a short window is weighted.
         compression: None, ``"fp16"`` or ``"bf16"`` (default $HPCLB_COMPRESSION): buckets travel
             in that dtype, each rank's share divided by ``world_size * k`` *before* the cast
             (the sum of ranks' shares cannot overflow where each gradient does not).
@@ -157,7 +156,7 @@ class GradientSync(WindowMixin):
         self._task = -1    # the backward (autograd graph task) whose end callback is queued
         self._no_sync = False
         #: the loop is recognised at the first synchronize() (step_after None, K > 1): until
-        #: then backward passes accumulate locally and launch nothing (window.py)
+        #: then backward passes accumulate locally and launch nothing (reduction.py)
         self._recognising = self.step_after is None and accumulation_steps > 1
         self.used_in_window: list[tuple[nn.Parameter, bool]] = []
         self._hooks = []
@@ -397,7 +396,7 @@ class GradientSync(WindowMixin):
     @torch.no_grad()
     def _end_window(self) -> None:
         """End the window with the micro-batches counted (K, or fewer in a short window of
-        Horovod's loop): reduce every bucket and divide (:mod:`hpclb.sync.window`)."""
+        Horovod's loop): reduce every bucket and divide (:mod:`hpclb.sync.reduction`)."""
         self.window.given, self.window.micro = self.window.micro, 0
         if self.track_used:
             self.used_in_window = [(p, u) for b in self.buckets for p, u in zip(b.params, b.used)]

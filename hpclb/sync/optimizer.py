@@ -8,7 +8,7 @@
    ``accumulation_steps`` K, the window is K backward passes (``hpclb train`` counts an empty
    share with ``sync.skip_micro_batch()``) and then one ``step()``, as in Horovod's loop; a
    ``step()`` after fewer passes ends a short window by reducing what is there (that
-   ``step()`` waits, :mod:`hpclb.sync.window`). Library users may also call ``step()`` after
+   ``step()`` waits, :mod:`hpclb.sync.reduction`). Library users may also call ``step()`` after
    every backward (then the first ``K - 1`` return ``False`` without stepping);
 2. unscale the fp16 loss scale (when a ``torch.amp.GradScaler`` is given);
 3. the global gradient norm (one fused norm over all gradients, on the device) and the
@@ -51,18 +51,18 @@ import math
 import operator
 from contextlib import contextmanager
 from itertools import chain
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from hpclb.comm.base import Communicator
 from hpclb.comm.world import current_communicator
-from hpclb.errors import NonFiniteError  # noqa: F401  (hpclb.NonFiniteError is read from here)
+from hpclb.errors import NonFiniteError
 from hpclb.sync.agree import verify_replicas
 from hpclb.sync.gradients import GradientSync
-from hpclb.sync.guard import NonFiniteGuard
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["CALIBRATION_SCALE", "DistributedOptimizer", "NonFiniteGuard", "masks_on_device"]
 
 
 def _named(model_or_named_parameters) -> list[tuple[str, nn.Parameter]]:
@@ -334,7 +334,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Horovod's ``synchronize()``. The gradients are already averaged when the window's
         last ``backward()`` returns (DDP's contract), so this only checks the parameter set and
         takes the window (in Horovod's loop a short one, fewer passes than
-        ``accumulation_steps``, is reduced here: :mod:`hpclb.sync.window`): afterwards
+        ``accumulation_steps``, is reduced here: :mod:`hpclb.sync.reduction`): afterwards
         ``p.grad`` may be read, clipped or changed before ``step()``, which then does not
         synchronise again. Returns False on a micro-batch of hpclb's loop that is not the
         window's last (the gradients are still local). Raises RuntimeError for a
@@ -509,3 +509,136 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DistributedOptimizer({type(self.optimizer).__name__}, {self.sync!r})"
 
+
+# -- the non-finite guard of step() -----------------------------------------------------------
+#: fp16 overflows while the loss scale is at least this are the scaler's calibration, not counted
+#: toward ``max_nonfinite_steps``.
+CALIBRATION_SCALE = 1.0
+#: the device counts keep the step at which the limit was hit as ``_HIT_BASE - step``
+_HIT_BASE = 2 ** 62
+
+
+def masks_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.step()`` honours ``optimizer.found_inf`` (torch's
+    ``_step_supports_amp_scaling`` contract), so a skip can be masked without a host read."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+class NonFiniteGuard:
+    """The non-finite guard of :meth:`DistributedOptimizer.step` (step 3 of the module
+    docstring): skips a step whose averaged gradient has a non-finite global norm, on every rank
+    (the norm is the same on all of them), and counts it. On the device (``on_device``, from
+    :func:`masks_on_device`) the wrapped optimizer gets the flag as ``optimizer.found_inf`` (0-d
+    float32, 1.0 = skip) and masks the update itself; the skip, the run of skips in a row and
+    the step at which that run reached ``max_nonfinite_steps`` are counted in a 3-element int64
+    device tensor that :meth:`check` reads (one read). On the host: one read per step (two flags
+    in one copy with an fp16 scaler), the limit checked at once. With an fp16 scaler a skip
+    counts toward the limit only once the loss scale is below :data:`CALIBRATION_SCALE` (before
+    that it is the scaler calibrating itself), decided on the device.
+
+    ``found_inf`` after each :meth:`found`: 0-d bool device tensor, True when the last completed
+    step was skipped (the training loop masks that step's statistics with it)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_nonfinite_steps: int,
+                 scaler: "torch.amp.GradScaler | None"):
+        self.optimizer, self.max_steps, self.scaler = optimizer, max_nonfinite_steps, scaler
+        self.on_device = masks_on_device(optimizer)
+        self.found_inf: Tensor | None = None
+        self.skipped_host = 0    # skips counted on the host (and those of a loaded state)
+        self.streak = 0          # host path: skips in a row that count toward the limit
+        self._counts: Tensor | None = None   # device: skipped, streak, step the limit was hit
+        self._count_views: tuple[Tensor, ...] = ()   # its three elements (views)
+        self._flags: dict = {}  # device -> (False, True) 0-d bool tensors (the host path's flag)
+
+    def found(self, grad_norm: Tensor) -> Tensor:
+        """The step's found-inf flag (0-d bool, on ``grad_norm``'s device; no read)."""
+        self.found_inf = ~torch.isfinite(grad_norm)
+        return self.found_inf
+
+    def _counted(self, found: Tensor) -> Tensor:
+        """Skips that count toward the limit: all, or with an fp16 scaler those at scale < 1."""
+        if self.scaler is None:
+            return found
+        scale = self.scaler._get_scale_async()
+        if scale is None:   # never scaled yet: the initial scale (>= 1)
+            return torch.zeros_like(found)
+        return found & (scale.to(found.device) < CALIBRATION_SCALE)
+
+    def found_on_device(self, grad_norm: Tensor, step: int) -> Tensor:
+        """The device path: the step's found-inf flag (0-d bool, no read), counted on the
+        device (``step``: the optimizer step, 1-based) in six small ops, four in place on the
+        three counts. The streak is ``(streak + counted) * found`` (a finite step resets it);
+        the step at which it first reached the limit is kept as ``_HIT_BASE - step``, so a
+        later step never replaces it (``clamp_(min=...)``)."""
+        found = self.found_inf = ~torch.isfinite(grad_norm)
+        if self._counts is None:
+            self._counts = torch.zeros(3, dtype=torch.int64, device=found.device)
+            self._count_views = self._counts.unbind()
+        skipped, streak, hit = self._count_views
+        skipped.add_(found)
+        streak.add_(found if self.scaler is None else self._counted(found)).mul_(found)
+        hit.clamp_(min=(streak >= self.max_steps) * (_HIT_BASE - step))
+        return found
+
+    def skip_on_host_norm(self, grad_norm: Tensor) -> bool:
+        """The host path without a scaler: one read of the norm itself (``item()``, the same
+        one read ``bool(found)`` makes) and the finiteness decided on the host, no tensor op;
+        ``found_inf`` is a cached 0-d bool on the norm's device. With a scaler:
+        :meth:`found` then :meth:`skip_on_host`."""
+        if self.scaler is not None:
+            return self.skip_on_host(self.found(grad_norm))
+        bad = not math.isfinite(grad_norm.item())
+        flags = self._flags.get(grad_norm.device)
+        if flags is None:
+            flags = self._flags[grad_norm.device] = (
+                torch.tensor(False, device=grad_norm.device),
+                torch.tensor(True, device=grad_norm.device))
+        self.found_inf = flags[bad]
+        if not bad:
+            self.streak = 0
+            return False
+        self.skipped_host += 1
+        self.streak += 1
+        return True
+
+    def skip_on_host(self, found: Tensor) -> bool:
+        """One read: True when the step must be skipped (then counted; the caller raises
+        :meth:`over_limit`)."""
+        if self.scaler is None:
+            bad = counted = bool(found)
+        else:
+            bad, counted = torch.stack([found, self._counted(found)]).tolist()
+        if not bad:
+            self.streak = 0
+            return False
+        self.skipped_host += 1
+        self.streak += int(counted)
+        return True
+
+    def check(self, step: int, first_layer: Callable[[], str | None]) -> int:
+        """The total of skipped steps; raises :class:`NonFiniteError` when
+        ``max_nonfinite_steps`` skips in a row were reached (on the host path at ``step``; on
+        the device path at the step the device recorded: one read)."""
+        if self.streak >= self.max_steps:
+            raise NonFiniteError(step, first_layer(), self.streak)
+        skipped, streak, hit = self._read()
+        if hit:
+            raise NonFiniteError(hit, first_layer(), max(streak, self.max_steps))
+        return self.skipped_host + skipped
+
+    def _read(self) -> list[int]:
+        """``[skipped, streak, step at which the limit was hit or 0]`` (one read)."""
+        if self._counts is None or self._counts.device.type == "meta":
+            return [0, 0, 0]
+        skipped, streak, hit = self._counts.tolist()
+        return [skipped, streak, _HIT_BASE - hit if hit else 0]
+
+    def total(self) -> int:
+        """Skipped steps so far (one read on the device path; never raises)."""
+        return self.skipped_host + self._read()[0]
+
+    def set_skipped(self, n: int) -> None:
+        """Restart the counts at ``n`` skipped steps (a loaded state)."""
+        self.skipped_host, self.streak = int(n), 0
+        if self._counts is not None:
+            self._counts.zero_()

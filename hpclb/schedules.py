@@ -52,7 +52,7 @@ from hpclb.errors import BudgetTooLarge, WarmupTooLong
 __all__ = ["SCALING_RULES", "WARMUP_RULES", "DECAYS", "SCHEMES", "GOYAL_WARMUP_EPOCHS",
            "MAX_TOTAL_STEPS", "WarmupRoundedToZero", "steps_per_epoch", "batch_ratio", "scale_lr",
            "scale_warmup_epochs", "warmup_steps_for", "warmup_factor", "decay_factor",
-           "validate_decay", "Schedule"]
+           "validate_decay", "Schedule", "set_lr"]
 
 SCALING_RULES = ("none", "linear", "sqrt")
 WARMUP_RULES = ("legw", "goyal", "fixed", "none")
@@ -324,3 +324,19 @@ class Schedule:
         start = self.warmup_start_lr
         return start + (decay - start) * warmup_factor(step, self.warmup_steps)
 
+
+def set_lr(optimizer, lr: float) -> list:
+    """Give every parameter group of ``optimizer`` (a ``torch.optim.Optimizer`` or anything with
+    its ``param_groups``) the LR ``lr`` times the group's ``lr_scale`` (1.0 when absent); a
+    tensor LR (torch's ``capturable`` optimizers) is filled in place. Returns the groups' LRs.
+    What ``hpclb train`` calls before each step with ``Schedule.lr(global_step)`` (nanoGPT's
+    loop) and :class:`hpclb.optim.lr_scheduler.ScheduleLR` after each one."""
+    out = []
+    for group in optimizer.param_groups:
+        value = lr * group.get("lr_scale", 1.0)
+        if hasattr(group["lr"], "fill_"):  # a tensor LR
+            group["lr"].fill_(value)
+        else:
+            group["lr"] = value
+        out.append(group["lr"])
+    return out

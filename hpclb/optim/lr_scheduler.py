@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from hpclb.schedules import Schedule
+from hpclb.schedules import Schedule, set_lr
 
 __all__ = ["ScheduleLR"]
 
@@ -65,15 +65,7 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
             return
         self._step_count += 1
         self.last_epoch += 1
-        lr, last = self.schedule.lr(self.last_epoch), []
-        for group in self.optimizer.param_groups:
-            value = lr * group.get("lr_scale", 1.0)
-            if isinstance(group["lr"], torch.Tensor):  # a tensor LR (capturable): in place
-                group["lr"].fill_(value)
-            else:
-                group["lr"] = value
-            last.append(group["lr"])
-        self._last_lr = last
+        self._last_lr = set_lr(self.optimizer, self.schedule.lr(self.last_epoch))
 
     def state_dict(self) -> dict:
         state = {"last_epoch": self.last_epoch}

@@ -122,8 +122,10 @@ def save_run_checkpoint(run, epoch: int, step_in_epoch: int, epoch_sums: torch.T
                 "elapsed_s": run.elapsed_s(), "history": run.pos.history,
                 "first_loss": run.pos.first_loss}
     settings = run.cfg.to_dict()  # with the recipe: what --resume compares
-    state = checkpoint_state(comm, run.model, run.optimizer, run.scheduler, run.pos.global_step,
+    state = checkpoint_state(comm, run.model, run.optimizer, None, run.pos.global_step,
                              position=position, task=task_state, steplog=steplog, run=settings)
+    if state is not None:  # the LR is the schedule's at the step: ScheduleLR's state, for a
+        state["scheduler"] = {"last_epoch": run.pos.global_step}  # library Checkpointer
     agreed(comm, "writing the checkpoint",
            lambda: run.store.save(state) if comm.rank == 0 else None)
 

@@ -14,7 +14,8 @@
    batch, even when the last step's shares are uneven. The gradients are averaged during
    backward (fused buckets); the window's last backward waits for them. Then ONE
    ``DistributedOptimizer.step()`` guards against non-finite values, clips, steps.
-3. The LR comes from :mod:`hpclb.schedules` for this global step (LEGW or a baseline).
+3. The LR comes from :mod:`hpclb.schedules` for this global step (LEGW or a baseline), set on the
+   optimizer's groups just before its step: a function of the step, no scheduler state.
 4. After each step one call, ``StepLog.after_step``, logs and shows it: every ``log_every``
    steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios, samples/s, compute vs
    exposed communication, skipped steps, device memory) goes to ``metrics.jsonl`` and
@@ -50,6 +51,7 @@ from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig, check_checkpoint_interval
 from hpclb.data.paths import data_dir
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
+from hpclb.schedules import set_lr
 from hpclb.sync.agree import average_buffers
 from hpclb.tasks.spec import metric_mode
 from hpclb.train.checkpointer import save_run_checkpoint
@@ -81,7 +83,8 @@ def _set_threads(comm: Communicator) -> None:
 def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None = None) -> bool:
     """Step ``i`` of the current epoch on this rank: its ``accumulation_steps`` micro-batches
     (forward and backward, or a skip for an empty share; the window's last backward waits for
-    the gradient allreduce), then one optimizer step and the LR schedule. Adds the task's
+    the gradient allreduce), then one optimizer step at the schedule's LR of this global step
+    (set on the optimizer's groups just before it, as nanoGPT's loop does). Adds the task's
     statistics to ``sums`` (on the device), unless the step was skipped as non-finite (masked
     on the device: no host read).
     ``first`` (float64 ``[3]``, zeros until then): receives the statistics of the first step
@@ -106,13 +109,13 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
             (opt.scaler.scale(loss) if opt.scaler is not None else loss).backward()
         sums += stats
     with label("hpclb/optimizer"):
+        set_lr(opt, run.schedule.lr(run.pos.global_step))  # the LR is a function of the step
         stepped = opt.step()
     skipped = opt.step_skipped
     if skipped is not None:  # a skipped step adds nothing to the epoch's statistics
         sums.copy_(torch.where(skipped.to(sums.device), before, sums))
         if first is not None:
             first.copy_(torch.where(first[2] > 0, first, sums - before))
-    run.scheduler.step()
     run.pos.global_step += 1
     return stepped
 

@@ -32,7 +32,6 @@ from hpclb.errors import ConfigError
 from hpclb.models import build_model
 from hpclb.noise import check_world_size
 from hpclb.optim import OPTIMIZERS
-from hpclb.optim.lr_scheduler import ScheduleLR
 from hpclb.plugins import is_plugin
 from hpclb.schedules import Schedule
 from hpclb.sync.agree import broadcast_parameters, check_model_consistency
@@ -80,7 +79,6 @@ class Run:
     schedule: Schedule
     model: nn.Module
     optimizer: DistributedOptimizer
-    scheduler: ScheduleLR
     store: CheckpointStore
     pos: Position
     per_rank_batch: int
@@ -307,11 +305,10 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, start: Decisi
                                      loss_prescaled=prescale_exactly(
                                          comm.world_size * cfg.accumulation_steps, scaler),
                                      **_sync_options(cfg.sync))
-    scheduler = ScheduleLR(inner, sched)
     task.setup(per_rank_batch=per_rank, global_batch=cfg.global_batch_size, rank=comm.rank,
                world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=sched.steps_per_epoch,
                device=device)
-    run = Run(cfg, comm, device, task, sched, model, optimizer, scheduler, store, Position(),
+    run = Run(cfg, comm, device, task, sched, model, optimizer, store, Position(),
               per_rank, micro, forward_context(cfg.precision, device, model))
     run.out_lock, run.resumed_path = start.lock, start.path
     if start.checkpoint is not None:
@@ -341,11 +338,12 @@ def _shape(state: dict, key: str) -> str:
 
 def _restore(run: Run, ckpt: dict) -> None:
     """Load the checkpoint ``ckpt`` (:mod:`hpclb.train.checkpointer`'s schema) into ``run``:
-    model, optimizer, scheduler, position, this rank's RNG streams."""
+    model, optimizer, position, this rank's RNG streams (the LR is the schedule's at the
+    restored global step: the loop sets it before each step)."""
     _check_shapes(run, ckpt["model"])
     fields = {k: ckpt[k] for k in ("epoch", "step_in_epoch", "elapsed_s", "epoch_sums",
                                    "history")}
-    step = restore_state(ckpt, run.model, run.optimizer, run.scheduler, comm=run.comm,
+    step = restore_state(ckpt, run.model, run.optimizer, None, comm=run.comm,
                          seed=run.cfg.seed)
     run.pos = Position(**fields, global_step=step, first_loss=ckpt.get("first_loss"))
     if run.comm.rank != 0:  # the saved sums are already totals over ranks: count them once

@@ -88,6 +88,18 @@ def test_bad_arguments_name_the_field(kwargs, field):
         GlobalBatchSampler(**kwargs)
 
 
+@pytest.mark.parametrize("n,b,w", [(1000, 300, 6), (13, 8, 8), (1200, 300, 3)])
+def test_the_epochs_plan_is_each_steps_global_size_and_share(n, b, w):
+    for r in range(w):
+        s = GlobalBatchSampler(n, b, rank=r, world_size=w, seed=3)
+        for epoch in (0, 2):
+            s.set_epoch(epoch)
+            assert len(s.plan) == s.steps_per_epoch
+            for i, (size, share) in enumerate(s.plan):
+                assert size == s.global_size(i)
+                assert torch.equal(share, s.share(i))
+
+
 def test_step_outside_the_epoch_is_an_index_error():
     s = GlobalBatchSampler(10, 4, 0, 1)
     with pytest.raises(IndexError, match="outside the epoch's 3 steps"):

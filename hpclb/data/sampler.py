@@ -58,11 +58,15 @@ class GlobalBatchSampler:
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
-        """Draw epoch ``epoch``'s global permutation (int64 ``[N]``)."""
+        """Draw epoch ``epoch``'s global permutation (``permutation``, int64 ``[N]``) and its
+        plan: ``plan[i]`` is :meth:`step` ``(i)``, ``(global_size(i), share(i))``, for each
+        step of the epoch (a list; the shares are views of the permutation, no copies)."""
         self.epoch = _check_int("epoch", epoch, 0)
         g = torch.Generator()
         g.manual_seed(self.seed + epoch)
         self.permutation = torch.randperm(self.num_samples, generator=g)
+        self.plan = [(len(b), b[self.rank::self.world_size])
+                     for b in self.permutation.split(self.global_batch)]
 
     def global_batch_indices(self, i: int) -> torch.Tensor:
         """Sample indices of global step ``i`` over all ranks: int64 ``[global_size(i)]``.
@@ -74,7 +78,9 @@ class GlobalBatchSampler:
         return self.permutation[i * b:(i + 1) * b]
 
     def step(self, i: int) -> tuple[int, torch.Tensor]:
-        """``(global_size(i), share(i))`` in one call: what a training step needs."""
+        """``(global_size(i), share(i))`` in one call: what a training step needs (the
+        epoch's :attr:`plan` holds it for every step). Raises IndexError as
+        :meth:`global_batch_indices` does."""
         batch = self.global_batch_indices(i)
         return len(batch), batch[self.rank::self.world_size]
 

@@ -79,13 +79,13 @@ class ClassificationTask(Task):
         return mine[part * n // parts:(part + 1) * n // parts]
 
     def micro_batches(self, i, parts, device):
-        """:meth:`Task.micro_batches` in one pass: the sampler's step ``i`` once, cut into the
+        """:meth:`Task.micro_batches` in one pass: the sampler's plan of step ``i``, cut into the
         pieces of :meth:`_part_indices`, each read as :meth:`batch` reads it (a subclass that
         overrides those: through them, as :class:`Task` does)."""
         if not self._one_pass:
             yield from super().micro_batches(i, parts, device)
             return
-        n_global, mine = self.sampler.step(i)
+        n_global, mine = self.sampler.plan[i]
         n, loader = len(mine), self._step_loader
         for part in range(parts):
             idx = mine[part * n // parts:(part + 1) * n // parts]

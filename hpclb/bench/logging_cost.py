@@ -86,7 +86,7 @@ class _StepLogTimer:
     """Accumulates wall seconds spent in ``StepLog.after_step`` (patched on the class)."""
 
     def __init__(self):
-        from hpclb.train.steplog import StepLog
+        from hpclb.train.loop import StepLog
         self.seconds, original = 0.0, StepLog.after_step
 
         @functools.wraps(original)
@@ -131,10 +131,9 @@ def interleaved_steps(comm, recipe: str, work: Path, data_dir: str | None,
     import torch
 
     from hpclb.config import resolve
-    from hpclb.train.loop import train_step
+    from hpclb.train.loop import StepLog, train_step
     from hpclb.train.metrics import RunLogger
     from hpclb.train.setup import setup_run
-    from hpclb.train.steplog import StepLog
 
     runs = {}
     for name, settings in VARIANTS.items():

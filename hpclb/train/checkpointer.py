@@ -110,7 +110,7 @@ def save_run_checkpoint(run, epoch: int, step_in_epoch: int, epoch_sums: torch.T
     rank's RNG state gathered; rank 0 writes a new verified generation (``run.store``); a write
     that fails ends every rank (:func:`~hpclb.train.agreed.agreed`), and nobody moves on before
     it is on disk. ``steplog``: the step lines' carried state
-    (:meth:`hpclb.train.steplog.StepLog.state_dict`, rank 0's)."""
+    (:meth:`hpclb.train.loop.StepLog.state_dict`, rank 0's)."""
     comm = run.comm
     average_buffers(run.model, comm)
     task_state = run.task.state_dict(comm)

@@ -16,13 +16,13 @@
    ``DistributedOptimizer.step()`` guards against non-finite values, clips, steps.
 3. The LR comes from :mod:`hpclb.schedules` for this global step (LEGW or a baseline), set on the
    optimizer's groups just before its step: a function of the step, no scheduler state.
-4. After each step one call, ``StepLog.after_step``, logs and shows it: every ``log_every``
-   steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios, samples/s, compute vs
-   exposed communication, skipped steps, device memory) goes to ``metrics.jsonl`` and
-   TensorBoard (:mod:`hpclb.train.metrics`), statistics staying on the device in between; on
-   rank 0 the progress bar or line when due. At each epoch end: metrics reduced over ranks,
-   BatchNorm buffers averaged, evaluation,
-   an epoch line, a checkpoint.
+4. After each step one call, :meth:`StepLog.after_step` (below), logs and shows it: every
+   ``log_every`` steps one ``kind: step`` line (loss, LR, gradient norm, trust ratios,
+   samples/s, compute vs exposed communication, skipped steps, device memory) goes to
+   ``metrics.jsonl`` and TensorBoard (:mod:`hpclb.train.metrics`), statistics staying on the
+   device in between; on rank 0 the progress bar or line when due. At each epoch end: metrics
+   reduced over ranks, BatchNorm buffers averaged, evaluation, an epoch line, a checkpoint.
+   The console lines, ``config.json`` and ``summary.json`` come from :mod:`hpclb.train.report`.
 
 Preemption: SIGUSR2/SIGTERM only set a flag; at the next step the ranks agree (allreduce max),
 rank 0 saves that step's checkpoint, and every rank exits with :data:`PREEMPTED_EXIT_CODE`, which
@@ -39,8 +39,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
-import sys
 import time
 from typing import Any
 
@@ -49,30 +47,23 @@ import torch
 from hpclb._io import write_json
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig, check_checkpoint_interval
-from hpclb.data.paths import data_dir
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
+from hpclb.noise import NoiseScaleEstimator
 from hpclb.schedules import set_lr
 from hpclb.sync.agree import average_buffers
-from hpclb.tasks.spec import metric_mode
+from hpclb.train import report
 from hpclb.train.checkpointer import save_run_checkpoint
 from hpclb.train.metrics import RunLogger
 from hpclb.train.preemption import PreemptionFlag
 from hpclb.train.progress import Progress
 from hpclb.train.setup import Run, setup_run
-from hpclb.train.steplog import StepLog
 
-__all__ = ["EXPLODED_LOSS_FACTOR", "train_step", "train"]
+__all__ = ["EXPLODED_LOSS_FACTOR", "StepLog", "train_step", "train"]
 
 # An epoch's training loss this many times the first applied (not skipped) step's (both finite,
 # > 0) is a divergence: a cross-entropy that starts at ln(classes) never legitimately grows a
 # hundredfold. docs/faults.md states it (tests/test_faults_doc.py).
 EXPLODED_LOSS_FACTOR = 1e2
-
-
-def _show(metric: str, value: float) -> str:
-    if "accuracy" in metric:
-        return f"{100 * value:6.2f}%"
-    return f"{value:.2f}" if "perplexity" in metric or "bleu" in metric else f"{value:.4f}"
 
 
 def _set_threads(comm: Communicator) -> None:
@@ -118,6 +109,194 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
             first.copy_(torch.where(first[2] > 0, first, sums - before))
     run.pos.global_step += 1
     return stepped
+
+
+def _finite_or_none(x: float) -> float | None:
+    """A skipped (non-finite) step's value is not a metric: None in the step line."""
+    return x if math.isfinite(x) else None
+
+
+class StepLog:
+    """Per-step metrics and the gradient noise scale, read from the device once per log interval.
+
+    Every ``log_every`` optimizer steps (the same global steps on every rank) one allreduce of
+    three numbers (loss sum, count, the ranks' local squared gradient norms) turns what
+    accumulated on the device into one ``kind: step`` line of ``metrics.jsonl`` (and
+    TensorBoard): ``loss`` (mean over the interval's samples or tokens, all ranks), ``lr``,
+    ``grad_norm`` (the averaged gradient's L2 norm before clipping, last step),
+    ``trust_min/median/max`` (LARS/LAMB adapted layers, last step), ``samples_per_s``,
+    ``step_time_s`` split into ``comm_wait_s`` (host time waiting for the allreduce:
+    communication backward did not hide) and ``compute_s`` (the rest), ``skipped_steps``,
+    ``step_skipped`` (the line's own step, the last of the interval, was skipped as non-finite)
+    and, on a GPU, ``max_memory_bytes``. Steps that are not logged read nothing from the
+    device; a logged one reads its numbers in one copy. A skipped (non-finite) step adds
+    nothing: its loss and noise terms are masked on the device, and when the line's step was
+    skipped its ``grad_norm`` and trust ratios (never applied: a masked LARS/LAMB step computes
+    ratios of 1.0) are written as null.
+
+    Gradient noise scale (``--noise-scale``, world size > 1): McCandlish et al. 2018, App. A,
+    from each rank's local gradient (batch B/W, :attr:`GradientSync.local_sq_norm`) and the
+    averaged one (batch B), summed on the device and fed to
+    :class:`~hpclb.noise.NoiseScaleEstimator` at each log point; its summary is the ``noise``
+    field of each epoch line (``hpclb advise`` reads it). Cost: one norm per bucket per step on
+    the device and the allreduce above.
+
+    Owned by :func:`train`; ``after_step`` after each step (the step lines, and rank 0's
+    ``progress``, a :class:`~hpclb.train.progress.Progress`, when it is due), ``epoch_fields``
+    and ``epoch_histograms`` at epoch ends (collective where noted)."""
+
+    def __init__(self, run, logger, progress=None):
+        self.run, self.logger, self.progress = run, logger, progress
+        self.every = run.cfg.log_every
+        self.noise = NoiseScaleEstimator() if run.cfg.noise_scale and run.comm.world_size > 1 \
+            else None
+        self._resume_base: torch.Tensor | None = None
+        self.last: dict | None = None  # the last step line's scalars (what progress shows)
+        self._start_interval(None)
+        if run.resumed_from is not None:
+            self._load_state_dict(run.resumed_from.get("steplog"))
+
+    def _start_interval(self, sums) -> None:
+        dev = self.run.device
+        self.t0, self.sync0 = time.perf_counter(), self.run.optimizer.sync_wait_s
+        self.steps = 0
+        self._last = sums.clone() if sums is not None else None
+        # noise-scale sums over the applied steps: local squared norms, averaged ones, count
+        self._noise_sums = torch.zeros(3, dtype=torch.float64, device=dev)
+
+    def start_epoch(self, sums: torch.Tensor, resumed: bool) -> None:
+        """``sums``: the epoch's running sums, which the next step lines read; ``resumed``: the
+        epoch continues from a mid-epoch checkpoint (its lines count from the last log point
+        before it), else they count from the epoch's start."""
+        base = self._resume_base if resumed else None
+        self._resume_base = None
+        self._last = torch.zeros_like(sums) if base is None else base.to(sums.device)
+
+    def after_step(self, sums: torch.Tensor, stepped: bool, i: int = 0) -> None:
+        """What the run logs and shows after step ``i`` of the epoch (0-based): accumulate it
+        (on the device; a skipped step adds nothing); every ``log_every`` global steps, log
+        (collective; raises NonFiniteError at the limit of skipped steps in a row); update the
+        progress bar or line when it is due (its LR: the step's, from the schedule)."""
+        self.steps += 1
+        opt = self.run.optimizer
+        if self.noise is not None and stepped and opt.sync.local_sq_norm is not None:
+            one = torch.stack([opt.sync.local_sq_norm.double().reshape(()),
+                               opt.grad_norm.double().square(),
+                               torch.ones((), dtype=torch.float64, device=sums.device)])
+            skipped = opt.step_skipped
+            self._noise_sums += one if skipped is None else torch.where(skipped, 0.0, one)
+        step = self.run.pos.global_step
+        if self.every and step % self.every == 0:
+            self._flush(sums)
+        if self.progress is not None and time.monotonic() >= self.progress.due_at:
+            self.progress.update(i, step, self.run.schedule.lr(step - 1), self.last)
+
+    def _read(self, sums: torch.Tensor) -> tuple[list[float], list[float]]:
+        """One read from the device: ``[loss sum, count, local squared norms]`` of the interval
+        summed over the ranks (one allreduce) and this rank's ``[averaged squared norms, noise
+        steps, grad_norm, trust min, median, max, last step skipped (1.0/0.0)]`` (the same on
+        every rank)."""
+        d = sums - self._last
+        opt = self.run.optimizer
+        ratios = getattr(opt.optimizer, "trust_ratios", None)
+        nan = torch.full((1,), float("nan"), dtype=torch.float64, device=sums.device)
+        q = nan.expand(3) if ratios is None or ratios.numel() == 0 else torch.quantile(
+            ratios.detach().float(), torch.linspace(0, 1, 3, device=ratios.device)).double()
+        norm = nan if opt.grad_norm is None else opt.grad_norm.detach().double().reshape(1)
+        found = opt.step_skipped
+        last_skipped = nan.new_zeros(1) if found is None else \
+            found.detach().to(sums.device).double().reshape(1)
+        vec = torch.cat([torch.stack([d[0], d[2]]).double(), self._noise_sums.double(),
+                         norm.to(sums.device), q.to(sums.device), last_skipped]).cpu()
+        reduced = torch.stack([vec[0], vec[1], vec[2]])
+        if self.run.comm.world_size > 1:
+            self.run.comm.allreduce_(reduced)
+        return reduced.tolist(), vec[3:].tolist()
+
+    def _update_noise(self, small_sum: float, big_sum: float, n: float) -> None:
+        if self.noise is None or not n:
+            return
+        w, b = self.run.comm.world_size, self.run.cfg.global_batch_size
+        self.noise.update(small_sum / (w * n), b // w, big_sum / n, b)
+
+    def _flush(self, sums: torch.Tensor) -> None:
+        run, opt = self.run, self.run.optimizer
+        dt = time.perf_counter() - self.t0
+        skipped = opt.check_nonfinite()   # raises at the limit (the device path's check)
+        (loss, count, small), (big, n, norm, *trust, last_skipped) = self._read(sums)
+        self._update_noise(small, big, n)
+        wait = (opt.sync_wait_s - self.sync0) / self.steps
+        applied = last_skipped != 1.0  # a skipped step's norm and ratios were never applied
+        scalars = {"loss": loss / count if count else None,
+                   "lr": run.schedule.lr(run.pos.global_step - 1),
+                   "grad_norm": _finite_or_none(norm) if applied else None,
+                   **({} if math.isnan(trust[0]) else dict(zip(
+                       ("trust_min", "trust_median", "trust_max"),
+                       map(_finite_or_none, trust) if applied else (None,) * 3))),
+                   "step_skipped": not applied,
+                   "samples_per_s": self.steps * run.cfg.global_batch_size / dt,
+                   "step_time_s": dt / self.steps, "comm_wait_s": wait,
+                   "compute_s": dt / self.steps - wait, "skipped_steps": skipped}
+        if run.device.type == "cuda":
+            scalars["max_memory_bytes"] = torch.cuda.max_memory_allocated(run.device)
+        self.logger.log_step(run.pos.global_step, scalars)
+        self.last = {**scalars, "step": run.pos.global_step}
+        self._start_interval(sums)
+
+    def state_dict(self) -> dict:
+        """Collective (one allreduce): what a run resumed from this point needs for its step
+        lines and ``noise`` fields to equal an uninterrupted run's: ``log_base`` (the epoch's
+        running sums at the last log point, totals over the ranks), ``noise_sums`` (the
+        interval's noise-scale sums, the local squared norms totalled over the ranks) and
+        ``noise`` (the estimator's state, or None); plain floats, rank 0's to save."""
+        base = torch.zeros(3, dtype=torch.float64) if self._last is None else self._last
+        noise = self._noise_sums.double().cpu()
+        vec = torch.cat([base.double().cpu(), noise[:1]])
+        if self.run.comm.world_size > 1:
+            self.run.comm.allreduce_(vec)
+        return {"log_base": vec[:3].tolist(), "noise_sums": [float(vec[3]), *noise[1:].tolist()],
+                "noise": None if self.noise is None else self.noise.state_dict()}
+
+    def _load_state_dict(self, state: dict | None) -> None:
+        """Continue from :meth:`state_dict` (None: a checkpoint written before it existed). The
+        totals go to rank 0, the other ranks start from zeros, as the epoch's sums do."""
+        if not state:
+            return
+        rank0 = self.run.comm.rank == 0
+        base = torch.tensor(state["log_base"], dtype=torch.float64)
+        self._resume_base = base if rank0 else torch.zeros_like(base)  # for a mid-epoch resume
+        small, big, n = state["noise_sums"]
+        self._noise_sums = torch.tensor([small if rank0 else 0.0, big, n], dtype=torch.float64,
+                                        device=self.run.device)
+        if self.noise is not None and state.get("noise") is not None:
+            self.noise.load_state_dict(state["noise"])
+
+    def epoch_fields(self) -> dict:
+        """Collective: ``{"noise": {...}}`` with the estimator's summary over the epoch (steps
+        since the last log point included), or ``{}`` without ``--noise-scale``."""
+        if self.noise is None:
+            return {}
+        small, big, n = self._noise_sums.double().cpu().tolist()
+        if n:
+            vec = torch.tensor([small], dtype=torch.float64)
+            if self.run.comm.world_size > 1:
+                self.run.comm.allreduce_(vec)
+            self._update_noise(float(vec[0]), big, n)
+            self._noise_sums.zero_()
+        out = self.noise.summary()
+        self.noise.new_window()
+        return {"noise": out}
+
+    def epoch_histograms(self) -> None:
+        """TensorBoard histogram of the last step's per-layer trust ratios (rank 0; none when
+        that step was skipped: its ratios were never applied)."""
+        ratios = getattr(self.run.optimizer.optimizer, "trust_ratios", None)
+        found = self.run.optimizer.step_skipped
+        if not self.logger.enabled or (found is not None and bool(found)):
+            return
+        if ratios is not None and ratios.numel():
+            self.logger.histogram("trust_ratio", ratios.detach().float().cpu(),
+                                  self.run.pos.global_step)
 
 
 def _epoch_row(run: Run, epoch: int, sums: torch.Tensor, seconds: float, resumed: bool,
@@ -259,48 +438,6 @@ def _checkpoint_mid_epoch(run: Run, epoch: int, i: int, steps: int, sums: torch.
     raise Preempted(pos.global_step)
 
 
-class _Say:
-    """Rank 0's console lines (nothing elsewhere, or when quiet). A closed standard output
-    (``hpclb train ... | head``) ends the lines, not the run: stdout then goes to /dev/null."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-
-    def __call__(self, *args) -> None:
-        if not self.enabled:
-            return
-        try:
-            print(*args, flush=True)
-        except (BrokenPipeError, ValueError):
-            self.enabled = False
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(devnull, sys.stdout.fileno())  # the exit's flush must not fail either
-            os.close(devnull)
-
-
-def _header(run: Run, say: _Say) -> None:
-    from hpclb.comm.device import device_info
-
-    cfg, comm, sched = run.cfg, run.comm, run.schedule
-    info = device_info(run.device)
-    k = cfg.global_batch_size / cfg.base_batch_size
-    if run.resumed_from is not None:
-        say(f"resumed from {run.resumed_path} at global step {run.pos.global_step} (epoch "
-            f"{run.pos.epoch + 1}, step {run.pos.step_in_epoch} of it)")
-    mem = f", {info['memory_bytes'] / 2**30:.0f} GiB" if info.get("memory_bytes") else ""
-    say(f"hpclb {cfg.experiment}: {comm.world_size} rank(s) [{comm.backend}] on {info['device']} "
-        f"({info['name']}{mem}), precision {cfg.precision}, global batch {cfg.global_batch_size} "
-        f"= {comm.world_size} x {run.per_rank_batch} (B0 {cfg.base_batch_size}, k = {k:g}), "
-        f"accumulation_steps {cfg.accumulation_steps} (micro-batch {run.micro_batch}), scaling "
-        f"{cfg.scaling}, optimizer {cfg.optimizer}, compile {cfg.compile or 'off (eager)'}")
-    say(f"  peak LR {sched.peak_lr:.4g} (B0: {cfg.base_lr:.4g}), warmup {sched.warmup_steps} steps "
-        f"= {sched.warmup_epochs:.3g} epochs, decay {sched.decay}, {sched.steps_per_epoch} "
-        f"steps/epoch, {sched.total_steps} steps in {cfg.epochs:g} epochs, "
-        f"{run.task.num_train_samples} train / {run.task.num_test_samples} test samples "
-        f"({run.task.kind}), gradient buffer {run.optimizer.sync.nbytes / 2**20:.2f} MiB")
-
-
 def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
           checkpoint_interval_s: float | None = None,
           tensorboard: bool | None = None,
@@ -323,21 +460,15 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     preemption checkpoint, :class:`Diverged` when the run stops on non-finite values.
     """
     check_checkpoint_interval(checkpoint_interval_s)
-    say = _Say(comm.rank == 0 and not quiet)
+    say = report.Say(comm.rank == 0 and not quiet)
     _set_threads(comm)
     run = setup_run(cfg, comm, profile=profile)
     # before the header: a Ctrl-C then checkpoints
     preempt = PreemptionFlag(interrupt=True, checkpoint_interval_s=checkpoint_interval_s)
     logger = None
     try:
-        _header(run, say)
-        if comm.rank == 0:
-            run.out.mkdir(parents=True, exist_ok=True)
-            write_json(run.out / "config.json", {
-                **cfg.to_dict(), "world_size": comm.world_size,
-                "data_root": str(data_dir(cfg.data_dir).resolve()),
-                **_schedule_columns(cfg, run.schedule),
-                "sync": _sync_settings(run), "trust_backend": _trust_backend()})
+        report.header(run, say)
+        report.write_config(run)
         logger = RunLogger(run.out, enabled=comm.rank == 0, tensorboard=tensorboard,
                            resume_step=run.pos.global_step if run.resumed_from is not None
                            else None)
@@ -354,27 +485,14 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         if logger is not None:
             logger.close()
         run.close()  # hooks, loader workers, the run directory's lock
-    summary = _summary(run)
+    summary = report.summary(run)
     if comm.rank == 0:
         write_json(run.out / "summary.json", summary)
-    say(_summary_line(run, summary))
+    say(report.summary_line(run, summary))
     return summary
 
 
-def _sync_settings(run: Run) -> dict:
-    """The gradient-sync settings in force (config.json's ``sync``), with ``overlap_setting``:
-    the overlap asked for (``auto`` unless ``$HPCLB_OVERLAP`` set one) beside ``overlap``, the
-    mode in force."""
-    sync = run.optimizer.sync
-    return {**sync.settings(), "overlap_setting": sync.options.overlap}
-
-
-def _trust_backend() -> str:
-    """``$HPCLB_TRUST_BACKEND`` in force (``auto`` when unset): recorded in config.json."""
-    return os.environ.get("HPCLB_TRUST_BACKEND", "auto").strip() or "auto"
-
-
-def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,
+def _epochs(run: Run, say: report.Say, logger: RunLogger, preempt: PreemptionFlag,
             progress_every_s: float | None) -> None:
     """Every epoch left: its steps, its line and its checkpoint."""
     cfg, sched = run.cfg, run.schedule
@@ -389,83 +507,9 @@ def _epochs(run: Run, say: _Say, logger: RunLogger, preempt: PreemptionFlag,
         run.pos.history.append(row)
         logger.log_epoch(row)
         steplog.epoch_histograms()
-        say(_epoch_line(row, shown))
+        say(report.epoch_line(row, shown))
         save_run_checkpoint(run, epoch + 1, 0, torch.zeros(3, dtype=torch.float64),
                             steplog.state_dict())
         preempt.checkpoint_saved()
 
 
-def _epoch_line(row: dict, n_epochs: float) -> str:
-    evaluated = {m: v for m, v in row.items() if m.startswith(("valid_", "test_"))}
-    shown = "  ".join(f"{m} {_show(m, v)}" for m, v in evaluated.items())
-    sps = f"{row['samples_per_s']:9,.0f}" if row.get("samples_per_s") else "   (resumed)"
-    skipped = f"  skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
-    return (f"epoch {row['epoch']:3d}/{n_epochs:g}  loss {row['train_loss']:.4f}  {shown}  "
-            f"lr {row['lr']:.3e}  samples/s {sps}  {row['epoch_time_s']:5.1f}s{skipped}")
-
-
-def _summary(run: Run) -> dict:
-    from hpclb.comm.device import device_info
-
-    cfg, history, sched = run.cfg, run.pos.history, run.schedule
-    target = cfg.spec.target
-    metric = target.metric if target else None
-    mode = (target.mode if target else None) or metric_mode(metric or "")
-    value = target.value if target and target.value is not None else \
-        (math.inf if mode == "max" else -math.inf)
-    reached = [r for r in history if r.get(metric) is not None and
-               (r[metric] >= value if mode == "max" else r[metric] <= value)]
-    rates = [r["samples_per_s"] for r in history if r.get("samples_per_s")]
-    evaluated = [m for m in history[-1] if m.startswith(("valid_", "test_"))]
-    task = run.task
-    return {
-        "experiment": cfg.experiment, "task": task.kind,
-        **({"decoding": task.decoding} if task.decoding else {}),
-        **{f"final_{m}": history[-1][m] for m in evaluated},
-        **{f"best_{m}": (max if metric_mode(m, cfg.spec) == "max" else min)(r[m] for r in history)
-           for m in evaluated},
-        "metric_name": metric, "global_batch_size": cfg.global_batch_size,
-        "per_rank_batch_size": run.per_rank_batch,
-        "accumulation_steps": cfg.accumulation_steps, "micro_batch_size": run.micro_batch,
-        "base_batch_size": cfg.base_batch_size,
-        "batch_ratio_k": cfg.global_batch_size / cfg.base_batch_size,
-        "world_size": run.comm.world_size, "backend": run.comm.backend,
-        "device": device_info(run.device), "precision": cfg.precision, "epochs": cfg.epochs,
-        "steps": run.pos.global_step, "steps_per_epoch": sched.steps_per_epoch,
-        "skipped_steps": run.optimizer.skipped_steps, "scaling": cfg.scaling,
-        "optimizer": cfg.optimizer, "base_lr": cfg.base_lr, "peak_lr": sched.peak_lr,
-        "warmup_steps": sched.warmup_steps, "warmup_epochs": sched.warmup_epochs,
-        "warmup_start_lr": sched.warmup_start_lr, "decay": cfg.recipe["decay"],
-        "seed": cfg.seed, "wall_time_s": run.elapsed_s(),
-        "mean_samples_per_s": sum(rates) / len(rates) if rates else None,
-        "target": cfg.recipe.get("target") or None,
-        "time_to_target_s": reached[0]["elapsed_s"] if reached else None,
-        "torch": torch.__version__, "host": socket.gethostname(),
-    }
-
-
-def _schedule_columns(cfg: RunConfig, sched) -> dict[str, Any]:
-    """The schedule of a run, known before its first step (in ``config.json``, where a sweep
-    reads it for a point that diverged): ``batch_ratio_k``, ``base_lr``, ``peak_lr``,
-    ``warmup_steps``, ``warmup_epochs``, ``warmup_start_lr``, ``decay`` (the recipe's),
-    ``steps_per_epoch``."""
-    return {"batch_ratio_k": cfg.global_batch_size / cfg.base_batch_size,
-            "base_lr": cfg.base_lr, "peak_lr": sched.peak_lr, "warmup_steps": sched.warmup_steps,
-            "warmup_epochs": sched.warmup_epochs, "warmup_start_lr": sched.warmup_start_lr,
-            "decay": cfg.recipe["decay"], "steps_per_epoch": sched.steps_per_epoch}
-
-
-def _summary_line(run: Run, summary: dict) -> str:
-    cfg, task = run.cfg, run.task
-    metric = summary["metric_name"]
-    evaluated = [m[len("final_"):] for m in summary if m.startswith("final_")]
-    shown = metric if metric in evaluated else evaluated[-1]
-    how = f" (decoding: {task.decoding})" if task.decoding and "bleu" in shown else ""
-    target = summary.get("target") or {}
-    if target.get("metric") == shown and summary.get("time_to_target_s") is None:
-        how += f" (target {_show(shown, target['value']).strip()} not reached)"
-    return (f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} "
-            f"(k={summary['batch_ratio_k']:g}) on {run.comm.world_size} rank(s): {shown} "
-            f"{_show(shown, summary['final_' + shown]).strip()}{how} after {cfg.epochs:g} epochs "
-            f"({run.pos.global_step} steps) in {summary['wall_time_s']:.1f} s -> "
-            f"{run.out / 'summary.json'}")

@@ -1,5 +1,5 @@
 """Rank 0's progress during an epoch (:class:`Progress`), owned by :func:`hpclb.train.loop.train`
-and updated by the step log (:meth:`hpclb.train.steplog.StepLog.after_step`) when ``due_at``.
+and updated by the step log (:meth:`hpclb.train.loop.StepLog.after_step`) when ``due_at``.
 
 On a terminal (stderr a TTY): a tqdm bar per epoch, its postfix the last logged loss and the LR.
 Elsewhere (a SLURM or PBS log, a pipe): one line every ``every_s`` seconds, so a log shows life

@@ -161,3 +161,38 @@ def test_preempted_and_resumed_metrics_equal_the_uninterrupted_ones(tmp_path, mn
         if comm.world_size > 1 and "noise" not in full[-1]:
             bad.append(f"no noise field in {full[-1]}")
     all_ranks_ok(comm, not bad, "; ".join(bad[:3]))
+
+
+def test_a_step_line_across_an_epochs_end_averages_all_its_steps(tmp_path, mnist_dir, comm):
+    """1,000 images at batch 384: 3 steps an epoch, the last of 232 images. A line every 2
+    steps spans the epoch's end at step 4 (steps 3 and 4): its loss is the sample-weighted mean
+    of both steps' losses (from a line-every-step run of the same trajectory) and its samples
+    per second count 232 + 384 images (before: the loss of step 4 alone, and 2 x 384)."""
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 1000,
+                                          "test_samples": 500})
+    kw = dict(data_dir=str(mnist_dir.parent), batch_size=384, epochs=2)
+    outs = {n: comm.broadcast_object(str(tmp_path / f"every{n}")) for n in (1, 2)}
+    for n, out in outs.items():
+        train_mod.train(resolve(recipe, out=out, log_every=n, **kw), comm, quiet=True)
+    bad = []
+    if comm.rank == 0:
+        one, two = ({s["step"]: s for s in read_metrics(out)[1]}
+                    for out in outs.values())
+        size = {1: 384, 2: 384, 3: 232, 4: 384, 5: 384, 6: 232}
+        if sorted(one) != list(range(1, 7)) or sorted(two) != [2, 4, 6]:
+            bad.append(f"step lines at {sorted(one)} and {sorted(two)}")
+        else:
+            for s, n in size.items():  # one step per line: samples/s x s/step = its samples
+                if one[s]["samples_per_s"] * one[s]["step_time_s"] != pytest.approx(n):
+                    bad.append(f"step {s}: {one[s]['samples_per_s']} samples/s x "
+                               f"{one[s]['step_time_s']} s != {n} samples")
+            for s in (2, 4, 6):
+                want = (size[s - 1] * one[s - 1]["loss"] + size[s] * one[s]["loss"]) / \
+                    (size[s - 1] + size[s])
+                if two[s]["loss"] != pytest.approx(want, rel=1e-6):
+                    bad.append(f"line at step {s}: loss {two[s]['loss']}, the mean of steps "
+                               f"{s - 1}-{s} is {want}")
+                got = two[s]["samples_per_s"] * two[s]["step_time_s"] * 2
+                if got != pytest.approx(size[s - 1] + size[s]):
+                    bad.append(f"line at step {s}: {got} samples, not {size[s - 1] + size[s]}")
+    all_ranks_ok(comm, not bad, "; ".join(bad[:3]))

@@ -156,9 +156,10 @@ def interleaved_steps(comm, recipe: str, work: Path, data_dir: str | None,
             for name in round_order(list(VARIANTS), i):
                 run, _, steplog = runs[name]
                 t0 = time.perf_counter()
-                steplog.after_step(sums[name], train_step(run, i, sums[name]))
+                steplog.after_step(sums[name], train_step(run, i, sums[name]), i)
                 times[name].append(time.perf_counter() - t0)
-        for _, _, steplog in runs.values():
+        for name, (_, _, steplog) in runs.items():
+            steplog.end_epoch(sums[name])
             steplog.epoch_fields()  # collective with --noise-scale
     for run, logger, _ in runs.values():
         logger.close()

@@ -122,9 +122,11 @@ class StepLog:
     Every ``log_every`` optimizer steps (the same global steps on every rank) one allreduce of
     three numbers (loss sum, count, the ranks' local squared gradient norms) turns what
     accumulated on the device into one ``kind: step`` line of ``metrics.jsonl`` (and
-    TensorBoard): ``loss`` (mean over the interval's samples or tokens, all ranks), ``lr``,
+    TensorBoard): ``loss`` (mean over the interval's samples or tokens, all ranks; an interval
+    spans an epoch's end when ``log_every`` does not divide the epoch: :meth:`end_epoch`), ``lr``,
     ``grad_norm`` (the averaged gradient's L2 norm before clipping, last step),
-    ``trust_min/median/max`` (LARS/LAMB adapted layers, last step), ``samples_per_s``,
+    ``trust_min/median/max`` (LARS/LAMB adapted layers, last step), ``samples_per_s`` (the
+    interval's samples: an epoch's short last step counts its own),
     ``step_time_s`` split into ``comm_wait_s`` (host time waiting for the allreduce:
     communication backward did not hide) and ``compute_s`` (the rest), ``skipped_steps``,
     ``step_skipped`` (the line's own step, the last of the interval, was skipped as non-finite)
@@ -159,8 +161,10 @@ class StepLog:
     def _start_interval(self, sums) -> None:
         dev = self.run.device
         self.t0, self.sync0 = time.perf_counter(), self.run.optimizer.sync_wait_s
-        self.steps = 0
+        self.steps, self.samples = 0, 0  # optimizer steps and samples since the last line
         self._last = sums.clone() if sums is not None else None
+        # the statistics of earlier epochs' steps since the last line (see end_epoch)
+        self._carry = torch.zeros(3, dtype=torch.float64, device=dev)
         # noise-scale sums over the applied steps: local squared norms, averaged ones, count
         self._noise_sums = torch.zeros(3, dtype=torch.float64, device=dev)
 
@@ -172,13 +176,23 @@ class StepLog:
         self._resume_base = None
         self._last = torch.zeros_like(sums) if base is None else base.to(sums.device)
 
+    def end_epoch(self, sums: torch.Tensor) -> None:
+        """The epoch ended with ``sums``: its steps since the last step line stay in the
+        interval, so the next line (in the next epoch) is the mean over all its steps' samples
+        (on the device, no read)."""
+        self._carry += sums - self._last
+        self._last = sums.clone()
+
     def after_step(self, sums: torch.Tensor, stepped: bool, i: int = 0) -> None:
         """What the run logs and shows after step ``i`` of the epoch (0-based): accumulate it
         (on the device; a skipped step adds nothing); every ``log_every`` global steps, log
         (collective; raises NonFiniteError at the limit of skipped steps in a row); update the
         progress bar or line when it is due (its LR: the step's, from the schedule)."""
         self.steps += 1
-        opt = self.run.optimizer
+        run = self.run  # a short last step of the epoch has fewer samples than the global batch
+        self.samples += run.cfg.global_batch_size if i + 1 < run.schedule.steps_per_epoch \
+            else run.task.global_size(i)
+        opt = run.optimizer
         if self.noise is not None and stepped and opt.sync.local_sq_norm is not None:
             one = torch.stack([opt.sync.local_sq_norm.double().reshape(()),
                                opt.grad_norm.double().square(),
@@ -196,7 +210,7 @@ class StepLog:
         summed over the ranks (one allreduce) and this rank's ``[averaged squared norms, noise
         steps, grad_norm, trust min, median, max, last step skipped (1.0/0.0)]`` (the same on
         every rank)."""
-        d = sums - self._last
+        d = sums - self._last + self._carry
         opt = self.run.optimizer
         ratios = getattr(opt.optimizer, "trust_ratios", None)
         nan = torch.full((1,), float("nan"), dtype=torch.float64, device=sums.device)
@@ -234,7 +248,7 @@ class StepLog:
                        ("trust_min", "trust_median", "trust_max"),
                        map(_finite_or_none, trust) if applied else (None,) * 3))),
                    "step_skipped": not applied,
-                   "samples_per_s": self.steps * run.cfg.global_batch_size / dt,
+                   "samples_per_s": self.samples / dt,
                    "step_time_s": dt / self.steps, "comm_wait_s": wait,
                    "compute_s": dt / self.steps - wait, "skipped_steps": skipped}
         if run.device.type == "cuda":
@@ -246,15 +260,17 @@ class StepLog:
     def state_dict(self) -> dict:
         """Collective (one allreduce): what a run resumed from this point needs for its step
         lines and ``noise`` fields to equal an uninterrupted run's: ``log_base`` (the epoch's
-        running sums at the last log point, totals over the ranks), ``noise_sums`` (the
+        running sums at the last log point) and ``log_carry`` (the earlier epochs' statistics
+        since it, :meth:`end_epoch`), totals over the ranks; ``noise_sums`` (the
         interval's noise-scale sums, the local squared norms totalled over the ranks) and
         ``noise`` (the estimator's state, or None); plain floats, rank 0's to save."""
         base = torch.zeros(3, dtype=torch.float64) if self._last is None else self._last
         noise = self._noise_sums.double().cpu()
-        vec = torch.cat([base.double().cpu(), noise[:1]])
+        vec = torch.cat([base.double().cpu(), self._carry.double().cpu(), noise[:1]])
         if self.run.comm.world_size > 1:
             self.run.comm.allreduce_(vec)
-        return {"log_base": vec[:3].tolist(), "noise_sums": [float(vec[3]), *noise[1:].tolist()],
+        return {"log_base": vec[:3].tolist(), "log_carry": vec[3:6].tolist(),
+                "noise_sums": [float(vec[6]), *noise[1:].tolist()],
                 "noise": None if self.noise is None else self.noise.state_dict()}
 
     def _load_state_dict(self, state: dict | None) -> None:
@@ -265,6 +281,8 @@ class StepLog:
         rank0 = self.run.comm.rank == 0
         base = torch.tensor(state["log_base"], dtype=torch.float64)
         self._resume_base = base if rank0 else torch.zeros_like(base)  # for a mid-epoch resume
+        carry = torch.tensor(state.get("log_carry", [0.0] * 3), dtype=torch.float64)  # older: 0
+        self._carry = (carry if rank0 else torch.zeros_like(carry)).to(self.run.device)
         small, big, n = state["noise_sums"]
         self._noise_sums = torch.tensor([small if rank0 else 0.0, big, n], dtype=torch.float64,
                                         device=self.run.device)
@@ -409,6 +427,7 @@ def _run_epoch(run: Run, epoch: int, preempt: PreemptionFlag, steplog: StepLog, 
         stop = preempt.agreed(run.comm)  # one allreduce: a signal on any rank, rank 0's clock
         if stop or preempt.checkpoint_now:
             _checkpoint_mid_epoch(run, epoch, i, steps, sums, first, steplog, preempt, say, stop)
+    steplog.end_epoch(sums)  # its steps since the last line stay in the next line
     progress.end_epoch()
     try:
         return _epoch_row(run, epoch, sums, time.perf_counter() - t_epoch, bool(begin), steplog,

@@ -106,6 +106,8 @@ def test_resume_of_a_finished_run_leaves_its_record(tmp_path, mnist_dir):
         assert f"--resume: {run} holds a finished run (mnist-lstm legw global batch 256 on 2 " \
                f"rank(s): test_accuracy" in out, out
         assert "after 2 steps" in out and "nothing left to train" in out, out
+        shown = f"{100 * summary['final_test_accuracy']:.2f}%"  # as the epoch lines show it
+        assert f"rank(s): test_accuracy {shown} after" in out, out
         assert "summary:" not in out and "epoch   1/" not in out, out
         assert record(run) == before
     rc, out = hpclb(*args, "--resume", ranks=2)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 __all__ = ["DataSpec", "ModelSpec", "OptimizerSpec", "Recipe", "ScheduleSpec", "TargetSpec",
            "TaskSpec", "as_recipe", "LOWER_IS_BETTER", "metric_mode", "primary_metric",
-           "task_name"]
+           "show_metric", "task_name"]
 
 def _section(value: Any) -> tuple[str, Mapping[str, Any]]:
     """``(name, the other keys)`` of a ``{name: ..., ...}`` section (a copy)."""
@@ -156,6 +156,14 @@ def metric_mode(metric: str, recipe: Recipe | Mapping | None = None) -> str:
     if target.get("mode") and target.get("metric") == metric:
         return target["mode"]
     return "min" if any(w in metric for w in LOWER_IS_BETTER) else "max"
+
+
+def show_metric(metric: str, value: float) -> str:
+    """``value`` of ``metric`` as the console shows it: accuracies in percent (2 decimals, e.g.
+    `` 61.72%``), perplexity and BLEU with 2 decimals, anything else with 4."""
+    if "accuracy" in metric:
+        return f"{100 * value:6.2f}%"
+    return f"{value:.2f}" if "perplexity" in metric or "bleu" in metric else f"{value:.4f}"
 
 
 def primary_metric(recipe: Recipe | Mapping) -> str:

@@ -16,19 +16,11 @@ import torch
 from hpclb._io import write_json
 from hpclb.config import RunConfig
 from hpclb.data.paths import data_dir
-from hpclb.tasks.spec import metric_mode
+from hpclb.tasks.spec import metric_mode, show_metric
 from hpclb.train.setup import Run
 
-__all__ = ["Say", "epoch_line", "header", "schedule_columns", "show", "summary", "summary_line",
+__all__ = ["Say", "epoch_line", "header", "schedule_columns", "summary", "summary_line",
            "write_config"]
-
-
-def show(metric: str, value: float) -> str:
-    """``value`` of ``metric`` as the console shows it: accuracies in percent (2 decimals),
-    perplexity and BLEU with 2 decimals, anything else with 4."""
-    if "accuracy" in metric:
-        return f"{100 * value:6.2f}%"
-    return f"{value:.2f}" if "perplexity" in metric or "bleu" in metric else f"{value:.4f}"
 
 
 class Say:
@@ -92,7 +84,7 @@ def _trust_backend() -> str:
 def epoch_line(row: dict, n_epochs: float) -> str:
     """One epoch's console line from its row (``metrics.jsonl``'s ``kind: epoch``)."""
     evaluated = {m: v for m, v in row.items() if m.startswith(("valid_", "test_"))}
-    shown = "  ".join(f"{m} {show(m, v)}" for m, v in evaluated.items())
+    shown = "  ".join(f"{m} {show_metric(m, v)}" for m, v in evaluated.items())
     sps = f"{row['samples_per_s']:9,.0f}" if row.get("samples_per_s") else "   (resumed)"
     skipped = f"  skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
     return (f"epoch {row['epoch']:3d}/{n_epochs:g}  loss {row['train_loss']:.4f}  {shown}  "
@@ -162,12 +154,12 @@ def summary_line(run: Run, summary: dict) -> str:
     how = f" (decoding: {task.decoding})" if task.decoding and "bleu" in shown else ""
     target = summary.get("target") or {}
     if target.get("metric") == shown and summary.get("time_to_target_s") is None:
-        how += f" (target {show(shown, target['value']).strip()} not reached)"
+        how += f" (target {show_metric(shown, target['value']).strip()} not reached)"
     return (f"summary: {cfg.experiment} {cfg.scaling} global batch {cfg.global_batch_size} "
             f"(k={summary['batch_ratio_k']:g}) on {run.comm.world_size} rank(s): {shown} "
-            f"{show(shown, summary['final_' + shown]).strip()}{how} after {cfg.epochs:g} epochs "
-            f"({run.pos.global_step} steps) in {summary['wall_time_s']:.1f} s -> "
-            f"{run.out / 'summary.json'}")
+            f"{show_metric(shown, summary['final_' + shown]).strip()}{how} after "
+            f"{cfg.epochs:g} epochs ({run.pos.global_step} steps) in "
+            f"{summary['wall_time_s']:.1f} s -> {run.out / 'summary.json'}")
 
 
 def write_config(run: Run) -> None:

@@ -25,6 +25,7 @@ from hpclb.config.agreement import config_settings
 from hpclb.config.fields import SETTINGS, SYNC_SETTINGS
 from hpclb.config.outputs import RUN_MARKER, check_run_dir, clear_run, run_files, start_run
 from hpclb.errors import CheckpointError, ConfigError, RunFinished
+from hpclb.tasks.spec import show_metric
 from hpclb.train.agreed import agreed
 from hpclb.train.checkpoint import CheckpointStore
 
@@ -149,7 +150,8 @@ def _finished(out: Path, path: str) -> str:
         s = json.loads((out / "summary.json").read_text())
         metric = s["metric_name"]
         shown = (f"{s['experiment']} {s['scaling']} global batch {s['global_batch_size']} on "
-                 f"{s['world_size']} rank(s): {metric} {s['final_' + metric]:.4g} after "
+                 f"{s['world_size']} rank(s): {metric} "
+                 f"{show_metric(metric, s['final_' + metric]).strip()} after "
                  f"{s['steps']} steps")
     except (OSError, ValueError, KeyError, TypeError) as e:
         shown = f"its summary.json cannot be read ({e})"

@@ -24,7 +24,7 @@ MPIRUN_FLAGS ?= -n $(NP) --bind-to none -x HPCLB_DATA -x OMP_NUM_THREADS
 
 # The library needs only torch, numpy, mpi4py, PyYAML and tqdm (setup.cfg, ranges); this
 # repository's runs install every extra at the exact versions of constraints.txt.
-$(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt
+$(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt hpclb/data/_jpeg_region.c
 	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (apt-get install python3 python3-venv)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

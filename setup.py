@@ -4,12 +4,18 @@
 ``kernels/testing`` and the compile gate read it there). When a wheel or a regular install is
 built, ``build_py`` copies ``kernels/*.cu`` to ``hpclb/_kernels/`` in the build tree only, so the
 source tree never holds a second copy; ``hpclb.optim.fused.kernel_source()`` looks in the installed
-package first, then in the repository's ``kernels/``. Everything else is in setup.cfg.
+package first, then in the repository's ``kernels/``.
+
+One optional C extension: ``hpclb.data._jpeg_region`` (the train transform's JPEG region decode,
+libjpeg-turbo's libjpeg API). It needs a C compiler and libjpeg-turbo's headers (Debian:
+``apt-get install libjpeg-dev``); where they are missing the install goes on without it and the
+loader decodes with simplejpeg or PIL (the same pixels, more slowly: docs/recipes.md). Everything
+else is in setup.cfg.
 """
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
@@ -32,4 +38,7 @@ class BuildPyWithKernels(build_py):
             shutil.copyfile(src, target / src.name)
 
 
-setup(cmdclass={"build_py": BuildPyWithKernels})
+JPEG_REGION = Extension("hpclb.data._jpeg_region", ["hpclb/data/_jpeg_region.c"],
+                        libraries=["jpeg"], optional=True)
+
+setup(cmdclass={"build_py": BuildPyWithKernels}, ext_modules=[JPEG_REGION])

@@ -14,6 +14,7 @@ import torch
 from conftest import REPO
 
 from hpclb.bench.loader import reference_sample, synthetic_jpegs
+from hpclb.data import transforms
 from hpclb.data.images import ImageFolder
 from hpclb.data.transforms import default_decoder
 
@@ -29,18 +30,22 @@ def test_bench_loader_writes_its_json(tmp_path):
                        capture_output=True, text=True, timeout=100, env=env, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
-    jpeg = default_decoder() == "simplejpeg"  # both decoders are timed where simplejpeg is there
+    # every decoder installed here is timed: PIL, simplejpeg (the jpeg extra), the region decoder
+    decoders = ["pil"] + [d for d, there in (("simplejpeg", transforms._simplejpeg()),
+                                             ("libjpeg", transforms._jpeg_region())) if there]
     assert doc["fast"] == f"fast_{default_decoder()}" == f"fast_{doc['setup']['default_decoder']}"
+    assert (doc["setup"]["libjpeg_region"] is None) == ("libjpeg" not in decoders)
     for transform in ("train", "eval"):
         rates = doc["images_per_s_per_core"][transform]
-        sj = {"fast_simplejpeg", "full_decode_simplejpeg"} if jpeg else set()
-        assert set(rates) == {"current", "fast_pil", "fast_shards", "full_decode_pil"} | sj
+        assert set(rates) == {"current", "fast_shards"} | {
+            f"{kind}_{d}" for d in decoders for kind in ("fast", "full_decode")}
         assert all(math.isfinite(v) and v > 0 for v in rates.values())
         assert len(doc["per_round"][transform][doc["fast"]]) == 2
-        assert set(doc["speedup"][transform]) == {"fast_pil", "fast_shards"} | (sj & {
-            "fast_simplejpeg"}) and all(v > 0 for v in doc["speedup"][transform].values())
-        assert (doc["simplejpeg_over_pil"][transform] > 0) if jpeg else (
-            doc["simplejpeg_over_pil"] == {})
+        assert set(doc["speedup"][transform]) == {"fast_shards"} | {f"fast_{d}" for d in decoders}
+        assert all(v > 0 for v in doc["speedup"][transform].values())
+        for a, b in (("simplejpeg", "pil"), ("libjpeg", "simplejpeg")):
+            ratio = doc[f"{a}_over_{b}"]
+            assert (ratio[transform] > 0) if {a, b} <= set(decoders) else ratio == {}
     per_sample = 3 * 224 * 224
     assert doc["batch_bytes"]["current"] == 8 * (4 * per_sample + 8)  # float32 x, int64 y
     assert doc["batch_bytes"]["fast"] == 8 * (per_sample + 8)         # uint8 x

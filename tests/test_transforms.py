@@ -173,7 +173,7 @@ def test_dct_scale_is_the_scale_pil_draft_chooses():
 
 
 def _simplejpeg_or_skip():
-    if transforms.default_decoder() != "simplejpeg":
+    if transforms._simplejpeg() is None:
         pytest.skip("simplejpeg (the jpeg extra, part of 'all') is not installed: "
                     "pip install 'hpclb[jpeg]'")
 
@@ -247,9 +247,21 @@ def test_a_decoder_is_named_or_its_extra_is_asked_for(monkeypatch):
     from hpclb.errors import MissingExtraError
 
     data = _noisy_jpeg(80, 60)
-    with pytest.raises(ValueError, match="decoder: 'turbo' is not one of pil, simplejpeg"):
+    with pytest.raises(ValueError, match="decoder: 'turbo' is not one of pil, simplejpeg, libjpeg"):
         decode_train(io.BytesIO(data), 32, 0, 0, 0, decoder="turbo")
+    monkeypatch.setitem(sys.modules, "hpclb.data._jpeg_region", None)  # as where it was not built
+    transforms._jpeg_region.cache_clear()
+    try:
+        assert transforms.default_decoder() == ("pil" if transforms._simplejpeg() is None
+                                                else "simplejpeg")
+        with pytest.raises(MissingExtraError, match="apt-get install gcc libjpeg-dev"):
+            decode_train(io.BytesIO(data), 32, 0, 0, 0, decoder="libjpeg")
+    finally:
+        monkeypatch.undo()
+        transforms._jpeg_region.cache_clear()
+    monkeypatch.setitem(sys.modules, "hpclb.data._jpeg_region", None)
     monkeypatch.setitem(sys.modules, "simplejpeg", None)  # import simplejpeg -> ModuleNotFoundError
+    transforms._jpeg_region.cache_clear()
     transforms._simplejpeg.cache_clear()
     try:
         assert transforms.default_decoder() == "pil"
@@ -259,3 +271,127 @@ def test_a_decoder_is_named_or_its_extra_is_asked_for(monkeypatch):
     finally:
         monkeypatch.undo()
         transforms._simplejpeg.cache_clear()
+        transforms._jpeg_region.cache_clear()
+
+
+def _region_decoder_or_skip():
+    """hpclb's region decoder (a C extension, built where a compiler and libjpeg-dev were
+    there) and simplejpeg, whose whole-image decode it is compared with."""
+    if transforms._jpeg_region() is None:
+        pytest.skip("hpclb.data._jpeg_region was not built: apt-get install gcc libjpeg-dev, "
+                    "then pip install -e . (setup.py)")
+    _simplejpeg_or_skip()
+
+
+def _jpeg(width: int, height: int, seed: int = 0, **save) -> bytes:
+    """``_noisy_jpeg``'s pixels saved with PIL's JPEG options ``save`` (subsampling,
+    progressive, restart markers, grey)."""
+    from PIL import Image
+
+    im = Image.open(io.BytesIO(_noisy_jpeg(width, height, seed)))
+    mode = save.pop("mode", "RGB")
+    buf = io.BytesIO()
+    im.convert(mode).save(buf, "JPEG", quality=90, **save)
+    return buf.getvalue()
+
+
+REGION_CASES = {  # name: (width, height, PIL save options)
+    "4:2:0": (640, 480, {}),
+    "4:4:4": (501, 377, {"subsampling": 0}),
+    "4:2:2": (333, 251, {"subsampling": 1}),
+    "progressive": (480, 360, {"progressive": True}),
+    "restart markers": (417, 313, {"restart_marker_rows": 1}),
+    "grey": (350, 263, {"mode": "L"}),
+}
+
+
+@pytest.mark.parametrize("case", list(REGION_CASES))
+def test_the_region_decoder_reads_the_pixels_of_the_whole_image_decode(case):
+    """The region decoder (rows below the box not decoded, columns beside it not
+    inverse-transformed) gives exactly the pixels simplejpeg's whole-image decode gives, both
+    libjpeg-turbo at the same DCT scale: for seeded train crops at full size and DCT-scaled,
+    for boxes at every edge and of one pixel, and for the eval transform."""
+    import simplejpeg
+
+    _region_decoder_or_skip()
+    width, height, save = REGION_CASES[case]
+    data = _jpeg(width, height, seed=len(case), **save)
+    lib = transforms._jpeg_region()
+    assert lib.image_size(data) == (width, height)
+    scales = set()
+    for index in range(24):
+        size = (32, 64, 224)[index % 3]
+        a = decode_train(io.BytesIO(data), size, 7, 2, index, decoder="libjpeg")
+        b = decode_train(io.BytesIO(data), size, 7, 2, index, decoder="simplejpeg")
+        assert a.shape == (3, size, size) and torch.equal(a, b), (case, index, size)
+        (_, _, w, h), _ = train_crop(width, height, 7, 2, index)
+        scales.add(transforms.dct_scale(width, height, -(-width * size // w),
+                                        -(-height * size // h)))
+    assert {1, 2} <= scales, scales
+    for resize, size in ((256, 224), (80, 64), (40, 32)):
+        assert torch.equal(decode_eval(io.BytesIO(data), size, resize, decoder="libjpeg"),
+                           decode_eval(io.BytesIO(data), size, resize, decoder="simplejpeg"))
+    for s in (1, 2, 4, 8):
+        whole = simplejpeg.decode_jpeg(data, "RGB", fastdct=False, fastupsample=False,
+                                       min_height=-(-height // s), min_width=-(-width // s))
+        dh, dw = whole.shape[:2]
+        assert (dw, dh) == (-(-width // s), -(-height // s))
+        for x0, y0, x1, y1 in ((0, 0, dw, dh), (0, 0, 1, 1), (dw - 1, dh - 1, dw, dh),
+                               (dw // 3, dh // 2, dw - 1, dh), (1, 1, 2, dh), (0, dh // 3, dw, dh // 3 + 1),
+                               (dw // 2 - 7, 5, dw // 2 + 9, 6), (dw - 17, 0, dw, dh // 2)):
+            got = lib.decode_region(data, s, (x0, y0, x1, y1))
+            want = whole[y0:y1, x0:x1]
+            assert bytes(got) == want.tobytes(), (case, s, (x0, y0, x1, y1))
+
+
+def test_the_region_decoder_leaves_cmyk_corrupt_and_non_jpeg_files_to_pil(tmp_path):
+    """CMYK JPEGs and PNGs named .jpg are decoded by PIL, as without the region decoder; a
+    truncated or corrupt JPEG raises ValueError in the decoder and is then rejected by PIL,
+    naming the file; boxes outside the image and other scales are refused, naming them."""
+    from PIL import Image
+
+    from hpclb.errors import DataError
+
+    _region_decoder_or_skip()
+    lib = transforms._jpeg_region()
+    cmyk, grey = _noisy_jpeg(300, 200, mode="CMYK"), _noisy_jpeg(300, 200, mode="L")
+    png = io.BytesIO()
+    Image.open(io.BytesIO(grey)).save(png, "PNG")
+    with pytest.raises(ValueError, match="other than YCbCr or grey"):
+        lib.image_size(cmyk)
+    for data in (cmyk, png.getvalue()):
+        for index in range(3):
+            assert torch.equal(decode_train(io.BytesIO(data), 32, 0, 0, index, decoder="libjpeg"),
+                               decode_train(io.BytesIO(data), 32, 0, 0, index, decoder="pil"))
+    cut = grey[:len(grey) // 2]
+    with pytest.raises(ValueError, match="JPEG: "):
+        lib.decode_region(cut, 1, (0, 0, 300, 200))
+    for bad in (b"\xff\xd8\xff", grey[:20], b"\xff\xd8\xff" + bytes(500)):
+        with pytest.raises(ValueError, match="JPEG: "):
+            lib.image_size(bad)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "cut.jpg").write_bytes(cut)
+    folder = ImageFolder(tmp_path, image_size=32, augment=True)
+    assert transforms.default_decoder() == "libjpeg"
+    with pytest.raises(DataError, match="cut.jpg: cannot read image"):
+        folder.sample(0)
+    for scale, box in ((1, (0, 0, 301, 200)), (2, (0, 0, 150, 101)), (3, (0, 0, 10, 10)),
+                       (1, (5, 5, 5, 9)), (1, (-1, 0, 4, 4))):
+        with pytest.raises(ValueError, match="decode_region"):
+            lib.decode_region(grey, scale, box)
+
+
+def test_the_region_decoder_gives_the_same_pixels_from_several_threads():
+    """It releases the GIL while it decodes (a thread pool of loader threads decodes in
+    parallel): 4 threads decoding 32 crops at once give the serial pixels."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _region_decoder_or_skip()
+    datas = [_noisy_jpeg(320 + 16 * k, 240 + 12 * k, seed=k) for k in range(4)]
+
+    def sample(i):
+        return decode_train(io.BytesIO(datas[i % 4]), 64, 1, 0, i, decoder="libjpeg")
+    serial = [sample(i) for i in range(32)]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(sample, range(32)))
+    assert all(torch.equal(a, b) for a, b in zip(serial, threaded))

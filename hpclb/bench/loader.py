@@ -10,20 +10,23 @@ share the machine; ``wall_images_per_s`` per wall second):
 
 * ``current``: the path before issue 28, kept here as :func:`reference_sample`: PIL decodes the
   whole JPEG, crops and resizes it, converts to float32 and normalises on the CPU;
-* ``fast_pil``, ``fast_simplejpeg`` (where simplejpeg, the ``jpeg`` extra, is installed):
+* ``fast_pil``, ``fast_simplejpeg`` (where simplejpeg, the ``jpeg`` extra, is installed),
+  ``fast_libjpeg`` (where hpclb's region decoder was built):
   :func:`hpclb.data.transforms.decode_train` / ``decode_eval`` with that JPEG decoder: decoded
-  only at the resolution the crop needs (DCT scaling), uint8, normalised later on the device;
-  ``fast`` in the JSON names the one a run uses (:func:`~hpclb.data.transforms.default_decoder`);
+  only at the resolution the crop needs (DCT scaling; ``libjpeg``: only the crop's region),
+  uint8, normalised later on the device; ``fast`` in the JSON names the one a run uses
+  (:func:`~hpclb.data.transforms.default_decoder`);
 * ``fast_shards``: the samples a run reads from tar shards
   (:class:`hpclb.data.shards.TarShards`, written from that folder; the default decoder);
-* ``full_decode_pil``, ``full_decode_simplejpeg``: that decoder's decode of the whole image and
-  nothing else, the floor of any path that decodes every pixel with it (a ``fast_`` path beats
-  it only where DCT scaling applies).
+* ``full_decode_pil``, ``full_decode_simplejpeg``, ``full_decode_libjpeg``: that decoder's
+  decode of the whole image and nothing else, the floor of any path that decodes every pixel
+  with it (a ``fast_`` path beats it where DCT scaling applies, or by decoding only a region).
 
 ``train`` is the augmenting transform (random-resized crop 224 + flip, the same seeded crop
 boxes in every variant), ``eval`` the resize-256 + centre-crop-224 one. Rates are medians over
 rounds of images/s; ``speedup`` the median of the per-round ratios of each ``fast_`` variant to
-``current``, ``simplejpeg_over_pil`` that of ``fast_simplejpeg`` to ``fast_pil`` (where both
+``current``, ``simplejpeg_over_pil`` that of ``fast_simplejpeg`` to ``fast_pil`` and
+``libjpeg_over_simplejpeg`` that of ``fast_libjpeg`` to ``fast_simplejpeg`` (where both
 ran). ``batch_bytes``: one ``--batch-size`` batch's ``x`` and ``y`` as each path hands it to
 the host-to-device copy. Writes ``results/bench_loader.json``.
 """
@@ -102,7 +105,7 @@ def reference_sample(path: Path, size: int, resize: int, augment: bool, seed: in
 
 def _variants(root: Path, shards: Path, size: int, resize: int) -> dict:
     """{transform: {variant: fn(index, epoch) -> x}} over the folder's samples (the
-    simplejpeg variants where it is installed)."""
+    simplejpeg and libjpeg variants where they are installed)."""
     from PIL import Image
 
     from hpclb.data import transforms
@@ -111,7 +114,8 @@ def _variants(root: Path, shards: Path, size: int, resize: int) -> dict:
     from hpclb.extras import require
 
     files = [path for path, _ in ImageFolder(root).files]
-    decoders = ["pil"] + (["simplejpeg"] if transforms.default_decoder() == "simplejpeg" else [])
+    decoders = (["pil"] + (["simplejpeg"] if transforms._simplejpeg() is not None else [])
+                + (["libjpeg"] if transforms._jpeg_region() is not None else []))
 
     def full_decode_pil(i, e):
         with Image.open(files[i]) as im:
@@ -120,6 +124,11 @@ def _variants(root: Path, shards: Path, size: int, resize: int) -> dict:
     def full_decode_simplejpeg(i, e):
         require("simplejpeg", "the benchmark").decode_jpeg(
             files[i].read_bytes(), "RGB", fastdct=False, fastupsample=False)
+
+    def full_decode_libjpeg(i, e):
+        data = files[i].read_bytes()
+        lib = transforms._jpeg_region()
+        lib.decode_region(data, 1, (0, 0, *lib.image_size(data)))
 
     out = {}
     for transform, augment in (("train", True), ("eval", False)):
@@ -138,6 +147,8 @@ def _variants(root: Path, shards: Path, size: int, resize: int) -> dict:
                           "full_decode_pil": full_decode_pil}
         if "simplejpeg" in decoders:
             out[transform]["full_decode_simplejpeg"] = full_decode_simplejpeg
+        if "libjpeg" in decoders:
+            out[transform]["full_decode_libjpeg"] = full_decode_libjpeg
     return out
 
 
@@ -205,9 +216,10 @@ def report(rates: tuple[dict, dict], setup: dict, batch_bytes: dict, scaled: flo
         "benchmark": "hpclb bench loader", "target_images_per_s_per_core": TARGET_IMAGES_PER_S,
         "fast": fast, "train_meets_target": med["train"][fast] >= TARGET_IMAGES_PER_S,
         "images_per_s_per_core": med, "speedup": speedup, "batch_bytes": batch_bytes,
-        "simplejpeg_over_pil": {t: statistics.median(s / p for s, p in zip(
-            vs["fast_simplejpeg"], vs["fast_pil"])) for t, vs in rates.items()
-            if "fast_simplejpeg" in vs},
+        **{f"{a}_over_{b}": {t: statistics.median(x / y for x, y in zip(
+            vs[f"fast_{a}"], vs[f"fast_{b}"])) for t, vs in rates.items()
+            if f"fast_{a}" in vs and f"fast_{b}" in vs}
+           for a, b in (("simplejpeg", "pil"), ("libjpeg", "simplejpeg"))},
         "wall_images_per_s": {t: {v: statistics.median(x) for v, x in vs.items()}
                               for t, vs in wall.items()},
         "train_crops_dct_scaled_fraction": scaled, "per_round": rates, "setup": setup,
@@ -223,6 +235,18 @@ def _version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+
+
+def _libjpeg_version() -> str | None:
+    """The libjpeg-turbo version whose headers the region decoder was built with ("2.1.5"),
+    None where it was not built."""
+    from hpclb.data import transforms
+
+    lib = transforms._jpeg_region()
+    number = getattr(lib, "LIBJPEG_TURBO_VERSION", None)
+    if number is None:
+        return None if lib is None else "not libjpeg-turbo"
+    return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
 
 
 def driver(args) -> int:
@@ -251,6 +275,7 @@ def driver(args) -> int:
              "image_size": 224, "resize": 256, "torch_threads": 1, "torch": torch.__version__,
              "pillow": PIL.__version__, "libjpeg_turbo": bool(features.check("libjpeg_turbo")),
              "simplejpeg": _version("simplejpeg"), "default_decoder": default_decoder(),
+             "libjpeg_region": _libjpeg_version(),
              "note": args.note}
     doc = report(rates, setup, batch_bytes, scaled, load)
     out = Path(args.out)

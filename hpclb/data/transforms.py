@@ -11,11 +11,18 @@ torchvision's tensor transforms resize), then flipped when the sample's draw say
 Evaluation (:func:`decode_eval`): shorter side to ``resize`` (the decoder scales down by at most
 as much), centre crop ``size``.
 
-JPEGs are decoded by simplejpeg (libjpeg-turbo, the ``jpeg`` extra) where it is installed, else
-by PIL (which decodes every other format, and the JPEGs simplejpeg refuses: CMYK, corrupt): both
-with libjpeg-turbo's accurate DCT and upsampling at the same scale, so the same pixels up to the
-libjpeg-turbo versions (tests/test_transforms.py bounds the difference); simplejpeg skips PIL's
-per-image overhead (file parser, decode loop, crop and byte copies: ``hpclb bench loader``).
+JPEGs are decoded by one of three decoders, all libjpeg-turbo with its accurate DCT and
+upsampling at the same scale (tests/test_transforms.py compares their pixels), the first
+available being the default (:func:`default_decoder`):
+
+* ``"libjpeg"``: ``hpclb.data._jpeg_region``, a C extension built with hpclb where a compiler
+  and libjpeg-turbo's headers were there (Debian's ``libjpeg-dev``; ``setup.py``). It decodes
+  only the rows down to the crop's last one and inverse-transforms only the crop's columns
+  (``jpeg_crop_scanline``, ``jpeg_skip_scanlines``): the same pixels as a whole-image decode,
+  which is what a train crop pays for elsewhere;
+* ``"simplejpeg"`` (the ``jpeg`` extra): the whole image into a numpy array, cut as a view;
+* ``"pil"``: PIL's decoder, which also decodes every other format and the JPEGs the other two
+  refuse (CMYK, corrupt), so the same pixels up to the libjpeg-turbo versions.
 
 Both return uint8 ``[3, size, size]``: a batch is 4x smaller than float32 to stack, pin and copy
 to the device, where :func:`normalize_images` turns it into the model's float32 input.
@@ -42,7 +49,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10
-DECODERS = ("pil", "simplejpeg")  # the JPEG decoders; PIL decodes every other format
+DECODERS = ("pil", "simplejpeg", "libjpeg")  # JPEG decoders; PIL decodes other formats
 _MASK64 = (1 << 64) - 1
 
 
@@ -167,9 +174,23 @@ def _simplejpeg():
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def _jpeg_region():
+    """The ``hpclb.data._jpeg_region`` C extension, or None where it was not built."""
+    import importlib
+
+    try:
+        return importlib.import_module("hpclb.data._jpeg_region")
+    except ImportError:
+        return None
+
+
 def default_decoder() -> str:
-    """The JPEG decoder a sample uses unless told: ``"simplejpeg"`` where that package (the
-    ``jpeg`` extra, part of ``all``) is installed, else ``"pil"``."""
+    """The JPEG decoder a sample uses unless told: ``"libjpeg"`` where hpclb's region decoder
+    was built, else ``"simplejpeg"`` where that package (the ``jpeg`` extra, part of ``all``)
+    is installed, else ``"pil"``."""
+    if _jpeg_region() is not None:
+        return "libjpeg"
     return "pil" if _simplejpeg() is None else "simplejpeg"
 
 
@@ -204,19 +225,43 @@ def _decode_simplejpeg(data: bytes, plan):
     return x.permute(2, 0, 1).unsqueeze(0), extra
 
 
+def _decode_libjpeg(data: bytes, plan):
+    """``plan`` (:func:`_decode`) carried out by the region decoder (the accurate DCT and
+    upsampling; the scale of :func:`dct_scale`; only the box's pixels inverse-transformed).
+    Raises ValueError where it does not decode ``data``: a JPEG other than YCbCr or grey, a
+    corrupt or truncated one."""
+    lib = _jpeg_region()
+    width, height = lib.image_size(data)
+    min_width, min_height, box, extra = plan(width, height)
+    s = dct_scale(width, height, min_width, min_height)
+    decoded = -(-width // s), -(-height // s)  # libjpeg's size at 1/s: rounded up
+    region = (0, 0, *decoded) if box is None else _scaled_box(box, s, *decoded)
+    x0, y0, x1, y1 = region
+    pixels = torch.frombuffer(lib.decode_region(data, s, region), dtype=torch.uint8)
+    return pixels.view(y1 - y0, x1 - x0, 3).permute(2, 0, 1).unsqueeze(0), extra
+
+
 def _decode(src, plan, decoder: str | None):
     """Decode the encoded image ``src`` (a path or a binary file object) as ``plan(width,
     height) -> (min_width, min_height, box, extra)`` asks, given its size: at the smallest DCT
     scale that keeps ``min_width`` x ``min_height`` pixels, cut to ``box`` (left, top, w, h in
     original pixels; None: the whole image). Returns ``(x uint8 [1, 3, h, w], extra)``.
-    ``decoder``: ``"simplejpeg"`` (JPEGs it can decode; PIL the rest), ``"pil"``, or None
-    (:func:`default_decoder`). Raises OSError (PIL's) for an unreadable image."""
+    ``decoder``: ``"libjpeg"`` or ``"simplejpeg"`` (JPEGs it can decode; PIL the rest),
+    ``"pil"``, or None (:func:`default_decoder`). Raises OSError (PIL's) for an unreadable
+    image, ValueError for another decoder name, MissingExtraError for one not installed."""
     decoder = default_decoder() if decoder is None else decoder
     if decoder not in DECODERS:
         raise ValueError(f"decoder: {decoder!r} is not one of {', '.join(DECODERS)}")
     if decoder == "pil":
         return _decode_pil(src, plan)
-    if _simplejpeg() is None:
+    if decoder == "libjpeg" and _jpeg_region() is None:
+        from hpclb.errors import MissingExtraError
+        raise MissingExtraError(
+            "decoder='libjpeg' needs hpclb's region decoder (hpclb.data._jpeg_region), which "
+            "was not built: install a C compiler and libjpeg-turbo's headers (Debian: apt-get "
+            "install gcc libjpeg-dev), then reinstall hpclb (pip install -e .); or use "
+            "decoder='simplejpeg' (pip install 'hpclb[jpeg]'), the same pixels")
+    if decoder == "simplejpeg" and _simplejpeg() is None:
         from hpclb.extras import require
         require("simplejpeg", "decoder='simplejpeg'")  # raises MissingExtraError naming the fix
     if hasattr(src, "read"):
@@ -226,9 +271,11 @@ def _decode(src, plan, decoder: str | None):
             data = f.read()
     if data[:3] == b"\xff\xd8\xff":  # a JPEG's start-of-image marker
         try:
+            if decoder == "libjpeg":
+                return _decode_libjpeg(data, plan)
             return _decode_simplejpeg(data, plan)
         except ValueError:
-            pass  # CMYK, or corrupt: PIL decodes or rejects it, as without simplejpeg
+            pass  # CMYK, or corrupt: PIL decodes or rejects it, as without these decoders
     return _decode_pil(io.BytesIO(data), plan)
 
 
@@ -237,8 +284,8 @@ def decode_train(src, size: int, seed: int, epoch: int, index: int,
     """Sample ``index``'s training view in ``epoch`` (module docstring): the encoded image
     ``src`` (a path or a binary file object) cropped by :func:`train_crop` ``(width, height,
     seed, epoch, index)``, resized and maybe flipped: uint8 ``[3, size, size]``. ``decoder``:
-    ``"pil"``, ``"simplejpeg"`` or None (:func:`default_decoder`). Raises OSError (PIL's) for
-    an unreadable image, ValueError for another decoder name."""
+    ``"libjpeg"``, ``"simplejpeg"``, ``"pil"`` or None (:func:`default_decoder`). Raises
+    OSError (PIL's) for an unreadable image, ValueError for another decoder name."""
     def plan(width, height):
         box, flip = train_crop(width, height, seed, epoch, index)
         return -(-width * size // box[2]), -(-height * size // box[3]), box, flip

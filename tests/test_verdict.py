@@ -61,6 +61,20 @@ def test_a_missing_cell_leaves_the_claim_undecided_and_no_b0_no_verdict():
                 base_batch=128)
 
 
+def test_a_decided_failure_decides_the_claim_though_a_baseline_is_missing():
+    """LEGW does not hold at the largest batch: the claim is not supported whatever the
+    missing sqrt point would say (PTB-small at 640 with its sqrt run unfinished); a baseline
+    that does not lose decides it too."""
+    rows = _rows({**B0, (8192, "legw"): [0.970, 0.972, 0.971], (8192, "goyal"): [0.95]})
+    v = verdict(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert v["holds"] == {8192: False} and (8192, "sqrt") not in v["loses"]
+    assert v["supported"] is False
+    md = verdict_markdown(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert "**not supported**" in md and "not decided yet" not in md
+    rows = _rows({**B0, (8192, "legw"): [0.990] * 3, (8192, "goyal"): [0.990]})
+    assert verdict(rows, metric="test_accuracy", mode="max", base_batch=128)["supported"] is False
+
+
 def test_legw_is_pending_until_it_has_as_many_seeds_as_b0():
     rows = _rows({**B0, (8192, "legw"): [0.980], (8192, "sqrt"): [0.95]})
     v = verdict(rows, metric="test_accuracy", mode="max", base_batch=128)

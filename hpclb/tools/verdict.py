@@ -75,8 +75,9 @@ def verdict(rows: list[dict], *, metric: str, mode: str, base_batch: int) -> dic
     """The verdict of one budget's rows (see the module docstring): ``{"tolerance", "base",
     "largest_batch", "holds": {batch: bool | None}, "loses": {(batch, scheme): bool},
     "supported"}``. LEGW at a batch is pending (None) until it has as many seeds as B0, and
-    the baselines there are not judged before; ``supported`` is None while a needed cell is
-    missing or pending. Raises ValueError without B0 rows."""
+    the baselines there are not judged before; ``supported`` is False as soon as one of its
+    conditions is decided False (LEGW does not hold, or a baseline does not lose), else None
+    while a needed cell is missing or pending. Raises ValueError without B0 rows."""
     table = cells(rows)
     base = next((c for (b, _), c in table.items() if b == base_batch and c.finite), None)
     if base is None:
@@ -100,7 +101,8 @@ def verdict(rows: list[dict], *, metric: str, mode: str, base_batch: int) -> dic
                                      for v in c.values.values())
     largest = max((b for b, _ in table), default=base_batch)
     needed = [holds.get(largest), loses.get((largest, "sqrt")), loses.get((largest, "goyal"))]
-    supported = None if None in needed else all(needed)
+    # all three must be True: one False decides it; otherwise a missing one leaves it open
+    supported = False if False in needed else None if None in needed else True
     return {"tolerance": tol, "base": base, "largest_batch": largest, "holds": holds,
             "loses": loses, "supported": supported}
 

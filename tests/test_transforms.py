@@ -344,6 +344,84 @@ def test_the_region_decoder_reads_the_pixels_of_the_whole_image_decode(case):
             assert bytes(got) == want.tobytes(), (case, s, (x0, y0, x1, y1))
 
 
+def _whole(lib, data: bytes, scale: int):
+    """The region decoder's decode of the whole image at ``1/scale``: uint8 numpy (h, w, 3)."""
+    import numpy as np
+
+    width, height = lib.image_size(data)
+    dw, dh = -(-width // scale), -(-height // scale)
+    return np.frombuffer(lib.decode_region(data, scale, (0, 0, dw, dh)), np.uint8).reshape(
+        dh, dw, 3)
+
+
+def test_the_region_decoder_is_right_at_the_last_column_and_for_unusual_sampling():
+    """A box of the image's last columns (the crop would be one chroma sample wide: libjpeg
+    upsamples that differently), for 4:4:4, 4:2:2 and 4:2:0 at widths 16-47 and every scale;
+    and random boxes of JPEGs sampled 4 x 2 and 2 x 4 (tests/images: libjpeg-turbo 2.1 crops
+    their columns wrongly, so they are decoded at full width), against the whole image."""
+    import numpy as np
+    import simplejpeg
+    from conftest import REPO
+    from PIL import Image
+
+    _region_decoder_or_skip()
+    lib = transforms._jpeg_region()
+    checked = 0
+    for width in range(16, 48):
+        img = np.random.default_rng(width).integers(0, 256, (24, width, 3), dtype=np.uint8)
+        for subsampling in (0, 1, 2):
+            buf = io.BytesIO()
+            Image.fromarray(img).save(buf, "JPEG", quality=90, subsampling=subsampling)
+            data = buf.getvalue()
+            for s in (1, 2, 4, 8):
+                whole = simplejpeg.decode_jpeg(data, "RGB", fastdct=False, fastupsample=False,
+                                               min_width=-(-width // s), min_height=-(-24 // s))
+                dh, dw = whole.shape[:2]
+                for x0 in range(max(0, dw - 18), dw):
+                    got = lib.decode_region(data, s, (x0, 0, dw, dh))
+                    assert bytes(got) == whole[:, x0:].tobytes(), (width, subsampling, s, x0)
+                    checked += 1
+    assert checked > 3000
+    rng = np.random.default_rng(0)
+    for name in ("sampling-4x2.jpg", "sampling-2x4.jpg"):
+        data = (REPO / "tests" / "images" / name).read_bytes()
+        assert lib.image_size(data) == (160, 120)
+        for s in (1, 2, 4):
+            whole = _whole(lib, data, s)
+            dh, dw = whole.shape[:2]
+            for _ in range(60):
+                x0, y0 = int(rng.integers(0, dw)), int(rng.integers(0, dh))
+                x1, y1 = int(rng.integers(x0 + 1, dw + 1)), int(rng.integers(y0 + 1, dh + 1))
+                got = lib.decode_region(data, s, (x0, y0, x1, y1))
+                assert bytes(got) == whole[y0:y1, x0:x1].tobytes(), (name, s, (x0, y0, x1, y1))
+        for index in range(6):  # the train transform: the region decoder's, PIL's pixels
+            a = decode_train(io.BytesIO(data), 32, 0, 0, index, decoder="libjpeg").float()
+            b = decode_train(io.BytesIO(data), 32, 0, 0, index, decoder="pil").float()
+            assert (a - b).abs().mean().item() <= 2, (name, index)
+
+
+def test_the_region_decoder_refuses_a_truncated_file_whatever_the_crop():
+    """The rows below a crop are not decoded, so a file cut short there must still be refused
+    (its end-of-image marker is looked for, as a whole-image decode reads it): every train
+    crop of a JPEG cut to 50 %, 90 %, 99.9 % or missing only its end marker raises, baseline
+    and progressive; the whole file decodes."""
+    _region_decoder_or_skip()
+    lib = transforms._jpeg_region()
+    for progressive in (False, True):
+        data = _jpeg(480, 360, seed=3, progressive=progressive)
+        assert len(lib.decode_region(data, 1, (0, 0, 10, 10))) == 300
+        for cut in (data[:len(data) // 2], data[:len(data) * 9 // 10],
+                    data[:len(data) * 999 // 1000], data[:-2]):
+            for index in range(20):
+                with pytest.raises(ValueError, match="JPEG: "):
+                    transforms._decode_libjpeg(cut, lambda w, h, i=index: (
+                        -(-w * 64 // train_crop(w, h, 0, 0, i)[0][2]),
+                        -(-h * 64 // train_crop(w, h, 0, 0, i)[0][3]),
+                        train_crop(w, h, 0, 0, i)[0], None))
+            with pytest.raises(ValueError, match="JPEG: "):
+                lib.decode_region(cut, 1, (0, 0, 8, 8))
+
+
 def test_the_region_decoder_leaves_cmyk_corrupt_and_non_jpeg_files_to_pil(tmp_path):
     """CMYK JPEGs and PNGs named .jpg are decoded by PIL, as without the region decoder; a
     truncated or corrupt JPEG raises ValueError in the decoder and is then rejected by PIL,
@@ -376,7 +454,8 @@ def test_the_region_decoder_leaves_cmyk_corrupt_and_non_jpeg_files_to_pil(tmp_pa
     with pytest.raises(DataError, match="cut.jpg: cannot read image"):
         folder.sample(0)
     for scale, box in ((1, (0, 0, 301, 200)), (2, (0, 0, 150, 101)), (3, (0, 0, 10, 10)),
-                       (1, (5, 5, 5, 9)), (1, (-1, 0, 4, 4))):
+                       (1, (5, 5, 5, 9)), (1, (-1, 0, 4, 4)), (1, (0, 0, 2**31 - 1, 2**31 - 1)),
+                       (1, (0, 0, 100_000, 100_000))):  # checked before anything is allocated
         with pytest.raises(ValueError, match="decode_region"):
             lib.decode_region(grey, scale, box)
 

@@ -22,6 +22,7 @@
 #include <jpeglib.h>
 
 #define RIGHT_MARGIN 32 /* decoded columns right of the region: at least one iMCU at any scale */
+#define MIN_WIDTH 64    /* decoded columns at least: two iMCUs of the widest croppable layout */
 
 struct error_manager {
     struct jpeg_error_mgr pub;
@@ -41,7 +42,7 @@ static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) on_error(cinfo);
 }
 
-enum status { OK, LIBJPEG_ERROR, COLOUR_SPACE, BOX_OUTSIDE, NO_MEMORY };
+enum status { OK, LIBJPEG_ERROR, COLOUR_SPACE, BOX_OUTSIDE, TRUNCATED, NO_MEMORY };
 
 static PyObject *raise_for(enum status status, const char *message) {
     switch (status) {
@@ -50,6 +51,10 @@ static PyObject *raise_for(enum status status, const char *message) {
         break;
     case COLOUR_SPACE:
         PyErr_SetString(PyExc_ValueError, "a JPEG other than YCbCr or grey");
+        break;
+    case TRUNCATED:
+        PyErr_SetString(PyExc_ValueError, "JPEG: no end-of-image marker after the region (a "
+                        "truncated file)");
         break;
     case BOX_OUTSIDE:
         PyErr_SetString(PyExc_ValueError, "decode_region: the box is not inside the decoded image");
@@ -94,6 +99,29 @@ static PyObject *image_size(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ll)", width, height);
 }
 
+/* The sampling layouts whose column cropping libjpeg-turbo gets right: grey, 4:4:4, 4:2:2,
+   4:2:0, 4:4:0 and 4:1:1 (luma h x v of 1x1, 2x1, 2x2, 1x2, 4x1; chroma 1x1). Others (4x2,
+   2x4, ...: jpeg_crop_scanline in libjpeg-turbo 2.1 returns wrong pixels for them) are
+   decoded at full width, still stopping below the region. */
+static int columns_croppable(const struct jpeg_decompress_struct *cinfo) {
+    for (int i = 1; i < cinfo->num_components; i++)
+        if (cinfo->comp_info[i].h_samp_factor != 1 || cinfo->comp_info[i].v_samp_factor != 1)
+            return 0;
+    const int h = cinfo->comp_info[0].h_samp_factor, v = cinfo->comp_info[0].v_samp_factor;
+    return (v == 1 && (h == 1 || h == 2 || h == 4)) || (v == 2 && (h == 1 || h == 2));
+}
+
+/* 0xFF 0xD9 (end of image) in the len bytes at p. Entropy-coded data cannot hold it (an 0xFF
+   there is followed by 0x00 or a restart marker). */
+static int has_end_marker(const unsigned char *p, size_t len) {
+    const unsigned char *end = p + len, *q = p;
+    while (q + 1 < end && (q = memchr(q, 0xFF, (size_t)(end - q - 1))) != NULL) {
+        if (q[1] == 0xD9) return 1;
+        q++;
+    }
+    return 0;
+}
+
 static PyObject *decode_region(PyObject *self, PyObject *args) {
     Py_buffer src;
     int scale, x0, y0, x1, y1;
@@ -107,19 +135,15 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         return NULL;
     }
     const size_t box_width = (size_t)(x1 - x0), box_height = (size_t)(y1 - y0);
-    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(box_width * box_height * 3));
-    if (out == NULL) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    unsigned char *dst = (unsigned char *)PyByteArray_AS_STRING(out);
     struct jpeg_decompress_struct cinfo;
     struct error_manager err;
     volatile enum status status = OK;
     unsigned char *volatile row = NULL;
+    PyObject *volatile out = NULL;
     init_errors(&cinfo, &err);
-    Py_BEGIN_ALLOW_THREADS
     jpeg_create_decompress(&cinfo);
+    /* The header, the output size and the box's check, with the GIL (no allocation for a box
+       that is not inside the image) */
     if (setjmp(err.jump)) {
         status = LIBJPEG_ERROR;
     } else {
@@ -133,26 +157,56 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
             cinfo.scale_denom = (unsigned int)scale;
             cinfo.dct_method = JDCT_ISLOW;
             cinfo.do_fancy_upsampling = TRUE;
-            jpeg_start_decompress(&cinfo);
-            if ((JDIMENSION)x1 > cinfo.output_width || (JDIMENSION)y1 > cinfo.output_height) {
+            jpeg_calc_output_dimensions(&cinfo);
+            if ((JDIMENSION)x1 > cinfo.output_width || (JDIMENSION)y1 > cinfo.output_height)
                 status = BOX_OUTSIDE;
-            } else {
-                JDIMENSION left = x0 > 0 ? (JDIMENSION)x0 - 1 : 0;
-                JDIMENSION width = (JDIMENSION)x1 + RIGHT_MARGIN - left;
-                if (left + width > cinfo.output_width) width = cinfo.output_width - left;
+        }
+    }
+    if (status == OK) {
+        out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(box_width * box_height * 3));
+        if (out == NULL) {
+            jpeg_destroy_decompress(&cinfo);
+            PyBuffer_Release(&src);
+            return NULL;
+        }
+    }
+    unsigned char *dst = out == NULL ? NULL : (unsigned char *)PyByteArray_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    if (status == OK) {
+        if (setjmp(err.jump)) {
+            status = LIBJPEG_ERROR;
+        } else {
+            jpeg_start_decompress(&cinfo);
+            const JDIMENSION image_width = cinfo.output_width;
+            JDIMENSION left = 0, width = image_width;
+            if (columns_croppable(&cinfo)) {
+                /* one pixel left of the box, RIGHT_MARGIN right of it, at least MIN_WIDTH in
+                   all: the fancy upsampling of the box's edge columns reads their neighbours,
+                   and a crop of one chroma sample would be upsampled differently */
+                left = x0 > 0 ? (JDIMENSION)x0 - 1 : 0;
+                if (left + MIN_WIDTH > image_width)
+                    left = image_width > MIN_WIDTH ? image_width - MIN_WIDTH : 0;
+                width = (JDIMENSION)x1 + RIGHT_MARGIN - left;
+                if (left + width > image_width) width = image_width - left;
                 jpeg_crop_scanline(&cinfo, &left, &width); /* left: down to an iMCU's edge */
-                row = malloc((size_t)width * 3);
-                if (row == NULL) {
-                    status = NO_MEMORY;
-                } else {
-                    JSAMPROW rows[1] = {row};
-                    const size_t offset = ((size_t)x0 - left) * 3;
-                    if (y0 > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)y0);
-                    for (size_t y = 0; y < box_height; y++) {
-                        jpeg_read_scanlines(&cinfo, rows, 1);
-                        memcpy(dst + y * box_width * 3, row + offset, box_width * 3);
-                    }
+            }
+            row = malloc((size_t)width * 3);
+            if (row == NULL) {
+                status = NO_MEMORY;
+            } else {
+                JSAMPROW rows[1] = {row};
+                const size_t offset = ((size_t)x0 - left) * 3;
+                if (y0 > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)y0);
+                for (size_t y = 0; y < box_height; y++) {
+                    jpeg_read_scanlines(&cinfo, rows, 1);
+                    memcpy(dst + y * box_width * 3, row + offset, box_width * 3);
                 }
+                /* The rows below the box are not decoded, so a file cut short there would
+                   pass: it must still end with its end-of-image marker (read already, or in
+                   the bytes not read yet), as a whole-image decode checks. */
+                if (!jpeg_input_complete(&cinfo) && cinfo.unread_marker != 0xD9 &&
+                    !has_end_marker(cinfo.src->next_input_byte, cinfo.src->bytes_in_buffer))
+                    status = TRUNCATED;
             }
         }
     }
@@ -161,7 +215,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     if (status == OK) return out;
-    Py_DECREF(out);
+    Py_XDECREF(out);
     return raise_for(status, err.message);
 }
 

@@ -460,6 +460,31 @@ def test_the_region_decoder_leaves_cmyk_corrupt_and_non_jpeg_files_to_pil(tmp_pa
             lib.decode_region(grey, scale, box)
 
 
+def test_an_image_pil_refuses_as_too_large_is_a_data_error_naming_it(tmp_path, monkeypatch):
+    """PIL's DecompressionBombError (an image of more than MAX_IMAGE_PIXELS pixels: not an
+    OSError) is unreadable like any other image: DataError naming the file, whichever
+    decoder."""
+    from PIL import Image
+
+    from hpclb.errors import DataError
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "big.png").write_bytes(_png(300, 200))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20_000)  # 300 x 200 > 2 x 20,000: an error
+    for augment in (True, False):
+        folder = ImageFolder(tmp_path, image_size=32, augment=augment)
+        with pytest.raises(DataError, match="big.png: cannot read image"):
+            folder.sample(0)
+
+
+def _png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(_noisy_jpeg(width, height))).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def test_the_region_decoder_gives_the_same_pixels_from_several_threads():
     """It releases the GIL while it decodes (a thread pool of loader threads decodes in
     parallel): 4 threads decoding 32 crops at once give the serial pixels."""

@@ -329,6 +329,18 @@ def normalize_images(x: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.float32) - mean) / std
 
 
+def _unreadable(e: Exception) -> bool:
+    """Whether ``e`` says an image cannot be read: OSError (PIL's, a file's), or PIL's refusal of
+    an image of more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels (not an OSError)."""
+    if isinstance(e, OSError):
+        return True
+    try:
+        from PIL.Image import DecompressionBombError
+    except ImportError:  # without PIL (the experiments extra) no decoder raises it
+        return False
+    return isinstance(e, DecompressionBombError)
+
+
 class EncodedImages:
     """Base of the splits that decode one encoded image per sample (an ImageFolder, tar
     shards): ``sample``, ``batch``, ``set_epoch``, ``normalize``. A subclass defines ``len()``,
@@ -371,7 +383,9 @@ class EncodedImages:
                 x = decode_train(src, self.image_size, self.seed, epoch, index)
             else:
                 x = decode_eval(src, self.image_size, self.resize)
-        except OSError as e:
+        except Exception as e:
+            if not _unreadable(e):
+                raise
             raise DataError(f"{name}: cannot read image ({e})") from e
         return x, int(label)
 

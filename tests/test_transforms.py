@@ -413,11 +413,11 @@ def test_the_region_decoder_refuses_a_truncated_file_whatever_the_crop():
         for cut in (data[:len(data) // 2], data[:len(data) * 9 // 10],
                     data[:len(data) * 999 // 1000], data[:-2]):
             for index in range(20):
+                def plan(width, height, index=index):  # decode_train's: a 64 x 64 train crop
+                    box, _ = train_crop(width, height, 0, 0, index)
+                    return -(-width * 64 // box[2]), -(-height * 64 // box[3]), box, None
                 with pytest.raises(ValueError, match="JPEG: "):
-                    transforms._decode_libjpeg(cut, lambda w, h, i=index: (
-                        -(-w * 64 // train_crop(w, h, 0, 0, i)[0][2]),
-                        -(-h * 64 // train_crop(w, h, 0, 0, i)[0][3]),
-                        train_crop(w, h, 0, 0, i)[0], None))
+                    transforms._decode_libjpeg(cut, plan)
             with pytest.raises(ValueError, match="JPEG: "):
                 lib.decode_region(cut, 1, (0, 0, 8, 8))
 

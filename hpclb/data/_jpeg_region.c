@@ -9,7 +9,8 @@
    at the same scale (accurate integer DCT, fancy upsampling: simplejpeg's fastdct=False,
    fastupsample=False; tests/test_transforms.py compares them): the decoded columns reach one
    pixel left of the region and 32 right of it, so the upsampling of its edge columns reads
-   their real neighbours, and rows are read in order down to the region's last one.
+   their real neighbours, and rows are read in order down to the region's last one. A file cut
+   short below the region is refused (its end-of-image marker is looked for).
 
    Built by setup.py as an optional extension (gcc or clang, and libjpeg-turbo's headers:
    Debian's libjpeg-dev); hpclb.data.transforms uses it where it was built. */
@@ -22,7 +23,7 @@
 #include <jpeglib.h>
 
 #define RIGHT_MARGIN 32 /* decoded columns right of the region: at least one iMCU at any scale */
-#define MIN_WIDTH 64    /* decoded columns at least: two iMCUs of the widest croppable layout */
+#define MIN_WIDTH 64    /* decoded columns at the right edge, at least: two iMCUs of 4:1:1 */
 
 struct error_manager {
     struct jpeg_error_mgr pub;
@@ -180,9 +181,10 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
             const JDIMENSION image_width = cinfo.output_width;
             JDIMENSION left = 0, width = image_width;
             if (columns_croppable(&cinfo)) {
-                /* one pixel left of the box, RIGHT_MARGIN right of it, at least MIN_WIDTH in
-                   all: the fancy upsampling of the box's edge columns reads their neighbours,
-                   and a crop of one chroma sample would be upsampled differently */
+                /* one pixel left of the box and RIGHT_MARGIN right of it (the fancy upsampling
+                   of the box's edge columns reads their neighbours); the last MIN_WIDTH columns
+                   at least where it reaches the right edge (a crop of one chroma sample there
+                   would be upsampled differently) */
                 left = x0 > 0 ? (JDIMENSION)x0 - 1 : 0;
                 if (left + MIN_WIDTH > image_width)
                     left = image_width > MIN_WIDTH ? image_width - MIN_WIDTH : 0;

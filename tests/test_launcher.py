@@ -211,7 +211,7 @@ def test_the_tests_bounded_run_ends_the_ranks_of_a_launcher_past_its_time(tmpdir
     raises TimeoutExpired with the ranks ended and nothing left behind (``subprocess.run``
     killed mpirun alone)."""
     tmp, env = tmpdir_env
-    argv = [str(MPIRUN), "-n", "2", "--bind-to", "none", "sleep", "60"]
+    argv = [str(MPIRUN), "-n", "2", "--bind-to", "none", "sleep", OUR_SLEEP]
     t = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         run_bounded(argv, timeout=3, env=env, capture_output=True, text=True)
@@ -221,9 +221,14 @@ def test_the_tests_bounded_run_ends_the_ranks_of_a_launcher_past_its_time(tmpdir
     assert _session_dirs(tmp) == []
 
 
+# the ranks' sleep, in seconds: a value no other process on the machine sleeps for (a plain
+# "sleep 60" of some shell loop outside the tests would be taken for a rank left behind)
+OUR_SLEEP = "59.8317"
+
+
 def _is_our_sleep(cmdline: Path) -> bool:
     try:
-        return cmdline.read_bytes().split(b"\0")[:2] == [b"sleep", b"60"]
+        return cmdline.read_bytes().split(b"\0")[:2] == [b"sleep", OUR_SLEEP.encode()]
     except OSError:
         return False
 

@@ -4,15 +4,17 @@ Reading ImageNet's 1.28 M files costs a metadata operation (open, close) per ima
 which is what a parallel file system does worst. :func:`~hpclb.data.shard_writer.write_shards`
 (``hpclb data shards SRC OUT``) packs a folder into ``shard-000000.tar``, ``shard-000001.tar``,
 ... of ``samples_per_shard`` consecutive samples each: ``<key>.jpg`` (the image file's bytes,
-unchanged; another format keeps its suffix) and ``<key>.cls`` (the class id, decimal ASCII),
+unchanged, or with ``--restart-markers`` a JPEG with a restart marker after every MCU: the same
+pixels, and the region decoder reads a train crop's MCUs alone; another format keeps its
+suffix) and ``<key>.cls`` (the class id, decimal ASCII),
 ``key`` the sample's index in the folder (9 digits), as WebDataset reads them; and last
-``index.npz`` (every sample's shard, byte offset, size and class, the class names and the shard
-names; a set without it was not finished).
+``index.npz`` (every sample's shard, byte offset, size and class, the class names, the shard
+names and how many JPEGs were given restart markers; a set without it was not finished).
 
 :class:`TarShards` reads sample ``i`` with one ``pread`` from its shard, kept open (at most
 :data:`MAX_OPEN_SHARDS` per process), so samples are still read by index: the global-batch
 sampler's guarantees hold unchanged (every sample once per epoch, the same global batches at
-any world size), and sample ``i`` is the folder's sample ``i``, the same bytes and crops.
+any world size), and sample ``i`` is the folder's sample ``i``, the same pixels and crops.
 """
 from __future__ import annotations
 
@@ -38,12 +40,15 @@ COLUMNS = ("shard", "offset", "size", "label")
 
 def read_index(root: str | Path) -> dict:
     """The index of the shard set ``root``: ``shard``, ``offset``, ``size``, ``label`` (int64
-    ``[N]``), ``classes`` and ``shards`` (lists of str). Raises DataError when it is missing,
+    ``[N]``), ``classes`` and ``shards`` (lists of str), ``restart_markers`` (int: the JPEGs
+    stored with restart markers; 0 for a set written before they could be). Raises DataError when it is missing,
     unreadable or of another version."""
     path = Path(root) / INDEX
     try:
         with np.load(path, allow_pickle=False) as z:
             index = {k: z[k] for k in ("version", "classes", "shards", *COLUMNS)}
+            index["restart_markers"] = int(z["restart_markers"]) if "restart_markers" in z \
+                else 0
     except FileNotFoundError:
         raise DataError(f"{root}: no {INDEX}; write the shards with `hpclb data shards "
                         f"IMAGEFOLDER {root}` (a set without it was not finished)") from None

@@ -440,6 +440,12 @@ static PyObject *add_restart_markers(PyObject *self, PyObject *args) {
     int interval = 1;
     (void)self;
     if (!PyArg_ParseTuple(args, "y*|i", &src, &interval)) return NULL;
+    if (interval < 1 || interval > 65535) {
+        PyBuffer_Release(&src);
+        PyErr_Format(PyExc_ValueError, "add_restart_markers: interval %d: must be 1 to 65535 "
+                     "MCUs", interval);
+        return NULL;
+    }
     struct jpeg_decompress_struct din;
     struct jpeg_compress_struct cout;
     struct error_manager err;
@@ -491,6 +497,20 @@ static PyObject *add_restart_markers(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *restart_interval(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    struct layout layout;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*", &src)) return NULL;
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    found = restart_layout((const unsigned char *)src.buf, (size_t)src.len, &layout);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    free(layout.bounds);
+    return PyLong_FromUnsignedLong(found ? layout.interval : 0);
+}
+
 static PyMethodDef methods[] = {
     {"image_size", image_size, METH_VARARGS,
      "image_size(data) -> (width, height): the JPEG's size in pixels, from its header. Raises "
@@ -501,8 +521,13 @@ static PyMethodDef methods[] = {
      "uint8, (y1 - y0) rows of (x1 - x0) x 3 bytes. The GIL is released while it decodes. "
      "Raises ValueError for corrupt or truncated data, a colour space other than YCbCr or "
      "grey, or a box not inside the decoded image."},
+    {"restart_interval", restart_interval, METH_VARARGS,
+     "restart_interval(data) -> int: the MCUs between restart markers where decode_region "
+     "enters the JPEG at a region's MCUs (a sequential Huffman JPEG in one scan, the interval "
+     "dividing an MCU row, every marker in place down to the end of image), else 0."},
     {"add_restart_markers", add_restart_markers, METH_VARARGS,
-     "add_restart_markers(data) -> bytes: the JPEG with a restart marker after every MCU, "
+     "add_restart_markers(data, interval=1) -> bytes: the JPEG with a restart marker after "
+     "every interval MCUs, "
      "losslessly (its DCT coefficients copied: the same pixels), sequential Huffman coding, "
      "APPn and COM segments kept; decode_region then decodes only a region's MCUs. Raises "
      "ValueError for a JPEG libjpeg cannot read or one other than YCbCr or grey."},

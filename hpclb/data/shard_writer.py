@@ -136,9 +136,9 @@ def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = S
     decoder reads a train crop's MCUs alone; about 5 ms per ImageNet-sized image more); other
     files, and JPEGs libjpeg does not transcode (CMYK), are stored unchanged; the index's
     ``restart_markers`` counts those given them. It raises MissingExtraError (before anything
-    is written) where hpclb's region decoder was not built. Every image is checked to decode while it is packed: one that does not (empty,
-    truncated, not an image) raises DataError naming it, and the shards written so far are
-    removed. Raises DataError when ``out`` already holds a shard set (unless ``overwrite``: its
+    is written) where hpclb's region decoder was not built. Every image is checked to decode
+    while it is packed: one that does not (empty, truncated, not an image) raises DataError
+    naming it, and the shards written so far are removed. Raises DataError when ``out`` already holds a shard set (unless ``overwrite``: its
     index and the shards the index lists are deleted first; other files there are kept), when a
     file the index does not list has the name of a new shard, when ``out`` is inside ``src``,
     is not a directory or cannot be created (these with ``exit_code`` 2: the command line's bad
@@ -178,7 +178,7 @@ def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = S
     tmp = out / f".{INDEX}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         np.savez(f, version=np.int64(INDEX_VERSION), classes=np.array(classes),
-                 shards=np.array(names), restart_markers=np.int64(marked), **{k: np.array(v, dtype=np.int64)
-                                            for k, v in columns.items()})
+                 shards=np.array(names), restart_markers=np.int64(marked),
+                 **{k: np.array(v, dtype=np.int64) for k, v in columns.items()})
     os.replace(tmp, out / INDEX)
     return out

@@ -41,8 +41,8 @@ COLUMNS = ("shard", "offset", "size", "label")
 def read_index(root: str | Path) -> dict:
     """The index of the shard set ``root``: ``shard``, ``offset``, ``size``, ``label`` (int64
     ``[N]``), ``classes`` and ``shards`` (lists of str), ``restart_markers`` (int: the JPEGs
-    stored with restart markers; 0 for a set written before they could be). Raises DataError when it is missing,
-    unreadable or of another version."""
+    stored with restart markers; 0 for a set written before they could be). Raises DataError
+    when it is missing, unreadable or of another version."""
     path = Path(root) / INDEX
     try:
         with np.load(path, allow_pickle=False) as z:

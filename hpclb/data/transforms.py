@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["CROP_RATIO", "CROP_SCALE", "CROP_TRIES", "DECODERS", "IMAGENET_MEAN",
-           "IMAGENET_STD", "EncodedImages", "add_restart_markers", "dct_scale", "decode_eval", "decode_train",
-           "default_decoder", "normalize_images", "random_resized_crop_box", "sample_seed",
-           "train_crop"]
+           "IMAGENET_STD", "EncodedImages", "add_restart_markers", "dct_scale", "decode_eval",
+           "decode_train", "default_decoder", "normalize_images", "random_resized_crop_box",
+           "sample_seed", "train_crop"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -138,11 +138,12 @@ def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = S
     ``restart_markers`` counts those given them. It raises MissingExtraError (before anything
     is written) where hpclb's region decoder was not built. Every image is checked to decode
     while it is packed: one that does not (empty, truncated, not an image) raises DataError
-    naming it, and the shards written so far are removed. Raises DataError when ``out`` already holds a shard set (unless ``overwrite``: its
-    index and the shards the index lists are deleted first; other files there are kept), when a
-    file the index does not list has the name of a new shard, when ``out`` is inside ``src``,
-    is not a directory or cannot be created (these with ``exit_code`` 2: the command line's bad
-    input), or ``src`` is not an ImageFolder; ValueError for ``samples_per_shard`` < 1."""
+    naming it, and the shards written so far are removed. Raises DataError when ``out``
+    already holds a shard set (unless ``overwrite``: its index and the shards the index lists
+    are deleted first; other files there are kept), when a file the index does not list has
+    the name of a new shard, when ``out`` is inside ``src``, is not a directory or cannot be
+    created (these with ``exit_code`` 2: the command line's bad input), or ``src`` is not an
+    ImageFolder; ValueError for ``samples_per_shard`` < 1."""
     if samples_per_shard < 1:
         raise ValueError(f"write_shards: samples_per_shard must be >= 1, got {samples_per_shard}")
     if restart_markers:

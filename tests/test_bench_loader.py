@@ -35,17 +35,33 @@ def test_bench_loader_writes_its_json(tmp_path):
                                              ("libjpeg", transforms._jpeg_region())) if there]
     assert doc["fast"] == f"fast_{default_decoder()}" == f"fast_{doc['setup']['default_decoder']}"
     assert (doc["setup"]["libjpeg_region"] is None) == ("libjpeg" not in decoders)
+    # where the region decoder was built, the files and shards with restart markers are timed
+    # too, and they are the path a GPU node is told to use (the one held to the target)
+    restarts = {"fast_libjpeg_restarts", "fast_shards_restarts"} if "libjpeg" in decoders \
+        else set()
+    assert doc["gpu_node_path"] == ("fast_shards_restarts" if restarts else "fast_shards")
+    assert doc["train_meets_target"] == (
+        doc["images_per_s_per_core"]["train"][doc["gpu_node_path"]] >= 800)
+    marked = doc["setup"]["restart_markers"]
+    if restarts:
+        assert marked["transcode_cpu_ms_per_image"] > 0
+        assert 0.9 < marked["bytes_over_original"] < 1.1  # lossless: about the same size
+    else:
+        assert marked is None
     for transform in ("train", "eval"):
         rates = doc["images_per_s_per_core"][transform]
-        assert set(rates) == {"current", "fast_shards"} | {
+        assert set(rates) == {"current", "fast_shards"} | restarts | {
             f"{kind}_{d}" for d in decoders for kind in ("fast", "full_decode")}
         assert all(math.isfinite(v) and v > 0 for v in rates.values())
         assert len(doc["per_round"][transform][doc["fast"]]) == 2
-        assert set(doc["speedup"][transform]) == {"fast_shards"} | {f"fast_{d}" for d in decoders}
+        assert set(doc["speedup"][transform]) == {"fast_shards"} | restarts | {
+            f"fast_{d}" for d in decoders}
         assert all(v > 0 for v in doc["speedup"][transform].values())
         for a, b in (("simplejpeg", "pil"), ("libjpeg", "simplejpeg")):
             ratio = doc[f"{a}_over_{b}"]
             assert (ratio[transform] > 0) if {a, b} <= set(decoders) else ratio == {}
+        ratio = doc["libjpeg_restarts_over_libjpeg"]
+        assert (ratio[transform] > 0) if restarts else ratio == {}
     per_sample = 3 * 224 * 224
     assert doc["batch_bytes"]["current"] == 8 * (4 * per_sample + 8)  # float32 x, int64 y
     assert doc["batch_bytes"]["fast"] == 8 * (per_sample + 8)         # uint8 x

@@ -18,6 +18,13 @@ share the machine; ``wall_images_per_s`` per wall second):
   (:func:`~hpclb.data.transforms.default_decoder`);
 * ``fast_shards``: the samples a run reads from tar shards
   (:class:`hpclb.data.shards.TarShards`, written from that folder; the default decoder);
+* ``fast_libjpeg_restarts``, ``fast_shards_restarts`` (where the region decoder was built):
+  the same with every JPEG given a restart marker after each MCU
+  (:func:`hpclb.data.transforms.add_restart_markers`, a lossless transcode: the same pixels;
+  ``hpclb data shards --restart-markers`` writes shards so): the region decoder enters a
+  file at the crop's MCUs and Huffman-decodes only them. ``fast_shards_restarts`` is the path
+  for a GPU node (``gpu_node_path``); ``train_meets_target`` is its train rate against the
+  target (``fast_shards`` where the region decoder was not built);
 * ``full_decode_pil``, ``full_decode_simplejpeg``, ``full_decode_libjpeg``: that decoder's
   decode of the whole image and nothing else, the floor of any path that decodes every pixel
   with it (a ``fast_`` path beats it where DCT scaling applies, or by decoding only a region).
@@ -25,10 +32,12 @@ share the machine; ``wall_images_per_s`` per wall second):
 ``train`` is the augmenting transform (random-resized crop 224 + flip, the same seeded crop
 boxes in every variant), ``eval`` the resize-256 + centre-crop-224 one. Rates are medians over
 rounds of images/s; ``speedup`` the median of the per-round ratios of each ``fast_`` variant to
-``current``, ``simplejpeg_over_pil`` that of ``fast_simplejpeg`` to ``fast_pil`` and
-``libjpeg_over_simplejpeg`` that of ``fast_libjpeg`` to ``fast_simplejpeg`` (where both
-ran). ``batch_bytes``: one ``--batch-size`` batch's ``x`` and ``y`` as each path hands it to
-the host-to-device copy. Writes ``results/bench_loader.json``.
+``current``; ``simplejpeg_over_pil``, ``libjpeg_over_simplejpeg`` and
+``libjpeg_restarts_over_libjpeg`` those of ``fast_simplejpeg`` to ``fast_pil``,
+``fast_libjpeg`` to ``fast_simplejpeg`` and ``fast_libjpeg_restarts`` to ``fast_libjpeg``
+(where both ran). ``setup.restart_markers``: the transcode's CPU ms per image and the files'
+size against the originals. ``batch_bytes``: one ``--batch-size`` batch's ``x`` and ``y`` as
+each path hands it to the host-to-device copy. Writes ``results/bench_loader.json``.
 """
 from __future__ import annotations
 
@@ -103,9 +112,12 @@ def reference_sample(path: Path, size: int, resize: int, augment: bool, seed: in
         torch.tensor(IMAGENET_STD)[:, None, None]
 
 
-def _variants(root: Path, shards: Path, size: int, resize: int) -> dict:
+def _variants(root: Path, shards: Path, size: int, resize: int,
+              restarts: tuple[Path, Path] | None = None) -> dict:
     """{transform: {variant: fn(index, epoch) -> x}} over the folder's samples (the
-    simplejpeg and libjpeg variants where they are installed)."""
+    simplejpeg and libjpeg variants where they are installed; ``restarts``: the folder and
+    the shard set with restart markers, timed as ``fast_libjpeg_restarts`` and
+    ``fast_shards_restarts``)."""
     from PIL import Image
 
     from hpclb.data import transforms
@@ -114,6 +126,7 @@ def _variants(root: Path, shards: Path, size: int, resize: int) -> dict:
     from hpclb.extras import require
 
     files = [path for path, _ in ImageFolder(root).files]
+    marked = None if restarts is None else [path for path, _ in ImageFolder(restarts[0]).files]
     decoders = (["pil"] + (["simplejpeg"] if transforms._simplejpeg() is not None else [])
                 + (["libjpeg"] if transforms._jpeg_region() is not None else []))
 
@@ -149,18 +162,26 @@ def _variants(root: Path, shards: Path, size: int, resize: int) -> dict:
             out[transform]["full_decode_simplejpeg"] = full_decode_simplejpeg
         if "libjpeg" in decoders:
             out[transform]["full_decode_libjpeg"] = full_decode_libjpeg
+        if marked is not None:
+            marked_tars = TarShards(restarts[1], size, resize, augment=augment)
+            out[transform]["fast_libjpeg_restarts"] = (
+                (lambda i, e: transforms.decode_train(marked[i], size, 0, e, i, "libjpeg"))
+                if augment else
+                (lambda i, e: transforms.decode_eval(marked[i], size, resize, "libjpeg")))
+            out[transform]["fast_shards_restarts"] = lambda i, e, s=marked_tars: s.sample(i, e)[0]
     return out
 
 
 def measure(root: Path, shards: Path, n: int, rounds: int, size: int = 224,
-            resize: int = 256) -> tuple[dict, dict]:
-    """Images per CPU second and per wall second of every transform and variant:
+            resize: int = 256, restarts: tuple[Path, Path] | None = None) -> tuple[dict, dict]:
+    """Images per CPU second and per wall second of every transform and variant (``restarts``:
+    :func:`_variants`'s):
     ``({transform: {variant: [per round]}}, the same for wall time)``. This process's CPU time
     (one torch thread, PIL decodes in this thread) is what "per core" means on a machine shared
     with other jobs; wall time counts the time slices they took too."""
     cpu: dict = {}
     wall: dict = {}
-    for transform, fns in _variants(root, shards, size, resize).items():
+    for transform, fns in _variants(root, shards, size, resize, restarts).items():
         names = list(fns)
         cpu[transform], wall[transform] = {v: [] for v in names}, {v: [] for v in names}
         for r in range(rounds):
@@ -210,16 +231,19 @@ def report(rates: tuple[dict, dict], setup: dict, batch_bytes: dict, scaled: flo
     rates, wall = rates
     fast = f"fast_{default_decoder()}"
     med = {t: {v: statistics.median(x) for v, x in vs.items()} for t, vs in rates.items()}
+    gpu_node = "fast_shards_restarts" if "fast_shards_restarts" in med["train"] else "fast_shards"
     speedup = {t: {v: statistics.median(f / c for f, c in zip(x, vs["current"]))
                    for v, x in vs.items() if v.startswith("fast_")} for t, vs in rates.items()}
     return {
         "benchmark": "hpclb bench loader", "target_images_per_s_per_core": TARGET_IMAGES_PER_S,
-        "fast": fast, "train_meets_target": med["train"][fast] >= TARGET_IMAGES_PER_S,
+        "fast": fast, "gpu_node_path": gpu_node,
+        "train_meets_target": med["train"][gpu_node] >= TARGET_IMAGES_PER_S,
         "images_per_s_per_core": med, "speedup": speedup, "batch_bytes": batch_bytes,
         **{f"{a}_over_{b}": {t: statistics.median(x / y for x, y in zip(
             vs[f"fast_{a}"], vs[f"fast_{b}"])) for t, vs in rates.items()
             if f"fast_{a}" in vs and f"fast_{b}" in vs}
-           for a, b in (("simplejpeg", "pil"), ("libjpeg", "simplejpeg"))},
+           for a, b in (("simplejpeg", "pil"), ("libjpeg", "simplejpeg"),
+                        ("libjpeg_restarts", "libjpeg"))},
         "wall_images_per_s": {t: {v: statistics.median(x) for v, x in vs.items()}
                               for t, vs in wall.items()},
         "train_crops_dct_scaled_fraction": scaled, "per_round": rates, "setup": setup,
@@ -249,6 +273,31 @@ def _libjpeg_version() -> str | None:
     return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
 
 
+def _with_restart_markers(root: Path, tmp: Path, files: list[Path],
+                          n: int) -> tuple[tuple[Path, Path], dict]:
+    """``root``'s JPEGs with restart markers (the same names under ``tmp/train_restarts``) and
+    a shard set written from them with ``hpclb data shards --restart-markers``'s
+    :func:`~hpclb.data.shard_writer.write_shards`; returns ``((folder, shards), setup)``, the
+    transcode's CPU ms per image (median over the files) and size against the originals."""
+    from hpclb.data.shard_writer import write_shards
+    from hpclb.data.transforms import add_restart_markers
+
+    folder, cpu_ms, sizes = tmp / "train_restarts", [], [0, 0]
+    for path in files:
+        data = path.read_bytes()
+        c0 = time.process_time()
+        marked = add_restart_markers(data)
+        cpu_ms.append(1e3 * (time.process_time() - c0))
+        dest = folder / path.relative_to(root)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(marked)
+        sizes[0], sizes[1] = sizes[0] + len(data), sizes[1] + len(marked)
+    shards = tmp / "shards_restarts"
+    write_shards(root, shards, samples_per_shard=max(1, n // 4), restart_markers=True)
+    return (folder, shards), {"transcode_cpu_ms_per_image": statistics.median(cpu_ms),
+                              "bytes_over_original": sizes[1] / sizes[0]}
+
+
 def driver(args) -> int:
     """``hpclb bench loader``: generate the JPEGs, time the variants, write the JSON."""
     import numpy as np
@@ -256,6 +305,7 @@ def driver(args) -> int:
     import torch
     from PIL import features
 
+    from hpclb.data import transforms
     from hpclb.data.shard_writer import write_shards
     from hpclb.data.transforms import default_decoder
 
@@ -267,7 +317,10 @@ def driver(args) -> int:
         write_shards(root, shards, samples_per_shard=max(1, args.images // 4))
         files = sorted(root.glob("*/*.jpg"))
         file_bytes = [p.stat().st_size for p in files]
-        rates = measure(root, shards, args.images, args.rounds)
+        restarts, marked = None, None
+        if transforms._jpeg_region() is not None:
+            restarts, marked = _with_restart_markers(root, Path(tmp), files, args.images)
+        rates = measure(root, shards, args.images, args.rounds, restarts=restarts)
         batch_bytes = _batch_bytes(root, args.batch_size, 224)
         scaled = _scaled_fraction(root, args.images, args.rounds, 224)
     setup = {"images": args.images, "rounds": args.rounds, "sizes": "500x375 to 800x600 (4:3)",
@@ -275,7 +328,7 @@ def driver(args) -> int:
              "image_size": 224, "resize": 256, "torch_threads": 1, "torch": torch.__version__,
              "pillow": PIL.__version__, "libjpeg_turbo": bool(features.check("libjpeg_turbo")),
              "simplejpeg": _version("simplejpeg"), "default_decoder": default_decoder(),
-             "libjpeg_region": _libjpeg_version(),
+             "libjpeg_region": _libjpeg_version(), "restart_markers": marked,
              "note": args.note}
     doc = report(rates, setup, batch_bytes, scaled, load)
     out = Path(args.out)

@@ -256,3 +256,52 @@ def test_add_restart_markers_says_how_to_build_the_region_decoder(monkeypatch):
     finally:
         monkeypatch.undo()
         transforms._jpeg_region.cache_clear()
+
+
+def test_shards_with_restart_markers_read_the_folders_samples(lib, tmp_path, capsys):
+    """``hpclb data shards --restart-markers``: the JPEGs are stored with a marker after every
+    MCU (a PNG and a CMYK JPEG unchanged), the index and the command count them, and every
+    train and eval sample read from the shards is the folder's, bit for bit."""
+    from PIL import Image
+
+    from hpclb import cli
+    from hpclb.data.images import ImageFolder
+    from hpclb.data.shards import TarShards, read_index
+
+    src = tmp_path / "train"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+    (src / "a" / "0.jpg").write_bytes(_jpeg(517, 389, seed=1))
+    (src / "a" / "1.jpg").write_bytes(_jpeg(300, 260, seed=2, subsampling=0))
+    png = _png_bytes()
+    (src / "b" / "2.png").write_bytes(png)
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (64, 48), (10, 200, 30, 5)).save(cmyk, "JPEG", quality=90)
+    (src / "b" / "3.jpg").write_bytes(cmyk.getvalue())
+    out = tmp_path / "shards"
+    assert cli.main(["data", "shards", str(src), str(out), "--samples-per-shard", "3",
+                     "--restart-markers"]) == 0
+    assert "4 images of 2 classes in 2 shards; 2 JPEGs with restart markers" in \
+        capsys.readouterr().out
+    index = read_index(out)
+    assert index["restart_markers"] == 2
+    stored = [(out / index["shards"][s]).read_bytes()[o:o + n]
+              for s, o, n in zip(index["shard"], index["offset"], index["size"])]
+    assert [lib.restart_interval(d) for d in stored[:2]] == [1, 1]
+    assert stored[2] == png and stored[3] == cmyk.getvalue()  # kept as they were
+    for augment in (True, False):
+        folder = ImageFolder(src, 32, 40, augment=augment, seed=4)
+        tars = TarShards(out, 32, 40, augment=augment, seed=4)
+        for epoch in (0, 1, 2):
+            for i in range(4):
+                assert torch.equal(tars.sample(i, epoch)[0], folder.sample(i, epoch)[0]), \
+                    (augment, epoch, i)
+
+
+def _png_bytes() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (30, 40, 3), np.uint8)).save(
+        buf, "PNG")
+    return buf.getvalue()

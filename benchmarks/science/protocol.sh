@@ -9,7 +9,7 @@
 #   cnn             Fashion-MNIST ResNet-8, LARS: B0 and 32*B0 x legw/goyal/sqrt x seeds 0-2
 #                   (4096 = 32 micro-batches of 128: BatchNorm as on 32 ranks)
 #   ptb             PTB-small (full data, 13 epochs): B0 and legw@640 seeds 0-2; the
-#                   baselines @640 seed 0
+#                   baselines @640 seed 0, then seeds 1-2 (each is within 2 sigma of legw)
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 RUNS=${RUNS:-runs/science}
@@ -63,6 +63,8 @@ step_cnn() {
 step_ptb() {
     sweep ptb-small --batch-sizes 20,640 --schemes legw --seeds 0,1,2 --out-dir "$RES/ptb-small"
     sweep ptb-small --batch-sizes 20,640 --schemes legw,sqrt,goyal,none --seeds 0 \
+        --out-dir "$RES/ptb-small"
+    sweep ptb-small --batch-sizes 640 --schemes none,goyal,sqrt --seeds 1,2 \
         --out-dir "$RES/ptb-small"
 }
 

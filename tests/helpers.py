@@ -134,3 +134,22 @@ def noise_image_folder(root: Path, sizes, classes=("a", "b")) -> Path:
             Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
                 root / c / f"{i:03d}.png")
     return root
+
+
+def noisy_jpeg(width: int, height: int, seed: int = 0, mode: str = "RGB", **save) -> bytes:
+    """A JPEG (quality 90) of a gradient plus noise, like the loader benchmark's images (a crop
+    shifted by a pixel or two reads clearly different pixels), in PIL mode ``mode``, saved with
+    PIL's JPEG options ``save`` (subsampling, progressive, restart_marker_rows, ...)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = 127.5 + 100 * np.sin((xx[..., None] / width + 2 * yy[..., None] / height) * np.pi
+                                + np.arange(3))
+    img = np.clip(base + rng.normal(0, 12, (height, width, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).convert(mode).save(buf, "JPEG", quality=90, **save)
+    return buf.getvalue()

@@ -9,6 +9,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from helpers import noisy_jpeg
 
 from hpclb.data import transforms
 from hpclb.data.transforms import add_restart_markers, decode_eval, decode_train
@@ -27,34 +28,19 @@ def lib():
     return transforms._jpeg_region()
 
 
-def _jpeg(width: int, height: int, seed: int = 0, mode: str = "RGB", **save) -> bytes:
-    """A JPEG (quality 90) of a gradient plus noise (a shifted crop reads other pixels),
-    saved with PIL's options ``save`` (subsampling, progressive, restart_marker_rows, ...)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = 127.5 + 100 * np.sin((xx[..., None] / width + 2 * yy[..., None] / height) * np.pi
-                                + np.arange(3))
-    img = np.clip(base + rng.normal(0, 12, (height, width, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(img).convert(mode).save(buf, "JPEG", quality=90, **save)
-    return buf.getvalue()
-
-
 def _fixture(name: str) -> bytes:
     from conftest import REPO
     return (REPO / "tests" / "images" / name).read_bytes()
 
 
 CASES = {  # name: the original JPEG (made when asked); MCU width in pixels
-    "4:2:0": (lambda: _jpeg(640, 480), 16),
-    "4:2:0 odd size": (lambda: _jpeg(517, 389, seed=1), 16),
-    "4:4:4": (lambda: _jpeg(501, 377, seed=2, subsampling=0), 8),
-    "4:2:2": (lambda: _jpeg(333, 251, seed=3, subsampling=1), 16),
-    "progressive": (lambda: _jpeg(480, 360, seed=4, progressive=True), 16),
-    "grey": (lambda: _jpeg(350, 263, seed=5, mode="L"), 8),
-    "a row of MCUs": (lambda: _jpeg(700, 16, seed=6), 16),
+    "4:2:0": (lambda: noisy_jpeg(640, 480), 16),
+    "4:2:0 odd size": (lambda: noisy_jpeg(517, 389, seed=1), 16),
+    "4:4:4": (lambda: noisy_jpeg(501, 377, seed=2, subsampling=0), 8),
+    "4:2:2": (lambda: noisy_jpeg(333, 251, seed=3, subsampling=1), 16),
+    "progressive": (lambda: noisy_jpeg(480, 360, seed=4, progressive=True), 16),
+    "grey": (lambda: noisy_jpeg(350, 263, seed=5, mode="L"), 8),
+    "a row of MCUs": (lambda: noisy_jpeg(700, 16, seed=6), 16),
     "4:1:1": (lambda: _fixture("sampling-4x1.jpg"), 32),
     "4:4:0": (lambda: _fixture("sampling-1x2.jpg"), 8),
     "4x2": (lambda: _fixture("sampling-4x2.jpg"), 32),
@@ -124,9 +110,9 @@ def test_every_restart_interval_that_divides_a_row_is_entered_at_the_box(lib):
     """A marker every 2, 4 or 8 MCUs, or every row of MCUs (PIL's restart_marker_rows, as
     some cameras write): entered at the box's segments, the same pixels; an interval that
     does not divide a row (3 MCUs of 40 per row) is decoded the general way, the same pixels."""
-    data = _jpeg(640, 200, seed=9)  # 40 MCUs per row
+    data = noisy_jpeg(640, 200, seed=9)  # 40 MCUs per row
     rng = np.random.default_rng(0)
-    rows = _jpeg(640, 200, seed=9, restart_marker_rows=1)
+    rows = noisy_jpeg(640, 200, seed=9, restart_marker_rows=1)
     for marked, interval in [(lib.add_restart_markers(data, k), k) for k in (2, 4, 8, 3)] + \
             [(rows, 40)]:
         assert lib.restart_interval(marked) == (0 if interval == 3 else interval)
@@ -151,7 +137,7 @@ def test_a_crop_is_decoded_from_its_own_mcus(lib):
     the bytes of the first rows of MCUs garbled, a box in the image's lower half still gets
     exactly the original's pixels (the general way, which Huffman-decodes every row above the
     box, refuses the garbled original), while a box that reaches the garbled rows is refused."""
-    data = _jpeg(320, 320, seed=11)  # 20 x 20 MCUs of 4:2:0
+    data = noisy_jpeg(320, 320, seed=11)  # 20 x 20 MCUs of 4:2:0
     marked = add_restart_markers(data)
     markers = _segments(marked)
     assert len(markers) == 20 * 20 - 1
@@ -180,7 +166,7 @@ def test_a_damaged_or_truncated_file_with_restart_markers_is_refused(lib):
     misnumbered, is not entered at the box: decoded the general way, it is refused for every
     train crop (ValueError: the sample then goes to PIL, which rejects it, naming the file); and
     random byte damage never crashes or hangs the decoder: it raises ValueError or decodes."""
-    marked = add_restart_markers(_jpeg(480, 360, seed=12))
+    marked = add_restart_markers(noisy_jpeg(480, 360, seed=12))
     markers = _segments(marked)
     misnumbered = bytearray(marked)
     misnumbered[markers[100] + 1] ^= 0x01
@@ -215,7 +201,7 @@ def test_add_restart_markers_keeps_the_metadata_and_refuses_what_it_cannot_copy(
     are); the copy of a progressive file is sequential, and ImageNet-like files do not grow."""
     from PIL import Image
 
-    im = Image.open(io.BytesIO(_jpeg(200, 150, seed=13)))
+    im = Image.open(io.BytesIO(noisy_jpeg(200, 150, seed=13)))
     exif = Image.Exif()
     exif[0x010E] = "a description"
     buf = io.BytesIO()
@@ -226,14 +212,14 @@ def test_add_restart_markers_keeps_the_metadata_and_refuses_what_it_cannot_copy(
         assert back.getexif()[0x010E] == "a description"
         assert back.info["icc_profile"] == b"not a real profile" * 10
         assert back.info["comment"] == b"hpclb test"
-    progressive = _jpeg(480, 360, seed=4, progressive=True)
+    progressive = noisy_jpeg(480, 360, seed=4, progressive=True)
     assert b"\xff\xc2" in progressive[:2000]
     assert b"\xff\xc2" not in add_restart_markers(progressive)[:2000]
-    noisy = _jpeg(640, 480, seed=14)
+    noisy = noisy_jpeg(640, 480, seed=14)
     assert len(add_restart_markers(noisy)) <= 1.01 * len(noisy)
     png = io.BytesIO()
     im.save(png, "PNG")
-    for bad in (_jpeg(100, 80, mode="CMYK"), noisy[:len(noisy) // 2], png.getvalue()):
+    for bad in (noisy_jpeg(100, 80, mode="CMYK"), noisy[:len(noisy) // 2], png.getvalue()):
         with pytest.raises(ValueError):
             add_restart_markers(bad)
 
@@ -271,8 +257,8 @@ def test_shards_with_restart_markers_read_the_folders_samples(lib, tmp_path, cap
     src = tmp_path / "train"
     for c in ("a", "b"):
         (src / c).mkdir(parents=True)
-    (src / "a" / "0.jpg").write_bytes(_jpeg(517, 389, seed=1))
-    (src / "a" / "1.jpg").write_bytes(_jpeg(300, 260, seed=2, subsampling=0))
+    (src / "a" / "0.jpg").write_bytes(noisy_jpeg(517, 389, seed=1))
+    (src / "a" / "1.jpg").write_bytes(noisy_jpeg(300, 260, seed=2, subsampling=0))
     png = _png_bytes()
     (src / "b" / "2.png").write_bytes(png)
     cmyk = io.BytesIO()

@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from helpers import noisy_jpeg
 
 from hpclb.data import transforms
 from hpclb.data.images import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
@@ -146,26 +147,10 @@ def test_the_task_normalises_uint8_batches_where_they_reach_the_device(tmp_path)
     assert model.seen.dtype == torch.float32 and 0 <= metrics["test_accuracy"] <= 1
 
 
-def _noisy_jpeg(width: int, height: int, seed: int = 0, mode: str = "RGB") -> bytes:
-    """A JPEG (quality 90) of a gradient plus noise, like the loader benchmark's images: a
-    crop shifted by a pixel or two reads clearly different pixels."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = 127.5 + 100 * np.sin((xx[..., None] / width + 2 * yy[..., None] / height) * np.pi
-                                + np.arange(3))
-    img = np.clip(base + rng.normal(0, 12, (height, width, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(img).convert(mode).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
 def test_dct_scale_is_the_scale_pil_draft_chooses():
     from PIL import Image
 
-    data = _noisy_jpeg(757, 568)
+    data = noisy_jpeg(757, 568)
     for mw, mh in ((757, 568), (378, 1), (379, 10), (190, 142), (189, 143), (95, 71), (94, 70),
                    (40, 30), (1, 1), (1000, 1000)):
         with Image.open(io.BytesIO(data)) as im:
@@ -194,7 +179,7 @@ def test_simplejpeg_reads_the_pil_pixels_of_the_same_crop_boxes():
     _simplejpeg_or_skip()
     scales = set()
     for k, (width, height) in enumerate(((800, 600), (501, 376), (640, 480))):
-        data = _noisy_jpeg(width, height, seed=k)
+        data = noisy_jpeg(width, height, seed=k)
         for index, size in enumerate((64, 224) * 5):
             pil = decode_train(io.BytesIO(data), size, 5, 1, index, decoder="pil").float()
             sj = decode_train(io.BytesIO(data), size, 5, 1, index, decoder="simplejpeg").float()
@@ -226,7 +211,7 @@ def test_simplejpeg_leaves_grey_cmyk_corrupt_and_non_jpeg_files_to_pil(tmp_path)
     from hpclb.errors import DataError
 
     _simplejpeg_or_skip()
-    grey, cmyk = _noisy_jpeg(300, 200, mode="L"), _noisy_jpeg(300, 200, mode="CMYK")
+    grey, cmyk = noisy_jpeg(300, 200, mode="L"), noisy_jpeg(300, 200, mode="CMYK")
     png = io.BytesIO()
     Image.open(io.BytesIO(grey)).save(png, "PNG")
     for data, bound in ((grey, 2), (cmyk, 0), (png.getvalue(), 0)):
@@ -246,7 +231,7 @@ def test_a_decoder_is_named_or_its_extra_is_asked_for(monkeypatch):
 
     from hpclb.errors import MissingExtraError
 
-    data = _noisy_jpeg(80, 60)
+    data = noisy_jpeg(80, 60)
     with pytest.raises(ValueError, match="decoder: 'turbo' is not one of pil, simplejpeg, libjpeg"):
         decode_train(io.BytesIO(data), 32, 0, 0, 0, decoder="turbo")
     monkeypatch.setitem(sys.modules, "hpclb.data._jpeg_region", None)  # as where it was not built
@@ -284,11 +269,11 @@ def _region_decoder_or_skip():
 
 
 def _jpeg(width: int, height: int, seed: int = 0, **save) -> bytes:
-    """``_noisy_jpeg``'s pixels saved with PIL's JPEG options ``save`` (subsampling,
+    """``noisy_jpeg``'s pixels saved with PIL's JPEG options ``save`` (subsampling,
     progressive, restart markers, grey)."""
     from PIL import Image
 
-    im = Image.open(io.BytesIO(_noisy_jpeg(width, height, seed)))
+    im = Image.open(io.BytesIO(noisy_jpeg(width, height, seed)))
     mode = save.pop("mode", "RGB")
     buf = io.BytesIO()
     im.convert(mode).save(buf, "JPEG", quality=90, **save)
@@ -445,7 +430,7 @@ def test_the_region_decoder_leaves_cmyk_corrupt_and_non_jpeg_files_to_pil(tmp_pa
 
     _region_decoder_or_skip()
     lib = transforms._jpeg_region()
-    cmyk, grey = _noisy_jpeg(300, 200, mode="CMYK"), _noisy_jpeg(300, 200, mode="L")
+    cmyk, grey = noisy_jpeg(300, 200, mode="CMYK"), noisy_jpeg(300, 200, mode="L")
     png = io.BytesIO()
     Image.open(io.BytesIO(grey)).save(png, "PNG")
     with pytest.raises(ValueError, match="other than YCbCr or grey"):
@@ -494,7 +479,7 @@ def _png(width: int, height: int) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.open(io.BytesIO(_noisy_jpeg(width, height))).save(buf, "PNG")
+    Image.open(io.BytesIO(noisy_jpeg(width, height))).save(buf, "PNG")
     return buf.getvalue()
 
 
@@ -504,7 +489,7 @@ def test_the_region_decoder_gives_the_same_pixels_from_several_threads():
     from concurrent.futures import ThreadPoolExecutor
 
     _region_decoder_or_skip()
-    datas = [_noisy_jpeg(320 + 16 * k, 240 + 12 * k, seed=k) for k in range(4)]
+    datas = [noisy_jpeg(320 + 16 * k, 240 + 12 * k, seed=k) for k in range(4)]
 
     def sample(i):
         return decode_train(io.BytesIO(datas[i % 4]), 64, 1, 0, i, decoder="libjpeg")

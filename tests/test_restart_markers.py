@@ -291,3 +291,22 @@ def _png_bytes() -> bytes:
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (30, 40, 3), np.uint8)).save(
         buf, "PNG")
     return buf.getvalue()
+
+
+def test_every_column_and_row_at_every_scale_is_the_whole_images(lib):
+    """Each one-pixel column and row of a restart-marked file, at every DCT scale, is that
+    column or row of the whole image: at 1/2 and 1/4 libjpeg-turbo scales chroma up by its IDCT
+    where the sampling allows (4:2:0) and upsamples it where not (4:2:2: a chroma sample is then
+    2 pixels wide), so the margin must be whole chroma samples at the scale, and a rectangle
+    too narrow for fancy upsampling (2 chroma samples) would be decoded differently."""
+    files = [noisy_jpeg(w, h, seed=w, subsampling=sub) for w, h in ((250, 32), (37, 16), (70, 40))
+             for sub in (1, 2)] + [_fixture(f"sampling-{n}.jpg") for n in ("4x1", "1x2")]
+    for data in files:
+        marked = add_restart_markers(data)
+        for s in (1, 2, 4, 8):
+            whole = _whole(lib, data, s)
+            dh, dw = whole.shape[:2]
+            boxes = [(x, 0, x + 1, dh) for x in range(dw)] + [(0, y, dw, y + 1) for y in range(dh)]
+            for x0, y0, x1, y1 in boxes:
+                assert bytes(lib.decode_region(marked, s, (x0, y0, x1, y1))) == \
+                    whole[y0:y1, x0:x1].tobytes(), (lib.image_size(data), s, (x0, y0, x1, y1))

@@ -131,8 +131,8 @@ static int has_end_marker(const unsigned char *p, size_t len) {
    header, its frame size set to a rectangle of whole MCUs, and that rectangle's segments with
    their markers renumbered are a JPEG of the rectangle alone, whose pixels are those of the
    whole image where the upsampling of chroma reads no neighbour outside it: a margin of two
-   chroma samples on every side (inside the image) is decoded and cut off. Only the region's MCUs are then
-   Huffman-decoded, not every row above it and every column beside it. */
+   chroma samples on every side (inside the image) is decoded and cut off. Only the region's
+   MCUs are then Huffman-decoded, not every row above it and every column beside it. */
 
 struct layout {
     size_t sof;     /* offset of the frame header's height field (then the width's) */
@@ -323,14 +323,17 @@ static enum status read_box(struct jpeg_decompress_struct *cinfo, struct error_m
    widened by UPSAMPLING_MARGIN chroma samples' width on every side (inside the image), decoded
    whole at the scale. Fancy upsampling computes an output pixel from its chroma sample and
    that sample's neighbour, so the box's pixels read only samples of this JPEG, and those are
-   the whole image's (the IDCT of a block reads that block alone). */
+   the whole image's (the IDCT of a block reads that block alone); the margin also keeps the
+   rectangle over 2 chroma samples wide unless it is the whole image's width (libjpeg-turbo
+   upsamples a narrower component without smoothing). */
 static enum status read_box_by_restarts(const unsigned char *p, const struct layout *L,
                                         int scale, int x0, int y0, int x1, int y1,
                                         unsigned char *dst, char *message) {
     const size_t mw = L->mcu_width, mh = L->mcu_height, s = (size_t)scale;
-    /* a chroma sample's width and height, in pixels at the scale (at least one) */
-    const size_t mx = UPSAMPLING_MARGIN * (mw / 8 > s ? mw / 8 / s : 1);
-    const size_t my = UPSAMPLING_MARGIN * (mh / 8 > s ? mh / 8 / s : 1);
+    /* a chroma sample's width and height in pixels at the scale: at most mw / 8 and mh / 8 at
+       every scale, since libjpeg-turbo scales chroma up by its IDCT only where the sampling
+       allows (4:2:0 at 1/2: one pixel) and upsamples it otherwise (4:2:2 at 1/2: two) */
+    const size_t mx = UPSAMPLING_MARGIN * (mw / 8), my = UPSAMPLING_MARGIN * (mh / 8);
     size_t c0 = ((size_t)x0 > mx ? (size_t)x0 - mx : 0) * s / mw;
     size_t r0 = ((size_t)y0 > my ? (size_t)y0 - my : 0) * s / mh;
     size_t c1 = (((size_t)x1 + mx) * s + mw - 1) / mw, r1 = (((size_t)y1 + my) * s + mh - 1) / mh;

@@ -136,7 +136,7 @@ def test_a_crop_is_decoded_from_its_own_mcus(lib):
     """The region decoder reads only the box's MCUs (and a margin of two chroma samples): with
     the bytes of the first rows of MCUs garbled, a box in the image's lower half still gets
     exactly the original's pixels (the general way, which Huffman-decodes every row above the
-    box, refuses the garbled original), while a box that reaches the garbled rows is refused."""
+    box, refuses the garbled original or gives other pixels), while a box that reaches the garbled rows is refused."""
     data = noisy_jpeg(320, 320, seed=11)  # 20 x 20 MCUs of 4:2:0
     marked = add_restart_markers(data)
     markers = _segments(marked)
@@ -162,7 +162,8 @@ def test_a_crop_is_decoded_from_its_own_mcus(lib):
 
 
 def test_a_damaged_or_truncated_file_with_restart_markers_is_refused(lib):
-    """A restart-marked file cut short (anywhere, or only its end marker), or with a marker
+    """A restart-marked file cut short (in its first segments, its last, or only its end
+    marker), or with a marker
     misnumbered, is not entered at the box: decoded the general way, it is refused for every
     train crop (ValueError: the sample then goes to PIL, which rejects it, naming the file); and
     random byte damage never crashes or hangs the decoder: it raises ValueError or decodes."""
@@ -198,7 +199,7 @@ def test_a_damaged_or_truncated_file_with_restart_markers_is_refused(lib):
 def test_add_restart_markers_keeps_the_metadata_and_refuses_what_it_cannot_copy(lib):
     """The EXIF, ICC profile and comment segments are kept (PIL reads them back); a CMYK JPEG,
     a truncated one and a PNG raise ValueError (hpclb data shards then stores them as they
-    are); the copy of a progressive file is sequential, and ImageNet-like files do not grow."""
+    are); the copy of a progressive file is sequential, and the benchmark's kind of file grows by at most 1 %."""
     from PIL import Image
 
     im = Image.open(io.BytesIO(noisy_jpeg(200, 150, seed=13)))
@@ -224,21 +225,37 @@ def test_add_restart_markers_keeps_the_metadata_and_refuses_what_it_cannot_copy(
             add_restart_markers(bad)
 
 
-def test_add_restart_markers_says_how_to_build_the_region_decoder(monkeypatch):
+def test_add_restart_markers_says_how_to_build_the_region_decoder(monkeypatch, tmp_path,
+                                                                  capsys):
     """Where the region decoder was not built, add_restart_markers and write_shards(...,
-    restart_markers=True) raise MissingExtraError naming the packages to install."""
+    restart_markers=True) raise MissingExtraError naming the packages to install and what to
+    do without them; ``hpclb data shards --restart-markers`` says so in one line, exits 1 (a
+    missing extra, as every command) and writes nothing."""
     import sys
 
+    from hpclb import cli
     from hpclb.data.shard_writer import write_shards
     from hpclb.errors import MissingExtraError
 
+    src = tmp_path / "train"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "0.jpg").write_bytes(noisy_jpeg(40, 30))
     monkeypatch.setitem(sys.modules, "hpclb.data._jpeg_region", None)
     transforms._jpeg_region.cache_clear()
     try:
-        with pytest.raises(MissingExtraError, match="apt-get install gcc libjpeg-dev"):
+        with pytest.raises(MissingExtraError, match="^add_restart_markers needs .*apt-get "
+                           "install gcc libjpeg-dev.*; or keep the file as it is$"):
             add_restart_markers(b"\xff\xd8\xff")
         with pytest.raises(MissingExtraError, match="apt-get install gcc libjpeg-dev"):
             write_shards("no-such-folder", "no-such-out", restart_markers=True)
+        capsys.readouterr()
+        assert cli.main(["data", "shards", str(src), str(tmp_path / "out"),
+                         "--restart-markers"]) == 1
+        err = capsys.readouterr().err
+        assert "restart markers (hpclb data shards --restart-markers) needs hpclb's region " \
+            "decoder" in err and "apt-get install gcc libjpeg-dev" in err and \
+            err.rstrip().endswith("or pack without them") and "decoder='simplejpeg'" not in err
+        assert not (tmp_path / "out").exists()
     finally:
         monkeypatch.undo()
         transforms._jpeg_region.cache_clear()

@@ -130,9 +130,10 @@ static int has_end_marker(const unsigned char *p, size_t len) {
    each restart segment decodes on its own (the DC predictions restart from zero), so the
    header, its frame size set to a rectangle of whole MCUs, and that rectangle's segments with
    their markers renumbered are a JPEG of the rectangle alone, whose pixels are those of the
-   whole image where the upsampling of chroma reads no neighbour outside it: a margin of two
-   chroma samples on every side (inside the image) is decoded and cut off. Only the region's
-   MCUs are then Huffman-decoded, not every row above it and every column beside it. */
+   whole image where the upsampling of chroma reads no neighbour outside it: a margin of at
+   least two chroma samples on every side (inside the image) is decoded and cut off. Only the
+   region's MCUs (whole segments of them) are then Huffman-decoded, not every row above it
+   and every column beside it. */
 
 struct layout {
     size_t sof;     /* offset of the frame header's height field (then the width's) */
@@ -436,7 +437,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
 }
 
 /* A copy of a JPEG with a restart marker after every MCU, the same pixels (its DCT
-   coefficients are copied, not re-encoded: jpegtran -restart 1 -copy all), sequential
+   coefficients are copied, not re-encoded: jpegtran -restart 1B -copy all), sequential
    Huffman coding with optimised tables; the APPn and COM segments are kept. */
 static PyObject *add_restart_markers(PyObject *self, PyObject *args) {
     Py_buffer src;

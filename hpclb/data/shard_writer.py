@@ -148,7 +148,9 @@ def write_shards(src: str | Path, out: str | Path, *, samples_per_shard: int = S
         raise ValueError(f"write_shards: samples_per_shard must be >= 1, got {samples_per_shard}")
     if restart_markers:
         from hpclb.data.transforms import _region_decoder
-        _region_decoder()  # MissingExtraError naming the fix, before anything is written
+        # MissingExtraError naming the fix, before anything is written
+        _region_decoder("restart markers (hpclb data shards --restart-markers)",
+                        "pack without them")
     src, out = Path(src), Path(out)
     if out.resolve().is_relative_to(src.resolve()):
         raise _bad_out(f"{out}: inside the ImageFolder {src} (its shards would become a class "

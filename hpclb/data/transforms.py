@@ -188,31 +188,36 @@ def _jpeg_region():
         return None
 
 
-def _region_decoder():
-    """The region decoder module; MissingExtraError naming the fix where it was not built."""
+def _region_decoder(purpose: str = "decoder='libjpeg'", instead: str | None = None):
+    """The region decoder module; MissingExtraError naming the fix where it was not built:
+    ``purpose`` needs it; ``instead``, what to do without it (default: use simplejpeg)."""
     lib = _jpeg_region()
     if lib is None:
         from hpclb.errors import MissingExtraError
+        if instead is None:
+            instead = "use decoder='simplejpeg' (pip install 'hpclb[jpeg]'), the same pixels"
         raise MissingExtraError(
-            "decoder='libjpeg' needs hpclb's region decoder (hpclb.data._jpeg_region), which "
-            "was not built: install a C compiler and libjpeg-turbo's headers (Debian: apt-get "
-            "install gcc libjpeg-dev), then reinstall hpclb (pip install -e .); or use "
-            "decoder='simplejpeg' (pip install 'hpclb[jpeg]'), the same pixels")
+            f"{purpose} needs hpclb's region decoder (hpclb.data._jpeg_region), which was not "
+            "built: install a C compiler and libjpeg-turbo's headers (Debian: apt-get install "
+            f"gcc libjpeg-dev), then reinstall hpclb (pip install -e .); or {instead}")
     return lib
 
 
 def add_restart_markers(data: bytes) -> bytes:
     """The JPEG ``data`` with a restart marker after every MCU (16 x 16 pixels for 4:2:0),
     losslessly: its DCT coefficients are copied, not re-encoded, so every decoder gives the
-    same pixels (``jpegtran -restart 1 -copy all``, libjpeg's transcoding API); sequential
-    Huffman coding with optimised tables (ImageNet-like files come out 1-2 % smaller, a
-    progressive one as a sequential one); APPn and COM segments kept. The region decoder
+    same pixels (``jpegtran -restart 1B -copy all``, libjpeg's transcoding API); sequential
+    Huffman coding with optimised tables (a progressive file comes out sequential); APPn and
+    COM segments kept. Each MCU costs a marker, the byte alignment before it and its DC
+    coefficients coded afresh: a few bytes per MCU (files written with standard tables, which
+    the transcode optimises, can come out smaller; docs/recipes.md). The region decoder
     (``"libjpeg"``) then decodes a train crop's MCUs alone. About 5 ms per ImageNet-sized
     image on one core (``hpclb data shards --restart-markers`` does it while packing). Raises
     ValueError for a JPEG libjpeg cannot read (corrupt, truncated) or one other than YCbCr or
     grey (CMYK: keep such a file as it is), MissingExtraError where the region decoder was
     not built."""
-    return _region_decoder().add_restart_markers(data)
+    return _region_decoder("add_restart_markers", "keep the file as it is").add_restart_markers(
+        data)
 
 
 def default_decoder() -> str:

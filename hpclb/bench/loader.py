@@ -273,8 +273,8 @@ def _libjpeg_version() -> str | None:
     return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
 
 
-def _with_restart_markers(root: Path, tmp: Path, files: list[Path],
-                          n: int) -> tuple[tuple[Path, Path], dict]:
+def _restart_marked_copies(root: Path, tmp: Path, files: list[Path],
+                           n: int) -> tuple[tuple[Path, Path], dict]:
     """``root``'s JPEGs with restart markers (the same names under ``tmp/train_restarts``) and
     a shard set written from them with ``hpclb data shards --restart-markers``'s
     :func:`~hpclb.data.shard_writer.write_shards`; returns ``((folder, shards), setup)``, the
@@ -319,7 +319,7 @@ def driver(args) -> int:
         file_bytes = [p.stat().st_size for p in files]
         restarts, marked = None, None
         if transforms._jpeg_region() is not None:
-            restarts, marked = _with_restart_markers(root, Path(tmp), files, args.images)
+            restarts, marked = _restart_marked_copies(root, Path(tmp), files, args.images)
         rates = measure(root, shards, args.images, args.rounds, restarts=restarts)
         batch_bytes = _batch_bytes(root, args.batch_size, 224)
         scaled = _scaled_fraction(root, args.images, args.rounds, 224)

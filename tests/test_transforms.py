@@ -268,18 +268,6 @@ def _region_decoder_or_skip():
     _simplejpeg_or_skip()
 
 
-def _jpeg(width: int, height: int, seed: int = 0, **save) -> bytes:
-    """``noisy_jpeg``'s pixels saved with PIL's JPEG options ``save`` (subsampling,
-    progressive, restart markers, grey)."""
-    from PIL import Image
-
-    im = Image.open(io.BytesIO(noisy_jpeg(width, height, seed)))
-    mode = save.pop("mode", "RGB")
-    buf = io.BytesIO()
-    im.convert(mode).save(buf, "JPEG", quality=90, **save)
-    return buf.getvalue()
-
-
 REGION_CASES = {  # name: (width, height, PIL save options)
     "4:2:0": (640, 480, {}),
     "4:4:4": (501, 377, {"subsampling": 0}),
@@ -300,7 +288,7 @@ def test_the_region_decoder_reads_the_pixels_of_the_whole_image_decode(case):
 
     _region_decoder_or_skip()
     width, height, save = REGION_CASES[case]
-    data = _jpeg(width, height, seed=len(case), **save)
+    data = noisy_jpeg(width, height, seed=len(case), **save)
     lib = transforms._jpeg_region()
     assert lib.image_size(data) == (width, height)
     scales = set()
@@ -406,7 +394,7 @@ def test_the_region_decoder_refuses_a_truncated_file_whatever_the_crop():
     _region_decoder_or_skip()
     lib = transforms._jpeg_region()
     for progressive in (False, True):
-        data = _jpeg(480, 360, seed=3, progressive=progressive)
+        data = noisy_jpeg(480, 360, seed=3, progressive=progressive)
         assert len(lib.decode_region(data, 1, (0, 0, 10, 10))) == 300
         for cut in (data[:len(data) // 2], data[:len(data) * 9 // 10],
                     data[:len(data) * 999 // 1000], data[:-2]):

@@ -250,6 +250,26 @@ def test_imagenet_refuses_an_empty_class_and_splits_with_other_classes(tmp_path)
     assert train.classes == val.classes == ["cat", "dog", "eel", "fox"]
 
 
+def test_a_broken_link_or_a_directory_named_as_an_image_is_refused(tmp_path):
+    """An entry named as an image that is not one is a DataError naming it, not skipped without
+    a word (the run would train on fewer images than the folder seems to hold); the same
+    through a cached index, which the new entry makes stale."""
+    root = tmp_path / "train"
+    noise_image_folder(root, ODD_SIZES[:2], classes=("cat", "dog"))
+    assert len(ImageFolder(root, image_size=8)) == 4  # writes the index
+    (root / "dog" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    with pytest.raises(DataError, match=r"dog/gone\.jpg: a broken symbolic link \(to \S+"
+                       r"nowhere\.jpg\); fix or remove it"):
+        ImageFolder(root, image_size=8)
+    (root / "dog" / "gone.jpg").unlink()
+    (root / "cat" / "album.jpg").mkdir()
+    with pytest.raises(DataError, match=r"cat/album\.jpg: not a file"):
+        ImageFolder(root, image_size=8)
+    (root / "cat" / "album.jpg").rmdir()
+    (root / "cat" / "alias.jpg").symlink_to(next((root / "dog").iterdir()))
+    assert len(ImageFolder(root, image_size=8)) == 5  # a link to an image is an image
+
+
 def _task_batches(root: Path, world_size: int, epoch: int, seed: int = 7) -> dict:
     """{sample index: image tensor} of every rank's steps of ``epoch``, read through
     ClassificationTask as the training loop reads it (fresh objects: a new process)."""

@@ -179,15 +179,16 @@ def test_start_up_signal_on_one_rank_stops_every_rank(tmp_path, mnist_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", [signal.SIGUSR2, pytest.param(signal.SIGTERM,
-                                                                marks=pytest.mark.extended)],
-                         ids=["USR2", "TERM"])
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGINT,
+                                 pytest.param(signal.SIGTERM, marks=pytest.mark.extended)],
+                         ids=["USR2", "INT", "TERM"])
 def test_signals_after_the_run_finished_do_not_kill_it(tmp_path, mnist_dir, sig):
     """The scheduler's signal (and the job script's repeats of it) may come after the last step,
     while the interpreter shuts down (MPI_Finalize, module teardown, where CPython restores the
     default action of every signal it handled): a run that wrote its summary exits 0, not
-    140/143. Signals sent every millisecond from the moment summary.json appears until the
-    process ends (without the fix nearly every run dies by the signal)."""
+    140/143. So does a Ctrl-C (SIGINT) once training is done: nothing is left to interrupt, so
+    not 130 or a death by SIGINT. Signals sent every millisecond from the moment summary.json
+    appears until the process ends (without the fix nearly every run dies by the signal)."""
     p = subprocess.Popen(train_argv(tmp_path, mnist_dir), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=ENV)
     summary = tmp_path / "run" / "summary.json"

@@ -200,7 +200,7 @@ def _train(args: argparse.Namespace, comm, cfg, early) -> int:
     try:
         train(cfg, comm, checkpoint_interval_s=args.checkpoint_interval,
               tensorboard=None if args.tensorboard else False, profile=args.profile_window,
-              progress_every_s=args.progress_every)
+              progress_every_s=args.progress_every, ignore_ctrl_c_when_done=True)
     except Preempted as p:
         if p.args[1:] == ("interrupted",):  # Ctrl-C: the loop said where the checkpoint is
             return 130

@@ -131,14 +131,28 @@ def _stamps(root: Path, classes: list[str]) -> list[list[int]]:
     return [[(st := os.stat(root / c)).st_mtime_ns, st.st_size] for c in classes]
 
 
+def _is_image(entry: os.DirEntry) -> bool:
+    """True for a file (or a link to one) named as an image; DataError naming the entry for a
+    broken link or a directory so named: skipping it would train on fewer images than the folder
+    seems to hold, without a word."""
+    if Path(entry.name).suffix.lower() not in IMAGE_SUFFIXES:
+        return False
+    if entry.is_file():
+        return True
+    path = Path(entry.path)
+    if entry.is_symlink():
+        raise DataError(f"{path}: a broken symbolic link (to {os.readlink(path)}); fix or "
+                        f"remove it")
+    raise DataError(f"{path}: not a file (a directory or a device named as an image); rename "
+                    f"or remove it")
+
+
 def _scan(root: Path) -> dict:
     """List ``root`` (classes, their image files, sorted); the index as written to disk."""
     classes = _class_dirs(root)
     if not classes:
         raise DataError(f"{root}: no class sub-directories")
-    files = {c: sorted(e.name for e in os.scandir(root / c)
-                       if e.is_file() and Path(e.name).suffix.lower() in IMAGE_SUFFIXES)
-             for c in classes}
+    files = {c: sorted(e.name for e in os.scandir(root / c) if _is_image(e)) for c in classes}
     if not any(files.values()):
         raise DataError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)})")
     return {"version": INDEX_VERSION, "root": str(root.resolve()), "classes": classes,

@@ -141,7 +141,6 @@ class ReplicasDiffer(UserWarning):
     """:func:`verify_replicas` found replicas that differ and broadcast rank 0's values."""
 
 
-@torch.no_grad()
 def verify_replicas(model, comm: Communicator, broadcast: bool = True, root: int = 0) -> str | None:
     """Compare every rank's parameter and buffer *values* (integer buffers too) by fingerprint:
     per tensor the float64 sum and sum of squares, allreduced with min and max (two allreduces
@@ -152,22 +151,24 @@ def verify_replicas(model, comm: Communicator, broadcast: bool = True, root: int
     :func:`check_model_consistency` (same names and shapes)."""
     if comm.world_size == 1:
         return None
-    named = _state_tensors(model)
-    fp = fingerprints([t for _, t in named])
-    lo, hi = comm.allreduce_(fp.clone(), op="min"), comm.allreduce_(fp.clone(), op="max")
-    differ = (lo != hi).nonzero()
-    if not len(differ):
-        return None
-    name = named[int(differ[0]) // 2][0]
-    n = len({int(i) // 2 for i in differ})
-    if not broadcast:
-        raise ModelMismatchError(
-            f"the ranks' replicas differ in {n} tensors, first {name}: seed the model's "
-            f"initialisation identically on every rank, or call hpclb.broadcast_parameters(model) "
-            f"(or pass broadcast_parameters=True)")
-    warnings.warn(ReplicasDiffer(f"the ranks' replicas differ in {n} tensors, first {name}; "
-                                 f"rank {root}'s parameters and buffers were broadcast to every "
-                                 f"rank"), stacklevel=3)
-    for _, t in named:
-        comm.broadcast_(t.data, root=root)
-    return name
+    with torch.no_grad():  # not a decorator: it adds a frame, and stacklevel counts frames
+        named = _state_tensors(model)
+        fp = fingerprints([t for _, t in named])
+        lo, hi = comm.allreduce_(fp.clone(), op="min"), comm.allreduce_(fp.clone(), op="max")
+        differ = (lo != hi).nonzero()
+        if not len(differ):
+            return None
+        name = named[int(differ[0]) // 2][0]
+        n = len({int(i) // 2 for i in differ})
+        if not broadcast:
+            raise ModelMismatchError(
+                f"the ranks' replicas differ in {n} tensors, first {name}: seed the model's "
+                f"initialisation identically on every rank, or call "
+                f"hpclb.broadcast_parameters(model) (or pass broadcast_parameters=True)")
+        # stacklevel 3: the line that built the DistributedOptimizer (its __init__ calls this)
+        warnings.warn(ReplicasDiffer(f"the ranks' replicas differ in {n} tensors, first "
+                                     f"{name}; rank {root}'s parameters and buffers were "
+                                     f"broadcast to every rank"), stacklevel=3)
+        for _, t in named:
+            comm.broadcast_(t.data, root=root)
+        return name

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import time
 from typing import Any
 
@@ -461,7 +462,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
           checkpoint_interval_s: float | None = None,
           tensorboard: bool | None = None,
           profile: tuple[int, int] | None = None,
-          progress_every_s: float | None = 60.0) -> dict[str, Any]:
+          progress_every_s: float | None = 60.0,
+          ignore_ctrl_c_when_done: bool = False) -> dict[str, Any]:
     """Run one experiment on this rank; returns the summary (identical on every rank).
 
     ``checkpoint_interval_s``: also checkpoint mid-epoch when this many seconds (rank 0's clock)
@@ -470,6 +472,10 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
     ``progress_every_s``: on rank 0, a progress line every this many seconds during an epoch
     when stderr is not a terminal (a bar on a terminal; None/0: no lines;
     :mod:`hpclb.train.progress`).
+    ``ignore_ctrl_c_when_done``: ignore SIGINT from the moment training is done (before the
+    summary is written) for the rest of the process, as ``hpclb train`` wants: nothing is left
+    for a Ctrl-C to interrupt, and a finished run must not exit 130 (CPython keeps an ignored
+    signal ignored through its teardown). False (a sweep): the caller's handler is back.
     ``profile``: ``(START, END)`` global steps to trace with torch.profiler into
     ``<out>/profile/rank<r>/`` (:mod:`hpclb.train.profile`; ConfigError when END is past the
     run's last step).
@@ -504,6 +510,8 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         if logger is not None:
             logger.close()
         run.close()  # hooks, loader workers, the run directory's lock
+    if ignore_ctrl_c_when_done:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     summary = report.summary(run)
     if comm.rank == 0:
         write_json(run.out / "summary.json", summary)

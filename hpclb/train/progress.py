@@ -1,7 +1,8 @@
 """Rank 0's progress during an epoch (:class:`Progress`), owned by :func:`hpclb.train.loop.train`
 and updated by the step log (:meth:`hpclb.train.loop.StepLog.after_step`) when ``due_at``.
 
-On a terminal (stderr a TTY): a tqdm bar per epoch, its postfix the last logged loss and the LR.
+On a terminal (stderr a TTY): a tqdm bar per epoch (its rate in steps/s, its ETA the epoch's),
+its postfix, at each step-log line, the last logged loss, the LR, samples/s and the run's ETA.
 Elsewhere (a SLURM or PBS log, a pipe): one line every ``every_s`` seconds, so a log shows life
 long before the first epoch ends::
 
@@ -83,9 +84,11 @@ class Progress:
             loss = f"loss {loss:.4f}" + (f" (step {at})" if at not in (None, global_step) else "")
         if self.bar is not None:
             self.bar.update(1)
-            if logged is not None:
-                self.bar.set_postfix_str(f"{loss} lr {lr:.3e}" if loss is not None
-                                         else f"lr {lr:.3e}", refresh=False)
+            if logged is not None:  # the bar's own rate is steps/s, its ETA the epoch's
+                sps, _, run_eta = self._rates(i + 1, global_step, time.monotonic())
+                shown = f"{loss} " if loss is not None else ""
+                self.bar.set_postfix_str(f"{shown}lr {lr:.3e} samples/s {sps:,.0f} run ETA "
+                                         f"{format_duration(run_eta)}", refresh=False)
             return
         now = time.monotonic()
         if not self.every_s or now - self._last < self.every_s:
@@ -93,17 +96,22 @@ class Progress:
         self._last, self.due_at = now, now + self.every_s
         self._line(i + 1, global_step, lr, loss, now)
 
+    def _rates(self, done: int, global_step: int, now: float) -> tuple[float, float, float]:
+        """(samples/s in this epoch, the epoch's ETA and the run's, in seconds) after ``done``
+        steps of the epoch = global step ``global_step``."""
+        per_step = (now - self._t0) / max(1, done - self._i0)
+        run_rate = (now - self._run_t0) / max(1, global_step - self._run_step0)
+        sps = self.batch / per_step if per_step > 0 else 0.0
+        return sps, (self.steps - done) * per_step, (self.total - global_step) * run_rate
+
     def _line(self, done: int, global_step: int, lr: float, loss: str | None,
               now: float) -> None:
-        per_step = (now - self._t0) / max(1, done - self._i0)
-        run_steps = global_step - self._run_step0
-        run_rate = (now - self._run_t0) / max(1, run_steps)
-        sps = self.batch / per_step if per_step > 0 else 0.0
+        sps, epoch_eta, run_eta = self._rates(done, global_step, now)
         shown = f"  {loss}" if loss is not None else ""
         self._write(f"progress: epoch {self.epoch + 1}/{self.n_epochs:g} step {done}/{self.steps} "
                     f"({100 * done / self.steps:.1f}%){shown}  lr {lr:.3e}  samples/s "
-                    f"{sps:,.0f}  ETA epoch {format_duration((self.steps - done) * per_step)}, "
-                    f"run {format_duration((self.total - global_step) * run_rate)}")
+                    f"{sps:,.0f}  ETA epoch {format_duration(epoch_eta)}, "
+                    f"run {format_duration(run_eta)}")
 
     def note(self, text: str) -> None:
         """A line of its own (e.g. that the first steps compile the model)."""

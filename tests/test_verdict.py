@@ -81,3 +81,24 @@ def test_legw_is_pending_until_it_has_as_many_seeds_as_b0():
     assert v["holds"] == {8192: None} and v["loses"] == {} and v["supported"] is None
     md = verdict_markdown(rows, metric="test_accuracy", mode="max", base_batch=128)
     assert "pending (1 of 3 seeds)" in md and "not decided yet" in md
+
+
+def test_b0_is_chosen_by_batch_not_by_row_order():
+    """PTB's rows: a one-seed B0 copy per baseline scheme beside LEGW's three B0 seeds. Put a
+    one-seed B0 cell first: B0 must still be all three seeds (before: whichever cell came
+    first, so LEGW at 640 with 3 seeds was judged against one seed and ``pending`` never
+    cleared for a 1-seed base)."""
+    table = {(20, "sqrt"): [113.3], (20, "legw"): [113.3, 113.4, 112.2],
+             (640, "legw"): [116.0, 115.0, 114.0], (640, "sqrt"): [650.0, 640.0, 645.0]}
+    rows = _rows(table)
+    for ordered in (rows, rows[::-1], sorted(rows, key=lambda r: r["scheme"])):
+        v = verdict(ordered, metric="test_perplexity", mode="min", base_batch=20)
+        assert sorted(v["base"].values) == [0, 1, 2]
+        assert v["base"].mean == pytest.approx((113.3 + 113.4 + 112.2) / 3)
+        assert v["holds"] == {640: True}
+
+
+def test_two_different_b0_values_for_one_seed_are_refused():
+    rows = _rows({(20, "legw"): [113.3], (20, "sqrt"): [120.0], (640, "legw"): [116.0]})
+    with pytest.raises(ValueError, match="seed 0 has two values"):
+        verdict(rows, metric="test_perplexity", mode="min", base_batch=20)

@@ -19,7 +19,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["Cell", "cells", "tolerance", "verdict", "verdict_markdown"]
+__all__ = ["Cell", "cells", "base_cell", "tolerance", "verdict", "verdict_markdown"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,25 @@ def cells(rows: list[dict]) -> dict[tuple[int, str], Cell]:
     return {key: Cell(key[0], key[1], dict(sorted(v.items()))) for key, v in out.items()}
 
 
+def base_cell(rows: list[dict], base_batch: int) -> Cell:
+    """The B0 cell: every row at ``base_batch``, whatever its scheme (at k = 1 every scheme is
+    the B0 recipe), pooled by seed, so the rows' order does not matter. Raises ValueError when
+    there is no finite B0 point, or when one seed has two different B0 values."""
+    values: dict[int, float | None] = {}
+    for r in rows:
+        if r["batch_size"] != base_batch:
+            continue
+        seed, v = r.get("seed", 0), r.get("metric")
+        if seed in values and values[seed] != v:
+            raise ValueError(f"B0 (batch {base_batch}) seed {seed} has two values, "
+                             f"{values[seed]!r} and {v!r}: the B0 runs of one seed must agree")
+        values[seed] = v
+    cell = Cell(base_batch, "all", dict(sorted(values.items())))
+    if not cell.finite:
+        raise ValueError(f"no finite B0 (batch {base_batch}) point to judge against")
+    return cell
+
+
 def tolerance(base: Cell, metric: str, mode: str) -> float:
     """``max(0.003, 2 sigma0)`` for an accuracy (a fraction), else ``max(3 % of the B0 mean,
     2 sigma0)``."""
@@ -79,9 +98,7 @@ def verdict(rows: list[dict], *, metric: str, mode: str, base_batch: int) -> dic
     conditions is decided False (LEGW does not hold, or a baseline does not lose), else None
     while a needed cell is missing or pending. Raises ValueError without B0 rows."""
     table = cells(rows)
-    base = next((c for (b, _), c in table.items() if b == base_batch and c.finite), None)
-    if base is None:
-        raise ValueError(f"no finite B0 (batch {base_batch}) point to judge against")
+    base = base_cell(rows, base_batch)
     tol = tolerance(base, metric, mode)
     holds, loses = {}, {}
     for (b, s), c in sorted(table.items()):

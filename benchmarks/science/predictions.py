@@ -1,0 +1,70 @@
+"""The k-map's registered predictions (docs/science.md, "Where LEGW breaks").
+
+    predictions.py OUT.json WORKLOAD=B0_RUN_DIR ...
+        adds to OUT.json the prediction of `hpclb advise B0_RUN_DIR --json` for each workload
+        whose B0 noise-scale run has finished and whose LR probe is in B0_RUN_DIR/lr_probe/; a
+        workload already in OUT.json is kept as it is (a registered prediction is never redone)
+    predictions.py --near-b0 SWEEP.json B1,B2,...
+        prints the batches among B1,B2,... whose LEGW seed-0 point lies within twice the
+        tolerance of the B0 mean (the PTB k-map runs seeds 1-2 there)
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hpclb.config import load_recipe
+from hpclb.tools.sweep import metric_of
+from hpclb.tools.verdict import base_cell, cells, tolerance
+
+
+def add(out: Path, pairs: list[str]) -> int:
+    """Add each finished workload's prediction to ``out``; 0."""
+    doc = json.loads(out.read_text()) if out.is_file() else {
+        "rule": "docs/science.md, 'Where LEGW breaks': k_max = min(budget, warmup, stability)",
+        "workloads": {}}
+    for pair in pairs:
+        name, run = pair.split("=", 1)
+        if name in doc["workloads"]:
+            print(f"{name}: registered {doc['workloads'][name]['registered']}; kept")
+            continue
+        if not (Path(run) / "summary.json").is_file() or \
+                not (Path(run) / "lr_probe" / "lr_probe.json").is_file():
+            print(f"{name}: {run} has no finished B0 run with its LR probe yet; left out")
+            continue
+        done = subprocess.run([sys.executable, "-m", "hpclb", "advise", run, "--json"],
+                              capture_output=True, text=True, check=True)
+        p = json.loads(done.stdout)
+        doc["workloads"][name] = {
+            "registered": datetime.datetime.now(datetime.timezone.utc).strftime("%FT%TZ"),
+            "b0_run": run, "k_max": p["prediction"]["k_max"],
+            "batch": p["prediction"]["batch"], "bounds": p["prediction"]["bounds"],
+            "binding": p["prediction"]["binding"], **p}
+        print(f"{name}: k_max {p['prediction']['k_max']} (bounds {p['prediction']['bounds']})")
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+def near_b0(sweep: Path, batches: str) -> int:
+    """Print the batches whose LEGW seed 0 is within twice the tolerance of B0; 0."""
+    rows = json.loads(sweep.read_text())
+    recipe = load_recipe(sweep.stem)
+    metric, mode = metric_of(recipe)
+    table = cells(rows)
+    base = base_cell(rows, recipe["base_batch_size"])
+    tol = tolerance(base, metric, mode)
+    for b in map(int, batches.split(",")):
+        c = table.get((b, "legw"))
+        v = None if c is None else c.values.get(0)
+        if v is not None and (v - base.mean if mode == "min" else base.mean - v) <= 2 * tol:
+            print(b)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--near-b0":
+        sys.exit(near_b0(Path(sys.argv[2]), sys.argv[3]))
+    sys.exit(add(Path(sys.argv[1]), sys.argv[2:]))

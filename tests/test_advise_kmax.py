@@ -1,0 +1,88 @@
+"""`hpclb advise`'s k_max prediction (hpclb/tools/advise.py, docs/science.md "Where LEGW
+breaks") and the LR probe's verdict (hpclb/tools/lr_probe.py), on made-up inputs; the probe's
+runs on a tiny recipe."""
+import json
+import math
+
+import pytest
+from helpers import quick_recipe
+
+from hpclb.tools.advise import PROGRESS_MIN, format_prediction, predict_k_max, progress_ratio
+from hpclb.tools.lr_probe import trains
+
+MNIST = dict(base_batch_size=128, num_samples=60000, epochs=20, base_warmup_epochs=0.25,
+             base_lr=2e-3)
+
+
+def test_progress_ratio_by_hand():
+    assert progress_ratio(128, 128, [300.0, 5000.0]) == 1.0
+    # (128 + 300) / (1024 + 300) and (128 + 5000) / (1024 + 5000), averaged
+    want = (428 / 1324 + 5128 / 6024) / 2
+    assert progress_ratio(1024, 128, [300.0, 5000.0]) == pytest.approx(want)
+    # one constant noise scale: at least 1/2 exactly while B <= B_crit + 2 B0
+    assert progress_ratio(1000 + 256, 128, [1000.0]) == pytest.approx(0.5)
+
+
+def test_budget_bound_from_a_constant_noise_scale():
+    p = predict_k_max(**MNIST, b_simple=[1000.0] * 20)
+    # k * 128 <= 1000 + 256: k = 8 passes (1024), k = 16 (2048) does not
+    assert p["bounds"]["budget"] == 8 and p["k_max"] == 8 and p["binding"] == ["budget"]
+    # rows end where the warmup (117 steps) is no longer shorter than the run (80 at k = 128)
+    assert [r["k"] for r in p["rows"]] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_warmup_bound_is_lewgs_constant_steps_over_half_the_budget():
+    p = predict_k_max(**MNIST, b_simple=[1e9] * 20)  # noise never binds
+    rows = {r["k"]: r for r in p["rows"]}
+    assert rows[32]["warmup_steps"] == rows[64]["warmup_steps"] == 117  # 0.25 x 60000 / 128
+    assert rows[32]["total_steps"] == 300 and rows[64]["total_steps"] == 160
+    assert p["bounds"]["warmup"] == 32 and p["k_max"] == 32 and p["binding"] == ["warmup"]
+    assert "117 of 160" in format_prediction(p)
+
+
+def test_stability_bound_is_the_sqrt_k_peak_under_the_stable_lr():
+    # stable LR 4x eta0: sqrt(k) <= 4, k <= 16
+    p = predict_k_max(**MNIST, b_simple=[1e9] * 20, stable_lr=8e-3)
+    assert p["bounds"]["stability"] == 16 and p["k_max"] == 16 and p["binding"] == ["stability"]
+    assert "k <= 16" in format_prediction(p)
+    unmeasured = predict_k_max(**MNIST, b_simple=[1e9] * 20)
+    assert "not measured" in format_prediction(unmeasured)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="b_simple"):
+        predict_k_max(**MNIST, b_simple=[math.nan])
+    with pytest.raises(ValueError, match="epochs"):
+        predict_k_max(**{**MNIST, "epochs": 0}, b_simple=[1.0])
+
+
+def test_probe_verdicts():
+    assert trains([2.3, 2.0, 1.5, 1.0, 0.8, 0.7, 0.6, 0.5])[0]
+    ok, why = trains([2.3, 2.0, 2.6, 1.0, 0.8, 0.7, 0.6, 0.5])
+    assert not ok and "rose to 2.6" in why
+    ok, why = trains([2.3, 2.3, 2.3, 2.3, 2.3, 2.3, 2.3])
+    assert not ok and "not training" in why
+    assert not trains([2.3, 2.0, float("nan"), 1.0, 0.9, 0.8, 0.7])[0]
+    assert not trains([2.3, 2.0])[0]
+    assert PROGRESS_MIN == 0.5
+
+
+def test_stability_probe_runs_the_grid_until_an_lr_does_not_train(tmp_path):
+    """A real probe of a small MNIST-LSTM recipe (hidden 16, 4,096 images, B0 128: 8 warmup
+    steps then 62 at the LR): Adam at 0.32 trains, and the grid goes up by sqrt(2) until an LR
+    does not (1.28 did not, on 2026-12-07: the loss rose to 4.0 from 2.4); the stable LR is the
+    last that trained and the JSON is written."""
+    from hpclb.tools.lr_probe import stability_probe
+
+    recipe = quick_recipe(tmp_path, model={"name": "mnist_lstm", "hidden_size": 16},
+                          optimizers={"adam": {"lr": 0.32}})
+    seen = []
+    r = stability_probe(recipe, optimizer="adam", work=tmp_path / "probe", max_j=8,
+                        hold_steps=62, report=seen.append)
+    assert r["probes"] == seen and seen[0]["trains"] and not seen[-1]["trains"]
+    assert all(p["trains"] for p in seen[:-1])
+    assert r["stable_lr"] == pytest.approx(0.32 * 2 ** (seen[-2]["j"] / 2))
+    assert r["k_stable"] == 2 ** seen[-2]["j"] and r["bounded"]
+    assert seen[0]["steps"] == 70 and len(seen[0]["losses"]) == 7  # logged every 10 steps
+    saved = json.loads((tmp_path / "probe" / "lr_probe.json").read_text())
+    assert saved["stable_lr"] == r["stable_lr"]

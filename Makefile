@@ -253,3 +253,11 @@ STEP ?=
 .PHONY: science
 science: install data
 	STEP="$(subst -,_,$(STEP))" PY=$(PY) bash benchmarks/science/protocol.sh
+
+# Where LEGW breaks (docs/science.md): each workload's B0 noise-scale run and LR probe, the
+# prediction (results/science/predictions.json, committed before any k-map point), the k-maps.
+# STEP=name runs one step (noise-<w>, probe-<w>, predict, kmap-<w>; w: mnist-adam,
+# mnist-momentum, cnn, ptb); none: all in order. Resumable like `science`.
+.PHONY: science-kmap
+science-kmap: install data
+	STEP="$(STEP)" PY=$(PY) bash benchmarks/science/kmap.sh

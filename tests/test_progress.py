@@ -163,3 +163,29 @@ def test_due_at_says_when_an_update_has_something_to_show(monkeypatch):
     lines.end_epoch()
     bar.end_epoch()
     assert lines.due_at == bar.due_at == float("inf")
+
+
+def test_a_terminal_that_reports_no_size_still_shows_the_bar():
+    """A TTY of 0 x 0 (``srun --pty``, ``script`` without ``stty``, some container TTYs): tqdm
+    sized itself -1 x -1 from it and drew nothing; the bar now takes $COLUMNS/$LINES or 80 x 24."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    with open(slave, "w") as tty:
+        p = P.Progress(True, n_epochs=1, total_steps=5, global_batch=1, stream=tty)
+        p.start_epoch(0, 0, 5, 0)
+        for i in range(5):
+            p.update(i, i + 1, 0.1, {"loss": 1.0})
+        p.bar.refresh()
+        shown = b""
+        while select.select([master], [], [], 0.5)[0]:
+            shown += os.read(master, 65536)
+        p.end_epoch()
+    os.close(master)
+    assert b"epoch 1/1" in shown and b"5/5" in shown, shown

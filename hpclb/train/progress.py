@@ -2,7 +2,8 @@
 and updated by the step log (:meth:`hpclb.train.loop.StepLog.after_step`) when ``due_at``.
 
 On a terminal (stderr a TTY): a tqdm bar per epoch (its rate in steps/s, its ETA the epoch's),
-its postfix, at each step-log line, the last logged loss, the LR, samples/s and the run's ETA.
+its postfix, at each step-log line, the last logged loss, the LR, samples/s and the run's ETA;
+$COLUMNS/$LINES or 80 x 24 wide where the terminal reports a size of 0 (:func:`_bar_size`).
 Elsewhere (a SLURM or PBS log, a pipe): one line every ``every_s`` seconds, so a log shows life
 long before the first epoch ends::
 
@@ -16,6 +17,8 @@ process's first step of the epoch / of the run (a resumed run counts from its re
 """
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from typing import TextIO
@@ -33,6 +36,20 @@ def format_duration(seconds: float) -> str:
     if s >= 60:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s}s"
+
+
+def _bar_size(stream: TextIO) -> dict:
+    """tqdm's size arguments: the terminal's own, followed as it is resized; where it reports
+    0 columns or rows (``srun --pty``, ``script`` without ``stty``, some container TTYs), from
+    which tqdm would draw nothing, :func:`shutil.get_terminal_size`'s ($COLUMNS/$LINES, else
+    80 x 24)."""
+    try:
+        if min(os.get_terminal_size(stream.fileno())) > 0:
+            return {"dynamic_ncols": True}
+    except (AttributeError, OSError, ValueError):  # no file descriptor: tqdm asks nothing
+        return {"dynamic_ncols": True}
+    cols, rows = shutil.get_terminal_size()
+    return {"ncols": cols, "nrows": rows}
 
 
 class Progress:
@@ -71,7 +88,7 @@ class Progress:
         if self.tty:
             self.due_at = 0.0
             self.bar = tqdm(total=steps, initial=begin, desc=f"epoch {epoch + 1}/{self.n_epochs:g}",
-                            leave=False, file=self.stream, dynamic_ncols=True)
+                            leave=False, file=self.stream, **_bar_size(self.stream))
 
     def update(self, i: int, global_step: int, lr: float, logged: dict | None) -> None:
         """After step ``i`` (0-based in the epoch) = global step ``global_step`` (count so far);

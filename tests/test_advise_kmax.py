@@ -86,3 +86,17 @@ def test_stability_probe_runs_the_grid_until_an_lr_does_not_train(tmp_path):
     assert seen[0]["steps"] == 70 and len(seen[0]["losses"]) == 7  # logged every 10 steps
     saved = json.loads((tmp_path / "probe" / "lr_probe.json").read_text())
     assert saved["stable_lr"] == r["stable_lr"]
+
+
+def test_an_epoch_whose_gradient_is_all_noise_counts_as_infinite_noise_scale():
+    """Late in a run whose loss is near 0 the smoothed |G|^2 turns negative (MNIST-LSTM with
+    momentum, epochs 15-20 of 20): B_simple is undefined there, and infinite by its meaning
+    (every batch is below the critical batch), so those epochs make full progress."""
+    assert progress_ratio(1024, 128, [math.inf]) == 1.0
+    assert progress_ratio(1024, 128, [1000.0, math.inf]) == pytest.approx((1128 / 2024 + 1) / 2)
+    p = predict_k_max(**MNIST, b_simple=[1000.0] * 10 + [math.inf] * 10)
+    # half the epochs at full progress: the mean never falls under 1/2 (k = 64, the last row)
+    assert p["bounds"]["budget"] == 64
+    p = predict_k_max(**MNIST, b_simple=[1000.0] * 15 + [math.inf] * 5)
+    # (3/4) 1128 / (k 128 + 1000) + 1/4 >= 1/2: k 128 + 1000 <= 3384, k <= 18: 16
+    assert p["bounds"]["budget"] == 16

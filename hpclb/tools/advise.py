@@ -90,6 +90,10 @@ def _noisy_epochs(rows: RunRows) -> list[dict]:
             continue
         if finite(noise.get("b_simple")):
             noisy.append(r)
+        elif finite(noise.get("g2")) and noise["g2"] <= 0:
+            rows.warn(f"{rows.path}:{r['_line']}: epoch {r.get('epoch', '?')}: no B_simple (the "
+                      f"smoothed |G|^2 is {noise['g2']:.3g} <= 0: the gradient is all noise); "
+                      f"left out of critical_batch, counted as infinite in k_max's budget")
         else:
             rows.warn(f"{rows.path}:{r['_line']}: epoch {r.get('epoch', '?')}: noise.b_simple "
                       f"= {noise.get('b_simple')!r} is not a finite number; epoch left out")
@@ -167,11 +171,13 @@ def progress_ratio(batch: int, base_batch_size: int, b_simple: list[float]) -> f
     B_simple. By McCandlish et al. (2018, eq. 2.11) a step at batch B makes ``1 / (1 +
     B_crit / B)`` of the progress of a step at infinite batch, so an epoch (N / B steps) at B
     makes ``(B0 + B_crit) / (B + B_crit)`` of an epoch at B0's; B_simple stands for B_crit, and
-    it grows as training goes on, so each epoch has its own. 1 at ``batch = B0``; with one
+    it grows as training goes on, so each epoch has its own. ``inf`` (an epoch whose gradient
+    was all noise: estimated ``|G|^2 <= 0``) counts 1. 1 at ``batch = B0``; with one
     constant ``B_e`` it is at least 1/2 while ``batch <= B_e + 2 B0``."""
     if not b_simple:
         raise ValueError("b_simple: no epoch's noise scale")
-    return sum((base_batch_size + b) / (batch + b) for b in b_simple) / len(b_simple)
+    return sum(1.0 if math.isinf(b) else (base_batch_size + b) / (batch + b)
+               for b in b_simple) / len(b_simple)
 
 
 def predict_k_max(*, base_batch_size: int, num_samples: int, epochs: float,
@@ -196,7 +202,8 @@ def predict_k_max(*, base_batch_size: int, num_samples: int, epochs: float,
     for name, v in (("base_batch_size", base_batch_size), ("num_samples", num_samples),
                     ("epochs", epochs), ("base_lr", base_lr), ("k_limit", k_limit),
                     *(("b_simple", b) for b in b_simple)):
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        if not (isinstance(v, (int, float)) and v > 0 and (math.isfinite(v) or name == "b_simple"
+                                                             and v == math.inf)):
             raise ValueError(f"{name} must be a positive finite number, got {v!r}")
     rows, k = [], 1
     while k <= k_limit and k * base_batch_size <= num_samples:
@@ -259,6 +266,20 @@ def format_prediction(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _b_simple_per_epoch(rows: RunRows) -> list[float]:
+    """Each epoch's B_simple for :func:`progress_ratio`: ``inf`` where the smoothed ``|G|^2``
+    was not positive (the gradient all noise: late in a run whose loss is near 0), epochs
+    without a noise field left out."""
+    out = []
+    for r in rows.epochs:
+        noise = r.get("noise")
+        if isinstance(noise, dict) and finite(noise.get("b_simple")):
+            out.append(float(noise["b_simple"]))
+        elif isinstance(noise, dict) and finite(noise.get("g2")) and noise["g2"] <= 0:
+            out.append(math.inf)
+    return out
+
+
 def _run_inputs(run: Path, cfg: dict) -> dict[str, Any]:
     """The recipe's inputs to :func:`predict_k_max` for a B0 run's ``config.json`` ``cfg``;
     the training set is sized as the run's dry run sizes it (registry, else read)."""
@@ -301,7 +322,7 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
     if stable_lr is None and probe is not None:
         stable_lr = probe["stable_lr"]
     inputs = _run_inputs(run, cfg)
-    inputs["b_simple"] = [r["noise"]["b_simple"] for r in _noisy_epochs(read_run(run, warn))]
+    inputs["b_simple"] = _b_simple_per_epoch(read_run(run, warn))
     pred = predict_k_max(**{k: inputs[k] for k in ("base_batch_size", "num_samples", "epochs",
                                                    "base_warmup_epochs", "base_lr",
                                                    "b_simple")}, stable_lr=stable_lr)

@@ -243,7 +243,7 @@ def format_prediction(p: dict[str, Any]) -> str:
     top = max(rows)
 
     def at(k: int) -> str:
-        return "" if k >= top else f" (fails at k = {2 * k})"
+        return f" (no k up to {top} fails)" if k >= top else f" (fails at k = {2 * k})"
 
     w = rows.get(2 * b["warmup"], rows[b["warmup"]])
     lines = [f"k_max {p['k_max']} (batch {p['batch']}): LEGW expected to hold up to here; bound "
@@ -262,7 +262,7 @@ def format_prediction(p: dict[str, Any]) -> str:
         s = rows.get(2 * b["stability"])
         lines.append(f"  stability: sqrt(k) x eta0 <= stable LR {p['stable_lr']:.4g} (probe at "
                      f"B0) -> k <= {b['stability']}" + (
-                         f" (peak {s['peak_lr']:.4g} at k = {s['k']})" if s else ""))
+                         f" (peak {s['peak_lr']:.4g} at k = {s['k']})" if s else at(top)))
     return "\n".join(lines)
 
 

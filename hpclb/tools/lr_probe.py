@@ -95,7 +95,7 @@ def probe_lr(recipe_path: Path, lr: float, *, optimizer: str | None, out: Path,
 
 
 def stability_probe(experiment: str, *, optimizer: str | None, work: Path,
-                    data_dir: str | None = None, max_j: int = 20, hold_steps: int = HOLD_STEPS,
+                    data_dir: str | None = None, max_j: int = 10, hold_steps: int = HOLD_STEPS,
                     report: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """The probe on the grid ``eta0 * 2^(j/2)``, ``j = 0 .. max_j``, stopping at the first LR that
     does not train: ``{"experiment", "optimizer", "base_lr", "probes": [...], "stable_lr",

@@ -62,14 +62,27 @@ def _add_allocation(r: argparse.ArgumentParser) -> None:
     r.add_argument("--data-dir", help="data directory on the cluster (exported as HPCLB_DATA)")
     r.add_argument("--venv", default=".venv", help="virtualenv to activate ('' for none)")
     r.add_argument("--module", action="append", help="environment module to load (repeatable)")
-    r.add_argument("--fabric", default="ib", choices=FABRICS,
-                   help="ib: UCX/NCCL over InfiniBand; tcp: Ethernet; local: emulated nodes on "
-                   "one host")
-    r.add_argument("--allreduce", default="ring", choices=ALLREDUCE,
-                   help="allreduce algorithm for Open MPI (coll tuned) and NCCL")
-    r.add_argument("--ucx-net-devices", help="default mlx5_0:1 (ib)")
-    r.add_argument("--nccl-ib-hca", help="default mlx5 (ib)")
-    r.add_argument("--socket-ifname", help="bootstrap/TCP interface (default ib0, eth0, lo)")
+    _add_fabric(r)
+
+
+def _add_fabric(r: argparse.ArgumentParser) -> None:
+    """Fabric tuning: each option exports only its own variables, none by default."""
+    t = r.add_argument_group("fabric tuning (default: none; the site's MPI and NCCL choose; "
+                             "measure each with `hpclb bench allreduce`, docs/clusters.md)")
+    t.add_argument("--fabric", default="auto", choices=FABRICS,
+                   help="ib: Open MPI over UCX with TCP excluded (fails rather than fall back), "
+                   "NCCL over IB verbs; tcp: Open MPI ob1 over TCP, NCCL over sockets; local: "
+                   "emulated nodes on one host (over lo)")
+    t.add_argument("--allreduce", default="auto", choices=ALLREDUCE,
+                   help="force Open MPI's coll tuned allreduce algorithm and NCCL_ALGO (Ring for "
+                   "the rings, else Tree); auto keeps NCCL's tree/NVLS choice at scale")
+    t.add_argument("--ucx-net-devices", metavar="DEV:PORT", help="UCX_NET_DEVICES, e.g. "
+                   "mlx5_0:1 (see ibv_devinfo), where UCX picks the wrong HCA or port")
+    t.add_argument("--nccl-ib-hca", metavar="HCA", help="NCCL_IB_HCA, e.g. mlx5, where NCCL "
+                   "picks the wrong HCA")
+    t.add_argument("--socket-ifname", metavar="IFACE", help="NCCL_SOCKET_IFNAME and Open MPI's "
+                   "btl_tcp_if_include, e.g. ib0 or eth0 (see ip link), where a node has "
+                   "interfaces the ranks cannot reach each other on")
 
 
 def _add_run_settings(r: argparse.ArgumentParser) -> None:

@@ -49,8 +49,8 @@ from hpclb.tools.jobs_spec import (
 )
 
 # JobSpec (hpclb.tools.jobs_spec, torch-free for the command line) is what render takes.
-__all__ = ["BLOCK_SIGNALS", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES",
-           "EXAMPLES", "JobSpec", "Plan", "train_set_size", "default_backend", "plan_for",
+__all__ = ["BLOCK_SIGNALS", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES", "EXAMPLES",
+           "FABRIC_ENV", "JobSpec", "Plan", "train_set_size", "default_backend", "plan_for",
            "interconnect", "render", "template_engine", "example_specs", "write_examples"]
 
 # Each rank starts with the preemption signals blocked until hpclb has its handler in place
@@ -193,34 +193,34 @@ def plan_for(recipe: dict[str, Any], global_batch: int, per_rank_batch: int, sca
                              "fixed": "W0 epochs", "none": "no warmup"}[warmup_rule])
 
 
-def interconnect(spec: JobSpec) -> list[tuple[str, str]]:
-    """Environment for the fabric and the allreduce algorithm, in the order it is exported.
+# What --fabric exports (auto: nothing, the site's MPI and NCCL choose): Open MPI's pml and
+# btl, and whether NCCL may use InfiniBand. ib: UCX over the HCA, no TCP fallback; tcp: ob1 over
+# Ethernet; local: emulated nodes on one host (the test cluster), over loopback.
+FABRIC_ENV = {
+    "auto": [],
+    "ib": [("OMPI_MCA_pml", "ucx"), ("OMPI_MCA_btl", "^tcp,openib,uct"), ("NCCL_IB_DISABLE", "0")],
+    "tcp": [("OMPI_MCA_pml", "ob1"), ("OMPI_MCA_btl", "self,sm,tcp"), ("NCCL_IB_DISABLE", "1")],
+    "local": [("OMPI_MCA_pml", "ob1"), ("OMPI_MCA_btl", "self,tcp"), ("NCCL_IB_DISABLE", "1")],
+}
 
-    ``ib``: UCX over the HCA for MPI (pml ucx), NCCL over IB verbs, TCP only for bootstrap.
-    ``tcp``: Open MPI ob1 over TCP, NCCL over sockets. ``local``: several (emulated) nodes on one
-    host, as in the test cluster: ob1 with ``btl self,tcp`` over loopback.
-    The allreduce: Open MPI's tuned component fixed to the algorithm (dynamic rules on) and NCCL's
-    matching ``NCCL_ALGO``; ``auto`` leaves both libraries to choose.
+
+def interconnect(spec: JobSpec) -> list[tuple[str, str]]:
+    """Environment for the fabric and the allreduce algorithm, in the order it is exported: only
+    what was asked for (the defaults, ``--fabric auto --allreduce auto``, export nothing).
+
+    ``--fabric``: :data:`FABRIC_ENV`. ``--socket-ifname I`` (``lo`` with ``local``): NCCL's
+    sockets and Open MPI's tcp btl on ``I``. ``--ucx-net-devices``, ``--nccl-ib-hca``: as given.
+    ``--allreduce A``: Open MPI's tuned component fixed to ``A`` (dynamic rules on) and NCCL's
+    matching ``NCCL_ALGO`` (Ring, else Tree).
     """
-    env: list[tuple[str, str]] = []
-    if spec.fabric == "ib":
-        env += [("UCX_NET_DEVICES", spec.ucx_net_devices or "mlx5_0:1"),
-                ("OMPI_MCA_pml", "ucx"), ("OMPI_MCA_btl", "^tcp,openib,uct"),
-                ("NCCL_IB_HCA", spec.nccl_ib_hca or "mlx5"),
-                ("NCCL_SOCKET_IFNAME", spec.socket_ifname or "ib0"),
-                ("NCCL_IB_DISABLE", "0")]
-    elif spec.fabric == "tcp":
-        ifname = spec.socket_ifname or "eth0"
-        env += [("OMPI_MCA_pml", "ob1"), ("OMPI_MCA_btl", "self,sm,tcp"),
-                ("OMPI_MCA_btl_tcp_if_include", ifname), ("NCCL_SOCKET_IFNAME", ifname),
-                ("NCCL_IB_DISABLE", "1")]
-        if spec.ucx_net_devices:
-            env.append(("UCX_NET_DEVICES", spec.ucx_net_devices))
-    else:  # local
-        ifname = spec.socket_ifname or "lo"
-        env += [("OMPI_MCA_pml", "ob1"), ("OMPI_MCA_btl", "self,tcp"),
-                ("OMPI_MCA_btl_tcp_if_include", ifname), ("NCCL_SOCKET_IFNAME", ifname),
-                ("NCCL_IB_DISABLE", "1")]
+    env = list(FABRIC_ENV[spec.fabric])
+    ifname = spec.socket_ifname or ("lo" if spec.fabric == "local" else None)
+    if ifname:
+        env += [("OMPI_MCA_btl_tcp_if_include", ifname), ("NCCL_SOCKET_IFNAME", ifname)]
+    if spec.ucx_net_devices:
+        env.append(("UCX_NET_DEVICES", spec.ucx_net_devices))
+    if spec.nccl_ib_hca:
+        env.append(("NCCL_IB_HCA", spec.nccl_ib_hca))
     if spec.allreduce != "auto":
         env += [("OMPI_MCA_coll_tuned_use_dynamic_rules", "1"),
                 ("OMPI_MCA_coll_tuned_allreduce_algorithm", spec.allreduce),

@@ -18,7 +18,7 @@ __all__ = ["SCHEDULERS", "FABRICS", "ALLREDUCE", "SLURM_LAUNCHERS", "JOB_BACKEND
            "validate"]
 
 SCHEDULERS = ("slurm", "pbs")
-FABRICS = ("ib", "tcp", "local")
+FABRICS = ("auto", "ib", "tcp", "local")
 ALLREDUCE = ("ring", "segmented_ring", "recursive_doubling", "rabenseifner", "auto")
 SLURM_LAUNCHERS = ("srun", "mpirun")
 JOB_BACKENDS = ("mpi", "torch", "horovod")
@@ -54,8 +54,8 @@ class JobSpec:
     data_dir: str | None = None
     venv: str | None = ".venv"
     modules: list[str] = field(default_factory=list)
-    fabric: str = "ib"
-    allreduce: str = "ring"
+    fabric: str = "auto"                    # auto: the site's MPI and NCCL choose
+    allreduce: str = "auto"                 # auto: the libraries choose
     ucx_net_devices: str | None = None
     nccl_ib_hca: str | None = None
     socket_ifname: str | None = None

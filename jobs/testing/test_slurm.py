@@ -4,7 +4,7 @@ with 8 fake GPUs each; see slurm_cluster.py). Run by `make test-slurm` (root, ap
 1. `sbatch --test-only` of every rendered example (SLURM, and the PBS ones as a cross-check:
    sbatch reads #PBS lines) gets exactly the nodes it asks for; one node too many is refused.
 2. The 1- and 16-node examples run with a stub in place of `hpclb train`: the task/GPU layout it
-   prints (ranks, nodes, local ranks, CUDA_VISIBLE_DEVICES, the allreduce settings) is checked.
+   prints (ranks, nodes, local ranks, CUDA_VISIBLE_DEVICES, no allreduce settings) is checked.
 3. A rendered script runs a real 2-rank MNIST-LSTM job (srun --mpi=pmix, the venv's Open MPI).
 4. Preemption: USR2 to the batch shell of a running job -> every rank stops after the same step,
    rank 0 checkpoints it, exit 75 -> `scontrol requeue` -> the job resumes and its final
@@ -154,7 +154,7 @@ def test_examples_fit_a_cluster_of_their_size(cluster, workdir, script):
 
 STUB = """#!/bin/bash
 echo "LAYOUT $SLURM_PROCID $SLURM_NTASKS $SLURMD_NODENAME $SLURM_LOCALID ${CUDA_VISIBLE_DEVICES:-none} \
-$OMPI_MCA_coll_tuned_allreduce_algorithm $NCCL_ALGO $OMPI_MCA_pml $OMP_NUM_THREADS"
+${OMPI_MCA_coll_tuned_allreduce_algorithm:--} ${NCCL_ALGO:--} ${OMPI_MCA_pml:--} $OMP_NUM_THREADS"
 if [ "$SLURM_PROCID" = 0 ]; then echo "ARGS $*"; fi
 """
 
@@ -192,7 +192,8 @@ def test_example_task_and_gpu_layout(cluster, workdir, script):
         seen = [r[5] for r in node_rows]
         assert all(v.isdigit() for v in seen), seen
         assert sorted(seen) == [str(i) for i in range(gpus)] or set(seen) == {"0"}, seen
-    assert {tuple(r[6:10]) for r in rows} == {("ring", "Ring", "ucx", str(cpus))}
+    # the examples tune nothing: the site's MPI and NCCL choose (docs/clusters.md)
+    assert {tuple(r[6:10]) for r in rows} == {("-", "-", "-", str(cpus))}
     args = next(l for l in log.splitlines() if l.startswith("ARGS ")).split()
     assert args[1:3] == ["hpclb", "train"]
     assert args[args.index("--expect-world-size") + 1] == str(ranks)

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The paper's sweeps at their full budgets on one GPU (issue #14), through `hpclb sweep`.
 #
-#   benchmarks/gpu_sweeps.sh OUT [--smoke]
+#   benchmarks/gpu_sweeps.sh OUT [--smoke] [--kmap]
 #
 # Prints its plan with an estimated time first, then runs, within GPU_SWEEPS_BUDGET_S (default
 # 540 s = 9 minutes), as many points as fit, in this order, and says what it skipped:
 #   mnist-lstm    20 epochs:  batch 128, 1024, 8192          x legw, linear, sqrt, none
 #   ptb-small     13 epochs:  batch 20, 80, 160, 640          x legw, sqrt, linear, none
 #   fashion-resnet (LARS), 20 epochs: batch 128, 1024, 4096, 8192 x legw, sqrt, linear, none
+# --kmap: instead, the MNIST-LSTM k-map of docs/science.md ("Where LEGW breaks"): LEGW at batch
+# 128, 1024, 2048, 4096, 8192, seeds 0-2, with Adam and with SGD + momentum (30 points, ~6 min on
+# one H200 by the 2026-12-04 timings: B0 30 s, 8192 4 s); its tables and points go to OUT/sweeps
+# and, packed, OUT/kmap.tar.gz (what a lent GPU machine sends back).
 # Each experiment runs from a derived recipe `<experiment>-gpu` (the packaged recipe with
 # `device: cuda`, `precision: bf16`), so the tables land in results/sweeps/<experiment>-gpu.
 # {json,md,png}, every row with its device, precision, wall time and time to target. `hpclb
@@ -16,7 +20,7 @@
 #
 # --smoke: the same script on the CPU with a few steps per point (data subsets, one or two
 # batches and schemes per experiment), results under OUT/sweeps; tests/test_gpu_scripts.py runs
-# it.
+# it (with --kmap too).
 # The data: $HPCLB_DATA when set; else the GPU check's bundle ($GPU_CHECK_BUNDLE, else
 # shared-data/, as benchmarks/gpu_check/prepare.py lays it out: mnist/*.gz, which hpclb's MNIST
 # reader reads as they are) when it holds MNIST; else data/ (make data). An experiment whose data
@@ -24,10 +28,13 @@
 # the plan says why.
 set -uo pipefail
 
-usage="usage: benchmarks/gpu_sweeps.sh OUT [--smoke]"
+usage="usage: benchmarks/gpu_sweeps.sh OUT [--smoke] [--kmap]"
 out="${1:?$usage}"
-smoke=0
-if [ "${2:-}" = "--smoke" ]; then smoke=1; elif [ -n "${2:-}" ]; then echo "$usage" >&2; exit 2; fi
+shift
+smoke=0 kmap=0
+for a in "$@"; do
+    case "$a" in --smoke) smoke=1;; --kmap) kmap=1;; *) echo "$usage" >&2; exit 2;; esac
+done
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 cd "$(dirname "$0")/.."
@@ -44,7 +51,7 @@ start=$(date +%s)
 
 # The plan: one line per experiment, "<name> <recipe.yaml> <batches> <schemes> <est. s/point>",
 # with the derived recipes written under OUT/recipes.
-"$PY" - "$out" "$smoke" "$data" >"$out/plan.txt" <<'PY' || exit 2
+"$PY" - "$out" "$smoke" "$data" "$kmap" >"$out/plan.txt" <<'PY' || exit 2
 import sys
 from pathlib import Path
 import yaml
@@ -53,6 +60,7 @@ from hpclb.data.registry import dataset
 from hpclb.errors import DataError
 
 out, smoke, data = Path(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[3])
+kmap = sys.argv[4] == "1"
 schemes_all = "legw,linear,sqrt,none"
 # experiment: (batches, schemes, seconds per point on one H200 (estimate), smoke: recipe
 # changes, batches, schemes). The smoke keeps every code path (each experiment, B0 and a larger
@@ -69,9 +77,18 @@ plan = {
                                   "test_samples": 128}, "epochs": 1, "warmup_epochs": 0.1},
                         [128, 256], "legw")),
 }
+mnist_smoke = plan["mnist-lstm"][3]
+if kmap:  # name: (recipe, batches, schemes, s/point, smoke; optimizer, seeds)
+    plan = {f"mnist-kmap-{opt}": ([128, 1024, 2048, 4096, 8192], "legw", 12,
+                                  (mnist_smoke[0], [128, 1024], "legw"), opt, "0,1,2")
+            for opt in ("adam", "momentum")}
+else:
+    plan = {exp: (*v, "-", "0") for exp, v in plan.items()}
 (out / "recipes").mkdir(parents=True, exist_ok=True)
 total = 0
-for exp, (batches, schemes, est, (changes, smoke_batches, smoke_schemes)) in plan.items():
+for name, (batches, schemes, est, (changes, smoke_batches, smoke_schemes), opt, seeds) in \
+        plan.items():
+    exp = "mnist-lstm" if kmap else name
     recipe = load_recipe(exp)
     try:  # staged = hpclb's reader reads it there (raw or gzip files, as the sweep will)
         dataset(recipe["data"]["name"]).load(str(data), recipe["data"])
@@ -80,31 +97,34 @@ for exp, (batches, schemes, est, (changes, smoke_batches, smoke_schemes)) in pla
               f"{str(e).splitlines()[0][:160]}")
         continue
     recipe.pop("path", None)
+    tag = f"{name}-gpu" if kmap else f"{exp}-gpu"
     if smoke:
         batches, schemes, est = smoke_batches, smoke_schemes, 3
-        recipe.update(changes, name=f"{exp}-gpu-smoke")
+        recipe.update(changes, name=f"{tag}-smoke")
     else:
-        recipe.update(name=f"{exp}-gpu", device="cuda", precision="bf16")
+        recipe.update(name=tag, device="cuda", precision="bf16")
     path = out / "recipes" / f"{recipe['name']}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    n = len(batches) * len(schemes.split(",")) - (len(schemes.split(",")) - 1)  # k = 1 runs once
+    # k = 1 runs once for all schemes
+    n = (len(batches) * len(schemes.split(",")) - (len(schemes.split(",")) - 1)) * \
+        len(seeds.split(","))
     total += n * est
-    print(exp, path, ",".join(map(str, batches)), schemes, est, n)
+    print(name, path, ",".join(map(str, batches)), schemes, est, n, opt, seeds)
 print(f"# estimated {total} s for all points")
 PY
 echo "gpu_sweeps: $([ $smoke = 1 ] && echo 'SMOKE (CPU, a few steps per point)' || echo 'full budgets, one GPU'), budget $budget s, data $data"
 echo "plan:"
-while read -r exp recipe batches schemes est n; do
+while read -r exp recipe batches schemes est n opt seeds; do
     case "$exp" in
         "#") echo "  $recipe $batches $schemes $est $n";;
-        *) echo "  $exp: batches $batches x $schemes = $n run(s), ~$est s each";;
+        *) echo "  $exp: batches $batches x $schemes$([ "$opt" != - ] && echo " ($opt)") x seeds $seeds = $n run(s), ~$est s each";;
     esac
 done <"$out/plan.txt"
 
-if [ $smoke = 1 ]; then results="$out/sweeps"; else results="$repo/results/sweeps"; fi
+if [ $smoke = 1 ] || [ $kmap = 1 ]; then results="$out/sweeps"; else results="$repo/results/sweeps"; fi
 runs="$out/runs"
 status=0
-while read -r exp recipe batches schemes est n; do
+while read -r exp recipe batches schemes est n opt seeds; do
     [ "$exp" = "#" ] && continue
     left=$(( budget - ($(date +%s) - start) ))
     if [ "$left" -lt "$est" ]; then
@@ -113,6 +133,7 @@ while read -r exp recipe batches schemes est n; do
     fi
     echo "== $exp ($left s left)"
     timeout "$left" "$PY" -m hpclb sweep "$recipe" --batch-sizes "$batches" --schemes "$schemes" \
+        --seeds "$seeds" $([ "$opt" != - ] && echo "--optimizer $opt") \
         --data-dir "$data" --out-dir "$results" --runs-dir "$runs"
     rc=$?
     if [ $rc -eq 124 ]; then
@@ -121,5 +142,8 @@ while read -r exp recipe batches schemes est n; do
         echo "gpu_sweeps: $exp failed (exit $rc)"; status=1
     fi
 done <"$out/plan.txt"
+if [ $kmap = 1 ] && [ -d "$results" ]; then
+    tar czf "$out/kmap.tar.gz" -C "$out" sweeps && echo "gpu_sweeps: k-map packed in $out/kmap.tar.gz"
+fi
 echo "gpu_sweeps: done in $(( $(date +%s) - start )) s; tables in $results"
 exit $status

@@ -63,3 +63,34 @@ def test_gpu_sweeps_reads_the_bundle_as_prepare_lays_it_out(tmp_path, mnist_dir,
     assert "mnist-lstm: batches 128,1024,8192 x legw,linear,sqrt,none" in out
     assert "ptb-small: skipped, ptb not staged in" in out
     assert "fashion-resnet: skipped, fashion-mnist not staged in" in out
+
+
+def test_gpu_kmap_plan_is_the_whole_mnist_kmap(tmp_path, mnist_dir):
+    """--kmap plans docs/science.md's MNIST-LSTM k-map: LEGW at 128-8192, seeds 0-2, Adam and
+    momentum (30 points), within the call's 540 s by its estimate (budget 0: the plan only)."""
+    env = {**ENV, "GPU_CHECK_BUNDLE": str(tmp_path / "no-bundle"), "GPU_SWEEPS_BUDGET_S": "0"}
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_sweeps.sh"), str(tmp_path),
+                        "--kmap"], capture_output=True, text=True, timeout=200, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    for opt in ("adam", "momentum"):
+        assert (f"mnist-kmap-{opt}: batches 128,1024,2048,4096,8192 x legw ({opt}) x seeds "
+                f"0,1,2 = 15 run(s)") in out
+    est = int(out.split("estimated ")[1].split()[0])
+    assert est <= 540, out
+
+
+@pytest.mark.extended  # ~1 min
+def test_gpu_kmap_smoke(tmp_path, mnist_dir):
+    env = {**ENV, "GPU_CHECK_BUNDLE": str(tmp_path / "no-bundle")}
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_sweeps.sh"), str(tmp_path),
+                        "--smoke", "--kmap"], capture_output=True, text=True, timeout=280,
+                       env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    for opt in ("adam", "momentum"):
+        rows = json.loads((tmp_path / "sweeps" / f"mnist-kmap-{opt}-gpu-smoke.json").read_text())
+        got = {(row["batch_size"], row["seed"], row["optimizer"]) for row in rows}
+        assert got == {(b, s, opt) for b in (128, 1024) for s in (0, 1, 2)}, got
+        assert all(row["metric"] is not None for row in rows)
+    assert (tmp_path / "kmap.tar.gz").is_file()

@@ -2,8 +2,10 @@
 
     predictions.py OUT.json WORKLOAD=B0_RUN_DIR ...
         adds to OUT.json the prediction of `hpclb advise B0_RUN_DIR --json` for each workload
-        whose B0 noise-scale run has finished and whose LR probe is in B0_RUN_DIR/lr_probe/; a
-        workload already in OUT.json is kept as it is (a registered prediction is never redone)
+        whose B0 noise-scale run has finished and whose LR probe is in B0_RUN_DIR/lr_probe/, and
+        copies its inputs (metrics.jsonl, config.json, summary.json, lr_probe.json) beside
+        OUT.json under b0-noise/WORKLOAD/; a workload already in OUT.json is kept as it is (a
+        registered prediction is never redone)
     predictions.py --near-b0 SWEEP.json B1,B2,...
         prints the batches among B1,B2,... whose LEGW seed-0 point lies within twice the
         tolerance of the B0 mean (the PTB k-map runs seeds 1-2 there)
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +46,13 @@ def add(out: Path, pairs: list[str]) -> int:
             "b0_run": run, "k_max": p["prediction"]["k_max"],
             "batch": p["prediction"]["batch"], "bounds": p["prediction"]["bounds"],
             "binding": p["prediction"]["binding"], **p}
+        keep = out.parent / "b0-noise" / name
+        keep.mkdir(parents=True, exist_ok=True)
+        for f in ("metrics.jsonl", "config.json", "summary.json", "lr_probe/lr_probe.json"):
+            shutil.copy(Path(run) / f, keep / Path(f).name)
+        cfg = json.loads((keep / "config.json").read_text())
+        cfg["data_root"] = "data"  # this machine's absolute path stays out of the repository
+        (keep / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         print(f"{name}: k_max {p['prediction']['k_max']} (bounds {p['prediction']['bounds']})")
     out.write_text(json.dumps(doc, indent=2) + "\n")
     return 0

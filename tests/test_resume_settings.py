@@ -61,7 +61,7 @@ def test_resume_with_other_hyper_parameters_is_refused_naming_each(finished, tmp
     rc, out = hpclb("train", other, "--out", run, "--data-dir", mnist_dir.parent, "--resume")
     assert rc == 2, out
     assert "was made with other settings than this run's, 2 differ" in out, out
-    assert f"optimizer_params (the recipe's optimizers.<optimizer>): {{\"lr\": {lr}" in out, out
+    assert f"optimizer_params (the recipe's optimizers.adam): {{\"lr\": {lr}" in out, out
     assert "recipe field warmup_epochs: 0.25 there, 0.5 now" in out, out
     assert "resume with the recipe and flags the run was started with" in out, out
     assert "another --out" in out and "epoch   1/" not in out, out
@@ -113,3 +113,17 @@ def test_resume_of_a_finished_run_leaves_its_record(tmp_path, mnist_dir):
     rc, out = hpclb(*args, "--resume", ranks=2)
     assert rc == 0 and out.count("holds a finished run") == 1, out
     assert record(run) == before
+
+
+def test_a_finished_run_without_a_metric_is_shown_not_called_unreadable(tmp_path):
+    """A plug-in task with a loss and no metric finishes with ``metric_name: null``: --resume
+    says what it holds (it said "its summary.json cannot be read (can only concatenate str (not
+    "NoneType") to str)")."""
+    from hpclb.train.rundir import _finished
+
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"experiment": "faults", "scaling": "legw", "global_batch_size": 64, "world_size": 2,
+         "metric_name": None, "steps": 16}))
+    msg = _finished(tmp_path, "ckpt.pt")
+    assert "faults legw global batch 64 on 2 rank(s): after 16 steps" in msg, msg
+    assert "cannot be read" not in msg and "nothing left to train" in msg

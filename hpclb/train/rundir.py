@@ -148,11 +148,11 @@ def _finished(out: Path, path: str) -> str:
     """What ``--resume`` of the finished run in ``out`` says: its recorded summary."""
     try:
         s = json.loads((out / "summary.json").read_text())
-        metric = s["metric_name"]
+        metric = s.get("metric_name")  # None: a task with no metric (a plug-in's loss only)
+        result = (f"{metric} {show_metric(metric, s['final_' + metric]).strip()} " if metric
+                  else "")
         shown = (f"{s['experiment']} {s['scaling']} global batch {s['global_batch_size']} on "
-                 f"{s['world_size']} rank(s): {metric} "
-                 f"{show_metric(metric, s['final_' + metric]).strip()} after "
-                 f"{s['steps']} steps")
+                 f"{s['world_size']} rank(s): {result}after {s['steps']} steps")
     except (OSError, ValueError, KeyError, TypeError) as e:
         shown = f"its summary.json cannot be read ({e})"
     return (f"--resume: {out} holds a finished run ({shown}; checkpoint {path}): nothing left to "

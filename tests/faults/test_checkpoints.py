@@ -21,13 +21,16 @@ from conftest import (
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("damage", ["corrupt", "truncated"])
 def test_damaged_newest_checkpoint_falls_back(tmp_path, damage, reference, record):
-    """A finished 2-epoch run's newest checkpoint (step 16, checkpoint.pt and its generation
-    file are one hard-linked file) has bytes flipped / is cut to half: --resume warns, resumes
-    from the previous generation (step 8) and ends at the uninterrupted result within 60 s."""
+    """A 2-epoch run killed after its last checkpoint (step 16, checkpoint.pt and its generation
+    file are one hard-linked file), before its summary: the newest checkpoint has bytes flipped
+    / is cut to half: --resume warns, resumes from the previous generation (step 8) and ends at
+    the uninterrupted result within 60 s. (A run with its summary is finished: --resume leaves
+    it as it is: tests/test_resume_settings.py.)"""
     bound = 60
     recipe, out = write_recipe(tmp_path), tmp_path / "run"
     reference(2)  # the uninterrupted run, then a copy of its folder (hard links kept)
     subprocess.run(["cp", "-a", str(reference.folder(2)), str(out)], check=True)
+    (out / "summary.json").unlink()  # killed before it was written
     newest = out / "checkpoint.pt"
     assert checkpoint_state(out)["global_step"] == 16
     data = bytearray(newest.read_bytes())

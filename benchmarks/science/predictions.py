@@ -6,6 +6,10 @@
         copies its inputs (metrics.jsonl, config.json, summary.json, lr_probe.json) beside
         OUT.json under b0-noise/WORKLOAD/; a workload already in OUT.json is kept as it is (a
         registered prediction is never redone)
+    predictions.py --best DIAG_DIR PREFIX
+        prints the name of the best seed-0 diagnostic run DIAG_DIR/PREFIX*-s0 (by its metric)
+    predictions.py --stable-eta0 LR_PROBE.json BATCH
+        prints the B0 LR whose LEGW peak at BATCH is the probe's stable LR: stable / sqrt(k)
     predictions.py --near-b0 SWEEP.json B1,B2,...
         prints the batches among B1,B2,... whose LEGW seed-0 point lies within twice the
         tolerance of the B0 mean (the PTB k-map runs seeds 1-2 there)
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -74,7 +79,35 @@ def near_b0(sweep: Path, batches: str) -> int:
     return 0
 
 
+def best(diag: Path, prefix: str) -> int:
+    """Print the best seed-0 run's name under ``diag`` starting with ``prefix``; 0."""
+    scored = []
+    for f in sorted(diag.glob(f"{prefix}*-s0/summary.json")):
+        s = json.loads(f.read_text())
+        metric = s["metric_name"]
+        v = s.get("final_" + metric)
+        if v is not None:
+            scored.append((-v if "perplexity" in metric or "loss" in metric else v,
+                           f.parent.name))
+    if not scored:
+        raise SystemExit(f"no finished {prefix}*-s0 run under {diag}")
+    print(max(scored)[1])
+    return 0
+
+
+def stable_eta0(probe: Path, batch: int) -> int:
+    """Print ``stable_lr / sqrt(batch / B0)`` of the probe; 0."""
+    p = json.loads(probe.read_text())
+    b0 = load_recipe(p["experiment"])["base_batch_size"]
+    print(f"{p['stable_lr'] / math.sqrt(batch / b0):.6g}")
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--near-b0":
         sys.exit(near_b0(Path(sys.argv[2]), sys.argv[3]))
+    if sys.argv[1] == "--best":
+        sys.exit(best(Path(sys.argv[2]), sys.argv[3]))
+    if sys.argv[1] == "--stable-eta0":
+        sys.exit(stable_eta0(Path(sys.argv[2]), int(sys.argv[3])))
     sys.exit(add(Path(sys.argv[1]), sys.argv[2:]))

@@ -5,6 +5,7 @@
 #   noise-<w>    the B0 recipe with --noise-scale on 2 ranks (hpclb advise reads it)
 #   probe-<w>    hpclb advise --lr-probe on that run: the largest LR that trains at B0 (1 process)
 #   predict      hpclb advise --json for every workload with both: results/science/predictions.json
+#   register     predict, then commit predictions.json and the inputs (git): before any k-map point
 #   kmap-<w>     LEGW at the k-map's batches, seeds 0-2 (PTB: seed 0, then seeds 1-2 where seed 0
 #                is within twice the tolerance). Refused until the workload's prediction is in a
 #                commit of this repository: the prediction is registered before any point.
@@ -42,6 +43,14 @@ predict() {
     "$PY" benchmarks/science/predictions.py "$RES/predictions.json" \
         mnist-adam="$(noise_dir mnist-adam)" mnist-momentum="$(noise_dir mnist-momentum)" \
         cnn="$(noise_dir cnn)" ptb="$(noise_dir ptb)"
+}
+register() {  # predict, then commit what it added: the registration comes before any point
+    predict
+    git add -- "$RES/predictions.json" "$RES/b0-noise"
+    git diff --cached --quiet -- "$RES/predictions.json" || git commit -q -m \
+        "science: k_max predictions registered ($(git diff --cached --name-only -- \
+        "$RES/b0-noise" | cut -d/ -f4 | sort -u | tr '\n' ' ')) before their k-map points" \
+        -- "$RES/predictions.json" "$RES/b0-noise"
 }
 registered() {  # the workload's prediction is in HEAD's predictions.json
     git show "HEAD:$RES/predictions.json" 2>/dev/null | "$PY" -c \
@@ -119,8 +128,9 @@ diag_stable() {  # LEGW from a B0 LR whose sqrt(k) multiple stays under the prob
         --batch-size "$batch" --lr "$lr" --seed 0 $extra
 }
 
-all="noise-mnist-adam noise-mnist-momentum noise-cnn probe-mnist-adam probe-mnist-momentum
-     probe-cnn probe-ptb noise-ptb predict kmap-mnist-adam kmap-mnist-momentum kmap-cnn kmap-ptb
+all="noise-mnist-adam noise-mnist-momentum probe-mnist-adam probe-mnist-momentum register
+     kmap-mnist-adam kmap-mnist-momentum noise-cnn probe-cnn noise-ptb probe-ptb register
+     kmap-cnn kmap-ptb
      diag-budget diag-stable-cnn diag-stable-ptb"
 for s in ${STEP:-$all}; do
     echo "== k-map step $s ($(date -u +%FT%TZ))"
@@ -128,6 +138,7 @@ for s in ${STEP:-$all}; do
     noise-*) noise "${s#noise-}";;
     probe-*) probe "${s#probe-}";;
     predict) predict;;
+    register) register;;
     kmap-*) kmap "${s#kmap-}";;
     diag-budget) diag_budget;;
     diag-stable-cnn) diag_stable cnn 4096 "--accumulation-steps 32";;

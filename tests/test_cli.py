@@ -213,7 +213,7 @@ _HELP_CODE = ("import sys\nfrom hpclb.cli import main\ntry:\n    main(sys.argv[1
     ["--help"], ["advise", "--help"], ["train", "--help"], ["jobs", "render", "--help"],
     ["data", "fetch", "--help"], ["evaluate", "--help"], ["sweep", "--help"],
     ["scale", "--help"], ["plot", "runs", "--help"], ["jobs", "examples", "--help"],
-    ["compare", "--help"],
+    ["compare", "--help"], ["doctor", "--help"],
 ], ids=" ".join)
 def test_help_does_not_import_torch(argv):
     """`hpclb --help` and a command's --help print without loading torch (seconds of start-up,
@@ -271,7 +271,7 @@ def test_parser_of_one_command_lists_the_others_by_name():
     assert full.format_help() == one.format_help()
     assert one.parse_args(["advise", "run", "--last", "2"]).last == 2
     assert set(COMMANDS) == {"train", "evaluate", "sweep", "compare", "data", "jobs", "bench",
-                             "plot", "scale", "advise"}
+                             "plot", "scale", "advise", "doctor"}
 
 
 def test_warmup_check_uses_the_epochs_of_the_command_line(tmp_path):

@@ -1,4 +1,4 @@
-"""``hpclb train|evaluate|sweep|compare|data|jobs|bench|plot|scale|advise`` command line.
+"""``hpclb train|evaluate|sweep|compare|data|jobs|bench|plot|scale|advise|doctor`` command line.
 
 One module per command (``hpclb.cli.<command>``: ``HELP``, ``add_parser(subparsers)``,
 ``run(args) -> int``); what they share is in :mod:`hpclb.cli.common`. Importing this package
@@ -22,6 +22,7 @@ from hpclb.cli import (
     common,
     compare,
     data,
+    doctor,
     evaluate,
     jobs,
     plot,
@@ -36,7 +37,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 # hpclb <command>, in the order `hpclb --help` lists them
 COMMANDS = {"train": train, "evaluate": evaluate, "sweep": sweep, "compare": compare,
             "data": data, "jobs": jobs, "bench": bench, "plot": plot, "scale": scale,
-            "advise": advise}
+            "advise": advise, "doctor": doctor}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

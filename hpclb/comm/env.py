@@ -20,7 +20,7 @@ from hpclb.errors import ConfigError
 
 __all__ = ["LOCAL_RANK_VARS", "LOCAL_SIZE_VARS", "WORLD_SIZE_VARS", "env_local_rank",
            "node_split_key", "local_size", "launcher_world_size", "launcher_kind",
-           "torchrun_started"]
+           "torchrun_started", "launcher_variables"]
 
 # Launcher variables holding the node-local rank, each with the variable holding the same
 # launcher's global rank (used to spot values inherited from an outer launcher).
@@ -38,6 +38,13 @@ LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD
 # Ranks in the job, for the MPI launchers (srun's step size is read only inside a step).
 WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS_WORLD")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# The job's and the launcher's variables `hpclb doctor` shows: the ones above, and the
+# scheduler's job (SLURM, PBS) and horovodrun's place.
+_SHOWN_VARS = tuple(dict.fromkeys((
+    "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_PROCID",
+    "PBS_JOBID", "PBS_NODEFILE", *(rank for _, rank in LOCAL_RANK_VARS), *WORLD_SIZE_VARS,
+    *(local for local, _ in LOCAL_RANK_VARS), *LOCAL_SIZE_VARS, *TORCHRUN_VARS,
+    "HOROVOD_RANK", "HOROVOD_SIZE")))
 
 
 def _int_env(var: str) -> int:
@@ -139,3 +146,9 @@ def launcher_kind() -> str | None:
     if launcher_world_size() is not None:
         return "mpi"
     return None
+
+
+def launcher_variables() -> dict[str, str]:
+    """The scheduler's and launcher's variables set in this process (SLURM, PBS, Open MPI,
+    MPICH/Hydra, MVAPICH, torchrun, horovodrun), name -> value, in a fixed order."""
+    return {v: os.environ[v] for v in _SHOWN_VARS if os.environ.get(v) is not None}

@@ -100,3 +100,37 @@ def test_an_epoch_whose_gradient_is_all_noise_counts_as_infinite_noise_scale():
     p = predict_k_max(**MNIST, b_simple=[1000.0] * 15 + [math.inf] * 5)
     # (3/4) 1128 / (k 128 + 1000) + 1/4 >= 1/2: k 128 + 1000 <= 3384, k <= 18: 16
     assert p["bounds"]["budget"] == 16
+
+
+def test_hpclb_advise_prints_k_max_from_a_b0_run(tmp_path, capsys):
+    """`hpclb advise RUN_DIR` on a B0 run directory (config.json as `hpclb train` writes it, epoch
+    rows with the noise field): the critical batch, then k_max and each bound's reason; --json
+    carries the inputs; a run not at B0 gets no prediction."""
+    from hpclb.cli import main
+
+    recipe = quick_recipe(tmp_path, epochs=4)  # 4,096 images, B0 128: 32 steps an epoch
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = {"experiment": recipe, "optimizer": "adam", "lr": None, "epochs": 4.0,
+           "data_root": None, "global_batch_size": 128, "world_size": 2, "noise_scale": True,
+           "recipe": {"base_batch_size": 128}}
+    (run / "config.json").write_text(json.dumps(cfg))
+    noise = [300.0, 600.0, 900.0, 1200.0]
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "epoch", "epoch": e + 1, "noise": {"b_simple": b, "g2": 1.0}}) + "\n"
+        for e, b in enumerate(noise)))
+    assert main(["advise", str(run), "--stable-lr", "0.016"]) == 0
+    out = capsys.readouterr().out
+    want = predict_k_max(base_batch_size=128, num_samples=4096, epochs=4.0,
+                         base_warmup_epochs=0.25, base_lr=2e-3, b_simple=noise,
+                         stable_lr=0.016)
+    assert f"k_max {want['k_max']} (batch {128 * want['k_max']})" in out, out
+    for line in ("budget:", "warmup:", "stability: sqrt(k) x eta0 <= stable LR 0.016"):
+        assert line in out, out
+    assert main(["advise", str(run), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["inputs"]["b_simple"] == noise and doc["inputs"]["num_samples"] == 4096
+    cfg["global_batch_size"] = 1024
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert main(["advise", str(run)]) == 0
+    assert "k_max: not predicted" in capsys.readouterr().out

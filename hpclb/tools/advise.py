@@ -132,12 +132,12 @@ def advise(run_dir, last: int = 3, warn: Warn | None = None) -> dict[str, Any]:
     critical = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
     # each epoch's window quantiles, widened to its end value (the estimate rises within an
     # epoch, so the end value can lie above the window's 90 % quantile)
-    lows = [min(r["noise"]["b_simple"], *([r["noise"]["b_simple_lo"]]
-                                          if finite(r["noise"].get("b_simple_lo")) else []))
-            for r in tail]
-    highs = [max(r["noise"]["b_simple"], *([r["noise"]["b_simple_hi"]]
-                                           if finite(r["noise"].get("b_simple_hi")) else []))
-             for r in tail]
+    def spread(r: dict, key: str) -> list[float]:  # the end value and the quantile, if any
+        return [r["noise"]["b_simple"], *([r["noise"][key]] if finite(r["noise"].get(key))
+                                          else [])]
+
+    lows = [min(spread(r, "b_simple_lo")) for r in tail]
+    highs = [max(spread(r, "b_simple_hi")) for r in tail]
     lo, hi = (min(lows) if lows else None), (max(highs) if highs else None)
     pos = lambda x: x is not None and x > 0  # noqa: E731
     return {"critical_batch": critical, "critical_lo": lo, "critical_hi": hi,

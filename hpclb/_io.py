@@ -3,7 +3,8 @@
 Every file hpclb writes that a later run reads (checkpoints and their sidecars, ``config.json``,
 ``summary.json``, ``metrics.jsonl`` rewrites, data indexes) goes through :func:`write_atomic`:
 written to a temporary file next to the target, flushed to disk, renamed over the target, so a
-reader sees the old file or the new one, never a torn one.
+reader sees the old file or the new one, never a torn one. A full disk stops such a write with
+:class:`~hpclb.errors.DiskFull`: the file, what is still valid and the fix, in one line.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["fsync_dir", "write_atomic", "write_text_atomic", "write_json", "sha256_file",
-           "json_lines", "json_lines_numbered", "read_text_utf8", "read_json"]
+from hpclb.errors import DISK_FULL_ERRNOS, DiskFull
+
+__all__ = ["file_in_the_way", "fsync_dir", "write_atomic", "write_text_atomic", "write_json",
+           "sha256_file", "json_lines", "json_lines_numbered", "read_text_utf8", "read_json"]
 
 
 def fsync_dir(directory: Path) -> None:
@@ -27,9 +30,18 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The first existing ancestor of ``path`` that is not a directory (a file where a folder
+    of the path must be: nothing can be written there), else None."""
+    return next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], Any], kept: str | None = None) -> None:
     """Call ``write(f)`` on a temporary binary file next to ``path``, fsync it and rename it
-    over ``path``; the temporary file is removed on any failure (OSError propagates)."""
+    over ``path``; the temporary file is removed on any failure. Raises DiskFull on a full disk,
+    its message naming ``path`` and ``kept`` (what is still valid; default: the file there
+    before, as it was); other OSErrors propagate."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -37,19 +49,25 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.errno in DISK_FULL_ERRNOS and not isinstance(e, DiskFull):
+            raise DiskFull(path, e, kept or f"the {path.name} there before, if any, is left as "
+                                            f"it was") from e
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, kept: str | None = None) -> None:
     """Replace ``path`` by ``text`` (UTF-8) atomically (:func:`write_atomic`)."""
     data = text.encode()
-    write_atomic(path, lambda f: f.write(data))
+    write_atomic(path, lambda f: f.write(data), kept)
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Replace ``path`` by ``obj`` as indented JSON with a final newline, atomically."""
-    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+def write_json(path: Path, obj: Any, kept: str | None = None) -> None:
+    """Replace ``path`` by ``obj`` as indented JSON with a final newline, atomically
+    (:func:`write_atomic`)."""
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n", kept)
 
 
 def sha256_file(path: Path) -> str:

@@ -14,17 +14,23 @@ Any other exception is a failure on the rank that raised it (exit 1, ``MPI_Abort
 """
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+
 __all__ = [
     "EXIT_FAILURE", "EXIT_USAGE", "DIVERGED_EXIT_CODE", "PREEMPTED_EXIT_CODE",
     "HpclbError", "ConfigError", "RecipeWarning", "DataError", "CheckpointError", "JobError",
     "ModelMismatchError", "AgreedFailure", "RunFinished", "NonFiniteError", "Preempted", "Diverged",
-    "KernelCompileError", "MissingExtraError", "WarmupTooLong", "BudgetTooLarge",
+    "KernelCompileError", "MissingExtraError", "WarmupTooLong", "BudgetTooLarge", "DiskFull",
+    "DISK_FULL_ERRNOS", "disk_full_message",
 ]
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2            # bad input: the message says what to change
 DIVERGED_EXIT_CODE = 3    # the run diverged (non-finite loss/gradient); not requeued
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; the job templates requeue on it
+#: the errors of a write that found the disk (or the user's quota) full
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class HpclbError(Exception):
@@ -51,6 +57,23 @@ class DataError(HpclbError, RuntimeError):
 
 class CheckpointError(HpclbError, RuntimeError):
     """A checkpoint cannot be read or written, or does not belong to this run."""
+
+
+def disk_full_message(path, error: OSError, what: str, kept: str) -> str:
+    """The one message of a write stopped by a full disk (:data:`DISK_FULL_ERRNOS`): the file
+    ``path``, ``what`` was written, the ``error``, what is still valid (``kept``) and the fix."""
+    return (f"{path}: disk full while writing {what} ({error}); {kept}; free space under "
+            f"{Path(path).parent} (or write elsewhere) and run the command again")
+
+
+class DiskFull(HpclbError, OSError):
+    """A write of ``path`` stopped by a full disk or quota (:data:`DISK_FULL_ERRNOS`, kept as
+    ``errno``); the message (:func:`disk_full_message`) names the file, what is still valid
+    (``kept``) and the fix."""
+
+    def __init__(self, path, error: OSError, kept: str, what: str = "it"):
+        super().__init__(disk_full_message(path, error, what, kept))
+        self.errno = error.errno
 
 
 class JobError(HpclbError, ValueError):

@@ -182,7 +182,7 @@ def mpi_threads_supported() -> bool:
 # -- the optimizer --------------------------------------------------------------------------------
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
-                         compression: _Compressor = Compression.none,
+                         compression: _Compressor | None = None,
                          backward_passes_per_step: int = 1, op: _Op = Average,
                          gradient_predivide_factor: float = 1.0, **unsupported):
     """``hvd.DistributedOptimizer``: a :class:`hpclb.DistributedOptimizer` (an instance of
@@ -190,8 +190,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     most ``backward_passes_per_step``; every ``step()`` reduces the passes given and updates
     once, as Horovod's does), then averaged (``op=Average``) or summed (``op=Sum``) over
     ranks. ``named_parameters``: the model's ``named_parameters()`` (default: the optimizer's
-    parameters, unnamed). Raises :class:`Unsupported` for Adasum and for ``num_groups``,
-    ``groups``, ``sparse_as_dense``, ``process_set``; ValueError for a bad setting."""
+    parameters, unnamed). ``compression``: :class:`Compression` ``.none`` or ``.fp16``; left
+    out, ``$HPCLB_COMPRESSION`` (else none), as in ``hpclb.DistributedOptimizer`` and
+    ``hpclb train`` (an argument, like a flag, wins over the variable). Raises
+    :class:`Unsupported` for Adasum and for ``num_groups``, ``groups``, ``sparse_as_dense``,
+    ``process_set``; ValueError for a bad setting."""
     if unsupported:
         raise Unsupported(f"hpclb.horovod.DistributedOptimizer has no {sorted(unsupported)}: "
                           f"hpclb fuses gradients into buckets itself (fusion_threshold_bytes, "
@@ -200,7 +203,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise Unsupported(_ADASUM)
     if op not in (Average, Sum):
         raise ValueError(f"op={op!r}: the gradient op is hvd.Average or hvd.Sum")
-    if not isinstance(compression, _Compressor):
+    if compression is not None and not isinstance(compression, _Compressor):
         raise ValueError(f"compression={compression!r}: use hvd.Compression.none or "
                          f"hvd.Compression.fp16")
     if not (gradient_predivide_factor > 0 and math.isfinite(gradient_predivide_factor)):
@@ -218,7 +221,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         warnings.simplefilter("ignore", ReplicasDiffer)
         return _DistributedOptimizer(optimizer, list(named_parameters), comm=comm,
                                      accumulation_steps=backward_passes_per_step,
-                                     compression=compression.hpclb_name or "none",
+                                     compression=None if compression is None else
+                                     compression.hpclb_name or "none",
                                      divisor=comm.world_size if op is Average else 1,
                                      step_after="window")
 

@@ -23,13 +23,14 @@ import importlib
 import inspect
 import os
 import sys
+import typing
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from hpclb.errors import ConfigError
 
-__all__ = ["Registry", "add_search_path", "check_kwargs", "is_plugin", "load_object",
-           "resolve_ref", "signature_of"]
+__all__ = ["Registry", "add_search_path", "check_kwargs", "check_no_bool_numbers", "is_plugin",
+           "load_object", "resolve_ref", "signature_of", "takes_number"]
 
 
 def is_plugin(name: Any) -> bool:
@@ -114,14 +115,52 @@ def signature_of(fn: Callable) -> tuple[list[inspect.Parameter], bool]:
     return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def check_kwargs(fn: Callable, given: Iterable[str], *, what: str, section: str,
+_NUMBERS = {int, float, "int", "float"}
+
+
+def takes_number(p: inspect.Parameter) -> bool:
+    """Whether parameter ``p`` takes a number: its default is an int or float (not a bool), or
+    its annotation is ``int``/``float`` (``int | None``, ``Optional[float]`` too; a string
+    annotation of ``from __future__ import annotations`` is read as written)."""
+    d, a = p.default, p.annotation
+    if isinstance(d, (int, float)) and not isinstance(d, bool):
+        return True
+    if isinstance(a, str):
+        a = a.strip("'\"").replace("Optional[", "").rstrip("]")
+        parts = {t.strip() for t in a.split("|")}
+    else:
+        parts = set(typing.get_args(a)) or {a}
+    parts -= {"None", type(None)}
+    return bool(parts) and parts <= _NUMBERS
+
+
+def check_no_bool_numbers(params: Iterable[inspect.Parameter], given: Mapping[str, Any], *,
+                          what: str, section: str) -> None:
+    """ConfigError naming ``<section>.<key>`` for a ``given`` value that is a boolean where the
+    parameter of that name :func:`takes_number`: YAML's ``yes``/``true`` is Python's ``True``,
+    which is the int 1 (``hidden_size: yes`` would build a model of hidden size 1)."""
+    for p in params:
+        value = given.get(p.name)
+        if isinstance(value, bool) and takes_number(p):
+            default = p.default if p.default is not inspect.Parameter.empty else None
+            example = f"e.g. `{p.name}: {default}` (its default)" if default is not None \
+                else f"e.g. `{p.name}: 1`"
+            raise ConfigError(f"{section}.{p.name}: {str(value).lower()} is a boolean (YAML's "
+                              f"true/false/yes/no/on/off), but {what} takes a number here; "
+                              f"write the number, {example}")
+
+
+def check_kwargs(fn: Callable, given: Mapping[str, Any], *, what: str, section: str,
                  provided: Iterable[str] = ()) -> None:
-    """Each key of ``given`` must be a keyword argument of ``fn`` and each argument of ``fn``
-    without a default must be given or ``provided`` (set by hpclb itself). ``what`` names ``fn``
-    in messages, ``section`` the recipe section (``model``/``data``). Raises ConfigError."""
+    """Each key of ``given`` (argument name -> the recipe's value) must be a keyword argument
+    of ``fn``, and no value a boolean where ``fn`` takes a number
+    (:func:`check_no_bool_numbers`); each argument of ``fn`` without a default must be given or
+    ``provided`` (set by hpclb itself). ``what`` names ``fn`` in messages, ``section`` the
+    recipe section (``model``/``data``). Raises ConfigError."""
     params, var_kw = signature_of(fn)
     names = [p.name for p in params]
     provided = set(provided)
+    check_no_bool_numbers(params, given, what=what, section=section)
     given = list(given)
     if not var_kw:
         for key in given:

@@ -246,7 +246,8 @@ class Schedule:
     (steps), ``decay`` and ``decay_params``, ``warmup_start_lr`` (the LR the ramp starts from at
     step 0: 0 for LEGW and the fixed-warmup schemes, ``eta0`` for Goyal's). Build one with
     :meth:`from_recipe`.
-    Raises ValueError when the peak LR is not positive, :class:`WarmupTooLong` (a ValueError)
+    Raises ValueError when the peak LR is not positive or a decay's ``end_lr`` is not below it,
+    :class:`WarmupTooLong` (a ValueError)
     when warmup is not shorter than training, :class:`BudgetTooLarge` (a ValueError) for more
     than :data:`MAX_TOTAL_STEPS` steps.
     """
@@ -271,6 +272,11 @@ class Schedule:
             raise WarmupTooLong(self.warmup_steps, self.total_steps, self.steps_per_epoch,
                                 _round_up((self.warmup_steps + 1) / self.steps_per_epoch))
         validate_decay(self.decay, self.decay_params)
+        end_lr = float(self.decay_params.get("end_lr", 0.0))
+        if end_lr >= self.peak_lr:
+            raise ValueError(f"decay end_lr {end_lr:g} must be below the peak learning rate "
+                             f"{self.peak_lr:g}: a {self.decay} decay goes from the peak down to "
+                             f"end_lr, so this one would raise the LR to {end_lr:g}")
         if not (0 <= self.warmup_start_lr <= self.peak_lr):
             raise ValueError(f"warmup_start_lr must be in [0, peak_lr {self.peak_lr}], got "
                              f"{self.warmup_start_lr}")

@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hpclb._io import write_text_atomic
 from hpclb.bench.launch import run_mpi
 from hpclb.bench.measure import Timer, best, busbw, conditions, interleaved, iterations, med
 
@@ -397,7 +398,7 @@ def driver(args) -> int:
     wanted = [k for k, part in (("hpclb_vs_raw_allreduce", "sync"),
                                 ("hpclb_vs_ddp_gloo", "step")) if part in args.parts]
     missing = [k for k in wanted if result.get(k) is None]
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
     drew = plot(runs, out.with_suffix(".png"))
     print(f"[bench-allreduce] wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
     print(report(result))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpclb._io import write_atomic
 from hpclb.bench.measure import med
 from hpclb.bench.raw import SUM_ONLY
 
@@ -160,7 +161,7 @@ def plot(runs: dict, path: Path) -> bool:
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
     return True
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from hpclb._io import write_text_atomic
+
 __all__ = ["AIMS_US", "OPTIMIZERS", "TinyModel", "add_run_arguments", "driver", "worker"]
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lamb")
@@ -207,7 +209,7 @@ def driver(args: argparse.Namespace) -> int:
     doc = {"benchmark": "host-overhead", "runs": runs, "torch": torch.__version__,
            "conditions": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
                           "loadavg_start": load0, "loadavg_end": os.getloadavg()}}
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_text_atomic(out, json.dumps(doc, indent=1) + "\n")
     print(f"{report(doc)}\nwrote {out}")
     return 1 if any(v is None for v in runs.values()) else 0
 

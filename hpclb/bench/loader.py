@@ -50,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpclb._io import write_text_atomic
+
 __all__ = ["SIZES", "TARGET_IMAGES_PER_S", "add_run_arguments", "driver", "measure",
            "reference_sample", "synthetic_jpegs"]
 
@@ -333,7 +335,7 @@ def driver(args) -> int:
     doc = report(rates, setup, batch_bytes, scaled, load)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_text_atomic(out, json.dumps(doc, indent=2) + "\n")
     med = doc["images_per_s_per_core"]
     for t in med:
         print(f"{t}: " + ", ".join(f"{v} {x:.0f}/s" for v, x in med[t].items()) +

@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpclb._io import write_text_atomic
+
 __all__ = [
     "COMPARISONS", "SHARED_NOTE", "TARGET_PERCENT", "VARIANTS", "add_run_arguments",
     "bench_recipe", "blocks", "compare", "driver", "interleaved_steps", "main", "report",
@@ -307,7 +309,7 @@ def driver(args) -> int:
              "step_time": "sum of epoch_time_s (training loop, no evaluation) / steps"}
     res = summarize(raw, setup)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    write_text_atomic(out, json.dumps(res, indent=1) + "\n")
     print(f"[bench-logging] wrote {out}\n{report(res)}", flush=True)
     return 0
 

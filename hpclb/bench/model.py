@@ -49,6 +49,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpclb._io import write_atomic, write_text_atomic
+
 __all__ = [
     "ALPHA_LINK_S", "ALPHA_NVLINK_S", "BACKWARD_SHARE", "DEFAULT_FUSION_BYTES", "GPUS_PER_NODE",
     "LINKS_GBPS", "LINK_EFFICIENCY", "NODES", "NVLINK_BPS", "Calibration", "LocalFit", "Workload",
@@ -396,7 +398,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     return True
 
 
@@ -426,7 +428,7 @@ def _write_results(out: Path, args: argparse.Namespace, cal: Calibration, rows: 
                    key: dict, hvr: dict, measured: Path | None) -> None:
     """The projection and what it assumed, as JSON at ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"calibration": asdict(cal), "assumptions": {
+    write_text_atomic(out, json.dumps({"calibration": asdict(cal), "assumptions": {
         "gpus_per_node": GPUS_PER_NODE, "alpha_link_s": ALPHA_LINK_S,
         "link_efficiency": LINK_EFFICIENCY, "nvlink_Bps": NVLINK_BPS,
         "backward_share": BACKWARD_SHARE, "fusion_threshold_bytes": args.fusion_threshold_bytes,

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from hpclb._io import write_text_atomic
 from hpclb.bench.launch import run_group
 from hpclb.comm.launcher import mpirun_path
 
@@ -189,7 +190,7 @@ def driver(args) -> int:
            "conditions": {"date": t0, "cpus": os.cpu_count(), "loadavg_start": load0,
                           "loadavg_end": os.getloadavg()}}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_text_atomic(out, json.dumps(doc, indent=1) + "\n")
     print(f"[bench-overhead] wrote {out}\n{report(results)}")
     for e in errors + [f"{k}: the two sides end with different test losses" for k in bad]:
         print(f"[bench-overhead] FAILED: {e}", file=sys.stderr)

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from hpclb._io import write_atomic, write_text_atomic
 from hpclb.bench import model
 from hpclb.bench.fattree import PLACEMENTS, host_order, ring_link_load
 from hpclb.bench.model import (
@@ -157,7 +158,7 @@ def plot_compare(rows: list[dict], path: Path) -> bool:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     return True
 
 
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     _print_compare(rows, hv)
     out = Path(args.sim_out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"calibration": asdict(cal), "horovod_check": hv,
+    write_text_atomic(out, json.dumps({"calibration": asdict(cal), "horovod_check": hv,
                                "comparison": rows, "wall_s": time.perf_counter() - t0},
                               indent=1) + "\n")
     drew = plot_compare(rows, out.with_suffix(".png"))

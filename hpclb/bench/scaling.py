@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hpclb._io import write_atomic, write_text_atomic
 from hpclb.bench.launch import run_mpi
 from hpclb.bench.measure import Timer, best, conditions, interleaved, med
 
@@ -232,7 +233,7 @@ def plot(table: dict, path: Path) -> bool:
         ax.set_ylabel("seconds per step")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     return True
 
 
@@ -258,7 +259,7 @@ def driver(args) -> int:
                       "and strong scaling cannot improve; weak-scaling efficiency there "
                       "mostly measures the oversubscription"}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
     drew = plot(table, out.with_suffix(".png"))
     print(f"[bench-scaling] wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
     print(report(table))

@@ -49,6 +49,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from hpclb._io import write_text_atomic
 from hpclb.bench.shapes import SETS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -374,7 +375,7 @@ def main_args(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(out, json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
     return 1 if args.assert_targets and result["targets"]["failed"] else 0
 

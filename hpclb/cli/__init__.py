@@ -30,7 +30,7 @@ from hpclb.cli import (
     sweep,
     train,
 )
-from hpclb.errors import MissingExtraError
+from hpclb.errors import EXIT_USAGE, DiskFull, MissingExtraError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -61,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     common.install_early_signals(argv)  # before any heavy import
     args = build_parser(only=common.command_of(argv) or "").parse_args(argv)
+    problem = common.check_path_options(args)
+    if problem:
+        common.error(problem)
+        return EXIT_USAGE
     try:
         return args.func(args)
-    except MissingExtraError as e:  # one line naming the extra, from any command
+    except (MissingExtraError, DiskFull) as e:  # one line (the extra; the file), any command
         common.error(str(e))
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; the shell's status for it

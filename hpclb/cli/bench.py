@@ -7,10 +7,9 @@ only registers them.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from hpclb.cli.common import error, setup_logging
-from hpclb.errors import EXIT_USAGE
+from hpclb.errors import EXIT_USAGE, ConfigError
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -91,15 +90,14 @@ def _refusing_to_replace(func):
     """``func`` behind the check that ``--out``, when it exists, is replaced only with
     ``--overwrite`` (exit 2 naming both, before anything is measured)."""
     def guarded(args: argparse.Namespace) -> int:
-        out = getattr(args, "out", None)
-        if out and Path(out).is_dir():
-            error(f"--out {out}: is a directory; --out names the JSON file to write (e.g. "
-                  f"{Path(out) / 'bench.json'})")
-            return EXIT_USAGE
-        if out and not args.overwrite and Path(out).exists():
-            error(f"--out {out}: exists (a committed result?); pass --overwrite to replace it, "
-                  f"or choose another --out")
-            return EXIT_USAGE
+        from hpclb.config.outputs import check_output_file
+
+        if getattr(args, "out", None):
+            try:
+                check_output_file(args.out, overwrite=args.overwrite)
+            except ConfigError as e:
+                error(str(e))
+                return EXIT_USAGE
         return func(args)
     return guarded
 

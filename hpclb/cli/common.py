@@ -1,8 +1,9 @@
 """What every ``hpclb`` command shares: logging, the error line, the early preemption signals,
 the communicator start-up and the exit status of an exception.
 
-Standard library and :mod:`hpclb.errors` only: ``hpclb.cli`` imports this module before it
-installs the signal handlers, so nothing heavy (torch, numpy, mpi4py) may load here.
+Standard library, :mod:`hpclb.errors` and :mod:`hpclb._io` only: ``hpclb.cli`` imports this
+module before it installs the signal handlers, so nothing heavy (torch, numpy, mpi4py) may load
+here.
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import signal
 import sys
 import traceback
 
+from hpclb._io import file_in_the_way
 from hpclb.errors import EXIT_FAILURE, HpclbError
 
-__all__ = ["PREEMPTIBLE_COMMANDS", "PendingSignal", "command_of", "error", "exit_status",
-           "install_early_signals", "preempted_during_start_up", "setup_logging", "start_comm"]
+__all__ = ["PATH_OPTIONS", "PREEMPTIBLE_COMMANDS", "PendingSignal", "check_path_options",
+           "command_of", "error", "exit_status", "install_early_signals",
+           "preempted_during_start_up", "setup_logging", "start_comm"]
 
 # Commands whose USR2/TERM means "checkpoint and exit 75" (the job templates requeue on 75).
 PREEMPTIBLE_COMMANDS = ("train", "sweep")
@@ -28,6 +31,33 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[hpclb{'' if rank == 0 else f' rank {rank}'}] %(message)s",
                         stream=sys.stderr)
+
+
+#: the options of every command that name where it writes (or reads data), by argparse dest
+PATH_OPTIONS = {"out": "--out", "out_dir": "--out-dir", "output": "--output",
+                "runs_dir": "--runs-dir", "data_dir": "--data-dir"}
+_POSITIONALS = {("data", "out"): "OUT"}  # (command, dest) of a positional: its usage name
+
+
+def check_path_options(args) -> str | None:
+    """The one-line error for a path option of :data:`PATH_OPTIONS` given empty (it would
+    silently mean the default) or under a file (``--out notes.txt/x.json``: a folder of it is a
+    file, so nothing can be written there); None when every one given is usable. ``hpclb jobs``
+    paths but ``--output`` are the cluster's, not checked against this machine's files."""
+    for dest, flag in PATH_OPTIONS.items():
+        flag = _POSITIONALS.get((args.command, dest), flag)
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if str(value).strip() == "":
+            return (f"{flag} {value!r}: empty; give a path, or leave {flag} out for its "
+                    f"default")
+        blocker = None if args.command == "jobs" and dest != "output" else \
+            file_in_the_way(value)
+        if blocker is not None:
+            return (f"{flag} {value}: {blocker} is a file, not a directory, so nothing can be "
+                    f"written under it; choose another {flag}")
+    return None
 
 
 def error(msg: str) -> None:

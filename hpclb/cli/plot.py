@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from hpclb.cli.common import error
-from hpclb.errors import EXIT_USAGE, ConfigError, MissingExtraError
+from hpclb.errors import EXIT_USAGE, ConfigError, DiskFull, MissingExtraError
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     """``hpclb plot``: print the PNG's path; 2 on bad input, 1 without matplotlib."""
     try:
         path = _draw(args)
-    except MissingExtraError as e:
+    except (MissingExtraError, DiskFull) as e:
         error(str(e))
         return e.exit_code
     except (ConfigError, OSError, ValueError) as e:

@@ -16,39 +16,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from typing import Any
 
 from hpclb.comm.base import Communicator
 from hpclb.config.fields import SYNC_SETTINGS
 from hpclb.errors import ConfigError
-from hpclb.sync.options import (
-    DEFAULT_COMM_POLL_S,
-    DEFAULT_FUSION_THRESHOLD_BYTES,
-    DEFAULT_STALL_TIMEOUT_S,
-    parse_bytes,
-)
+from hpclb.sync.options import AGREED_ENVIRONMENT, in_force
 
 __all__ = ["AGREED_ENVIRONMENT", "LOCATIONS", "agree_run_settings", "config_settings",
            "run_settings"]
 
 #: RunConfig fields and recipe fields that are locations: each rank may have its own
 LOCATIONS = ("out", "data_dir", "recipe.plugin_path")
-#: the ``HPCLB_*`` variables every rank must set alike, each ``(value when unset, parser)``: the
-#: gradient-sync settings and the trust-ratio backend of LARS/LAMB (not ``HPCLB_CUDA_AWARE_MPI``:
-#: how a buffer reaches MPI, never the sum; nor the library-only ``HPCLB_ABORT_ON_EXCEPTION``)
-AGREED_ENVIRONMENT = {
-    "HPCLB_FUSION_THRESHOLD_BYTES": (DEFAULT_FUSION_THRESHOLD_BYTES, parse_bytes),
-    "HPCLB_OVERLAP": ("auto", str),
-    "HPCLB_COMPRESSION": ("none", str),
-    "HPCLB_STALL_TIMEOUT_S": (DEFAULT_STALL_TIMEOUT_S, float),
-    "HPCLB_STALL_ABORT_S": (None, float),
-    "HPCLB_COMM_POLL_S": (DEFAULT_COMM_POLL_S, float),
-    "HPCLB_TRUST_BACKEND": ("auto", str),
-}
 # the command-line flag of a RunConfig field, where it is not --<field with dashes>
-_FLAGS = {"experiment": "EXPERIMENT", "global_batch_size": "--batch-size",
-          "optimizer_params": "the recipe's optimizers.<optimizer>"}
+_FLAGS = {"experiment": "EXPERIMENT", "global_batch_size": "--batch-size"}
 _SHOWN = 8  # differing settings named in the message; the rest are counted
 
 
@@ -58,8 +39,8 @@ def run_settings(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     ``"$HPCLB_OVERLAP"`` (the value in force: its default when unset), then ``extra`` (the
     command line's other options, named by their flags). Never raises."""
     settings = config_settings(cfg)
-    for name, (default, parse) in AGREED_ENVIRONMENT.items():
-        settings[f"${name}"] = _in_force(name, default, parse)
+    for name in AGREED_ENVIRONMENT:
+        settings[f"${name}"] = in_force(name)
     settings.update(extra or {})
     return settings
 
@@ -79,6 +60,8 @@ def config_settings(cfg, skip: tuple[str, ...] = ()) -> dict[str, Any]:
         elif f.name == "sync":  # each gradient-sync setting by its flag
             settings.update({f"sync.{k} ({SYNC_SETTINGS[k].flag})": v for k, v in value.items()
                              if f"sync.{k}" not in skip})
+        elif f.name == "optimizer_params":  # where they come from: the optimizer's section
+            settings[f"{f.name} (the recipe's optimizers.{cfg.optimizer})"] = value
         else:
             settings[f"{f.name} ({_FLAGS.get(f.name, '--' + f.name.replace('_', '-'))})"] = value
     return settings
@@ -94,18 +77,6 @@ def _recipe_fields(value, path: str, skip: tuple[str, ...] = ()) -> dict[str, An
             out.update(_recipe_fields(sub, f"{path}.{key}", skip))
         return out
     return {f"recipe field {path.split('.', 1)[1]}": value}
-
-
-def _in_force(name: str, default, parse):
-    """``$name`` parsed (its raw text where it does not parse: the start-up check names it),
-    ``default`` when unset or empty."""
-    raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        return parse(raw)
-    except ValueError:
-        return raw
 
 
 def _canonical(settings: dict[str, Any]) -> dict[str, str]:

@@ -26,10 +26,11 @@ import re
 import shutil
 from pathlib import Path
 
-from hpclb._io import write_json
+from hpclb._io import file_in_the_way, write_json
 from hpclb.errors import ConfigError
 
-__all__ = ["ALWAYS_WRITTEN", "RUN_FILES", "RUN_MARKER", "check_output_file", "check_run_dir",
+__all__ = ["ALWAYS_WRITTEN", "RUN_FILES", "RUN_KEPT", "RUN_MARKER", "check_output_file",
+           "check_run_dir",
            "clear_run", "default_run_dir", "foreign_files", "mark_run", "point_name",
            "refuse_foreign", "run_files", "start_run"]
 
@@ -42,6 +43,9 @@ ALWAYS_WRITTEN = ("summary.json", "metrics.jsonl", "config.json", "checkpoint.pt
 RUN_FILES = ALWAYS_WRITTEN + ("tb", "profile")
 #: the marker of a run directory: the entries of RUN_FILES hpclb wrote there
 RUN_MARKER = ".hpclb-run"
+#: what is still valid when a write into a run directory finds the disk full (DiskFull)
+RUN_KEPT = ("the run's other files are whole and its last checkpoint, if any, is valid: "
+            "--resume continues from it")
 
 # hpclb's names inside its directories (a checkpoint's temporary file: ".<name>.tmp<pid>")
 _INSIDE = {
@@ -98,7 +102,7 @@ def mark_run(out: str | Path, *names: str) -> None:
     write_json(out / RUN_MARKER, {
         "about": "hpclb's run directory: the entries hpclb wrote here, the only ones "
                  "`hpclb train --overwrite` deletes",
-        "written": sorted((claimed or set()) | set(names))})
+        "written": sorted((claimed or set()) | set(names))}, RUN_KEPT)
 
 
 def start_run(out: str | Path) -> None:
@@ -210,8 +214,8 @@ def check_run_dir(out: str | Path, *, resume: bool, overwrite: bool, flag: str =
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: choose one (--resume continues the run in "
                           f"{flag} {out}, --overwrite deletes it and starts afresh)")
-    blocker = next((p for p in (out, *out.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
+    blocker = out if out.exists() and not out.is_dir() else file_in_the_way(out)
+    if blocker is not None:
         raise ConfigError(f"{flag} {out}: {blocker} is a file, not a directory; a run directory "
                           f"is a folder (choose another {flag})")
     refuse_foreign(out, flag)
@@ -246,8 +250,12 @@ def clear_run(out: str | Path, flag: str = "--out") -> None:
 def check_output_file(path: str | Path, *, overwrite: bool, flag: str = "--out") -> Path:
     """``path`` as a Path, when a command may write the file there. Raises ConfigError (naming
     ``flag``) when it is a directory, or exists and ``overwrite`` is False (the message names
-    ``--overwrite``)."""
+    ``--overwrite``), or when a folder of the path is a file."""
     path = Path(path)
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise ConfigError(f"{flag} {path}: {blocker} is a file, not a directory, so nothing can "
+                          f"be written under it; choose another {flag}")
     if path.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory; give a file path")
     if path.exists() and not overwrite:

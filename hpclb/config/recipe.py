@@ -44,10 +44,15 @@ def _recipe_path(experiment: str) -> Path:
             raise ConfigError(f"experiment file {path} does not exist")
         return path
     packaged = resources.files("hpclb.experiments") / (experiment.replace("-", "_") + ".yaml")
-    if not packaged.is_file():
-        raise ConfigError(f"unknown experiment {experiment!r}; choose one of "
-                          f"{available_experiments()} or give a path to a recipe .yaml")
-    return Path(str(packaged))
+    if packaged.is_file():
+        return Path(str(packaged))
+    if path.is_dir():
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+        there = f" (in it: {', '.join(found)})" if found else ""
+        raise ConfigError(f"{path} is a directory, not a recipe: a recipe is a .yaml file"
+                          f"{there}, or a packaged name, one of {available_experiments()}")
+    raise ConfigError(f"unknown experiment {experiment!r}; choose one of "
+                      f"{available_experiments()} or give a path to a recipe .yaml")
 
 
 class _DuplicateKey(yaml.YAMLError):

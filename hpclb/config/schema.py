@@ -268,8 +268,8 @@ def check_model(model: dict, kind: str, where: str) -> None:
         require(key not in from_data, f"{where}: model.{key}",
                 f"set from the data by the {kind} task; remove it")
     try:
-        check_kwargs(factory, [k for k in model if k != "name"], what=f"model {name}",
-                     section="model", provided=from_data)
+        check_kwargs(factory, {k: v for k, v in model.items() if k != "name"},
+                     what=f"model {name}", section="model", provided=from_data)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from e
 
@@ -306,7 +306,7 @@ def check_plugin_data(data: dict, kind: str, where: str) -> None:
     require(bool(params) and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD,
             f"{where}: data.name", f"{name!r} must take the data directory (a str) as its "
             f"first argument: def {name.split(':')[1]}(data_dir, **kwargs) -> (train, test)")
-    kwargs = [k for k in data if k not in PLUGIN_DATA_RESERVED]
+    kwargs = {k: v for k, v in data.items() if k not in PLUGIN_DATA_RESERVED}
     try:
         check_kwargs(fn, kwargs, what=f"data function {name}", section="data",
                      provided=[params[0].name])
@@ -426,9 +426,10 @@ _HYPER_PARAMETERS = {
 _TORCH_OPTIMIZERS = {"sgd": "SGD", "momentum": "SGD", "adam": "Adam"}
 
 
-def optimizer_arguments(name: str) -> list[str] | None:
-    """The hyper-parameters optimizer ``name`` (:data:`hpclb.optim.OPTIMIZERS`) takes, its
-    parameter list excluded; None when it takes any keyword. Imports torch."""
+def _optimizer_parameters(name: str) -> tuple[list[inspect.Parameter], bool]:
+    """The hyper-parameters of optimizer ``name`` (:data:`hpclb.optim.OPTIMIZERS`; the torch
+    class of a builder taking ``**hyper-parameters``), its parameter list excluded, and whether
+    it takes any keyword. Imports torch."""
     from hpclb.plugins import signature_of
 
     builder = OPTIMIZERS.load(name)
@@ -437,11 +438,26 @@ def optimizer_arguments(name: str) -> list[str] | None:
         import torch
 
         params, var_kw = signature_of(getattr(torch.optim, _TORCH_OPTIMIZERS[name]))
-    return None if var_kw else [p.name for p in params[1:]]
+    return params[1:], var_kw
+
+
+def optimizer_arguments(name: str) -> list[str] | None:
+    """The hyper-parameters optimizer ``name`` (:data:`hpclb.optim.OPTIMIZERS`) takes, its
+    parameter list excluded; None when it takes any keyword. Imports torch."""
+    params, var_kw = _optimizer_parameters(name)
+    return None if var_kw else [p.name for p in params]
 
 
 def _check_optimizer_arguments(name: str, hp: dict, where: str) -> None:
-    accepted = optimizer_arguments(name)
+    from hpclb.plugins import check_no_bool_numbers
+
+    params, var_kw = _optimizer_parameters(name)
+    try:
+        check_no_bool_numbers(params, hp, what=f"the {name} optimizer",
+                              section=f"optimizers.{name}")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+    accepted = None if var_kw else [p.name for p in params]
     for key in hp if accepted is not None else ():
         require(key in accepted, f"{where}: optimizers.{name}.{key}",
                 f"not a hyper-parameter of the {name} optimizer{did_you_mean(key, accepted)}; "

@@ -14,7 +14,7 @@ from hpclb import schedules
 from hpclb.config.fields import SETTINGS, RunSettings, resolve_sync, setting_value
 from hpclb.config.outputs import default_run_dir
 from hpclb.config.recipe import load_recipe
-from hpclb.config.schema import check_lr, positive_int, positive_number, require
+from hpclb.config.schema import check_lr, number, positive_int, positive_number, require
 from hpclb.errors import ConfigError
 from hpclb.optim import OPTIMIZERS
 from hpclb.sync.options import check_environment
@@ -103,10 +103,11 @@ class RunConfig(RunSettings):
         """The LR schedule of this run on a training set of ``num_samples`` samples.
 
         Raises ConfigError when the global batch is larger than the training set, the
-        warmup is not shorter than training or the budget is more than
-        :data:`~hpclb.schedules.MAX_TOTAL_STEPS` optimizer steps, naming the command-line
-        fixes."""
+        warmup is not shorter than training, the budget is more than
+        :data:`~hpclb.schedules.MAX_TOTAL_STEPS` optimizer steps, or the recipe's
+        ``decay.end_lr`` is not below the peak LR, naming the command-line or recipe fixes."""
         b = self.global_batch_size
+        self._check_end_lr(b)
         if b > num_samples:
             unit = TASKS[self.spec.task].sample_unit
             raise ConfigError(
@@ -140,6 +141,27 @@ class RunConfig(RunSettings):
                 f"{', '.join(fixes[:-1])}, or {fixes[-1]}") from e
         except ValueError as e:
             raise ConfigError(f"schedule: {e}") from e
+
+    def _check_end_lr(self, batch: int) -> None:
+        """ConfigError naming the recipe's ``decay.end_lr`` when it is not below the B0 peak
+        ``eta0`` (or the peak at ``batch``, lower for k = B / B0 < 1): the decay would raise
+        the LR. Below ``eta0`` is the rule at every k >= 1: every scaling keeps the peak there
+        at or above ``eta0``."""
+        end = self.spec.decay.params.get("end_lr")
+        eta0 = self.base_lr
+        peak = schedules.scale_lr(eta0, self.base_batch_size, batch,
+                                  schedules.SCHEMES[self.scaling][0])
+        if not number(end) or end < min(eta0, peak):
+            return  # absent (0), below both, or not a number (refused by the schedule's check)
+        source = "--lr" if self.lr is not None else f"optimizers.{self.optimizer}.lr"
+        at = (f"; the peak at --batch-size {batch} (--scaling {self.scaling}) is {peak:g}"
+              if peak < eta0 else "")
+        raise ConfigError(
+            f"{self.spec.name}: decay.end_lr {end:g} (recipe field) is not below the peak LR: a "
+            f"{self.spec.decay.name} decay goes from the peak down to end_lr, so this one would "
+            f"raise the LR to {end:g}; the B0 peak is {eta0:g} ({source}){at}; set decay.end_lr "
+            f"below {min(eta0, peak):g} (e.g. 0): below the B0 peak is the rule at every batch "
+            f"from B0 up, where every --scaling keeps the peak at or above it")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -219,6 +241,8 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     require(isinstance(seed, int) and seed >= 0, "--seed", f"must be >= 0, got {seed}")
     require(resume in (False, True, "auto"), "--resume", f"must be True, False or 'auto' "
             f"(resume when --out holds a checkpoint, else start afresh), got {resume!r}")
+    require(out is None or str(out).strip() != "", "--out", f"{out!r} is empty; give the run "
+            f"directory, or leave --out out for the default runs/<experiment>/<scaling>-b<B>")
     require(compile is None or compile in COMPILE_MODES, "--compile",
             f"{compile!r} is not one of {COMPILE_MODES}")
     values = {name: setting_value(name, settings.get(name), recipe) for name in SETTINGS}

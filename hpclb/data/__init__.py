@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from hpclb.data.paths import data_dir
-from hpclb.data.registry import DATASETS, DataSet, dataset, register_dataset
+from hpclb.data.registry import DATASETS, DataSet, check_subset, dataset, register_dataset
 
 __all__ = ["DATASETS", "DataSet", "data_dir", "dataset", "load_dataset", "register_dataset"]
 
@@ -24,7 +24,8 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, *,
     augmentation (:class:`hpclb.data.images.ImageFolder`); the other data sets have none.
 
     Each split has ``len()``, ``subset(n)`` and ``batch(indices) -> (inputs, targets)``.
-    Raises DataError for an unknown name or a missing/corrupt file.
+    Raises DataError for an unknown name or a missing/corrupt file, ConfigError for more
+    ``train_samples``/``test_samples`` than a split holds.
     """
     from hpclb.errors import DataError
 
@@ -32,5 +33,7 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, *,
     if ds is None or "classification" not in ds.tasks:
         raise DataError(f"unknown data set {name!r}")
     train, test = ds.load(root, {"name": name, "augment": augment})
+    check_subset("train_samples", train_samples, len(train), f"{name}'s training split")
+    check_subset("test_samples", test_samples, len(test), f"{name}'s test split")
     return (train.subset(train_samples) if train_samples else train,
             test.subset(test_samples) if test_samples else test)

@@ -21,11 +21,22 @@ from typing import Any, Callable
 
 from hpclb.data.manifest import check_manifest
 from hpclb.data.paths import data_dir
-from hpclb.errors import DataError
+from hpclb.errors import ConfigError, DataError
 from hpclb.plugins import Registry, is_plugin, resolve_ref
 
-__all__ = ["DATASETS", "DataSet", "data_dir", "dataset", "fetchable", "register_dataset",
-           "train_set_sizes"]
+__all__ = ["DATASETS", "DataSet", "check_subset", "data_dir", "dataset", "fetchable",
+           "register_dataset", "train_set_sizes"]
+
+
+def check_subset(field: str, n: int | None, size: int, split: str,
+                 unit: str = "samples") -> None:
+    """ConfigError naming ``field`` (``data.train_samples``: the first ``n`` samples, a subset)
+    when ``n`` is more than the ``size`` ``unit`` that ``split`` holds: a subset cannot be
+    larger than its set (it used to be cut to the set, silently)."""
+    if n and n > size:
+        raise ConfigError(f"{field} {n}: more than the {size} {unit} of {split}; it takes the "
+                          f"first N of them: set {field} to {size} or less, or remove it to use "
+                          f"the whole split")
 
 
 @dataclass(frozen=True)

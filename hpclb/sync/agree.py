@@ -11,6 +11,7 @@ from torch import nn
 
 from hpclb.comm.base import Communicator
 from hpclb.errors import ModelMismatchError
+from hpclb.sync.options import SYNC_VARIABLES
 
 __all__ = ["agree_num_steps", "average_buffers", "broadcast_parameters", "check_model_consistency",
            "check_sync_agreement", "fingerprints", "verify_replicas", "ReplicasDiffer"]
@@ -104,11 +105,13 @@ def check_sync_agreement(everyone: list[dict]) -> None:
                      "every rank must build the same model and pass the same parameters")
     for rank, e in enumerate(everyone[1:], start=1):
         for key, ref in everyone[0]["settings"].items():
-            if e["settings"][key] != ref:
+            if e["settings"].get(key) != ref:
+                source = (f" (the argument, else ${SYNC_VARIABLES[key]})"
+                          if key in SYNC_VARIABLES else "")
                 raise ModelMismatchError(
-                    f"GradientSync: rank {rank} has {key}={e['settings'][key]!r} but rank 0 "
-                    f"has {ref!r}; every rank must use the same settings (check $HPCLB_* "
-                    f"environment variables on every node)")
+                    f"GradientSync: rank {rank} has {key}{source}={e['settings'].get(key)!r} "
+                    f"but rank 0 has {ref!r}; every rank must use the same settings (check "
+                    f"$HPCLB_* environment variables on every node)")
         if e["buckets"] != everyone[0]["buckets"]:
             raise ModelMismatchError(
                 f"GradientSync: rank {rank} packs gradients into buckets of "

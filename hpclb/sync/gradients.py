@@ -35,7 +35,7 @@ from hpclb.comm.base import Communicator
 from hpclb.comm.watchdog import StallReport, watchdog_for
 from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
-from hpclb.sync.options import MiB, SyncOptions
+from hpclb.sync.options import AGREED_ENVIRONMENT, SYNC_VARIABLES, MiB, SyncOptions, in_force
 from hpclb.sync.reduction import DRIVERS, Window, WindowMixin, checked_step_after
 
 __all__ = ["GradientSync"]
@@ -271,16 +271,26 @@ class GradientSync(WindowMixin):
         mine = {"params": [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""))
                            for n, p in zip(self.names, self.params)],
                 "buckets": [len(b.params) for b in self.buckets],
-                "settings": {"compression": str(self.compression),
-                             "accumulation_steps": self.accumulation_steps,
-                             "fusion_threshold_bytes": self.fusion_threshold_bytes,
-                             "first_bucket_bytes": self.first_bucket_bytes,
-                             "overlap": self.overlap, "comm_poll_s": self.comm_poll_s,
-                             "track_local_norm": self.track_local_norm,
-                             "track_used": self.track_used, "divisor": self.divisor,
-                             "loss_prescaled": self.loss_prescaled,
-                             "step_after": self.step_after}}
+                "settings": self.agreed_settings()}
         check_sync_agreement(self.comm.allgather_object(mine))
+
+    def agreed_settings(self) -> dict:
+        """The settings every rank must share, compared at start-up: each of
+        :data:`~hpclb.sync.options.SYNC_VARIABLES` as resolved (argument, else ``$HPCLB_*``,
+        else default), the other variables of :data:`~hpclb.sync.options.AGREED_ENVIRONMENT`
+        in force (``$HPCLB_TRUST_BACKEND``), and this GradientSync's own arguments."""
+        o = self.options
+        return {"compression": str(self.compression),
+                "accumulation_steps": self.accumulation_steps,
+                "fusion_threshold_bytes": self.fusion_threshold_bytes,
+                "first_bucket_bytes": self.first_bucket_bytes,
+                "overlap": self.overlap, "comm_poll_s": self.comm_poll_s,
+                "stall_timeout_s": o.stall_timeout_s, "stall_abort_s": o.stall_abort_s,
+                **{f"${name}": in_force(name) for name in AGREED_ENVIRONMENT
+                   if name not in SYNC_VARIABLES.values()},
+                "track_local_norm": self.track_local_norm,
+                "track_used": self.track_used, "divisor": self.divisor,
+                "loss_prescaled": self.loss_prescaled, "step_after": self.step_after}
 
     def settings(self) -> dict:
         """The gradient-sync settings in force, as recorded in a run's ``config.json``

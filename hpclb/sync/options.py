@@ -14,10 +14,11 @@ import warnings
 from dataclasses import dataclass
 
 __all__ = [
-    "BYTES_FORMS", "COMPRESSIONS", "DEFAULT_COMM_POLL_S", "DEFAULT_FIRST_BUCKET_BYTES",
+    "AGREED_ENVIRONMENT", "SYNC_VARIABLES", "BYTES_FORMS", "COMPRESSIONS",
+    "DEFAULT_COMM_POLL_S", "DEFAULT_FIRST_BUCKET_BYTES",
     "DEFAULT_FUSION_THRESHOLD_BYTES", "DEFAULT_STALL_TIMEOUT_S", "OVERLAP_MODES",
     "LIBRARY_STALL_ABORT_S", "TRAIN_STALL_ABORT_S", "SMALL_FUSION_BYTES", "MiB", "SyncOptions",
-    "check_environment", "parse_bytes", "set_default_stall_abort_s"]
+    "check_environment", "in_force", "parse_bytes", "set_default_stall_abort_s"]
 
 MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
@@ -112,6 +113,41 @@ def _choice(valid: tuple[str, ...]):
 _OVERLAP_ENV = _choice(OVERLAP_MODES)
 _BOOL_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
 _COMPRESSION_ENV = _choice(("none", "fp16", "bf16"))
+
+
+#: the ``HPCLB_*`` variables every rank must set alike, each ``(value when unset, parser)``: the
+#: gradient-sync settings and the trust-ratio backend of LARS/LAMB (not ``HPCLB_CUDA_AWARE_MPI``:
+#: how a buffer reaches MPI, never the sum; nor the library-only ``HPCLB_ABORT_ON_EXCEPTION``).
+#: ``hpclb train`` compares their values in force (:mod:`hpclb.config.agreement`); a
+#: GradientSync the settings they resolve to (:data:`SYNC_VARIABLES`) and the others in force.
+#: docs/cli.md ("Environment variables") lists them; tests/test_silent_answers.py compares.
+AGREED_ENVIRONMENT = {
+    "HPCLB_FUSION_THRESHOLD_BYTES": (DEFAULT_FUSION_THRESHOLD_BYTES, parse_bytes),
+    "HPCLB_OVERLAP": ("auto", str),
+    "HPCLB_COMPRESSION": ("none", str),
+    "HPCLB_STALL_TIMEOUT_S": (DEFAULT_STALL_TIMEOUT_S, float),
+    "HPCLB_STALL_ABORT_S": (None, float),
+    "HPCLB_COMM_POLL_S": (DEFAULT_COMM_POLL_S, float),
+    "HPCLB_TRUST_BACKEND": ("auto", str),
+}
+#: the :class:`SyncOptions` field each ``HPCLB_*`` variable sets (an argument wins over it)
+SYNC_VARIABLES = {"fusion_threshold_bytes": "HPCLB_FUSION_THRESHOLD_BYTES",
+                  "overlap": "HPCLB_OVERLAP", "compression": "HPCLB_COMPRESSION",
+                  "stall_timeout_s": "HPCLB_STALL_TIMEOUT_S",
+                  "stall_abort_s": "HPCLB_STALL_ABORT_S", "comm_poll_s": "HPCLB_COMM_POLL_S"}
+
+
+def in_force(name: str):
+    """``$name`` (of :data:`AGREED_ENVIRONMENT`) parsed (its raw text where it does not parse:
+    the start-up check names it), its default when unset or empty."""
+    default, parse = AGREED_ENVIRONMENT[name]
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        return raw
 
 
 def check_environment() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hpclb.data.registry import check_subset
 from hpclb.data.sampler import GlobalBatchSampler
 from hpclb.tasks.base import EVAL_BATCH_SIZE, Task, device_of, to_device
 
@@ -44,6 +45,9 @@ class ClassificationTask(Task):
         """The task over a reader's ``(train, test)`` splits, cut to their first
         ``train_samples`` / ``test_samples``; ``spec.num_workers`` as below."""
         train, test = data
+        check_subset("data.train_samples", train_samples, len(train),
+                     f"{spec.name}'s training split")
+        check_subset("data.test_samples", test_samples, len(test), f"{spec.name}'s test split")
         return cls(train.subset(train_samples) if train_samples else train,
                    test.subset(test_samples) if test_samples else test,
                    num_workers=spec.get("num_workers"))

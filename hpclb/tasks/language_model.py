@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from hpclb.comm.base import Communicator
 from hpclb.data.ptb import Corpus
+from hpclb.data.registry import check_subset
 from hpclb.tasks.base import Task, device_of
 
 __all__ = ["LanguageModelTask"]
@@ -44,6 +45,12 @@ class LanguageModelTask(Task):
         ``bptt``-token sequences."""
         if train_samples or test_samples:
             bptt = int(spec.options["bptt"])
+            for field, n, split, tokens in (
+                    ("data.train_samples", train_samples, "training", corpus.train),
+                    ("data.test_samples", test_samples, "validation", corpus.valid),
+                    ("data.test_samples", test_samples, "test", corpus.test)):
+                check_subset(field, n, (len(tokens) - 1) // bptt, f"{spec.name}'s {split} "
+                             f"split", f"{bptt}-token sequences")
             cut = lambda t, n: t[:n * bptt + 1] if n else t  # noqa: E731
             corpus = Corpus(cut(corpus.train, train_samples), cut(corpus.valid, test_samples),
                             cut(corpus.test, test_samples), corpus.itos)

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hpclb.data.registry import check_subset
 from hpclb.tasks.base import Task, device_of, to_device
 from hpclb.tasks.classification import ClassificationTask
 
@@ -58,6 +59,10 @@ class Seq2seqTask(Task):
         """The task over ``{"train": [(source, target), ...], "test": [...]}`` (the first
         ``train_samples`` / ``test_samples`` pairs) with ``spec``'s decoding options."""
         pairs = dict(pairs)
+        for field, n, split in (("data.train_samples", train_samples, "train"),
+                                ("data.test_samples", test_samples, "test")):
+            check_subset(field, n, len(pairs[split]), f"{spec.name}'s {split} split",
+                         "sentence pairs")
         if train_samples:
             pairs["train"] = pairs["train"][:train_samples]
         if test_samples:

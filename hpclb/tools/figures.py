@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpclb._io import write_atomic
 from hpclb.extras import require
 
 __all__ = ["pyplot", "save"]
@@ -19,10 +20,11 @@ def pyplot(what: str):
 
 
 def save(fig, path: Path) -> Path:
-    """Write ``fig`` to ``path`` (PNG, through a temporary file beside it) and close it."""
+    """Write ``fig`` to ``path`` (PNG, atomically: :func:`~hpclb._io.write_atomic`, DiskFull on a
+    full disk) and close it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    pyplot("the figure").close(fig)
-    tmp.replace(path)
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        pyplot("the figure").close(fig)
     return path

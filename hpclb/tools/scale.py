@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from hpclb._io import read_json
+from hpclb._io import read_json, write_text_atomic
 from hpclb.config import RUN_SETTINGS, resolve
 from hpclb.config.outputs import check_output_file
 from hpclb.errors import ConfigError, JobError
@@ -155,7 +155,7 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
               f"{to_batch} with --scaling {scaling}:\n#   {command}\n# base_batch_size, peak "
               f"LR and warmup_epochs are B0's; hpclb train scales them (hpclb/schedules.py).\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(recipe, sort_keys=False))
+    write_text_atomic(path, header + yaml.safe_dump(recipe, sort_keys=False))
     try:  # the file must resolve exactly as the printed command will resolve it
         after = resolve(str(path), batch_size=to_batch, scaling=scaling).schedule(n)
         before = resolve(str(path), batch_size=cfg["global_batch_size"],
@@ -211,6 +211,6 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
     path = Path(out) if out else s.recipe_path.with_suffix(
         ".sbatch" if scheduler == "slurm" else ".pbs")
     check_output_file(path, overwrite=overwrite)
-    path.write_text(text)
+    write_text_atomic(path, text)
     path.chmod(0o755)
     return path

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hpclb._io import write_text_atomic
 from hpclb.schedules import SCHEMES, Schedule
 from hpclb.tools.figures import pyplot, save
 from hpclb.tools.verdict import verdict_markdown
@@ -196,9 +197,6 @@ def write_results(rows: list[dict], out_dir: Path, name: str, metric: str, mode:
     if base_batch is not None and rows:
         md += "\n" + verdict_sections(rows, metric, mode, base_batch)
     for suffix, text in ((".json", json.dumps(rows, indent=2) + "\n"), (".md", md)):
-        path = out_dir / f"{name}{suffix}"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_text_atomic(out_dir / f"{name}{suffix}", text)
     if rows:
         plot(rows, out_dir / f"{name}.png", name, metric)

@@ -15,7 +15,6 @@ newest is damaged, and a full disk during a write leaves the previous generation
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from hpclb._io import fsync_dir, sha256_file, write_atomic
-from hpclb.errors import CheckpointError
+from hpclb.errors import DISK_FULL_ERRNOS, CheckpointError, DiskFull, disk_full_message
 
 __all__ = ["SIDECAR_SUFFIX", "LATEST_NAME", "GENERATIONS_DIR", "sidecar_path",
            "save_checkpoint", "verify_checkpoint", "load_checkpoint", "Loaded", "CheckpointStore"]
@@ -39,7 +38,7 @@ SIDECAR_SUFFIX = ".sha256"
 LATEST_NAME = "checkpoint.pt"
 GENERATIONS_DIR = "checkpoints"
 _GENERATION = re.compile(r"^gen-(\d{6,})(?:-step-(\d+))?\.pt$")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL = DISK_FULL_ERRNOS
 
 
 class _HashingWriter:
@@ -125,11 +124,16 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
         _save_verified(path, state)
     except OSError as e:
         if e.errno in _DISK_FULL:
-            raise CheckpointError(f"{path}: disk full while writing the checkpoint ({e}); the "
-                                  f"previous checkpoint there is left as it was; free space "
-                                  f"under {path.parent}") from e
+            raise CheckpointError(disk_full_message(
+                path, _original(e), "the checkpoint",
+                "the previous checkpoint there is left as it was")) from e
         raise
     return path
+
+
+def _original(e: OSError) -> OSError:
+    """The OSError a :class:`DiskFull` (of a sidecar's write) was made from; else ``e``."""
+    return e.__cause__ if isinstance(e, DiskFull) and isinstance(e.__cause__, OSError) else e
 
 
 def verify_checkpoint(path: str | Path) -> bool | None:
@@ -241,13 +245,13 @@ class CheckpointStore:
         return path
 
     def _write_error(self, path: Path, e: OSError) -> CheckpointError:
-        full = e.errno in _DISK_FULL
         previous = self.latest_path if self.latest_path.is_file() else None
         kept = (f"the previous checkpoint {previous} is still valid and --resume will use it"
                 if previous else "no earlier checkpoint exists")
-        why = "disk full" if full else f"{type(e).__name__}"
-        hint = f"free space under {self.out_dir}" if full else "check the file system"
-        return CheckpointError(f"{path}: {why} while writing the checkpoint ({e}); {kept}; {hint}")
+        if e.errno in _DISK_FULL:
+            return CheckpointError(disk_full_message(path, _original(e), "the checkpoint", kept))
+        return CheckpointError(f"{path}: {type(e).__name__} while writing the checkpoint ({e}); "
+                               f"{kept}; check the file system")
 
     def _point_latest_at(self, path: Path) -> None:
         """Make ``checkpoint.pt`` (and its sidecar) the generation ``path``, atomically each."""

@@ -48,6 +48,7 @@ import torch
 from hpclb._io import write_json
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig, check_checkpoint_interval
+from hpclb.config.outputs import RUN_KEPT
 from hpclb.errors import PREEMPTED_EXIT_CODE, Diverged, NonFiniteError, Preempted
 from hpclb.noise import NoiseScaleEstimator
 from hpclb.schedules import set_lr
@@ -514,7 +515,7 @@ def train(cfg: RunConfig, comm: Communicator, *, quiet: bool = False,
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     summary = report.summary(run)
     if comm.rank == 0:
-        write_json(run.out / "summary.json", summary)
+        write_json(run.out / "summary.json", summary, RUN_KEPT)
     say(report.summary_line(run, summary))
     return summary
 

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from hpclb._io import json_lines, write_text_atomic
-from hpclb.config.outputs import mark_run
+from hpclb.config.outputs import RUN_KEPT, mark_run
+from hpclb.errors import DISK_FULL_ERRNOS, DiskFull
 
 __all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "TENSORBOARD_HINT", "STEP_TAGS",
            "tensorboard_tag", "RunLogger", "read_metrics", "finite"]
@@ -115,7 +116,7 @@ def _truncate_after(path: Path, resume_step: int) -> int:
             dropped += 1
         else:
             kept.append(line + "\n")
-    write_text_atomic(path, "".join(kept))
+    write_text_atomic(path, "".join(kept), RUN_KEPT)
     return dropped
 
 
@@ -162,7 +163,14 @@ class RunLogger:
         return self.writer is not None
 
     def _write(self, row: dict) -> None:
-        self._file.write(json.dumps(row) + "\n")
+        """Append ``row`` as a line. Raises DiskFull on a full disk (the lines before are whole;
+        a torn last one is dropped on ``--resume``)."""
+        try:
+            self._file.write(json.dumps(row) + "\n")
+        except OSError as e:
+            if e.errno in DISK_FULL_ERRNOS:
+                raise DiskFull(self.path, e, f"its lines before are whole; {RUN_KEPT}") from e
+            raise
 
     def log_step(self, step: int, scalars: Mapping[str, Any]) -> None:
         """Append ``{"kind": "step", "step": step, **scalars}`` (values: floats, ints, 0-d

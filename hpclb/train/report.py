@@ -15,6 +15,7 @@ import torch
 
 from hpclb._io import write_json
 from hpclb.config import RunConfig
+from hpclb.config.outputs import RUN_KEPT
 from hpclb.data.paths import data_dir
 from hpclb.tasks.spec import metric_mode, show_metric
 from hpclb.train.setup import Run
@@ -173,4 +174,4 @@ def write_config(run: Run) -> None:
         **run.cfg.to_dict(), "world_size": run.comm.world_size,
         "data_root": str(data_dir(run.cfg.data_dir).resolve()),
         **schedule_columns(run.cfg, run.schedule),
-        "sync": _sync_settings(run), "trust_backend": _trust_backend()})
+        "sync": _sync_settings(run), "trust_backend": _trust_backend()}, RUN_KEPT)

@@ -126,7 +126,10 @@ def _run_example(cmd: list[str], tmp_path) -> dict:
 @pytest.mark.slow
 def test_example_script_two_ranks_equal_one_process(mnist_dir, tmp_path):
     """examples/own_model.py (the README's library quick start) at 1 process and under
-    mpirun -n 2: the same accuracy to fp32 rounding, and it learns (> 90 %)."""
+    mpirun -n 2: the same accuracy to fp32 rounding, and it learns (> 90 %). Seeded, one torch
+    thread, it is deterministic (each run twice when recorded): it prints the value recorded in
+    results/front-page/own-model.json (which the README quotes) to every printed digit."""
+    recorded = json.loads((REPO / "results" / "front-page" / "own-model.json").read_text())
     one = _run_example([sys.executable], tmp_path)
     mpirun = MPIRUN
     if not mpirun.exists():
@@ -138,6 +141,12 @@ def test_example_script_two_ranks_equal_one_process(mnist_dir, tmp_path):
     assert one["steps"] == two["steps"] == 96
     assert one["test_accuracy"] > 0.90
     assert abs(one["test_accuracy"] - two["test_accuracy"]) <= 2e-4  # 2 of 10,000 test images
+    for got, key in ((one, "1 process"), (two, "2 ranks")):
+        assert json.dumps(got["test_accuracy"]) == json.dumps(recorded["value"][key]), (
+            f"examples/own_model.py at {key} printed {got['test_accuracy']!r}, "
+            f"results/front-page/own-model.json records {recorded['value'][key]!r}: if the "
+            "change is meant, re-run the example (twice, to see it is deterministic), record it "
+            "there and in the README")
 
 
 def test_readme_library_quick_start_is_the_tested_example():

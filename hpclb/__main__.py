@@ -1,6 +1,4 @@
-"""``python -m hpclb``: the ``hpclb`` command line (:func:`hpclb.cli.main`)."""
-import sys
+"""``python -m hpclb``: the ``hpclb`` command line (:func:`hpclb.cli.run`)."""
+from hpclb.cli import run
 
-from hpclb.cli import main
-
-sys.exit(main())
+run()

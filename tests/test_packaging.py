@@ -54,7 +54,7 @@ def test_wheel_ships_recipes_templates_kernel_and_entry_point(wheel):
             assert expected and expected <= names, sorted(expected - names)
         assert z.read("hpclb/_kernels/trust_ratio.cu") == (REPO / "kernels/trust_ratio.cu").read_bytes()
         info = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-        assert "hpclb = hpclb.cli:main" in z.read(info).decode()
+        assert "hpclb = hpclb.cli:run" in z.read(info).decode()
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines()
                 if line.startswith("Requires-Dist:")]

@@ -55,7 +55,7 @@ def signal_at_first_step(tmp_path: Path, mnist_dir: Path, sig) -> tuple[int, str
 @pytest.mark.parametrize("entry", ["cli", "main"])
 def test_nothing_heavy_is_imported_before_the_handler(entry):
     """The handler goes in before torch/numpy: both entry points (the `hpclb` console script is
-    hpclb.cli:main; `python -m hpclb` runs hpclb.__main__) import only the standard library
+    hpclb.cli:run; `python -m hpclb` runs hpclb.__main__) import only the standard library
     first. Checked in a fresh interpreter whose first hpclb import installs the handler."""
     mod = "hpclb.cli" if entry == "cli" else "hpclb.__main__"
     code = (
@@ -71,7 +71,7 @@ def test_nothing_heavy_is_imported_before_the_handler(entry):
         "    raise SystemExit(0)\n"
         "common.install_early_signals = probe\n"
         "sys.argv = ['hpclb', 'train', 'mnist-lstm']\n"
-        + ("cli.main()\n" if entry == "cli" else "import runpy; runpy.run_module('hpclb', "
+        + ("cli.run()\n" if entry == "cli" else "import runpy; runpy.run_module('hpclb', "
            "run_name='__main__')\n"))
     r = subprocess.run([sys.executable, "-c", code, *HEAVY], capture_output=True, text=True,
                        timeout=50, env=ENV)

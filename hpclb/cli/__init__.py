@@ -32,7 +32,7 @@ from hpclb.cli import (
 )
 from hpclb.errors import EXIT_USAGE, DiskFull, MissingExtraError
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main", "run"]
 
 # hpclb <command>, in the order `hpclb --help` lists them
 COMMANDS = {"train": train, "evaluate": evaluate, "sweep": sweep, "compare": compare,
@@ -74,3 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpclb {common.command_of(argv) or ''}: interrupted (Ctrl-C); a run keeps its "
               f"last checkpoint (resume with --resume)", file=sys.stderr)
         return 130
+
+
+def run() -> None:
+    """The ``hpclb`` console command and ``python -m hpclb``: :func:`main`, then a prompt exit
+    with its status (:func:`hpclb.cli.common.exit_promptly`: no seconds of interpreter
+    teardown after the last line). In-process callers use :func:`main`."""
+    common.exit_promptly(main())

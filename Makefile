@@ -23,12 +23,13 @@ MPIRUN_FLAGS ?= -n $(NP) --bind-to none -x HPCLB_DATA -x OMP_NUM_THREADS
 .DEFAULT_GOAL := train
 
 # The library needs only torch, numpy, mpi4py, PyYAML and tqdm (setup.cfg, ranges); this
-# repository's runs install every extra at the exact versions of constraints.txt.
+# repository's runs install every CPU extra (Open MPI as a wheel included: this machine has no
+# MPI module) at the exact versions of constraints.txt.
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml constraints.txt hpclb/data/_jpeg_region.c
 	@test -n "$(PYTHON)" || { echo "error: no python3 found; install Python 3.11 (apt-get install python3 python3-venv)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[all,mpi,test,kernel-check]'
 	@touch $@
 
 install: $(VENV)/.installed
@@ -231,9 +232,9 @@ GPU_PY ?= python3
 .PHONY: install-gpu
 install-gpu:
 	@$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 'error: $(GPU_PY) has a CPU-only torch ' + torch.__version__ + '; install a CUDA build of torch first (docs/clusters-gpu.md)')"
-	$(GPU_PY) -m pip install --no-deps -e . && $(GPU_PY) -m pip install 'cupy-cuda13x==14.2.0' \
-	    'numpy==2.4.6' 'PyYAML==6.0.4' 'tqdm==4.70.1' 'jinja2==3.1.6' 'matplotlib==3.11.2' \
-	    'pillow==13.0.0' 'pysword==0.2.8' 'sacrebleu==2.6.0' 'sentencepiece==0.2.3'
+	$(GPU_PY) -m pip install --no-deps -e . && $(GPU_PY) -m pip install -c constraints.txt \
+	    "cupy-cuda$$($(GPU_PY) -c 'import torch; print(torch.version.cuda.split(".")[0])')x" \
+	    numpy PyYAML tqdm jinja2 matplotlib pillow pysword sacrebleu sentencepiece
 	@if [ -n "$(MPICC)" ]; then MPICC="$(MPICC)" $(GPU_PY) -m pip install --no-binary mpi4py \
 	    --no-cache-dir --force-reinstall 'mpi4py==4.1.2'; fi
 	$(GPU_PY) -c "import torch, cupy, mpi4py; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count(), '| cupy', cupy.__version__, '| mpi4py', mpi4py.__version__)"

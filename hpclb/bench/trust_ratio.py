@@ -51,6 +51,7 @@ import torch
 
 from hpclb._io import write_text_atomic
 from hpclb.bench.shapes import SETS
+from hpclb.extras import gpu_extra
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: words of the parameters' dtype each fused step reads + writes per parameter
@@ -277,7 +278,7 @@ def _gpu_state() -> tuple[str | None, float | None]:
     if not torch.cuda.is_available():
         return "no CUDA device", None
     if not kernels.cupy_available():
-        return "CuPy not installed (pip install -e '.[gpu]')", None
+        return f"CuPy not installed (pip install -e '.[{gpu_extra()}]')", None
     if os.environ.get("HPCLB_TRUST_BACKEND") == "torch":
         return "HPCLB_TRUST_BACKEND=torch", None
     return None, _sleep_cycles_per_ms()

@@ -21,6 +21,7 @@ from collections import Counter
 
 from hpclb import __version__
 from hpclb.errors import ConfigError, DataError
+from hpclb.extras import gpu_extra
 
 __all__ = ["AGREE", "ITEMS", "rank_report", "verdict", "format_report"]
 
@@ -190,9 +191,9 @@ def _cupy(r: dict, device) -> None:
     fallback = "LARS/LAMB's trust ratio runs on the torch path (slower)"
     if not imports:
         why = "does not import" if installed else "not installed"
-        r["items"]["cupy"] = f"{why} (pip install 'hpclb[gpu]')"
+        r["items"]["cupy"] = f"{why} (pip install 'hpclb[{gpu_extra()}]')"
         if on_gpu:
-            r["warnings"].append(f"CuPy {why}: {fallback}; pip install 'hpclb[gpu]'")
+            r["warnings"].append(f"CuPy {why}: {fallback}; pip install 'hpclb[{gpu_extra()}]'")
         return
     if not on_gpu:
         r["items"]["cupy"] = f"{version}; fused trust-ratio kernel: not checked (no GPU)"

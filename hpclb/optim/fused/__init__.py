@@ -5,7 +5,8 @@ NVRTC; cached by CuPy on disk and here per process) and launched on **torch's cu
 with raw device pointers (``np.uint64``) and ``np.int32``/``np.float32`` scalars, so torch
 tensors are used in place: nothing is copied, nothing is converted through DLPack, and no call
 synchronises with the host (no ``.item()``). CuPy is imported lazily, only when a CUDA tensor
-asks for the fused path; it is the ``gpu`` extra (``pip install -e '.[gpu]'``), absent in CI.
+asks for the fused path; it is the ``gpu-cuda12`` / ``gpu-cuda13`` extra (``pip install -e
+'.[gpu-cuda13]'``, the one of torch's CUDA major version), absent in CI.
 
 Scheme (NVIDIA apex's multi_tensor_apply / multi_tensor_l2norm design, written anew): every
 tensor is cut into chunks of ``chunk_size`` elements; a table in device memory holds, per tensor,

@@ -27,10 +27,11 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from hpclb._io import sha256_file
 from hpclb.errors import ConfigError
 
 __all__ = ["Registry", "add_search_path", "check_kwargs", "check_no_bool_numbers", "is_plugin",
-           "load_object", "resolve_ref", "signature_of", "takes_number"]
+           "load_object", "resolve_ref", "signature_of", "source_digests", "takes_number"]
 
 
 def is_plugin(name: Any) -> bool:
@@ -174,6 +175,44 @@ def check_kwargs(fn: Callable, given: Mapping[str, Any], *, what: str, section: 
     if missing:
         raise ConfigError(f"{section}.{missing[0]}: required by {what} (no default); add "
                           f"`{missing[0]}: <value>` to the recipe's {section} section")
+
+
+#: where installed code lives (the interpreter's, the virtualenv's, hpclb's own): never a plug-in
+_INSTALLED = tuple(dict.fromkeys(str(Path(d).resolve()) for d in (
+    sys.prefix, sys.base_prefix, sys.exec_prefix, Path(__file__).parent)))
+
+
+def _user_file(file: str | None) -> Path | None:
+    """The source file ``file`` of a module, None where there is none (``<stdin>``) or it is
+    installed code."""
+    if not file:
+        return None
+    path = Path(file).resolve()
+    installed = any(path.is_relative_to(d) for d in _INSTALLED)
+    return None if installed or not path.is_file() else path
+
+
+def source_digests(modules: Iterable[str], dirs: Iterable[str | os.PathLike] = ()
+                   ) -> dict[str, str]:
+    """Module name -> the SHA-256 of its source file, for the (imported) ``modules`` and every
+    module in ``sys.modules`` whose file lies under one of ``dirs`` (a recipe's
+    ``plugin_path``: what its plug-ins import from there), sorted by name; installed code (under
+    the interpreter's prefixes, hpclb itself) and modules without a file are left out. Raises
+    OSError where a file cannot be read."""
+    roots = tuple({os.path.join(p, "") for d in dirs
+                   for p in (str(Path(d).resolve()), os.path.abspath(d))})
+    files = {name: _file_of(sys.modules.get(name)) for name in modules}
+    for name, module in list(sys.modules.items()):
+        file = _file_of(module)
+        if name not in files and file and roots and os.path.abspath(file).startswith(roots):
+            files[name] = file
+    paths = {name: _user_file(file) for name, file in sorted(files.items())}
+    return {name: sha256_file(path) for name, path in paths.items() if path is not None}
+
+
+def _file_of(module: Any) -> str | None:
+    file = getattr(module, "__dict__", {}).get("__file__")
+    return file if isinstance(file, str) else None
 
 
 def resolve_ref(ref: Any) -> Any:

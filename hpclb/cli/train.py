@@ -55,6 +55,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "holds one, else start afresh (a run stopped before its first checkpoint is "
                    "started again from step 0, its logs replaced): what a requeued or restarted "
                    "job needs. Write it after EXPERIMENT")
+    t.add_argument("--resume-changed", type=_resume_changes, default=(), metavar="code,data",
+                   help="with --resume: continue although the recipe's plug-in modules (code) "
+                   "or the data files (data) differ from the checkpoint's (refused otherwise, "
+                   "naming each); on purpose, recorded in config.json")
     t.add_argument("--overwrite", action="store_true", help="delete the run already in --out "
                    "(summary, metrics, checkpoints) and start afresh")
     t.add_argument("--backend", default="auto", choices=list(BACKENDS),
@@ -118,6 +122,18 @@ def _resume_mode(value: str):
     return value
 
 
+def _resume_changes(value: str) -> tuple[str, ...]:
+    """``--resume-changed``: ``code``, ``data`` or ``code,data``."""
+    from hpclb.config.settings import RESUME_CHANGES
+
+    parts = tuple(p.strip() for p in value.split(","))
+    if not parts or not set(parts) <= set(RESUME_CHANGES):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: takes code, data or code,data (what may differ from the checkpoint's "
+            f"run: the recipe's plug-in modules, the data files)")
+    return parts
+
+
 def _recipe_device(args: argparse.Namespace) -> str:
     """``--device``, else the recipe's ``device`` field, else auto (a broken recipe is reported
     by ``resolve`` once the communicator is up)."""
@@ -158,6 +174,7 @@ def _resolve(args: argparse.Namespace, comm):
                    optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
                    data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr,
                    overwrite=args.overwrite, compile=args.compile,
+                   resume_changed=args.resume_changed,
                    sync={name: getattr(args, name) for name in SYNC_SETTINGS},
                    **{name: getattr(args, name) for name in SETTINGS})
 

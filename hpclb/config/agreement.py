@@ -9,7 +9,9 @@ rank naming each setting that differs with rank 0's value and the other ranks'.
 Not compared, because they may differ between ranks without changing a number: where a rank
 finds or writes files (:data:`LOCATIONS`: ``--out``, of which rank 0's is the run directory,
 ``--data-dir`` and the recipe's resolved ``plugin_path``, e.g. node-local copies), and what the
-launcher gives each rank (its rank, local rank, host, device index).
+launcher gives each rank (its rank, local rank, host, device index). What is found there is
+compared by content: :func:`run_fingerprint` (the plug-in modules' source, the data files) and
+:func:`agree_fingerprint`, once the plug-ins are imported and the data read.
 """
 from __future__ import annotations
 
@@ -20,17 +22,24 @@ from typing import Any
 
 from hpclb.comm.base import Communicator
 from hpclb.config.fields import SYNC_SETTINGS
+from hpclb.data.registry import dataset
 from hpclb.errors import ConfigError
+from hpclb.plugins import is_plugin, source_digests
 from hpclb.sync.options import AGREED_ENVIRONMENT, in_force
 
-__all__ = ["AGREED_ENVIRONMENT", "LOCATIONS", "agree_run_settings", "config_settings",
-           "run_settings"]
+__all__ = ["AGREED_ENVIRONMENT", "FINGERPRINT_PARTS", "LOCATIONS", "agree_fingerprint",
+           "agree_run_settings", "config_settings", "run_fingerprint", "run_settings"]
 
 #: RunConfig fields and recipe fields that are locations: each rank may have its own
 LOCATIONS = ("out", "data_dir", "recipe.plugin_path")
 # the command-line flag of a RunConfig field, where it is not --<field with dashes>
 _FLAGS = {"experiment": "EXPERIMENT", "global_batch_size": "--batch-size"}
 _SHOWN = 8  # differing settings named in the message; the rest are counted
+_SETTINGS_FIX = ("every rank must run the same configuration: launch every rank with the same "
+                 "command line, the same recipe file content and the same HPCLB_* environment "
+                 "variables (--out and --data-dir may differ)")
+#: a fingerprint's parts (:func:`run_fingerprint`) and what one entry of each is called
+FINGERPRINT_PARTS = {"code": "plug-in module", "data": "data file"}
 
 
 def run_settings(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -83,21 +92,53 @@ def _canonical(settings: dict[str, Any]) -> dict[str, str]:
     return {k: json.dumps(v, sort_keys=True, default=repr) for k, v in settings.items()}
 
 
-def agree_run_settings(comm: Communicator, settings: dict[str, Any]) -> None:
+def agree_run_settings(comm: Communicator, settings: dict[str, Any], *,
+                       what: str = "setting(s) of the run", fix: str = _SETTINGS_FIX) -> None:
     """Compare ``settings`` (:func:`run_settings`) across the ranks: one allgather of a SHA-256
     digest (a second, of the settings, only when the digests differ). Collective; a world of
     one returns at once. Raises ConfigError on every rank alike naming each setting that
-    differs, rank 0's value and the other ranks', and the fix."""
+    differs, rank 0's value and the other ranks', and the fix (``what`` the settings are,
+    ``fix``: the message's words)."""
     if comm.world_size == 1:
         return
     mine = _canonical(settings)
     digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
     if len(set(comm.allgather_object(digest))) == 1:
         return
-    raise ConfigError(_mismatch_message(comm.allgather_object(mine)))
+    raise ConfigError(_mismatch_message(comm.allgather_object(mine), what, fix))
 
 
-def _mismatch_message(everyone: list[dict[str, str]]) -> str:
+def run_fingerprint(cfg) -> dict[str, dict[str, str]]:
+    """What ``cfg`` trains with, by content: ``{"code": {module: SHA-256 of its source},
+    "data": {file: size and digest}}``. Code: the modules the recipe's plug-ins name (model,
+    data, task loss and metrics) and every module imported from its ``plugin_path``
+    directories (:func:`~hpclb.plugins.source_digests`; call it once they are imported). Data:
+    the files the data set's registry entry names (:meth:`~hpclb.data.registry.DataSet.
+    fingerprint`; the run directory ``cfg.out`` left out). Raises OSError where a file cannot
+    be read."""
+    spec = cfg.spec
+    refs = (spec.model.name, spec.data.name, spec.task_spec.loss,
+            *spec.task_spec.metrics.values())
+    modules = [ref.partition(":")[0] for ref in refs if is_plugin(ref)]
+    return {"code": source_digests(modules, spec.plugin_path),
+            "data": dataset(spec.data.name).fingerprint(cfg.data_dir, spec.data, (cfg.out,))}
+
+
+def agree_fingerprint(comm: Communicator, fingerprint: dict[str, dict[str, str]]) -> None:
+    """Compare :func:`run_fingerprint` across the ranks as :func:`agree_run_settings` does:
+    ConfigError on every rank naming each module and file whose content differs, with rank 0's
+    digest and the other ranks'. Collective."""
+    agree_run_settings(
+        comm, {f"{FINGERPRINT_PARTS[part]} {name}": entry
+               for part, entries in fingerprint.items() for name, entry in entries.items()},
+        what="plug-in module(s) or data file(s) by content",
+        fix="every rank must train the same code on the same data: give every node the same "
+            "copy of the recipe's plug-in modules and of the data files (a stale node-local "
+            "copy?); their paths may differ, their content may not")
+
+
+def _mismatch_message(everyone: list[dict[str, str]], what: str = "setting(s) of the run",
+                      fix: str = _SETTINGS_FIX) -> str:
     """The message for ``everyone`` (each rank's canonical settings, by rank) when they differ:
     each differing setting with its value on rank 0 and on the ranks whose value differs."""
     names = list(everyone[0]) + sorted({k for s in everyone[1:] for k in s} - set(everyone[0]))
@@ -112,10 +153,7 @@ def _mismatch_message(everyone: list[dict[str, str]]) -> str:
                               f"{', '.join(map(str, r))}" for v, r in by_value.items()]
             differ.append(f"{name} is {first} but {', '.join(others)}")
     more = f" (and {len(differ) - _SHOWN} more)" if len(differ) > _SHOWN else ""
-    return (f"the ranks disagree on {len(differ)} setting(s) of the run: "
-            f"{'; '.join(differ[:_SHOWN])}{more}; every rank must run the same configuration: "
-            f"launch every rank with the same command line, the same recipe file content and "
-            f"the same HPCLB_* environment variables (--out and --data-dir may differ)")
+    return f"the ranks disagree on {len(differ)} {what}: {'; '.join(differ[:_SHOWN])}{more}; {fix}"
 
 
 def _show(canonical: str | None) -> str:

@@ -21,11 +21,13 @@ from hpclb.sync.options import check_environment
 from hpclb.tasks.registry import TASKS
 from hpclb.tasks.spec import Recipe
 
-__all__ = ["COMPILE_MODES", "RunConfig", "check_checkpoint_interval", "check_expect_world_size",
-           "resolve"]
+__all__ = ["COMPILE_MODES", "RESUME_CHANGES", "RunConfig", "check_checkpoint_interval",
+           "check_expect_world_size", "resolve"]
 
 #: ``torch.compile`` modes ``hpclb train --compile MODE`` takes (torch's documented ones)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+#: what ``--resume-changed`` lets a resumed run find changed (docs/faults.md)
+RESUME_CHANGES = ("code", "data")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +40,9 @@ class RunConfig(RunSettings):
     declared defaults. ``compile``: None (eager) or a ``torch.compile`` mode of
     :data:`COMPILE_MODES` (``--compile``). ``out`` (default ``runs/<experiment>/<scaling>-b<B>``)
     must not hold a run unless ``resume`` (True, or ``"auto"``: resume when it holds a
-    checkpoint) or ``overwrite`` (:mod:`hpclb.config.outputs`)."""
+    checkpoint) or ``overwrite`` (:mod:`hpclb.config.outputs`). ``resume_changed``: what of
+    :data:`RESUME_CHANGES` a resume may find changed since the checkpoint (``--resume-changed``:
+    the plug-in code, the data), on purpose."""
 
     experiment: str
     recipe: dict
@@ -54,6 +58,7 @@ class RunConfig(RunSettings):
     lr: float | None = None
     overwrite: bool = False
     compile: str | None = None
+    resume_changed: tuple[str, ...] = ()
     #: the gradient-sync settings (:data:`~hpclb.config.fields.SYNC_SETTINGS`, resolved:
     #: flag, else ``$HPCLB_*``, else the recipe's ``sync:``, else the default; ``stall_abort_s``
     #: None: never); empty: the library's (``GradientSync`` reads ``$HPCLB_*`` itself)
@@ -198,7 +203,8 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
             optimizer: str | None = None, epochs: float | None = None, seed: int = 0,
             data_dir: str | None = None, out: str | None = None,
             resume: bool | str = False, lr: float | None = None, overwrite: bool = False,
-            compile: str | None = None, sync: dict | None = None, **settings) -> RunConfig:
+            compile: str | None = None, sync: dict | None = None,
+            resume_changed: tuple[str, ...] = (), **settings) -> RunConfig:
     """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
 
     ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``settings``: the command
@@ -212,6 +218,8 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
     model's forward is compiled with (:data:`COMPILE_MODES`). ``sync``: the command line's
     gradient-sync settings (``{"compression": "bf16"}``; :func:`~hpclb.config.fields.
     resolve_sync` applies ``$HPCLB_*`` and the recipe's ``sync:`` once, here).
+    ``resume_changed``: with ``resume``, what of :data:`RESUME_CHANGES` may have changed
+    since the checkpoint (``--resume-changed code,data``).
     Raises ConfigError naming the bad field and its command-line flag, TypeError for a keyword
     that is not a setting; warns (:class:`RecipeWarning`) for valid values outside their
     sensible range.
@@ -234,6 +242,10 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
             f"the recipe {spec.name} has no tuned hyper-parameters for {opt!r}; add "
             f"optimizers.{opt} to it or choose one of {sorted(spec.optimizers)}")
     n_epochs = spec.epochs if epochs is None else epochs
+    require(set(resume_changed) <= set(RESUME_CHANGES) and (resume or not resume_changed),
+            "--resume-changed", f"{','.join(resume_changed)!r}: takes {' or '.join(RESUME_CHANGES)}"
+            f" or both, comma-separated (the run's code or data changed since its checkpoint, "
+            f"on purpose), and only with --resume")
     require(lr is None or positive_number(lr), "--lr",
             f"must be a positive number, got {lr}")
     if lr is not None:
@@ -252,5 +264,6 @@ def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "l
                      epochs=float(n_epochs), seed=seed, data_dir=data_dir,
                      out=out or default_run_dir(spec.name, scaling, batch), resume=resume,
                      overwrite=overwrite, lr=lr, compile=compile,
+                     resume_changed=tuple(sorted(set(resume_changed))),
                      sync=resolve_sync(recipe.get("sync"), sync or {}, dict(os.environ),
                                        f"recipe {spec.name}"), **values)

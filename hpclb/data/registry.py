@@ -12,14 +12,18 @@ its task kind reads: ``(train, test)`` splits for ``classification`` (each with 
 ``subset(n)``, ``batch(indices) -> (x, y)``), a :class:`~hpclb.data.ptb.Corpus` for
 ``language_model``, ``{"train": [...], "test": [...]}`` sentence pairs for ``seq2seq``.
 
+Each also names the files its reader reads (``files``): what the ranks compare before training
+and ``--resume`` compares with the checkpoint's (:meth:`DataSet.fingerprint`).
+
 To add a data set, call :func:`register_dataset` (see tests/test_registry.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
-from hpclb.data.manifest import check_manifest
+from hpclb.data.manifest import check_manifest, fingerprint_files
 from hpclb.data.paths import data_dir
 from hpclb.errors import ConfigError, DataError
 from hpclb.plugins import Registry, is_plugin, resolve_ref
@@ -44,7 +48,12 @@ class DataSet:
     """One data set. ``train_size`` (in ``unit``: images, tokens, sentence pairs) and ``source``
     are the published numbers ``hpclb jobs`` plans with on a login node that may not hold the
     data; None when unknown. ``options``: data-section keys only this data set's reader takes
-    (other data sets reject them). ``fetcher(root) -> Path`` stages it, None: not fetchable."""
+    (other data sets reject them). ``fetcher(root) -> Path`` stages it, None: not fetchable.
+    ``files``: the files the reader reads, as glob patterns relative to the set's directory
+    (:meth:`directory`) -> how each is digested (``sha256``, ``stamp``, ``size``:
+    :func:`~hpclb.data.manifest.fingerprint_files`), or a function of the data section
+    returning them; None: unknown, every file under the directory is fingerprinted
+    (up to 10,000, by size and first and last 64 KiB)."""
 
     name: str
     loader: Callable | str
@@ -54,14 +63,30 @@ class DataSet:
     source: str = ""
     fetcher: Callable | str | None = None
     options: tuple[str, ...] = ()
+    files: Mapping[str, str] | Callable[[Any], Mapping[str, str]] | None = None
+
+    def directory(self, root) -> Path:
+        """Where the reader finds the set under data directory ``root``: ``<root>/<name>``
+        when that is a folder, else ``root`` itself (which then holds the files)."""
+        staged = data_dir(root) / self.name
+        return staged if staged.is_dir() else data_dir(root)
 
     def load(self, root, data) -> Any:
         """What the reader returns for data section ``data`` read from ``root``, after the
         files ``hpclb data fetch`` recorded for it (``<root>/<name>/.verified``) are checked
         again (:func:`~hpclb.data.manifest.check_manifest`: DataError naming a changed file)."""
-        staged = data_dir(root) / self.name
-        check_manifest(staged if staged.is_dir() else data_dir(root))
+        check_manifest(self.directory(root))
         return resolve_ref(self.loader)(root, data)
+
+    def fingerprint(self, root, data, exclude: tuple = ()) -> dict[str, str]:
+        """The content of what the reader reads for ``data`` from ``root``: file name
+        (relative to :meth:`directory`) -> its size and digest; nothing under ``exclude``
+        (the run directory). Raises OSError."""
+        files = self.files(data) if callable(self.files) else self.files
+        if files is None:
+            return fingerprint_files(self.directory(root), _UNKNOWN_FILES, _UNKNOWN_LIMIT,
+                                     exclude)
+        return fingerprint_files(self.directory(root), files, exclude=exclude)
 
     def fetch(self, root=None):
         if self.fetcher is None:
@@ -71,6 +96,10 @@ class DataSet:
 
 
 DATASETS: Registry = Registry("data set")
+#: what is fingerprinted of a data set whose files are unknown (a plug-in's): every file under
+#: its directory, by size and its first and last 64 KiB; more than the limit: none
+_UNKNOWN_FILES = {"**/*": "stamp"}
+_UNKNOWN_LIMIT = 10_000
 
 
 def register_dataset(ds: DataSet, *, replace: bool = False) -> DataSet:
@@ -97,6 +126,14 @@ def _imagenet(root, data):
                          shards=data.get("shards", False))
 
 
+def _imagenet_files(data) -> dict[str, str]:
+    """ImageNet's files: the shards' index in full and each shard's ends, else every image's
+    name and size (a stat each: reading 1.28 M images would cost as much as an epoch)."""
+    if data.get("shards", False):
+        return {"shards/*/index.npz": "sha256", "shards/*/*": "stamp"}
+    return {"train/*/*": "size", "val/*/*": "size"}
+
+
 def _synthetic(root, data):  # throughput runs: ImageNet-sized random images
     from hpclb.data.images import SyntheticImages
 
@@ -119,18 +156,22 @@ def _bible_pairs(root, data):
 
 for _ds in (
     DataSet("mnist", _mnist, ("classification",), 60_000, "images", "MNIST train split",
-            "hpclb.data.fetch:fetch_mnist"),
+            "hpclb.data.fetch:fetch_mnist", files={"*-idx[13]-ubyte*": "sha256"}),
     DataSet("fashion-mnist", _fashion_mnist, ("classification",), 60_000, "images",
-            "Fashion-MNIST train split", "hpclb.data.fetch:fetch_fashion_mnist"),
+            "Fashion-MNIST train split", "hpclb.data.fetch:fetch_fashion_mnist",
+            files={"*-idx[13]-ubyte.gz": "sha256"}),
     DataSet("imagenet", _imagenet, ("classification",), 1_281_167, "images",
-            "ILSVRC-2012 train split", options=("augment", "num_workers", "shards")),
+            "ILSVRC-2012 train split", options=("augment", "num_workers", "shards"),
+            files=_imagenet_files),
     DataSet("synthetic", _synthetic, ("classification",), 1_281_167, "images",
-            "synthetic ImageNet stand-in, same size"),
+            "synthetic ImageNet stand-in, same size", files={}),
     DataSet("ptb", _ptb, ("language_model",), 929_589, "tokens",
-            "Penn Treebank ptb.train.txt incl. <eos> (Mikolov)", "hpclb.data.fetch:fetch_ptb"),
+            "Penn Treebank ptb.train.txt incl. <eos> (Mikolov)", "hpclb.data.fetch:fetch_ptb",
+            files={"ptb.*.txt": "sha256"}),
     DataSet("bible-en-es", _bible_pairs, ("seq2seq",), 30_319, "sentence pairs",
             "train split of the KJV / RV 1909 verse pairs as hpclb's loader makes it "
-            "(max_length 80)", "hpclb.data.fetch:fetch_bible_en_es"),
+            "(max_length 80)", "hpclb.data.fetch:fetch_bible_en_es",
+            files={"pairs.tsv": "sha256"}),
 ):
     register_dataset(_ds)
 

@@ -11,21 +11,52 @@ from torch import nn
 
 from hpclb.comm.base import Communicator
 from hpclb.errors import ModelMismatchError
+from hpclb.plugins import source_digests
 from hpclb.sync.options import SYNC_VARIABLES
 
-__all__ = ["agree_num_steps", "average_buffers", "broadcast_parameters", "check_model_consistency",
-           "check_sync_agreement", "fingerprints", "verify_replicas", "ReplicasDiffer"]
+__all__ = ["agree_num_steps", "average_buffers", "broadcast_parameters", "check_model_code",
+           "check_model_consistency", "check_sync_agreement", "fingerprints", "verify_replicas",
+           "ReplicasDiffer"]
 
 
 def check_model_consistency(model: nn.Module, comm: Communicator) -> None:
-    """Compare every rank's parameter names, shapes and dtypes with rank 0's.
+    """Compare every rank's parameter names, shapes and dtypes with rank 0's, then the source of
+    the modules that define the model's classes (:func:`check_model_code`), in one allgather.
 
     Every rank raises the same :class:`ModelMismatchError`, naming the first differing parameter
-    and rank, so no rank is left waiting in a later collective.
+    or module and rank, so no rank is left waiting in a later collective.
     """
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    _compare_entries(comm.allgather_object(mine), "a different model than rank 0",
+    everyone = comm.allgather_object((mine, _model_code(model)))
+    _compare_entries([e[0] for e in everyone], "a different model than rank 0",
                      "every rank must build the same model from the same config")
+    _compare_code([e[1] for e in everyone])
+
+
+def check_model_code(model: nn.Module, comm: Communicator) -> None:
+    """Compare the SHA-256 of the source of each module that defines one of ``model``'s classes
+    (the user's code: installed packages and hpclb left out; :func:`~hpclb.plugins.
+    source_digests`) with rank 0's: ModelMismatchError on every rank naming the module and
+    both digests. Collective (one allgather); a world of one returns at once."""
+    if comm.world_size > 1:
+        _compare_code(comm.allgather_object(_model_code(model)))
+
+
+def _model_code(model: nn.Module) -> dict[str, str]:
+    return source_digests({type(m).__module__ for m in model.modules()})
+
+
+def _compare_code(everyone: list[dict[str, str]]) -> None:
+    ref = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for name in sorted(ref.keys() | theirs.keys()):
+            if ref.get(name) != theirs.get(name):
+                raise ModelMismatchError(
+                    f"rank {rank} builds the model from other code than rank 0: module {name} "
+                    f"(it defines the model's classes) has SHA-256 "
+                    f"{theirs.get(name, 'absent')} on rank {rank} but {ref.get(name, 'absent')} "
+                    f"on rank 0; every rank must import the same source (a stale copy of the "
+                    f"module on one node?)")
 
 
 def _compare_entries(everyone: list[list[tuple]], what: str, fix: str) -> None:
@@ -151,9 +182,12 @@ def verify_replicas(model, comm: Communicator, broadcast: bool = True, root: int
     name, after either broadcasting rank ``root``'s parameters and buffers to every rank with a
     UserWarning naming it (``broadcast=True``), or raising :class:`ModelMismatchError` on every
     rank (``broadcast=False``). Collective; a world of one returns None. Call after
-    :func:`check_model_consistency` (same names and shapes)."""
+    :func:`check_model_consistency` (same names and shapes). ``model`` an ``nn.Module``: its
+    classes' source is compared first (:func:`check_model_code`)."""
     if comm.world_size == 1:
         return None
+    if isinstance(model, nn.Module):
+        check_model_code(model, comm)
     with torch.no_grad():  # not a decorator: it adds a frame, and stacklevel counts frames
         named = _state_tensors(model)
         fp = fingerprints([t for _, t in named])

@@ -168,7 +168,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         broadcast_mismatch: at construction every rank's parameter and buffer values are
             compared by fingerprint (:func:`~hpclb.sync.agree.verify_replicas`); replicas that
             differ get rank 0's values with a UserWarning naming the first differing tensor
-            (True, default) or raise ModelMismatchError on every rank (False).
+            (True, default) or raise ModelMismatchError on every rank (False). Given the model
+            (an ``nn.Module``), the source of the modules that define its classes is compared
+            first (:func:`~hpclb.sync.agree.check_model_code`): a rank whose copy of one differs
+            raises ModelMismatchError on every rank, naming it.
         check_nonfinite_every: on the device path (LARS, LAMB, torch's fused optimizers) the
             non-finite limit is checked by :meth:`check_nonfinite`, which ``step()`` also calls
             every this many optimizer steps (one small read; default 100; 0: only when the

@@ -121,7 +121,8 @@ def save_run_checkpoint(run, epoch: int, step_in_epoch: int, epoch_sums: torch.T
     position = {"epoch": epoch, "step_in_epoch": step_in_epoch, "epoch_sums": sums,
                 "elapsed_s": run.elapsed_s(), "history": run.pos.history,
                 "first_loss": run.pos.first_loss}
-    settings = run.cfg.to_dict()  # with the recipe: what --resume compares
+    # with the recipe, the code and the data: what --resume compares
+    settings = {**run.cfg.to_dict(), "fingerprint": run.fingerprint}
     state = checkpoint_state(comm, run.model, run.optimizer, None, run.pos.global_step,
                              position=position, task=task_state, steplog=steplog, run=settings)
     if state is not None:  # the LR is the schedule's at the step: ScheduleLR's state, for a

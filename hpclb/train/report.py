@@ -5,6 +5,7 @@ Called by :func:`hpclb.train.loop.train`; none of it is on the step's path."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import socket
@@ -18,6 +19,7 @@ from hpclb.config import RunConfig
 from hpclb.config.outputs import RUN_KEPT
 from hpclb.data.paths import data_dir
 from hpclb.tasks.spec import metric_mode, show_metric
+from hpclb.train.rundir import fingerprint_changes
 from hpclb.train.setup import Run
 
 __all__ = ["Say", "epoch_line", "header", "schedule_columns", "summary", "summary_line",
@@ -166,7 +168,9 @@ def summary_line(run: Run, summary: dict) -> str:
 def write_config(run: Run) -> None:
     """Rank 0 writes ``<out>/config.json``: every run setting (``RunConfig.to_dict``), the world
     size, the data root, the schedule (:func:`schedule_columns`), ``sync`` (the gradient-sync
-    settings in force) and ``trust_backend``. Other ranks write nothing."""
+    settings in force), ``trust_backend``, ``fingerprint`` (the code and data, by content:
+    :func:`~hpclb.config.agreement.run_fingerprint`) and ``resumed_with_changes``
+    (:func:`_resumed_with_changes`). Other ranks write nothing."""
     if run.comm.rank != 0:
         return
     run.out.mkdir(parents=True, exist_ok=True)
@@ -174,4 +178,22 @@ def write_config(run: Run) -> None:
         **run.cfg.to_dict(), "world_size": run.comm.world_size,
         "data_root": str(data_dir(run.cfg.data_dir).resolve()),
         **schedule_columns(run.cfg, run.schedule),
-        "sync": _sync_settings(run), "trust_backend": _trust_backend()}, RUN_KEPT)
+        "sync": _sync_settings(run), "trust_backend": _trust_backend(),
+        "fingerprint": run.fingerprint, "resumed_with_changes": _resumed_with_changes(run)},
+        RUN_KEPT)
+
+
+def _resumed_with_changes(run: Run) -> list[dict]:
+    """Each resume of the run that continued with other code or data than its checkpoint's
+    (``--resume-changed``): its global step and what changed; the earlier ones as the
+    ``config.json`` in the run directory records them, then this start's."""
+    if run.resumed_from is None:
+        return []
+    try:
+        earlier = json.loads((run.out / "config.json").read_text())["resumed_with_changes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        earlier = []
+    then = run.resumed_from["run"].get("fingerprint")
+    changes = fingerprint_changes(then, run.fingerprint) if then is not None else {}
+    entry = {"global_step": run.pos.global_step, **changes}
+    return [*earlier, entry] if changes and entry not in earlier else earlier

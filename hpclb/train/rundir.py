@@ -21,7 +21,7 @@ from typing import Any
 
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
-from hpclb.config.agreement import config_settings
+from hpclb.config.agreement import FINGERPRINT_PARTS, config_settings
 from hpclb.config.fields import SETTINGS, SYNC_SETTINGS
 from hpclb.config.outputs import RUN_MARKER, check_run_dir, clear_run, run_files, start_run
 from hpclb.errors import CheckpointError, ConfigError, RunFinished
@@ -30,7 +30,7 @@ from hpclb.train.agreed import agreed
 from hpclb.train.checkpoint import CheckpointStore
 
 __all__ = ["LOCK_NAME", "MAY_CHANGE", "MODEL_FIELDS", "Decision", "check_out", "check_resumable",
-           "decide"]
+           "decide", "fingerprint_changes"]
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".hpclb.lock"
@@ -62,18 +62,20 @@ def check_out(cfg: RunConfig, comm: Communicator) -> None:
         cfg.out, resume=bool(cfg.resume), overwrite=cfg.overwrite) if comm.rank == 0 else None)
 
 
-def decide(cfg: RunConfig, comm: Communicator, store: CheckpointStore) -> Decision:
+def decide(cfg: RunConfig, comm: Communicator, store: CheckpointStore,
+           fingerprint: dict | None = None) -> Decision:
     """Rank 0 locks the run directory and decides (start afresh; else the checkpoint's path;
     ``--resume auto``: the newest checkpoint that verifies, else afresh); every rank loads it
     (the decision is broadcast); collective. Raises ConfigError (every rank) where rank 0
-    refuses (another run holds the lock, no checkpoint to resume, other settings) or a rank
-    cannot read rank 0's checkpoint; a failure releases the lock."""
+    refuses (another run holds the lock, no checkpoint to resume, other settings, other code
+    or data than ``fingerprint``: :func:`check_resumable`) or a rank cannot read rank 0's
+    checkpoint; a failure releases the lock."""
     lock = []
 
     def decide_on_rank0():
         found = check_run_dir(store.out_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         lock.append(_lock_out(store.out_dir))
-        path = _resume_path(cfg, store, found) if cfg.resume else None
+        path = _resume_path(cfg, store, found, fingerprint) if cfg.resume else None
         if path is not None and "summary.json" in found:  # nothing left to train
             start_run(store.out_dir)  # a run of an earlier version: marked, nothing else
             return RunFinished(_finished(store.out_dir, path))
@@ -127,7 +129,8 @@ def _lock_out(out: Path):
     return f
 
 
-def _resume_path(cfg: RunConfig, store: CheckpointStore, found: list[str]) -> str | None:
+def _resume_path(cfg: RunConfig, store: CheckpointStore, found: list[str],
+                 fingerprint: dict | None) -> str | None:
     """Rank 0's ``--resume`` decision: the checkpoint's path (checked against ``cfg``), or None
     (``--resume auto`` without one: start afresh)."""
     loaded = store.latest()
@@ -140,7 +143,7 @@ def _resume_path(cfg: RunConfig, store: CheckpointStore, found: list[str]) -> st
     for path, why in loaded.skipped:
         log.warning("--resume: skipped damaged checkpoint %s (%s); using %s", path, why,
                     loaded.path)
-    check_resumable(cfg, loaded.state, loaded.path.resolve())  # before anything is written
+    check_resumable(cfg, loaded.state, loaded.path.resolve(), fingerprint)  # before any write
     return str(loaded.path.resolve())
 
 
@@ -213,13 +216,13 @@ MODEL_FIELDS = ("model", "task", "data.name")
 #: checkpoints, none of which moves its trajectory beyond rounding. The recipe's copies of
 #: resolved settings (its run settings, ``sync:``, ``epochs``, ``optimizers``) are compared as
 #: the resolved ones (``epochs``, ``optimizer_params``, ``sync.compression``...).
-MAY_CHANGE = ("resume", "overwrite", "accumulation_steps", "device", "compile", "log_every",
-              "noise_scale", "max_nonfinite_steps", "keep_checkpoints",
+MAY_CHANGE = ("resume", "resume_changed", "overwrite", "accumulation_steps", "device", "compile",
+              "log_every", "noise_scale", "max_nonfinite_steps", "keep_checkpoints",
               *(f"sync.{k}" for k in SYNC_SETTINGS if k != "compression"),
               *(f"recipe.{k}" for k in (*SETTINGS, "sync", "epochs", "optimizers")))
 
 
-def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
+def check_resumable(cfg: RunConfig, ckpt: dict, path, fingerprint: dict | None = None) -> None:
     """Refuse (ConfigError) to resume ``cfg`` from the checkpoint ``ckpt`` read from ``path``
     where it was made with another model (a recipe field of :data:`MODEL_FIELDS`, e.g.
     ``model.hidden_size``, named with both values) or other settings (every setting of
@@ -228,7 +231,9 @@ def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
     recipe field such as ``warmup_epochs`` or ``decay``; each named with both values), or a
     checkpoint without run settings (written by a library loop's ``hpclb.Checkpointer``). The
     run's recipe is the checkpoint's; one written before checkpoints held it: ``config.json``'s
-    in ``cfg.out``, else only the other settings are compared."""
+    in ``cfg.out``, else only the other settings are compared. ``fingerprint``: this run's code
+    and data (:func:`~hpclb.config.agreement.run_fingerprint`), compared with the checkpoint's
+    (:func:`_check_fingerprint`); None: not compared."""
     if not isinstance(ckpt.get("run"), dict):
         raise ConfigError(f"--resume: the checkpoint in {path} was written by a library loop "
                           f"(hpclb.Checkpointer), not by hpclb train: it holds no run settings "
@@ -255,6 +260,44 @@ def check_resumable(cfg: RunConfig, ckpt: dict, path) -> None:
                           f"this run's, {len(differ)} differ: {'; '.join(differ)}; resume with "
                           f"the recipe and flags the run was started with (its config.json "
                           f"records them), or start a new run with another --out")
+    if fingerprint is not None:
+        _check_fingerprint(cfg, ckpt["run"].get("fingerprint"), fingerprint, path)
+
+
+def fingerprint_changes(then: dict | None, now: dict) -> dict[str, list[str]]:
+    """What differs between two run fingerprints (``then`` the checkpoint's, ``now`` this
+    run's): part (``code``, ``data``) -> each module or file with both digests."""
+    changes = {}
+    for part, what in FINGERPRINT_PARTS.items():
+        a, b = (then or {}).get(part, {}), now.get(part, {})
+        differ = [f"{what} {name}: {a.get(name, 'absent')} in the checkpoint's run, "
+                  f"{b.get(name, 'absent')} now" for name in sorted(a.keys() | b.keys())
+                  if a.get(name) != b.get(name)]
+        if differ:
+            changes[part] = differ
+    return changes
+
+
+def _check_fingerprint(cfg: RunConfig, then: dict | None, now: dict, path) -> None:
+    """ConfigError naming each plug-in module and data file whose content differs from the
+    checkpoint's run (``then``), unless ``--resume-changed`` names its part: then a warning."""
+    if then is None:
+        log.warning("--resume: the checkpoint in %s records no code and data fingerprint (an "
+                    "earlier hpclb wrote it): the plug-in modules and data files are not "
+                    "compared with its run", path)
+        return
+    changes = fingerprint_changes(then, now)
+    refused = [part for part in changes if part not in cfg.resume_changed]
+    if refused:
+        raise ConfigError(
+            f"--resume: the checkpoint in {path} was made with other {' and '.join(refused)}: "
+            f"{'; '.join(d for part in refused for d in changes[part])}; restore the files the "
+            f"run was made with (config.json's fingerprint records them), or add "
+            f"--resume-changed {','.join(refused)} to continue with these on purpose (recorded "
+            f"in config.json), or start a new run with another --out")
+    for part, differ in changes.items():
+        log.warning("--resume-changed %s: continuing the run in %s with changed %s: %s "
+                    "(recorded in config.json)", part, cfg.out, part, "; ".join(differ))
 
 
 def _config_json_recipe(out: str, default: dict) -> dict:

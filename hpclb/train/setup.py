@@ -3,7 +3,9 @@
 :func:`setup_run` takes every start-up decision that ranks must share so that a disagreement ends
 every rank with the message, never a hang: settings and data are checked inside :func:`agreed`
 (every rank runs the check, then all compare verdicts); the run directory and the
-resume-or-start decision are :mod:`hpclb.train.rundir`'s (rank 0's, broadcast). Then, from that
+resume-or-start decision are :mod:`hpclb.train.rundir`'s (rank 0's, broadcast), after the ranks
+agree on the code and data they train with (:func:`~hpclb.config.agreement.run_fingerprint`,
+compared with the checkpoint's on ``--resume``). Then, from that
 :class:`~hpclb.train.rundir.Decision`, in this order: the device is bound (by the
 communicator), the model is built on it, checked and broadcast, each rank gets its own random
 streams (:mod:`hpclb.train.rng`), the optimizer is wrapped in
@@ -27,7 +29,12 @@ from torch import nn
 from hpclb.comm.base import Communicator
 from hpclb.comm.device import select_device
 from hpclb.config import RunConfig
-from hpclb.config.agreement import agree_run_settings, run_settings
+from hpclb.config.agreement import (
+    agree_fingerprint,
+    agree_run_settings,
+    run_fingerprint,
+    run_settings,
+)
 from hpclb.errors import ConfigError
 from hpclb.models import build_model
 from hpclb.noise import check_world_size
@@ -88,6 +95,7 @@ class Run:
     resumed_path: str | None = None
     out_lock: Any = None
     profiler: Any = None  # hpclb.train.profile.StepProfiler (--profile), else None
+    fingerprint: dict = field(default_factory=dict)  # the code and data (run_fingerprint)
     t_start: float = field(default_factory=time.perf_counter)
 
     @property
@@ -166,7 +174,7 @@ def build_optimizer(name: str, model: nn.Module, params: dict[str, Any]) -> torc
 
 def _local_checks(cfg: RunConfig, comm: Communicator, profile: tuple[int, int] | None):
     """Everything a rank checks before any work: batch split, data, schedule, the profiled
-    steps."""
+    steps; then the code and data it trains with, by content (:func:`run_fingerprint`)."""
     per_rank = cfg.per_rank_batch_size(comm.world_size)
     micro = cfg.micro_batch_size(comm.world_size)  # B % (W * K): fails before any work
     check_world_size(cfg.noise_scale, comm.world_size)  # --noise-scale needs >= 2 ranks
@@ -176,7 +184,7 @@ def _local_checks(cfg: RunConfig, comm: Communicator, profile: tuple[int, int] |
     sched = cfg.schedule(task.num_train_samples)
     check_profile_window(profile, sched.total_steps)  # --profile: inside the run
     check_model(cfg, task.model_kwargs)  # before --overwrite deletes anything
-    return per_rank, micro, task, sched
+    return per_rank, micro, task, sched, run_fingerprint(cfg)  # the plug-ins imported by now
 
 
 def build_recipe_model(cfg: RunConfig, model_kwargs: dict[str, Any]) -> nn.Module:
@@ -264,12 +272,15 @@ def setup_run(cfg: RunConfig, comm: Communicator, device: torch.device | None = 
     device = torch.device(device) if device is not None else agreed(
         comm, "binding the device", lambda: run_device(cfg, comm))
     check_out(cfg, comm)  # a run directory that may not be written: refused before any data
-    per_rank, micro, task, sched = agreed(comm, "checking settings and data",
-                                          lambda: _local_checks(cfg, comm, profile))
+    per_rank, micro, task, sched, fingerprint = agreed(
+        comm, "checking settings and data", lambda: _local_checks(cfg, comm, profile))
+    agree_fingerprint(comm, fingerprint)  # other code or data on a rank: all stop, exit 2
     store = CheckpointStore(cfg.out, keep=cfg.keep_checkpoints)
-    start = decide(cfg, comm, store)  # rank 0 locks --out; resume or start, on every rank
+    start = decide(cfg, comm, store, fingerprint)  # rank 0 locks --out; resume or start
     try:
-        return _build(cfg, comm, device, task, sched, store, per_rank, micro, start, profile)
+        run = _build(cfg, comm, device, task, sched, store, per_rank, micro, start, profile)
+        run.fingerprint = fingerprint
+        return run
     except BaseException:
         start.abandon(store.out_dir)
         raise

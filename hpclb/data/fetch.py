@@ -38,8 +38,8 @@ from hpclb.data.registry import DATASETS, fetchable
 from hpclb.errors import DataError
 from hpclb.extras import require
 
-__all__ = ["FETCHERS", "fetch", "fetch_bible_en_es", "fetch_fashion_mnist", "fetch_mnist",
-           "fetch_ptb", "md5sum"]
+__all__ = ["CANONICAL", "FETCHERS", "fetch", "fetch_bible_en_es", "fetch_fashion_mnist",
+           "fetch_mnist", "fetch_ptb", "md5sum", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,40 @@ def fetch_bible_en_es(root: str | Path | None = None) -> Path:
 
 # name -> fetcher, of the data sets hpclb.data.registry declares fetchable
 FETCHERS = {name: DATASETS[name].fetcher for name in fetchable()}
+
+
+#: data set -> {split: (file name, md5)} of the canonical files `hpclb data verify` accepts
+CANONICAL = {"mnist": mnist.FILES, "fashion-mnist": images.FASHION_FILES, "ptb": ptb.FILES}
+
+
+def verify(name: str, root: str | Path | None = None) -> list[str]:
+    """``hpclb data verify``: the files of data set ``name`` that a user put into ``<data
+    dir>/<name>`` (no npm, no apt: a copy from anywhere) checked against the canonical names and
+    MD5s of :data:`CANONICAL`; on success the record of :mod:`hpclb.data.manifest` is written
+    (what `hpclb data fetch` writes), so runs and `make data` take it as staged. Returns one line
+    per file (name, bytes, md5). Raises DataError naming every missing or different file and
+    the fix."""
+    if name not in CANONICAL:
+        raise DataError(f"hpclb data verify knows the files of {', '.join(CANONICAL)}; {name!r} "
+                        f"has none recorded (stage it with `hpclb data fetch {name}`)")
+    dest = data_dir(root) / name
+    lines, bad = [], []
+    for fname, md5 in CANONICAL[name].values():
+        path = dest / fname
+        if not path.is_file():
+            bad.append(f"{fname}: missing")
+            continue
+        got = md5sum(path)
+        lines.append(f"{path}: {path.stat().st_size} bytes, md5 {got}"
+                     + ("" if got == md5 else f" (expected {md5})"))
+        if got != md5:
+            bad.append(f"{fname}: md5 {got}, expected {md5}")
+    if bad:
+        raise DataError(f"{dest}: not the canonical {name} files: {'; '.join(bad)}; put "
+                        f"{', '.join(f for f, _ in CANONICAL[name].values())} there (the "
+                        f"originals, byte for byte) and run `hpclb data verify {name}` again")
+    write_manifest(dest, [f for f, _ in CANONICAL[name].values()])
+    return lines
 
 
 def fetch(name: str, root: str | Path | None = None) -> Path:

@@ -206,7 +206,8 @@ bench-logging: install data
 # --- job templates (issue 6): a real SLURM and an emulated PBS -----------------------------------
 # test-slurm installs Debian's SLURM + munge + PMIx with apt-get (root), starts a 256-node emulated
 # cluster under a temp dir, and runs jobs/testing: sbatch --test-only of every example, a stub
-# layout check, a real 2-rank MNIST-LSTM job, USR2 -> checkpoint -> requeue -> resume; then the
+# layout check, a real 2-rank MNIST-LSTM job, USR2 -> checkpoint -> requeue -> resume, a sweep as
+# a job array (hpclb sweep --submit slurm) with one task preempted and resumed; then the
 # rendered PBS script run as PBS would (walltime TERM -> checkpoint -> qrerun -> resume).
 # Not part of `make test` (root + apt-get, ~4-5 min); see docs/clusters.md.
 .PHONY: test-slurm test-pbs jobs-examples

@@ -17,7 +17,7 @@ from hpclb.tools.jobs_spec import (
     JobSpec,
 )
 
-__all__ = ["HELP", "add_parser", "run"]
+__all__ = ["HELP", "add_job_size", "add_parser", "job_spec", "run"]
 
 HELP = "render SLURM / PBS job scripts from jobs/templates"
 
@@ -42,26 +42,40 @@ def _add_allocation(r: argparse.ArgumentParser) -> None:
     """What the job asks the scheduler for, and where its files go."""
     r.add_argument("experiment", help="recipe name or path to a recipe .yaml")
     r.add_argument("--scheduler", required=True, choices=SCHEDULERS)
-    r.add_argument("--nodes", type=int, required=True)
-    r.add_argument("--gpus-per-node", type=int, required=True,
-                   help="one rank per GPU; 0 for CPU-only nodes (then --tasks-per-node)")
+    add_job_size(r)
     r.add_argument("--batch-size", type=int, help="the global batch B (samples per step over "
                    "all ranks; default the recipe's B0): each rank takes B / (nodes x ranks per "
                    "node), so LR and warmup do not change with the node count")
     r.add_argument("--per-gpu-batch", type=int, help="samples per rank and step instead of "
                    "--batch-size (the global batch then grows with the node count)")
-    r.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU-only nodes")
-    r.add_argument("--cpus-per-task", type=int, help="default 8 with GPUs, 1 without")
-    r.add_argument("--time", default="04:00:00", help="time limit, [D-]HH:MM:SS")
-    r.add_argument("--partition", help="SLURM partition / PBS queue")
-    r.add_argument("--account", help="account to charge")
-    r.add_argument("--job-name")
     r.add_argument("--out", help="run directory, relative to the submit directory")
-    r.add_argument("--log", help="the scheduler's output file (default <job-name>-%%j.out for "
-                   "SLURM, <job-name>.log for PBS, in the submit directory, which must exist)")
     r.add_argument("--data-dir", help="data directory on the cluster (exported as HPCLB_DATA)")
-    r.add_argument("--venv", default=".venv", help="virtualenv to activate ('' for none)")
-    r.add_argument("--module", action="append", help="environment module to load (repeatable)")
+
+
+def add_job_size(r: argparse.ArgumentParser, title: str | None = None) -> None:
+    """The job's size and environment, shared by ``hpclb jobs render`` and ``hpclb sweep
+    --submit`` (``title``: in an argument group of that title, with defaults of 1 node and no
+    GPU instead of required): nodes, GPUs, ranks, CPUs, time, queue, account, names,
+    environment, the preemption signal's lead time, whole nodes, fabric tuning."""
+    g = r.add_argument_group(title) if title else r
+    sized = {"default": 1} if title else {"required": True}
+    g.add_argument("--nodes", type=int, **sized)
+    g.add_argument("--gpus-per-node", type=int, **({"default": 0} if title else sized),
+                   help="one rank per GPU; 0 for CPU-only nodes (then --tasks-per-node)")
+    g.add_argument("--tasks-per-node", type=int, help="ranks per node on CPU-only nodes")
+    g.add_argument("--cpus-per-task", type=int, help="default 8 with GPUs, 1 without")
+    g.add_argument("--time", default="04:00:00", help="time limit, [D-]HH:MM:SS")
+    g.add_argument("--partition", help="SLURM partition / PBS queue")
+    g.add_argument("--account", help="account to charge")
+    g.add_argument("--job-name")
+    g.add_argument("--log", help="the scheduler's output file (default <job-name>-%%j.out for "
+                   "SLURM, <job-name>.log for PBS; an array's tasks: -%%A_%%a.out, "
+                   ".^array_index^.log; in the submit directory, which must exist)")
+    g.add_argument("--venv", default=".venv", help="virtualenv to activate ('' for none)")
+    g.add_argument("--module", action="append", help="environment module to load (repeatable)")
+    g.add_argument("--signal-lead", type=int, default=300, metavar="SECONDS",
+                   help="preemption signal this long before the time limit (SLURM --signal)")
+    g.add_argument("--shared", action="store_true", help="do not ask for whole nodes")
     _add_fabric(r)
 
 
@@ -89,8 +103,6 @@ def _add_run_settings(r: argparse.ArgumentParser) -> None:
     """Preemption, launcher, training and placement settings, and the output file."""
     from hpclb.schedules import SCHEMES
 
-    r.add_argument("--signal-lead", type=int, default=300, metavar="SECONDS",
-                   help="preemption signal this long before the time limit (SLURM --signal)")
     r.add_argument("--checkpoint-interval", type=int, default=1800, metavar="SECONDS",
                    help="periodic checkpoints (0: epoch ends and preemption only)")
     r.add_argument("--launcher", default="srun", choices=SLURM_LAUNCHERS,
@@ -99,7 +111,6 @@ def _add_run_settings(r: argparse.ArgumentParser) -> None:
     r.add_argument("--optimizer")
     r.add_argument("--epochs", type=float)
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--shared", action="store_true", help="do not ask for whole nodes")
     r.add_argument("--backend", choices=JOB_BACKENDS, help="hpclb train --backend (default: "
                    "torch, i.e. NCCL, with GPUs; mpi on CPU-only nodes)")
     r.add_argument("--device", choices=DEVICES, help="hpclb train --device (default: "
@@ -111,20 +122,26 @@ def _add_run_settings(r: argparse.ArgumentParser) -> None:
     r.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
 
-def _spec(args: argparse.Namespace) -> JobSpec:
+def job_spec(args: argparse.Namespace, **settings) -> JobSpec:
+    """The :class:`JobSpec` of the options :func:`add_job_size` added, with ``settings``."""
     return JobSpec(
-        experiment=args.experiment, scheduler=args.scheduler, nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node, per_gpu_batch=args.per_gpu_batch,
-        tasks_per_node=args.tasks_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
-        partition=args.partition, account=args.account, job_name=args.job_name, out=args.out,
-        log=args.log,
-        data_dir=args.data_dir, venv=args.venv or None, modules=args.module or [],
-        fabric=args.fabric, allreduce=args.allreduce, ucx_net_devices=args.ucx_net_devices,
-        nccl_ib_hca=args.nccl_ib_hca, socket_ifname=args.socket_ifname,
-        signal_lead=args.signal_lead, checkpoint_interval=args.checkpoint_interval,
-        launcher=args.launcher, scaling=args.scaling, optimizer=args.optimizer,
-        epochs=args.epochs, seed=args.seed, exclusive=not args.shared, backend=args.backend,
-        device=args.device, gpu_bind=args.gpu_bind, batch_size=args.batch_size)
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
+        cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
+        account=args.account, job_name=args.job_name, log=args.log, venv=args.venv or None,
+        modules=args.module or [], fabric=args.fabric, allreduce=args.allreduce,
+        ucx_net_devices=args.ucx_net_devices, nccl_ib_hca=args.nccl_ib_hca,
+        socket_ifname=args.socket_ifname, signal_lead=args.signal_lead,
+        exclusive=not args.shared, **settings)
+
+
+def _spec(args: argparse.Namespace) -> JobSpec:
+    return job_spec(
+        args, experiment=args.experiment, scheduler=args.scheduler,
+        per_gpu_batch=args.per_gpu_batch, out=args.out, data_dir=args.data_dir,
+        checkpoint_interval=args.checkpoint_interval, launcher=args.launcher,
+        scaling=args.scaling, optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
+        backend=args.backend, device=args.device, gpu_bind=args.gpu_bind,
+        batch_size=args.batch_size)
 
 
 def _render(args: argparse.Namespace) -> None:

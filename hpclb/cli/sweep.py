@@ -4,19 +4,23 @@ from __future__ import annotations
 import argparse
 
 from hpclb.cli.common import error, setup_logging
+from hpclb.cli.jobs import add_job_size, job_spec
 from hpclb.errors import (
     EXIT_FAILURE,
     EXIT_USAGE,
     PREEMPTED_EXIT_CODE,
     ConfigError,
     DataError,
+    JobError,
     Preempted,
 )
+from hpclb.tools.jobs_spec import SCHEDULERS
 
 __all__ = ["HELP", "add_parser", "run"]
 
-HELP = ("batch-size sweep of one recipe under several scaling schemes (resumable); writes "
-        "<runs-dir>/<experiment>/<experiment>.{json,md,png}")
+HELP = ("batch-size sweep of one recipe under several scaling schemes (resumable; or one job "
+        "array of SLURM/PBS with --submit); writes <runs-dir>/<experiment>/<experiment>."
+        "{json,md,png}")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -52,15 +56,37 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--verbose", action="store_true", help="print every point's training log")
     w.add_argument("--overwrite", action="store_true", help="delete a point's run directory "
                    "that holds a run of other settings (budget, seed, ranks) and rerun it")
+    w.add_argument("--submit", choices=SCHEDULERS, help="run the sweep as ONE job array, a "
+                   "task per point not yet recorded (a preempted task checkpoints, requeues "
+                   "and resumes); its size: the job array options below; --status then shows "
+                   "its id")
+    w.add_argument("--no-submit", action="store_true", help="with --submit: write the script "
+                   "and print the command that submits it, submit nothing")
+    w.add_argument("--task-index", type=int, help=argparse.SUPPRESS)  # one task of the array
+    add_job_size(w, "job array (--submit; nodes x ranks per node = --ranks)")
     w.set_defaults(func=run)
     return w
 
 
+def _stopped(p: Preempted, args: argparse.Namespace) -> int:
+    """The error line and exit status of a sweep stopped by a signal (75) or Ctrl-C (130)."""
+    code = 130 if p.args[1:] == ("interrupted",) else PREEMPTED_EXIT_CODE
+    step = p.args[0] if p.args else None
+    saved = (f"the point in progress checkpointed at global step {step}" if step is not None
+             else "the point in progress wrote no new checkpoint (stopped before it trained, "
+                  "or forced; it keeps its last one, if any)")
+    ranks = (" (its ranks report exit 75: mpirun passes a stop on to them as USR2)"
+             if code == 130 and args.ranks > 1 and step is not None else "")
+    error(f"sweep stopped by {'Ctrl-C' if code == 130 else 'a signal'}, exit {code}; "
+          f"{saved}{ranks}: run the same command again to resume")
+    return code
+
+
 def run(args: argparse.Namespace) -> int:
     """``hpclb sweep``: 0 when every point is recorded (a diverged point is a result: it is
-    named, with its step), 2 for bad input, 1 when a point was rejected (each is named) or
-    crashed, 75 when stopped by SIGTERM/SIGUSR2, 130 by Ctrl-C."""
-    from hpclb.tools.sweep import failed_points, run_sweep, sweep_status
+    named, with its step) or the job array is submitted, 2 for bad input, 1 when a point was
+    rejected (each is named) or crashed, 75 when stopped by SIGTERM/SIGUSR2, 130 by Ctrl-C."""
+    from hpclb.tools.sweep import failed_points, run_sweep, submit_sweep, sweep_status
 
     setup_logging(0)
     lists = {}
@@ -75,32 +101,30 @@ def run(args: argparse.Namespace) -> int:
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     common = dict(epochs=args.epochs, ranks=args.ranks, seeds=seeds, optimizer=args.optimizer,
                   out_dir=args.out_dir, runs_dir=args.runs_dir, micro_batch=args.micro_batch,
-                  data_dir=args.data_dir)
+                  data_dir=args.data_dir, overwrite=args.overwrite)
+    log = lambda m: print(m, flush=True)  # noqa: E731
     try:
         if args.status:
-            print(f"sweep {args.experiment}: "
-                  f"{sweep_status(args.experiment, batches, schemes, **common).line()}")
+            common.pop("overwrite")
+            status = sweep_status(args.experiment, batches, schemes, **common)
+            for line in filter(None, (status.line(), status.array)):
+                print(f"sweep {args.experiment}: {line}")
             return 0
-        rows = run_sweep(args.experiment, batches, schemes,
-                         quiet=not args.verbose, log=lambda m: print(m, flush=True),
-                         overwrite=args.overwrite, **common)
-    except ConfigError as e:
+        if args.submit:
+            submit_sweep(args.experiment, batches, schemes, submit=not args.no_submit, log=log,
+                         job=job_spec(args, experiment=args.experiment, scheduler=args.submit,
+                                      data_dir=args.data_dir), **common)
+            return 0
+        rows = run_sweep(args.experiment, batches, schemes, quiet=not args.verbose, log=log,
+                         task_index=args.task_index, **common)
+    except (ConfigError, JobError) as e:
         error(str(e))
         return EXIT_USAGE
     except (DataError, RuntimeError) as e:
         error(f"{type(e).__name__}: {e}")
         return EXIT_FAILURE
     except Preempted as p:
-        code = 130 if p.args[1:] == ("interrupted",) else PREEMPTED_EXIT_CODE
-        step = p.args[0] if p.args else None
-        saved = (f"the point in progress checkpointed at global step {step}" if step is not None
-                 else "the point in progress wrote no new checkpoint (stopped before it trained, "
-                      "or forced; it keeps its last one, if any)")
-        ranks = (" (its ranks report exit 75: mpirun passes a stop on to them as USR2)"
-                 if code == 130 and args.ranks > 1 and step is not None else "")
-        error(f"sweep stopped by {'Ctrl-C' if code == 130 else 'a signal'}, exit {code}; "
-              f"{saved}{ranks}: run the same command again to resume")
-        return code
+        return _stopped(p, args)
     for r in rows:
         if r.get("status") == "diverged":
             print(f"sweep {args.experiment}: B={r['batch_size']} {r['scheme']} seed {r['seed']}: "

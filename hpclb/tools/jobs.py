@@ -49,7 +49,7 @@ from hpclb.tools.jobs_spec import (
 )
 
 # JobSpec (hpclb.tools.jobs_spec, torch-free for the command line) is what render takes.
-__all__ = ["BLOCK_SIGNALS", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES", "EXAMPLES",
+__all__ = ["ArrayJob", "BLOCK_SIGNALS", "TOKEN_UNITS", "SEQ_LEN_KEYS", "EXAMPLE_NODES", "EXAMPLES",
            "FABRIC_ENV", "JobSpec", "Plan", "train_set_size", "default_backend", "plan_for",
            "interconnect", "render", "template_engine", "example_specs", "write_examples"]
 
@@ -296,12 +296,17 @@ def _launch(spec: JobSpec, ranks: int, tasks: int, cpus: int,
             + " ".join(f"-x {k}" for k in forward))
 
 
-def _plan(spec: JobSpec) -> tuple[dict[str, Any], Plan, int]:
-    """(recipe, plan, ranks per node) of a validated ``spec``."""
+def _recipe(spec: JobSpec) -> dict[str, Any]:
+    """The recipe of ``spec`` (JobError for one that does not load)."""
     try:
-        recipe = load_recipe(spec.experiment, epochs=spec.epochs)
+        return load_recipe(spec.experiment, epochs=spec.epochs)
     except ConfigError as e:
         raise JobError(str(e)) from e
+
+
+def _plan(spec: JobSpec) -> tuple[dict[str, Any], Plan, int]:
+    """(recipe, plan, ranks per node) of a validated ``spec``."""
+    recipe = _recipe(spec)
     tasks = spec.tasks_per_node or spec.gpus_per_node or 1
     ranks = spec.nodes * tasks
     per_gpu = spec.per_gpu_batch or recipe.get("per_gpu_batch")
@@ -335,41 +340,75 @@ def template_engine():
     return require("jinja2", "rendering job templates")
 
 
-def render(spec: JobSpec) -> tuple[str, Plan]:
+@dataclass(frozen=True)
+class ArrayJob:
+    """A job array in place of one training run (``hpclb sweep --submit``): ``indices`` the
+    scheduler's task range (``0-N``; empty: one plain job), ``command`` each task's command
+    line, already quoted (it reads its point from ``$TASKS``), ``points`` the header's lines
+    (``I: point -> run directory``), ``rendered_by`` the command that rendered it, ``tasks``
+    the point of each task (``$TASKS``: task t runs point ``tasks[t]``)."""
+
+    indices: str
+    command: str
+    points: tuple[str, ...]
+    rendered_by: str
+    tasks: tuple[int, ...]
+
+
+def render(spec: JobSpec, array: ArrayJob | None = None) -> tuple[str, Plan | None]:
     """(script text, plan) for ``spec``; JobError with the fix for anything invalid,
-    MissingExtraError without jinja2."""
+    MissingExtraError without jinja2. With ``array``: a job array whose every task runs
+    ``array.command`` in the batch shell (no plan: the points have their own batches)."""
     jinja2 = template_engine()
 
     validate(spec)
-    recipe, plan, tasks = _plan(spec)
+    if array is None:
+        recipe, plan, tasks = _plan(spec)
+    else:
+        recipe, plan, tasks = _recipe(spec), None, spec.tasks_per_node or spec.gpus_per_node or 1
     check_one_line("the recipe's name", recipe["name"])  # shown in the header's comments
-    check_one_line("the recipe's data.name", plan.data_name)
-    ranks = spec.nodes * tasks
-    name = spec.job_name or f"{recipe['name']}-{spec.nodes}n"
-    out = spec.out or f"runs/{recipe['name']}-{spec.nodes}n{tasks}r-b{plan.global_batch}"
-    check_path("--out", out)
-    check_path("--job-name", name)
-    cpus = spec.cpus_per_task or (8 if spec.gpus_per_node else 1)
-    backend = spec.backend or default_backend(spec.gpus_per_node)
-    env = interconnect(spec)
-    context = dict(
-        job_name=name, experiment=recipe["name"], nodes=spec.nodes, tasks_per_node=tasks,
-        gpus_per_node=spec.gpus_per_node, cpus_per_task=cpus,
-        time_limit=format_time(parse_time(spec.time), spec.scheduler), partition=spec.partition,
-        account=spec.account, exclusive=spec.exclusive, out=out, data_dir=spec.data_dir,
-        log=spec.log or (f"{name}-%j.out" if spec.scheduler == "slurm" else f"{name}.log"),
-        venv=spec.venv, modules=spec.modules, fabric=spec.fabric, interconnect=env,
-        signal_lead=spec.signal_lead, preempted_exit_code=PREEMPTED_EXIT_CODE,
-        train_argv=_train_argv(spec, plan, ranks, backend),
-        launch=_launch(spec, ranks, tasks, cpus, env), block_signals=BLOCK_SIGNALS,
-        gpu_bind=spec.gpu_bind, backend=backend, scaling=spec.scaling, plan=plan,
-        render_args=_render_args(spec), version=__version__)
+    if plan is not None:
+        check_one_line("the recipe's data.name", plan.data_name)
+    context = _context(spec, recipe, plan, tasks, array)
     tmpl_name = "slurm.sbatch.j2" if spec.scheduler == "slurm" else "pbs.pbs.j2"
     loader = jinja2.FileSystemLoader(str(_templates_dir()))
     jenv = jinja2.Environment(loader=loader, trim_blocks=True, lstrip_blocks=True,
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                               autoescape=False)
     return jenv.get_template(tmpl_name).render(**context), plan
+
+
+def _context(spec: JobSpec, recipe: dict[str, Any], plan: Plan | None, tasks: int,
+             array: ArrayJob | None) -> dict[str, Any]:
+    """The templates' variables."""
+    ranks = spec.nodes * tasks
+    name = spec.job_name or (f"{recipe['name']}-sweep" if array else
+                             f"{recipe['name']}-{spec.nodes}n")
+    out = None if array else \
+        spec.out or f"runs/{recipe['name']}-{spec.nodes}n{tasks}r-b{plan.global_batch}"
+    check_path("--out", out)
+    check_path("--job-name", name)
+    cpus = spec.cpus_per_task or (8 if spec.gpus_per_node else 1)
+    backend = spec.backend or default_backend(spec.gpus_per_node)
+    env = interconnect(spec)
+    slurm = spec.scheduler == "slurm"
+    # one log per array task: SLURM's %A_%a (array job, task), PBS Pro's ^array_index^
+    tasked = bool(array and array.indices)
+    log = spec.log or (f"{name}-{'%A_%a' if tasked else '%j'}.out" if slurm else
+                       f"{name}.{'^array_index^.' if tasked else ''}log")
+    return dict(
+        job_name=name, experiment=recipe["name"], nodes=spec.nodes, tasks_per_node=tasks,
+        gpus_per_node=spec.gpus_per_node, cpus_per_task=cpus,
+        time_limit=format_time(parse_time(spec.time), spec.scheduler), partition=spec.partition,
+        account=spec.account, exclusive=spec.exclusive, out=out, data_dir=spec.data_dir,
+        log=log, venv=spec.venv, modules=spec.modules, fabric=spec.fabric, interconnect=env,
+        signal_lead=spec.signal_lead, preempted_exit_code=PREEMPTED_EXIT_CODE,
+        train_argv=array.command if array else _train_argv(spec, plan, ranks, backend),
+        launch="" if array else _launch(spec, ranks, tasks, cpus, env),
+        block_signals=BLOCK_SIGNALS, gpu_bind=spec.gpu_bind, backend=backend,
+        scaling=spec.scaling, plan=plan, array=array,
+        rendered_by=array.rendered_by if array else f"hpclb jobs render {_render_args(spec)}",
+        version=__version__)
 
 
 # The committed examples (jobs/slurm, jobs/pbs): experiment -> global batch (--batch-size) at 1,

@@ -2,6 +2,7 @@
 ``jobs/testing`` (``pbs_run.py`` starts a PBS script from what :func:`pbs_resources` finds)."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hpclb.errors import JobError
@@ -47,7 +48,8 @@ def _pbs_resource_list(res: dict[str, Any], val: str) -> None:
 
 def pbs_resources(text: str) -> dict[str, Any]:
     """A PBS script's request: {'select': N, 'ncpus', 'ngpus', 'mpiprocs', 'ompthreads' (per
-    chunk), 'walltime' (s), 'rerunnable' (bool), 'place', 'queue', 'account', 'name'};
+    chunk), 'walltime' (s), 'rerunnable' (bool), 'place', 'queue', 'account', 'name', and for
+    a job array 'array': (first, last, step)};
     JobError for a directive PBS Pro would reject."""
     res: dict[str, Any] = {"rerunnable": None}
     for d in directives(text, "#PBS"):
@@ -59,6 +61,11 @@ def pbs_resources(text: str) -> dict[str, Any]:
             if val not in ("y", "n"):
                 raise JobError(f"#PBS -r {val}: must be y or n")
             res["rerunnable"] = val == "y"
+        elif opt == "-J":  # a job array: X-Y[:Z], X < Y (PBS Pro refuses one subjob)
+            m = re.fullmatch(r"(\d+)-(\d+)(?::(\d+))?", val)
+            if not m or int(m[1]) >= int(m[2]):
+                raise JobError(f"#PBS -J {val}: must be X-Y[:Z] with X < Y")
+            res["array"] = (int(m[1]), int(m[2]), int(m[3] or 1))
         elif opt in ("-q", "-A", "-N", "-o", "-j"):
             res[{"-q": "queue", "-A": "account", "-N": "name", "-o": "output",
                  "-j": "join"}[opt]] = val

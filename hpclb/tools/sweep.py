@@ -3,8 +3,9 @@ al., SC '19: LEGW vs linear vs sqrt scaling with a fixed warmup, recipe tuned at
 
 Every point ``(B, scheme, seed)`` trains the B0 recipe moved to global batch ``B`` by ``scheme``
 and nothing else (no re-tuning). Points run one after another: in this process for one rank, as
-an ``mpirun -n N ... hpclb train`` subprocess for ``N > 1``. A point's identity is its batch,
-scheme, seed, optimizer, epochs, ranks and micro-batches; its run directory is
+an ``mpirun -n N ... hpclb train`` subprocess for ``N > 1``; or as ONE job array of SLURM or
+PBS, a task per point (:func:`submit_sweep`, :mod:`hpclb.tools.sweep_jobs`). A point's identity
+is its batch, scheme, seed, optimizer, epochs, ranks and micro-batches; its run directory is
 ``<runs_dir>/<experiment>/<optimizer>-<scheme>-b<B>[-a<K>][-e<epochs>][-r<ranks>]-s<seed>``
 (:attr:`~hpclb.tools.sweep_points.Point.dir_name`: each part that differs from the default).
 Results go to ``<out_dir>/<experiment>.json`` (a list of rows), ``.md`` (tables) and ``.png``
@@ -51,12 +52,14 @@ from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError, Diverged, NonFiniteEr
 from hpclb.schedules import SCHEMES
 from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.figures import pyplot
+from hpclb.tools.jobs_spec import JobSpec
+from hpclb.tools.sweep_jobs import array_status, submit_array, sweep_argv, task_indices, task_points
 from hpclb.tools.sweep_points import Point, SweepStatus, flock, row_of, shown
 from hpclb.tools.sweep_records import Settings, check_outputs, load_rows, refuse_stale
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
 
-__all__ = ["failed_points", "metric_of", "run_sweep", "sweep_status"]
+__all__ = ["failed_points", "metric_of", "run_sweep", "submit_sweep", "sweep_status"]
 
 
 def metric_of(recipe: dict) -> tuple[str, str]:
@@ -335,8 +338,10 @@ def sweep_status(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[
                              seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
                              quiet=True, log=print, overwrite=False, batch_sizes=batch_sizes,
                              schemes=schemes, micro_batch=micro_batch)
-    return SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
-                          base_batch=sweep.recipe["base_batch_size"], current=sweep.done)
+    status = SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
+                            base_batch=sweep.recipe["base_batch_size"], current=sweep.done)
+    status.array = array_status(sweep.runs_dir)
+    return status
 
 
 def _check_device(experiment: str, epochs: float | None, ranks: int) -> None:
@@ -360,9 +365,12 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
               seeds: Iterable[int] | None = None, optimizer: str | None = None,
               data_dir: str | None = None, out_dir: str | Path | None = None,
               runs_dir: str | Path = "runs/sweeps", quiet: bool = True, log=print,
-              overwrite: bool = False, micro_batch: int | None = None) -> list[dict]:
+              overwrite: bool = False, micro_batch: int | None = None,
+              task_index: int | None = None) -> list[dict]:
     """Run every ``(batch size, seed, scheme)`` point not yet recorded, in that order; returns
-    the rows of this sweep's points (other points' rows stay in the files).
+    the rows of this sweep's points (other points' rows stay in the files). ``task_index`` I:
+    only point I of that order (a task of :func:`submit_sweep`'s job array; at k = 1 also the
+    other schemes' points of its seed, whose rows are its run's) and only their rows.
 
     Args: ``experiment`` (packaged name or recipe path), ``batch_sizes`` (global batches in
     samples, each divisible by ``ranks``; run smallest first), ``schemes`` (subset of
@@ -387,11 +395,13 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
                              seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
                              quiet=quiet, log=log, overwrite=overwrite,
                              batch_sizes=batch_sizes, schemes=schemes, micro_batch=micro_batch)
+    todo = points if task_index is None else \
+        task_points(points, task_index, sweep.recipe["base_batch_size"])
     pyplot("the sweep's figure")  # without matplotlib: say so before the first point trains
     _check_device(experiment, epochs, ranks)
     sweep.check(points)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
-    for p in points:
+    for p in todo:
         status = SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
                                 base_batch=sweep.recipe["base_batch_size"])
         if p in status.left:
@@ -404,7 +414,40 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
                           sweep.recipe["base_batch_size"])
     log(f"sweep {sweep.name}: "
         f"{SweepStatus.of(points, rows, sweep.runs_dir, sweep.recipe['base_batch_size']).line()}")
-    return [r for r in rows if Point.of_row(r) in set(points)]
+    return [r for r in rows if Point.of_row(r) in set(todo)]
+
+
+def submit_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
+                 job: JobSpec, submit: bool = True, log=print, seeds: Iterable[int] = (0,),
+                 epochs: float | None = None, ranks: int = 1, optimizer: str | None = None,
+                 data_dir: str | None = None, out_dir: str | Path | None = None,
+                 runs_dir: str | Path = "runs/sweeps", micro_batch: int | None = None,
+                 overwrite: bool = False) -> Path | None:
+    """Submit the sweep's points not yet recorded as ONE job array of ``job``'s scheduler and
+    size, a task per point (:mod:`hpclb.tools.sweep_jobs`; ``submit`` False: the script only);
+    returns the script (None when every point is recorded). The arguments are
+    :func:`run_sweep`'s; each task runs its point as ``run_sweep(..., task_index=I)``.
+    ConfigError (bad arguments, points recorded with other settings, a job of other than
+    ``ranks`` ranks, no submit command here), JobError (a job that cannot be rendered) and
+    RuntimeError (the submit command failed) before anything is submitted."""
+    seeds = list(seeds)
+    sweep, points = _prepare(experiment, epochs=epochs, ranks=ranks, optimizer=optimizer,
+                             seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
+                             quiet=True, log=log, overwrite=overwrite, batch_sizes=batch_sizes,
+                             schemes=schemes, micro_batch=micro_batch)
+    sweep.check(points)
+    rows = sweep.rows()
+    indices = task_indices(points, lambda p: any(sweep.done(p, r) for r in rows),
+                           sweep.recipe["base_batch_size"])
+    if not indices:
+        log(f"sweep {sweep.name}: every point is recorded; nothing to submit")
+        return None
+    argv = sweep_argv(experiment, sorted({p.batch for p in points}),
+                      list(dict.fromkeys(p.scheme for p in points)), seeds, epochs=epochs,
+                      ranks=ranks, optimizer=optimizer, micro_batch=micro_batch,
+                      data_dir=data_dir, out_dir=out_dir, runs_dir=runs_dir, overwrite=overwrite)
+    return submit_array(job, sweep.runs_dir, argv, points, indices, ranks=ranks,
+                        name=sweep.name, submit=submit, log=log)
 
 
 def failed_points(rows: list[dict], batch_sizes: Iterable[int],

@@ -160,6 +160,7 @@ class SweepStatus:
     left: list[Point] = field(default_factory=list)
     expected_s: float | None = None
     stale: list[Point] = field(default_factory=list)
+    array: str | None = None  # the job array submitted for the sweep (hpclb sweep --submit)
 
     @classmethod
     def of(cls, points: list[Point], rows: list[dict], runs_dir: Path, base_batch: int,

@@ -72,15 +72,25 @@ class Attempt:
 
 def run(script: Path, workdir: Path, *, walltime_s: float | None = None, kill_delay: float = 10.0,
         jobid: str = "4242.pbs-emu", max_runs: int = 4, env: dict | None = None,
-        walltime_reached: Callable[[int, str], bool] | None = None) -> list[Attempt]:
+        walltime_reached: Callable[[int, str], bool] | None = None,
+        subjob: int | None = None) -> list[Attempt]:
     """Run ``script`` as PBS would (see the module docstring); returns one Attempt per run.
 
     ``walltime_s`` overrides the script's walltime; ``walltime_reached(run_index, log_text)``,
     polled every 0.2 s, lets a test put the walltime at a point of progress instead of a time
-    (start-up takes from 3 to 30 s on a loaded machine)."""
+    (start-up takes from 3 to 30 s on a loaded machine). ``subjob`` I of a job array (``-J``):
+    that subjob alone, as PBS Pro runs it: ``PBS_ARRAY_INDEX=I``, job id ``4242[I].pbs-emu``,
+    ``^array_index^`` in the ``-o`` path replaced by I."""
     script, workdir = Path(script).resolve(), Path(workdir).resolve()
     text = script.read_text()
     res = pbs_resources(text)
+    if subjob is not None:
+        first, last, step = res["array"]
+        assert subjob in range(first, last + 1, step), f"{subjob} is not a subjob of {script}"
+        seq, _, server = jobid.partition(".")
+        jobid = f"{seq}[{subjob}].{server}"
+        env = {**(env or {}), "PBS_ARRAY_INDEX": str(subjob)}
+        res["output"] = res.get("output", "").replace("^array_index^", str(subjob)) or None
     if res["select"] != 1:
         raise ValueError(f"{script}: select={res['select']}; this host can only stand in for "
                          f"1-chunk jobs")
@@ -91,7 +101,7 @@ def run(script: Path, workdir: Path, *, walltime_s: float | None = None, kill_de
     (emu / "bin" / "qrerun").chmod(0o755)
     nodefile = emu / "nodefile"
     nodefile.write_text((socket.gethostname() + "\n") * res["mpiprocs"])
-    out = workdir / res.get("output", f"{res.get('name', 'job')}.o{jobid.split('.')[0]}")
+    out = workdir / (res.get("output") or f"{res.get('name', 'job')}.o{jobid.split('.')[0]}")
     limit = walltime_s if walltime_s is not None else res["walltime"]
     attempts: list[Attempt] = []
     for n in range(max_runs):

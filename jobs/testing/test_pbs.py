@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -112,3 +113,26 @@ def test_emulator_refuses_what_pbs_would(tmp_path):
         pbs_run.run(bad, tmp_path)
     with pytest.raises(ValueError, match="select=16"):
         pbs_run.run(REPO / "jobs" / "pbs" / "mnist-lstm-016n.pbs", tmp_path)
+
+
+def test_a_sweep_array_subjob_trains_and_records_its_point(tmp_path):
+    """`hpclb sweep --submit pbs --no-submit`: a 3-subjob array (`#PBS -J 0-2`); subjob 1 run as
+    PBS Pro runs it (PBS_ARRAY_INDEX=1, its own -o file) trains point 1 alone and records it."""
+    from helpers import quick_recipe
+
+    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    r = subprocess.run([str(REPO / ".venv" / "bin" / "hpclb"), "sweep", recipe, "--batch-sizes",
+                        "128,256,512", "--schemes", "legw", "--data-dir", str(DATA),
+                        "--runs-dir", "runs", "--submit", "pbs", "--no-submit"],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0 and "not submitted; to submit: qsub " in r.stdout, r.stderr
+    script = tmp_path / "runs" / "mnist-lstm" / "mnist-lstm-sweep.pbs"
+    assert "#PBS -J 0-2" in script.read_text()
+    runs = pbs_run.run(script, tmp_path, env=ENV, subjob=1)
+    log = (tmp_path / "mnist-lstm-sweep.1.log").read_text()
+    assert [(a.returncode, a.walltime_hit) for a in runs] == [(0, False)], log
+    assert "B=256 legw seed 0: training" in log and "B=128" not in log, log
+    rows = json.loads((tmp_path / "runs" / "mnist-lstm" / "mnist-lstm.json").read_text())
+    assert [(r["batch_size"], r["status"], r["steps"]) for r in rows] == [(256, "done", 2)]

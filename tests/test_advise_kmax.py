@@ -7,7 +7,7 @@ import math
 import pytest
 from helpers import quick_recipe
 
-from hpclb.tools.advise import PROGRESS_MIN, format_prediction, predict_k_max, progress_ratio
+from hpclb.tools.kmax import PROGRESS_MIN, format_prediction, predict_k_max, progress_ratio
 from hpclb.tools.lr_probe import trains
 
 MNIST = dict(base_batch_size=128, num_samples=60000, epochs=20, base_warmup_epochs=0.25,
@@ -107,13 +107,16 @@ def test_hpclb_advise_prints_k_max_from_a_b0_run(tmp_path, capsys):
     rows with the noise field): the critical batch, then k_max and each bound's reason; --json
     carries the inputs; a run not at B0 gets no prediction."""
     from hpclb.cli import main
+    from hpclb.config import load_recipe
 
     recipe = quick_recipe(tmp_path, epochs=4)  # 4,096 images, B0 128: 32 steps an epoch
     run = tmp_path / "run"
     run.mkdir()
-    cfg = {"experiment": recipe, "optimizer": "adam", "lr": None, "epochs": 4.0,
-           "data_root": None, "global_batch_size": 128, "world_size": 2, "noise_scale": True,
-           "recipe": {"base_batch_size": 128}}
+    # the run's recorded recipe is what counts, not the name it was started by (a copy, a
+    # plug-in recipe, another working directory): the name here resolves to nothing
+    cfg = {"experiment": "started-elsewhere.yaml", "optimizer": "adam", "lr": None,
+           "epochs": 4.0, "data_root": None, "global_batch_size": 128, "world_size": 2,
+           "noise_scale": True, "recipe": load_recipe(recipe)}
     (run / "config.json").write_text(json.dumps(cfg))
     noise = [300.0, 600.0, 900.0, 1200.0]
     (run / "metrics.jsonl").write_text("".join(
@@ -130,7 +133,24 @@ def test_hpclb_advise_prints_k_max_from_a_b0_run(tmp_path, capsys):
     assert main(["advise", str(run), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["inputs"]["b_simple"] == noise and doc["inputs"]["num_samples"] == 4096
+    # a stable LR under eta0: the B0 recipe itself is past it, k_max 1, said so
+    assert main(["advise", str(run), "--stable-lr", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "k_max 1 (batch 128)" in out and "(given) -> k <= 1 (B0's own eta0 is above it)" in out
+    # a probe of another optimizer (the run overwritten since) is not used
+    (run / "lr_probe").mkdir()
+    (run / "lr_probe" / "lr_probe.json").write_text(json.dumps(
+        {"optimizer": "momentum", "base_lr": 0.1, "stable_lr": 0.2, "probes": []}))
+    assert main(["advise", str(run)]) == 0
+    cap = capsys.readouterr()
+    assert "stability: not measured" in cap.out and "probed momentum from eta0 0.1" in cap.err
     cfg["global_batch_size"] = 1024
     (run / "config.json").write_text(json.dumps(cfg))
     assert main(["advise", str(run)]) == 0
-    assert "k_max: not predicted" in capsys.readouterr().out
+    assert "k_max: not predicted (trained at batch 1024" in capsys.readouterr().out
+    assert main(["advise", str(run), "--json"]) == 0  # the advice, no prediction
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prediction"] is None and doc["advice"]["run_batch_size"] == 1024
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            main(["advise", str(run), "--stable-lr", bad])

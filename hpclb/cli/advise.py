@@ -15,6 +15,17 @@ HELP = ("critical batch size (gradient noise scale) of a run trained with --nois
         "largest k at which LEGW is expected to hold, with its reasons")
 
 
+def _positive(text: str) -> float:
+    import math
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite LR, got {text}")
+    return v
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb advise`` on the top-level subparsers."""
     p = subparsers.add_parser("advise", help=HELP)
@@ -22,10 +33,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    "recipe's B0 for the k_max prediction)")
     p.add_argument("--last", type=int, default=3, help="epochs to combine (default 3)")
     p.add_argument("--lr-probe", action="store_true",
-                   help="measure the largest LR that trains at B0 (short runs of the recipe in "
-                        "this process, one per LR eta0 x 2^(j/2); minutes), kept in "
-                        "RUN_DIR/lr_probe/ and used by later calls")
-    p.add_argument("--stable-lr", type=float, default=None,
+                   help="measure the largest LR that trains at B0 (short runs of the run's recipe "
+                        "in this process, one per LR eta0 x 2^(j/2) up to the largest k the "
+                        "budget allows; minutes), kept in RUN_DIR/lr_probe/ and used by later "
+                        "calls")
+    p.add_argument("--stable-lr", type=_positive, default=None,
                    help="a stable LR at B0 measured otherwise (instead of the probe)")
     p.add_argument("--json", action="store_true",
                    help="print the advice, the prediction and its inputs as one JSON object")
@@ -33,46 +45,51 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _probe(args, first: dict) -> dict:
+    """Run the LR probe for the B0 run ``args.run_dir`` (``first``: its prediction without
+    one, for the k range), on the recipe the run recorded."""
+    from pathlib import Path
+
+    from hpclb.tools.advise import run_config
+    from hpclb.tools.kmax import PROBE_DIR, run_recipe
+    from hpclb.tools.lr_probe import stability_probe
+
+    run = Path(args.run_dir)
+    cfg = run_config(run)
+    work = run / PROBE_DIR
+    top = max(r["k"] for r in first["prediction"]["rows"])
+    return stability_probe(
+        str(run_recipe(cfg, work)), optimizer=cfg.get("optimizer"), lr=cfg.get("lr"),
+        data_dir=cfg.get("data_root"), work=work, max_j=max(1, top.bit_length() - 1),
+        record={"recipe_sha256": first["inputs"]["recipe_sha256"]},
+        report=lambda p: print(f"lr probe: LR {p['lr']:.4g} (k = {p['k']}): "
+                               f"{'trains' if p['trains'] else 'does not train'}: {p['why']}",
+                               file=sys.stderr, flush=True))
+
+
 def run(args: argparse.Namespace) -> int:
     """``hpclb advise``: critical batch, recommended batch and the k_max prediction; 2 without
     noise data or for a bad run directory."""
-    from pathlib import Path
-
-    from hpclb.tools.advise import (
-        PROBE_DIR,
-        advise,
-        format_advice,
-        format_prediction,
-        predict_for_run,
-    )
+    from hpclb.tools.advise import format_advice
+    from hpclb.tools.kmax import format_prediction, predict_for_run
 
     def warn(message: str) -> None:
         print(f"hpclb advise: warning: {message}", file=sys.stderr, flush=True)
 
     try:
-        a = advise(args.run_dir, last=args.last, warn=warn)
-        probe = None
-        if args.lr_probe:
-            from hpclb.tools.lr_probe import stability_probe
-            cfg = json.loads((Path(args.run_dir) / "config.json").read_text())
-            probe = stability_probe(
-                cfg["experiment"], optimizer=cfg.get("optimizer"), data_dir=cfg.get("data_root"),
-                work=Path(args.run_dir) / PROBE_DIR,
-                report=lambda p: print(f"lr probe: LR {p['lr']:.4g} (k = {p['k']}): "
-                                       f"{'trains' if p['trains'] else 'does not train'}: "
-                                       f"{p['why']}", file=sys.stderr, flush=True))
-        if a["run_batch_size"] != a["base_batch_size"] and not args.json:
-            print(format_advice(a))
-            print("k_max: not predicted (the prediction starts from a run at the recipe's B0)")
-            return 0
         p = predict_for_run(args.run_dir, last=args.last, stable_lr=args.stable_lr,
-                            probe=probe, warn=warn)
+                            warn=(lambda _: None) if args.lr_probe else warn)
+        if args.lr_probe and p["prediction"] is not None:
+            p = predict_for_run(args.run_dir, last=args.last, probe=_probe(args, p), warn=warn)
     except (ConfigError, OSError, ValueError) as e:
         error(str(e))
         return EXIT_USAGE
     if args.json:
         print(json.dumps(p, indent=2))
+        return 0
+    print(format_advice(p["advice"]))
+    if p["prediction"] is None:
+        print(f"k_max: not predicted ({p['why']})")
     else:
-        print(format_advice(p["advice"]))
-        print(format_prediction(p["prediction"]))
+        print(format_prediction(p["prediction"], p["stable_from"]))
     return 0

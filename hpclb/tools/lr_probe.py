@@ -18,6 +18,7 @@ Rule and constants fixed 2026-12-07 (docs/science.md, "Where LEGW breaks"), befo
 from __future__ import annotations
 
 import math
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +28,7 @@ import yaml
 from hpclb._io import write_json
 from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
-from hpclb.errors import ConfigError, Diverged, NonFiniteError
+from hpclb.errors import ConfigError, Diverged, NonFiniteError, Preempted
 from hpclb.tools.dryrun import train_set_size_of
 from hpclb.tools.runrows import read_run
 from hpclb.train.loop import train
@@ -89,22 +90,30 @@ def probe_lr(recipe_path: Path, lr: float, *, optimizer: str | None, out: Path,
             train(cfg, SelfCommunicator(), quiet=True, tensorboard=False, progress_every_s=None)
     except (Diverged, NonFiniteError) as e:
         return {"lr": lr, "trains": False, "why": f"diverged: {e}", "steps": steps, "losses": []}
+    except Preempted as e:  # Ctrl-C (or a scheduler's signal) inside a probe: stop the probe
+        raise KeyboardInterrupt from e
+    finally:  # a probe keeps its metrics, not its checkpoints (a ResNet's would be GBs)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        for f in ("checkpoint.pt", "checkpoint.pt.sha256"):
+            (out / f).unlink(missing_ok=True)
     losses = [r.get("loss") for r in read_run(out).steps]
     ok, why = trains(losses)
     return {"lr": lr, "trains": ok, "why": why, "steps": steps, "losses": losses}
 
 
 def stability_probe(experiment: str, *, optimizer: str | None, work: Path,
-                    data_dir: str | None = None, max_j: int = 10, hold_steps: int = HOLD_STEPS,
+                    lr: float | None = None, data_dir: str | None = None, max_j: int = 10,
+                    hold_steps: int = HOLD_STEPS, record: dict | None = None,
                     report: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """The probe on the grid ``eta0 * 2^(j/2)``, ``j = 0 .. max_j``, stopping at the first LR that
     does not train: ``{"experiment", "optimizer", "base_lr", "probes": [...], "stable_lr",
     "k_stable", "bounded"}`` (``k_stable``: the largest ``k = 2^j`` whose LEGW peak
     ``eta0 * 2^(j/2)`` trained; ``bounded`` False when every LR up to ``j = max_j`` did);
-    written to ``work/lr_probe.json``. ``report`` gets each probe as it ends. ConfigError when
-    ``eta0`` itself does not train (nothing to scale from)."""
+    written to ``work/lr_probe.json`` with ``record``'s fields. ``lr``: eta0 (default the
+    recipe's). ``report`` gets each probe as it ends. ConfigError when ``eta0`` itself does
+    not train (nothing to scale from); KeyboardInterrupt for a Ctrl-C (nothing written)."""
     path = _probe_recipe(experiment, work)
-    base = resolve(str(path), optimizer=optimizer, out=str(work / "lr-base"))
+    base = resolve(str(path), optimizer=optimizer, lr=lr, out=str(work / "lr-base"))
     eta0, probes, stable_j = base.base_lr, [], None
     for j in range(max_j + 1):
         lr = eta0 * 2 ** (j / 2)
@@ -120,7 +129,8 @@ def stability_probe(experiment: str, *, optimizer: str | None, work: Path,
     if stable_j is None:
         raise ConfigError(f"{experiment}: the B0 recipe's own LR {eta0:g} does not train in the "
                           f"probe ({probes[0]['why']}); nothing to scale from")
-    result = {"experiment": experiment, "optimizer": base.optimizer, "base_lr": eta0,
+    result = {**(record or {}), "experiment": experiment, "optimizer": base.optimizer,
+              "base_lr": eta0,
               "hold_steps": hold_steps, "probes": probes,
               "stable_lr": eta0 * 2 ** (stable_j / 2), "k_stable": 2 ** stable_j,
               "bounded": stable_j < max_j}

@@ -1,0 +1,256 @@
+"""Where LEGW is expected to break: ``hpclb advise``'s ``k_max`` for a B0 run trained with
+``--noise-scale`` (the rule of docs/science.md, "Where LEGW breaks", fixed 2026-12-07 before the
+k-map). :func:`predict_k_max` is the rule on plain numbers; :func:`predict_for_run` reads them
+from a run directory: the B0 run's B_simple per epoch (:mod:`hpclb.tools.advise`), its recorded
+recipe (``config.json``: the recipe the run trained, not the name it was started by) and the
+stable LR of the LR probe (:mod:`hpclb.tools.lr_probe`) kept beside it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpclb._io import read_json
+from hpclb.errors import ConfigError
+from hpclb.schedules import Schedule, WarmupTooLong
+from hpclb.tools.advise import advice_of, run_config
+from hpclb.tools.dryrun import WARMUP_WARN_FRACTION
+from hpclb.tools.runrows import RunRows, Warn, read_run
+from hpclb.train.metrics import finite
+
+__all__ = ["PROBE_DIR", "PROGRESS_MIN", "WARMUP_SHARE_MAX", "progress_ratio", "predict_k_max",
+           "format_prediction", "run_recipe", "saved_probe", "predict_for_run"]
+
+#: where ``hpclb advise RUN_DIR --lr-probe`` keeps its probe runs and ``lr_probe.json``
+PROBE_DIR = "lr_probe"
+#: LEGW's warmup (constant in steps) may take at most this share of the run's steps at k*B0
+#: (the dry run warns past the same share: :data:`hpclb.tools.dryrun.WARMUP_WARN_FRACTION`)
+WARMUP_SHARE_MAX = WARMUP_WARN_FRACTION
+#: the budget bound: the same epochs at k*B0 must make at least this share of B0's progress
+PROGRESS_MIN = 0.5
+
+
+def progress_ratio(batch: int, base_batch_size: int, b_simple: list[float]) -> float:
+    """The share of a B0 run's optimisation progress that the same epochs make at ``batch``:
+    the mean over the B0 run's epochs of ``(B0 + B_e) / (batch + B_e)``, ``B_e`` that epoch's
+    B_simple. By McCandlish et al. (2018, eq. 2.11) a step at batch B makes ``1 / (1 +
+    B_crit / B)`` of the progress of a step at infinite batch, so an epoch (N / B steps) at B
+    makes ``(B0 + B_crit) / (B + B_crit)`` of an epoch at B0's; B_simple stands for B_crit, and
+    it grows as training goes on, so each epoch has its own. ``inf`` (an epoch whose gradient
+    was all noise: estimated ``|G|^2 <= 0``) counts 1. 1 at ``batch = B0``; with one
+    constant ``B_e`` it is at least 1/2 while ``batch <= B_e + 2 B0``."""
+    if not b_simple:
+        raise ValueError("b_simple: no epoch's noise scale")
+    return sum(1.0 if math.isinf(b) else (base_batch_size + b) / (batch + b)
+               for b in b_simple) / len(b_simple)
+
+
+def _rows(base_batch_size, num_samples, epochs, base_warmup_epochs, base_lr, b_simple,
+          k_limit) -> list[dict]:
+    """LEGW at ``k = 1, 2, 4, ...`` up to ``k_limit``, the training set, or a warmup no longer
+    shorter than the run."""
+    rows, k = [], 1
+    while k <= k_limit and k * base_batch_size <= num_samples:
+        try:
+            s = Schedule.from_recipe(base_lr=base_lr, base_batch_size=base_batch_size,
+                                     base_warmup_epochs=base_warmup_epochs,
+                                     global_batch_size=k * base_batch_size,
+                                     num_samples=num_samples, epochs=epochs, scheme="legw")
+        except WarmupTooLong:
+            break
+        rows.append({"k": k, "batch": k * base_batch_size, "peak_lr": s.peak_lr,
+                     "warmup_steps": s.warmup_steps, "total_steps": s.total_steps,
+                     "warmup_share": s.warmup_steps / s.total_steps,
+                     "progress": progress_ratio(k * base_batch_size, base_batch_size, b_simple)})
+        k *= 2
+    return rows
+
+
+def predict_k_max(*, base_batch_size: int, num_samples: int, epochs: float,
+                  base_warmup_epochs: float, base_lr: float, b_simple: list[float],
+                  stable_lr: float | None = None, k_limit: int = 1024) -> dict[str, Any]:
+    """The largest ``k = 2^j`` (``k * B0`` the global batch) at which LEGW is expected to hold,
+    by the rule of docs/science.md ("Where LEGW breaks", fixed before the k-map): each bound
+    below is the largest ``k <= k_limit`` that passes it (k = 1, the B0 recipe itself, always
+    does), and ``k_max`` the smallest of them.
+
+    - ``budget``: the same epochs at ``k * B0`` make at least :data:`PROGRESS_MIN` of the B0
+      run's progress (:func:`progress_ratio` of ``b_simple``, the B0 run's B_simple per epoch,
+      in order): a recipe with about 2x slack in its epochs still reaches its result;
+    - ``warmup``: LEGW's warmup (its B0 steps, at every k) takes at most
+      :data:`WARMUP_SHARE_MAX` of the steps the budget leaves at ``k * B0``;
+    - ``stability``: ``sqrt(k) * eta0 <= stable_lr`` (the LR probe at B0,
+      :mod:`hpclb.tools.lr_probe`); no bound when ``stable_lr`` is None.
+
+    ``num_samples``: training samples (the unit the recipe's batch counts); ``epochs`` the
+    budget. Returns ``{"k_max", "batch", "bounds": {name: k}, "binding": [names], "k_limit",
+    "stable_lr", "rows": [{"k", "batch", "peak_lr", "warmup_steps", "total_steps",
+    "warmup_share", "progress"}]}``. Raises ValueError for a non-positive input."""
+    for name, v in (("base_batch_size", base_batch_size), ("num_samples", num_samples),
+                    ("epochs", epochs), ("base_lr", base_lr), ("k_limit", k_limit),
+                    *(("stable_lr", s) for s in [stable_lr] if s is not None),
+                    *(("b_simple", b) for b in b_simple)):
+        if not (isinstance(v, (int, float)) and v > 0 and (math.isfinite(v) or name == "b_simple"
+                                                             and v == math.inf)):
+            raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+    rows = _rows(base_batch_size, num_samples, epochs, base_warmup_epochs, base_lr, b_simple,
+                 k_limit)
+    passes = {
+        "budget": lambda r: r["progress"] >= PROGRESS_MIN,
+        "warmup": lambda r: r["warmup_share"] <= WARMUP_SHARE_MAX,
+        "stability": lambda r: stable_lr is None or r["peak_lr"] <= stable_lr * (1 + 1e-9)}
+    bounds = {}
+    for name, ok in passes.items():
+        first_bad = next((r["k"] for r in rows[1:] if not ok(r)), None)
+        bounds[name] = max(r["k"] for r in rows if first_bad is None or r["k"] < first_bad)
+    k_max = min(bounds.values())
+    return {"k_max": k_max, "batch": k_max * base_batch_size, "bounds": bounds,
+            "binding": [n for n, b in bounds.items() if b == k_max], "k_limit": k_limit,
+            "stable_lr": stable_lr, "rows": rows}
+
+
+def format_prediction(p: dict[str, Any], stable_from: str = "probe at B0") -> str:
+    """The lines ``hpclb advise`` prints for :func:`predict_k_max`'s result; ``stable_from``
+    says where the stable LR came from."""
+    rows = {r["k"]: r for r in p["rows"]}
+    b = p["bounds"]
+    top = max(rows)
+
+    def at(k: int) -> str:
+        return f" (no k up to {top} fails)" if k >= top else f" (fails at k = {2 * k})"
+
+    w = rows.get(2 * b["warmup"], rows[b["warmup"]])
+    lines = [f"k_max {p['k_max']} (batch {p['batch']}): LEGW expected to hold up to here; bound "
+             f"by {', '.join(p['binding'])}",
+             f"  budget: the epochs at k x B0 make >= {PROGRESS_MIN:.0%} of B0's progress "
+             f"(B_simple per epoch) -> k <= {b['budget']}{at(b['budget'])}"
+             + (f"; at k = {2 * b['budget']}: {rows[2 * b['budget']]['progress']:.0%}"
+                if 2 * b["budget"] in rows else ""),
+             f"  warmup: {rows[1]['warmup_steps']} warmup steps <= "
+             f"{WARMUP_SHARE_MAX:.0%} of the steps -> k <= {b['warmup']}{at(b['warmup'])}"
+             + (f"; at k = {w['k']} it is {w['warmup_steps']} of {w['total_steps']}"
+                if w["k"] != b["warmup"] else "")]
+    if p["stable_lr"] is None:
+        lines.append("  stability: not measured (hpclb advise RUN_DIR --lr-probe)")
+    else:
+        s = rows.get(2 * b["stability"])
+        below = " (B0's own eta0 is above it)" if rows[1]["peak_lr"] > p["stable_lr"] else ""
+        lines.append(f"  stability: sqrt(k) x eta0 <= stable LR {p['stable_lr']:.4g} "
+                     f"({stable_from}) -> k <= {b['stability']}{below}" + (
+                         f" (peak {s['peak_lr']:.4g} at k = {s['k']})" if s else at(top)))
+    return "\n".join(lines)
+
+
+def _b_simple_per_epoch(rows: RunRows) -> list[float]:
+    """Each epoch's B_simple for :func:`progress_ratio`: ``inf`` where the smoothed ``|G|^2``
+    was not positive (the gradient all noise: late in a run whose loss is near 0), epochs
+    without a positive finite value left out."""
+    out = []
+    for r in rows.epochs:
+        noise = r.get("noise")
+        if isinstance(noise, dict) and finite(noise.get("b_simple")) and noise["b_simple"] > 0:
+            out.append(float(noise["b_simple"]))
+        elif isinstance(noise, dict) and finite(noise.get("g2")) and noise["g2"] <= 0:
+            out.append(math.inf)
+    return out
+
+
+def run_recipe(cfg: dict, folder: Path) -> Path:
+    """The recipe the run recorded (``config.json``'s ``recipe``: its plug-in paths absolute)
+    written to ``folder/run-recipe.yaml``, so that a run started from a copy, a plug-in recipe
+    or another working directory is rebuilt as it trained. ConfigError when there is none."""
+    recipe = cfg.get("recipe")
+    if not isinstance(recipe, dict) or "name" not in recipe:
+        raise ConfigError("config.json holds no recipe (a run of an older hpclb?); advise needs "
+                          "the recipe the run trained")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "run-recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _recipe_digest(cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg.get("recipe"), sort_keys=True).encode()).hexdigest()
+
+
+def _run_inputs(run: Path, cfg: dict) -> dict[str, Any]:
+    """The inputs of :func:`predict_k_max` from a B0 run's ``config.json`` ``cfg``: its recorded
+    recipe, optimizer, ``--lr``, epochs and data; the training set sized as the run's dry run
+    sizes it (registry, else read)."""
+    from hpclb.config import resolve
+    from hpclb.tools.dryrun import train_set_size_of
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            one = resolve(str(run_recipe(cfg, Path(tmp))), optimizer=cfg.get("optimizer"),
+                          lr=cfg.get("lr"), epochs=cfg.get("epochs"),
+                          data_dir=cfg.get("data_root"), out=str(Path(tmp) / "unused"))
+            n, unit, _ = train_set_size_of(one)
+        except ConfigError as e:
+            raise ConfigError(f"{run}: cannot rebuild the recipe the run trained "
+                              f"({cfg.get('experiment')!r}) to size its budget: {e}") from e
+    return {"experiment": cfg.get("experiment"), "recipe_sha256": _recipe_digest(cfg),
+            "optimizer": one.optimizer, "base_batch_size": one.base_batch_size,
+            "num_samples": n, "unit": unit, "epochs": one.epochs,
+            "base_warmup_epochs": float(one.spec.warmup_epochs), "base_lr": one.base_lr}
+
+
+def saved_probe(run: Path, inputs: dict, warn: Warn) -> dict | None:
+    """``RUN_DIR/lr_probe/lr_probe.json`` when it probed this run's recipe, optimizer and eta0;
+    None (with a warning) when it probed another (the run was overwritten since) or is
+    unreadable."""
+    path = run / PROBE_DIR / "lr_probe.json"
+    if not path.is_file():
+        return None
+    try:
+        probe = read_json(path, "hpclb advise --lr-probe's lr_probe.json")
+        same = (probe["optimizer"] == inputs["optimizer"]
+                and math.isclose(probe["base_lr"], inputs["base_lr"], rel_tol=1e-9)
+                and probe.get("recipe_sha256", inputs["recipe_sha256"]) == inputs["recipe_sha256"])
+    except (ValueError, KeyError, TypeError) as e:
+        warn(f"{path}: not a probe of hpclb advise ({e}); ignored: run --lr-probe again")
+        return None
+    if not same:
+        warn(f"{path}: probed {probe['optimizer']} from eta0 {probe['base_lr']:g} (or another "
+             f"recipe), not this run's {inputs['optimizer']} from {inputs['base_lr']:g}; ignored: "
+             f"run --lr-probe again")
+        return None
+    return probe
+
+
+def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
+                    probe: dict | None = None, warn: Warn | None = None) -> dict[str, Any]:
+    """The advice (:func:`~hpclb.tools.advise.advise`) and, for a run at its recipe's B0, the
+    prediction: ``{"advice", "inputs", "prediction", "probe", "stable_from"}``
+    (``prediction`` None, with ``why``, for a run at another batch). The stable LR is
+    ``stable_lr`` if given, else ``probe["stable_lr"]``, else the probe saved beside the run
+    (:func:`saved_probe`), else none. Raises ConfigError as ``advise`` does."""
+    rows = read_run(Path(run_dir), warn)
+    warn = rows.warn
+    a = advice_of(rows, last)
+    run = rows.path.parent
+    if a["run_batch_size"] != a["base_batch_size"]:
+        return {"advice": a, "prediction": None,
+                "why": f"trained at batch {a['run_batch_size']}, not at its recipe's B0 "
+                       f"{a['base_batch_size']}: the k_max prediction starts from a B0 run"}
+    inputs = _run_inputs(run, run_config(run))
+    inputs["b_simple"] = _b_simple_per_epoch(rows)
+    if probe is None and stable_lr is None:
+        probe = saved_probe(run, inputs, warn)
+    stable_from = "given" if stable_lr is not None else "probe at B0"
+    if stable_lr is None and probe is not None:
+        stable_lr = probe["stable_lr"]
+    pred = predict_k_max(**{k: inputs[k] for k in ("base_batch_size", "num_samples", "epochs",
+                                                   "base_warmup_epochs", "base_lr",
+                                                   "b_simple")}, stable_lr=stable_lr)
+    return {"advice": a, "inputs": inputs, "prediction": pred, "stable_from": stable_from,
+            "probe": None if probe is None else {k: v for k, v in probe.items()
+                                                 if k != "probes"} | {
+                "probes": [{k: p[k] for k in ("j", "k", "lr", "trains", "why")}
+                           for p in probe["probes"]]}}

@@ -30,15 +30,17 @@ OPTIONAL: dict[str, tuple[str, str]] = {
 
 
 def gpu_extra() -> str:
-    """The extra that brings CuPy for this torch: ``gpu-cuda12`` or ``gpu-cuda13`` by
-    ``torch.version.cuda``'s major version; both, named as a choice, for a CPU-only torch (or one
-    of another CUDA major). Never raises."""
+    """The pip argument that brings CuPy for this torch: ``'hpclb[gpu-cuda12]'`` or
+    ``'hpclb[gpu-cuda13]'`` by ``torch.version.cuda``'s major version; both, as a choice, for a
+    CPU-only torch (or one of another CUDA major). Never raises."""
     try:
         import torch
         major = (torch.version.cuda or "").split(".")[0]
     except ImportError:
         major = ""
-    return f"gpu-cuda{major}" if major in ("12", "13") else "gpu-cuda12 or gpu-cuda13"
+    if major in ("12", "13"):
+        return f"'hpclb[gpu-cuda{major}]'"
+    return "'hpclb[gpu-cuda12]' or 'hpclb[gpu-cuda13]' (the CUDA major of your GPU torch)"
 
 
 def require(module: str, purpose: str) -> ModuleType:
@@ -56,6 +58,6 @@ def require(module: str, purpose: str) -> ModuleType:
         if e.name is None or e.name.partition(".")[0] != top:
             raise  # the package is there but one of its own dependencies is not
         dist, extra = OPTIONAL[top]
-        extra = gpu_extra() if top == "cupy" else extra
+        what = gpu_extra() if top == "cupy" else f"'hpclb[{extra}]'"
         raise MissingExtraError(f"{purpose} needs {dist}, which is not installed: "
-                                f"pip install 'hpclb[{extra}]'", name=top) from e
+                                f"pip install {what}", name=top) from e

@@ -142,8 +142,8 @@ def test_bring_your_own_files_then_verify(tmp_path, mnist_dir, capsys):
     dest.mkdir(parents=True)
     for name in NAMES[:3]:
         shutil.copy(mnist_dir / name, dest / name)
-    assert main(["data", "verify", str(dest)]) == 1
-    err = capsys.readouterr().err
+    assert main(["data", "verify", str(dest), "--data-dir", str(tmp_path / "elsewhere")]) == 1
+    err = capsys.readouterr().err  # a DIR is checked where it is, whatever --data-dir says
     assert f"{NAMES[3]}: missing" in err and "hpclb data verify mnist" in err, err
     assert not (dest / manifest.MANIFEST).exists()
     shutil.copy(mnist_dir / NAMES[3], dest / NAMES[3])
@@ -152,11 +152,17 @@ def test_bring_your_own_files_then_verify(tmp_path, mnist_dir, capsys):
         f.write(bytes([(f.read(1)[0] + 1) % 10]))
     assert main(["data", "verify", "mnist", "--data-dir", str(tmp_path / "data")]) == 1
     assert f"{NAMES[1]}: md5" in capsys.readouterr().err
-    shutil.copy(mnist_dir / NAMES[1], dest / NAMES[1])
+    import gzip  # LeCun's form: the raw file gzipped, its content checked
+    (dest / NAMES[1]).unlink()
+    (dest / (NAMES[1] + ".gz")).write_bytes(gzip.compress((mnist_dir / NAMES[1]).read_bytes()))
     assert main(["data", "verify", "mnist", "--data-dir", str(tmp_path / "data")]) == 0
     out = capsys.readouterr().out
     assert "mnist: verified" in out and "md5 6bbc9ace898e44ae57da46a324031adb" in out
     assert manifest.check_manifest(dest) == 4  # what every rank checks at start-up
+    assert main(["data", "verify", str(tmp_path / "data" / "digits")]) == 1
+    assert "not a data set whose files hpclb knows" in capsys.readouterr().err
+    assert main(["data", "verify", "mnist", "--data-dir", str(tmp_path / "none")]) == 1
+    assert "no such directory" in capsys.readouterr().err
 
 
 def test_a_failed_fetch_points_at_bring_your_own(tmp_path, monkeypatch, capsys):

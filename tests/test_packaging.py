@@ -135,7 +135,7 @@ def test_missing_extra_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     # a CPU-only torch: either CUDA extra, named as a choice; a CUDA 12 build: the CUDA 12 one
     with pytest.raises(ModuleNotFoundError,
-                       match=r"pip install 'hpclb\[gpu-cuda12 or gpu-cuda13\]'"):
+                       match=r"pip install 'hpclb\[gpu-cuda12\]' or 'hpclb\[gpu-cuda13\]'"):
         require("cupy", "the fused kernel")
     monkeypatch.setattr("torch.version.cuda", "12.8")
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'hpclb\[gpu-cuda12\]'"):

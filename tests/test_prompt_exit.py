@@ -53,3 +53,22 @@ def test_the_command_exits_with_its_status_and_message(tmp_path):
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 2, r.stderr
     assert "no-such-recipe" in r.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`hpclb ... | head -1`: the command's later writes fail with EPIPE; it ends quietly with
+    141, as a shell reports a process ended by SIGPIPE (it printed a BrokenPipeError traceback)."""
+    code = ("import hpclb.cli as c\n"
+            "def main():\n"
+            "    for _ in range(100000):\n"
+            "        print('x' * 100)\n"
+            "    return 0\n"
+            "c.main = main\n"
+            "c.run()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=tmp_path)
+    assert p.stdout.readline() == b"x" * 100 + b"\n"
+    p.stdout.close()  # the reader leaves
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=100) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

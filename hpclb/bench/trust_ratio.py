@@ -278,7 +278,7 @@ def _gpu_state() -> tuple[str | None, float | None]:
     if not torch.cuda.is_available():
         return "no CUDA device", None
     if not kernels.cupy_available():
-        return f"CuPy not installed (pip install -e '.[{gpu_extra()}]')", None
+        return f"CuPy not installed (pip install {gpu_extra()})", None
     if os.environ.get("HPCLB_TRUST_BACKEND") == "torch":
         return "HPCLB_TRUST_BACKEND=torch", None
     return None, _sleep_cycles_per_ms()

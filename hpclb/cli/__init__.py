@@ -13,6 +13,7 @@ no rank waits forever in a collective (:func:`hpclb.cli.common.exit_status`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hpclb import __version__
@@ -71,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         common.error(str(e))
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; the shell's status for it
-        print(f"hpclb {common.command_of(argv) or ''}: interrupted (Ctrl-C); a run keeps its "
-              f"last checkpoint (resume with --resume)", file=sys.stderr)
+        command = common.command_of(argv) or ""
+        kept = ("; a run keeps its last checkpoint (resume with --resume)"
+                if command in ("train", "sweep") else "")
+        print(f"hpclb {command}: interrupted (Ctrl-C){kept}", file=sys.stderr)
         return 130
 
 
@@ -80,4 +83,9 @@ def run() -> None:
     """The ``hpclb`` console command and ``python -m hpclb``: :func:`main`, then a prompt exit
     with its status (:func:`hpclb.cli.common.exit_promptly`: no seconds of interpreter
     teardown after the last line). In-process callers use :func:`main`."""
-    common.exit_promptly(main())
+    try:
+        status = main()
+    except BrokenPipeError:  # `hpclb ... | head`: the reader left; no traceback for it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 141  # as a shell reports a process ended by SIGPIPE
+    common.exit_promptly(status)

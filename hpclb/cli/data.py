@@ -29,7 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "apt) and record it as staged")
     v.add_argument("name", metavar="NAME|DIR", help="mnist, fashion-mnist or ptb, or its "
                    "directory (e.g. $HPCLB_DATA/mnist)")
-    v.add_argument("--data-dir", help="default $HPCLB_DATA or ./data (or DIR's parent)")
+    v.add_argument("--data-dir", help="with NAME: default $HPCLB_DATA or ./data (a DIR is "
+                   "checked where it is)")
     v.set_defaults(func=run_verify)
     sh = dsub.add_parser("shards", help="pack an ImageFolder (<class>/<image> files) into tar "
                          "shards (WebDataset layout: key.jpg + key.cls) with an index, for "
@@ -70,17 +71,23 @@ def run_verify(args: argparse.Namespace) -> int:
     """``hpclb data verify``: one line per file checked; 1 naming what is missing or differs."""
     from pathlib import Path
 
-    from hpclb.data.fetch import verify
+    from hpclb.data.fetch import CANONICAL, verify
 
     name, root = args.name, args.data_dir
-    if Path(name).is_dir() or "/" in name:  # a directory: its name is the data set's
-        name, root = Path(name).name, root or str(Path(name).parent)
+    if name not in CANONICAL:  # a directory: its name is the data set's, its parent the root
+        where = Path(name).resolve()
+        name, root = where.name, str(where.parent)
     try:
-        for line in verify(name, root):
-            print(line)
+        lines, bad = verify(name, root)
     except DataError as e:
         error(str(e))
         return e.exit_code
+    print("\n".join(lines))
+    if bad:
+        error(f"{name}: not the canonical files: {'; '.join(bad)}; put the originals there, byte "
+              f"for byte ({', '.join(f for f, _ in CANONICAL[name].values())}, each raw or .gz), "
+              f"and run `hpclb data verify {name}` again")
+        return 1
     print(f"{name}: verified; recorded as staged")
     return 0
 

@@ -20,6 +20,7 @@ and checked again by every rank at the start of a run. Sources are package regis
 from __future__ import annotations
 
 import ast
+import gzip
 import hashlib
 import logging
 import os
@@ -251,34 +252,46 @@ FETCHERS = {name: DATASETS[name].fetcher for name in fetchable()}
 CANONICAL = {"mnist": mnist.FILES, "fashion-mnist": images.FASHION_FILES, "ptb": ptb.FILES}
 
 
-def verify(name: str, root: str | Path | None = None) -> list[str]:
+def _gunzip_md5(path: Path) -> str:
+    """MD5 of the decompressed bytes of ``path``, a ``.gz`` standing in for the canonical raw
+    file (MNIST as LeCun distributes it)."""
+    h = hashlib.md5()
+    with gzip.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(name: str, root: str | Path | None = None) -> tuple[list[str], list[str]]:
     """``hpclb data verify``: the files of data set ``name`` that a user put into ``<data
     dir>/<name>`` (no npm, no apt: a copy from anywhere) checked against the canonical names and
-    MD5s of :data:`CANONICAL`; on success the record of :mod:`hpclb.data.manifest` is written
-    (what `hpclb data fetch` writes), so runs and `make data` take it as staged. Returns one line
-    per file (name, bytes, md5). Raises DataError naming every missing or different file and
-    the fix."""
+    MD5s of :data:`CANONICAL` (a raw file may also be there gzipped, ``NAME.gz``: its content is
+    checked); when all match, the record of :mod:`hpclb.data.manifest` is written (what `hpclb
+    data fetch` writes), so runs and `make data` take the set as staged. Returns (one line per
+    file checked: path, bytes, md5; the problems, empty when verified and recorded). Raises
+    DataError for a name without canonical files or a missing directory."""
     if name not in CANONICAL:
-        raise DataError(f"hpclb data verify knows the files of {', '.join(CANONICAL)}; {name!r} "
-                        f"has none recorded (stage it with `hpclb data fetch {name}`)")
+        raise DataError(f"{name!r} is not a data set whose files hpclb knows; verify one of "
+                        f"{', '.join(CANONICAL)} (or its directory, named so)")
     dest = data_dir(root) / name
-    lines, bad = [], []
+    if not dest.is_dir():
+        raise DataError(f"{dest}: no such directory; put the {name} files there (or give the "
+                        f"directory that holds them) and run `hpclb data verify` again")
+    lines, bad, found = [], [], []
     for fname, md5 in CANONICAL[name].values():
-        path = dest / fname
-        if not path.is_file():
-            bad.append(f"{fname}: missing")
+        path = next((p for p in (dest / fname, dest / (fname + ".gz")) if p.exists()), None)
+        if path is None or not path.is_file():
+            bad.append(f"{fname}: " + ("missing" if path is None else "not a regular file"))
             continue
-        got = md5sum(path)
+        got = md5sum(path) if path.name == fname else _gunzip_md5(path)
         lines.append(f"{path}: {path.stat().st_size} bytes, md5 {got}"
                      + ("" if got == md5 else f" (expected {md5})"))
+        found.append(path.name)
         if got != md5:
-            bad.append(f"{fname}: md5 {got}, expected {md5}")
-    if bad:
-        raise DataError(f"{dest}: not the canonical {name} files: {'; '.join(bad)}; put "
-                        f"{', '.join(f for f, _ in CANONICAL[name].values())} there (the "
-                        f"originals, byte for byte) and run `hpclb data verify {name}` again")
-    write_manifest(dest, [f for f, _ in CANONICAL[name].values()])
-    return lines
+            bad.append(f"{path.name}: md5 {got}, expected {md5}")
+    if not bad:
+        write_manifest(dest, found)
+    return lines, bad
 
 
 def fetch(name: str, root: str | Path | None = None) -> Path:

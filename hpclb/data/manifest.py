@@ -116,7 +116,8 @@ def check_manifest(directory: Path) -> int:
         if why is not None:
             raise DataError(f"{directory / name}: {why}; the staged data changed after `hpclb "
                             f"data fetch` verified it: fetch it again (delete {path} first) or "
-                            f"restore the file")
+                            f"restore the file; to train on the changed files on purpose, "
+                            f"delete {path} (a resumed run then needs --resume-changed data)")
     return len(files)
 
 

@@ -191,9 +191,9 @@ def _cupy(r: dict, device) -> None:
     fallback = "LARS/LAMB's trust ratio runs on the torch path (slower)"
     if not imports:
         why = "does not import" if installed else "not installed"
-        r["items"]["cupy"] = f"{why} (pip install 'hpclb[{gpu_extra()}]')"
+        r["items"]["cupy"] = f"{why} (pip install {gpu_extra()})"
         if on_gpu:
-            r["warnings"].append(f"CuPy {why}: {fallback}; pip install 'hpclb[{gpu_extra()}]'")
+            r["warnings"].append(f"CuPy {why}: {fallback}; pip install {gpu_extra()}")
         return
     if not on_gpu:
         r["items"]["cupy"] = f"{version}; fused trust-ratio kernel: not checked (no GPU)"

@@ -123,6 +123,12 @@ def test_train_samples_above_the_data_sets_size_is_refused(mnist_dir):
     with pytest.raises(ConfigError, match=r"train_samples 60001: more than the 60000"):
         load_dataset("mnist", mnist_dir.parent, train_samples=60001)
     assert build_task(recipe, mnist_dir.parent, train_samples=60000).num_train_samples == 60000
+    # the dry run and `hpclb jobs` size the set from the registry: refused there too (the dry
+    # run planned 60000 images and exited 0)
+    from hpclb.tools.jobs import train_set_size
+    with pytest.raises(ConfigError, match=r"data.train_samples 70000: more than the 60000 "
+                                          r"images of mnist's training split"):
+        train_set_size({"data": {"name": "mnist", "train_samples": 70000}})
 
 
 def test_an_empty_out_is_refused(hpclb):

@@ -33,7 +33,7 @@ from typing import Any
 
 from hpclb import __version__, schedules
 from hpclb.config import available_experiments, load_recipe
-from hpclb.data.registry import train_set_sizes
+from hpclb.data.registry import check_subset, train_set_sizes
 from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError, JobError
 from hpclb.extras import require
 from hpclb.plugins import add_search_path, is_plugin
@@ -91,6 +91,7 @@ def train_set_size(recipe: dict[str, Any]) -> tuple[int, str]:
                            f"data.seq_len (tokens per sequence) so a sample can be counted")
         size, unit = (size - 1) // seq, f"sequences of {seq} tokens"
     subset = data.get("train_samples")
+    check_subset("data.train_samples", subset, size, f"{name}'s training split", unit)
     if isinstance(subset, int) and 0 < subset < size:
         size = subset
     return size, unit

@@ -174,7 +174,9 @@ def mpi_threads_supported() -> bool:
     """True when MPI was initialised with ``MPI_THREAD_MULTIPLE`` (False without MPI)."""
     if not mpi_built():
         return False
-    from mpi4py import MPI
+    from hpclb.comm.mpi import import_mpi
+
+    MPI = import_mpi()
 
     return MPI.Is_initialized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
 

@@ -32,9 +32,28 @@ from hpclb.comm.streams import TorchCudaAPI
 
 __all__ = [
     "CUDA_AWARE_ENV", "SIDE_TAG", "HostStaging", "MPICommunicator", "MPISideChannel",
-    "TorchCudaAPI", "cuda_aware_mpi"]
+    "TorchCudaAPI", "cuda_aware_mpi", "import_mpi"]
 
 SIDE_TAG = 0x4C42  # "LB": the watchdog's messages, on a duplicate of COMM_WORLD
+#: Open MPI's libnbc picks a binomial tree for every in-place MPI_Iallreduce (2 log2(p) n bytes
+#: per rank instead of the ring's 2n): hpclb's gradient buckets are in place, so the ring (1) is
+#: asked for unless the environment chose. MPI_Init reads it, at the first import of mpi4py.MPI.
+LIBNBC_IALLREDUCE = ("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
+
+
+def import_mpi():
+    """``mpi4py.MPI``, imported (so MPI initialised) with :data:`LIBNBC_IALLREDUCE` in the
+    environment unless it was imported before. Every import of ``mpi4py.MPI`` in hpclb that can
+    be the process's first goes through here: the launch check of
+    :func:`hpclb.comm.world.get_communicator` runs before this backend starts, and while it
+    imported mpi4py.MPI itself (1a21082, 2026-12-03) MPI_Init ran without the ring: in-place
+    MPI_Iallreduce took libnbc's binomial tree (slower, and at 3 ranks or more it sums the
+    ranks' gradients in another order: other fp32 bits; 2 ranks add the same two numbers)."""
+    if "mpi4py.MPI" not in sys.modules:
+        os.environ.setdefault(*LIBNBC_IALLREDUCE)
+    from mpi4py import MPI
+
+    return MPI
 
 
 class _MPIHandle(Handle):
@@ -258,14 +277,7 @@ class MPICommunicator(Communicator):
     async_progress = False
 
     def __init__(self) -> None:
-        # Open MPI's libnbc picks a binomial tree for every in-place MPI_Iallreduce (2 log2(p) n
-        # bytes per rank instead of the ring's 2n): hpclb's gradient buckets are in place, so
-        # ask for the ring unless the user chose. Read at MPI_Init: effective only when this is
-        # the first import of mpi4py.MPI (it is, via get_communicator, in `hpclb train`).
-        if "mpi4py.MPI" not in sys.modules:
-            os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
-        from mpi4py import MPI
-
+        MPI = import_mpi()  # the libnbc ring for in-place Iallreduce (LIBNBC_IALLREDUCE)
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD
         self.rank, self.world_size = self._comm.Get_rank(), self._comm.Get_size()

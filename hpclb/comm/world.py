@@ -73,7 +73,9 @@ def _agree_launch(backend: str, share_gpu: bool) -> None:
     if launcher_kind() != "mpi" or (launcher_world_size() or 1) < 2 \
             or not backend_available("mpi"):
         return
-    from mpi4py import MPI
+    from hpclb.comm.mpi import import_mpi
+
+    MPI = import_mpi()  # MPI_Init with hpclb's Open MPI settings, as the mpi backend would
 
     everyone = MPI.COMM_WORLD.allgather((backend, share_gpu))
     differ = [_differing(name, [mine[i] for mine in everyone]) for i, name in enumerate((

@@ -147,7 +147,7 @@ def _mpi(r: dict, device) -> None:
         r["versions"]["mpi"] = None
         r["items"]["mpi"] = f"mpi4py does not import ({e}): load the MPI it was built with"
         return
-    library = MPI.Get_library_version().splitlines()[0].strip()
+    library = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()  # C string: NUL
     r["versions"]["mpi"] = library
     try:
         aware = cuda_aware_mpi(MPI)

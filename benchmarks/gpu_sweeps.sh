@@ -116,7 +116,7 @@ echo "gpu_sweeps: $([ $smoke = 1 ] && echo 'SMOKE (CPU, a few steps per point)' 
 echo "plan:"
 while read -r exp recipe batches schemes est n opt seeds; do
     case "$exp" in
-        "#") echo "  $recipe $batches $schemes $est $n";;
+        "#") echo "  $recipe $batches $schemes $est $n $opt $seeds" | sed 's/ *$//';;
         *) echo "  $exp: batches $batches x $schemes$([ "$opt" != - ] && echo " ($opt)") x seeds $seeds = $n run(s), ~$est s each";;
     esac
 done <"$out/plan.txt"

@@ -60,3 +60,23 @@ def all_ranks_ok(comm, ok: bool, what: str) -> None:
     verdicts = comm.allgather_object((bool(ok), what))
     bad = [f"rank {r}: {w}" for r, (v, w) in enumerate(verdicts) if not v]
     assert not bad, "; ".join(bad)
+
+
+@pytest.fixture
+def in_process(capsys):
+    """``run(*argv) -> (rc, stderr)`` through :func:`hpclb.cli.main` in this process; the signal
+    handlers `hpclb train` installs are put back afterwards."""
+    import signal
+
+    from hpclb import cli
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+
+    def run(*argv):
+        rc = cli.main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return rc, err
+
+    yield run
+    for s, h in saved.items():
+        signal.signal(s, h)

@@ -93,26 +93,6 @@ def test_resume_without_checkpoint(tmp_path, mnist_dir):
 
 # --- in process: cli.main(...) with the self communicator; fails before any work -----------------
 
-@pytest.fixture
-def in_process(capsys):
-    """``run(*argv) -> (rc, stderr)`` through :func:`hpclb.cli.main` in this process; the signal
-    handlers `hpclb train` installs are put back afterwards."""
-    import signal
-
-    from hpclb import cli
-    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
-
-    def run(*argv):
-        rc = cli.main([str(a) for a in argv])
-        err = capsys.readouterr().err
-        assert "Traceback" not in err, err
-        return rc, err
-
-    yield run
-    for s, h in saved.items():
-        signal.signal(s, h)
-
-
 @pytest.mark.parametrize("changes,message", [
     ({"data": "mnist"}, r"quick.yaml: data: must be a mapping .*`data: \{name: mnist\}`"),
     ({"optimizers": {"adam": 0.002}},

@@ -28,26 +28,6 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def hpclb(capsys):
-    """``run(*argv) -> (rc, stderr)`` through :func:`hpclb.cli.main` in this process (one
-    ``hpclb: error:`` line, no traceback); the signal handlers are put back afterwards."""
-    import signal
-
-    from hpclb import cli
-    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
-
-    def run(*argv):
-        rc = cli.main([str(a) for a in argv])
-        err = capsys.readouterr().err
-        assert "Traceback" not in err, err
-        return rc, err
-
-    yield run
-    for s, h in saved.items():
-        signal.signal(s, h)
-
-
 def one_error(err: str, *fragments: str) -> None:
     lines = [line for line in err.splitlines() if line.startswith("hpclb: error:")]
     assert len(lines) == 1, err
@@ -77,9 +57,9 @@ def test_end_lr_at_or_above_the_peak_is_refused_naming_the_field(tmp_path):
                            decay="poly", decay_params={"end_lr": 0.1})
 
 
-def test_end_lr_above_the_peak_is_refused_by_dry_run(tmp_path, mnist_dir, hpclb):
+def test_end_lr_above_the_peak_is_refused_by_dry_run(tmp_path, mnist_dir, in_process):
     recipe = quick_recipe(tmp_path, decay={"name": "poly", "power": 2.0, "end_lr": 5.0})
-    rc, err = hpclb("train", recipe, "--dry-run", "--data-dir", mnist_dir.parent)
+    rc, err = in_process("train", recipe, "--dry-run", "--data-dir", mnist_dir.parent)
     assert rc == 2
     one_error(err, "decay.end_lr 5", "set decay.end_lr below 0.002")
 
@@ -131,24 +111,24 @@ def test_train_samples_above_the_data_sets_size_is_refused(mnist_dir):
         train_set_size({"data": {"name": "mnist", "train_samples": 70000}})
 
 
-def test_an_empty_out_is_refused(hpclb):
+def test_an_empty_out_is_refused(in_process):
     """Before: `--out ''` meant the default folder, silently."""
     for flag, argv in (("--out", ("train", "mnist-lstm", "--out", "", "--dry-run")),
                        ("--out", ("plot", "schedule", "mnist-lstm", "--out", " ")),
                        ("--out-dir", ("sweep", "mnist-lstm", "--batch-sizes", "128",
                                       "--out-dir", "")),
                        ("--data-dir", ("train", "mnist-lstm", "--data-dir", "", "--dry-run"))):
-        rc, err = hpclb(*argv)
+        rc, err = in_process(*argv)
         assert rc == 2, argv
         one_error(err, f"hpclb: error: {flag} ", ": empty; give a path, or leave")
     with pytest.raises(ConfigError, match=r"--out: '' is empty; give the run directory"):
         resolve("mnist-lstm", out="")
 
 
-def test_a_directory_as_the_recipe_says_so(tmp_path, hpclb):
+def test_a_directory_as_the_recipe_says_so(tmp_path, in_process):
     """Before: `hpclb train some/folder` said 'unknown experiment'."""
     (tmp_path / "mine.yaml").write_text("name: x\n")
-    rc, err = hpclb("train", tmp_path, "--dry-run")
+    rc, err = in_process("train", tmp_path, "--dry-run")
     assert rc == 2
     one_error(err, f"{tmp_path} is a directory, not a recipe: a recipe is a .yaml file (in it: "
                    f"mine.yaml), or a packaged name, one of [", "'mnist-lstm'")
@@ -212,12 +192,12 @@ def test_a_full_disk_while_appending_metrics_names_the_file(tmp_path):
         logger.log_step(2, {"loss": 0.5})
 
 
-def test_a_full_disk_writing_config_json_is_one_line(tmp_path, mnist_dir, monkeypatch, hpclb):
+def test_a_full_disk_writing_config_json_is_one_line(tmp_path, mnist_dir, monkeypatch, in_process):
     """Before: `hpclb: error: OSError: [Errno 28] No space left on device` (the run's
     config.json, written on --resume as on a fresh start)."""
     _full_disk_at(monkeypatch, "config.json")
     out = tmp_path / "run"
-    rc, err = hpclb("train", quick_recipe(tmp_path), "--out", out, "--data-dir",
+    rc, err = in_process("train", quick_recipe(tmp_path), "--out", out, "--data-dir",
                     mnist_dir.parent, "--no-tensorboard")
     assert rc == 1
     one_error(err, f"DiskFull: {out / 'config.json'}: disk full while writing it ([Errno 28]",
@@ -226,11 +206,11 @@ def test_a_full_disk_writing_config_json_is_one_line(tmp_path, mnist_dir, monkey
     assert not (out / "config.json").exists()
 
 
-def test_a_full_disk_writing_an_out_file_is_one_line(tmp_path, monkeypatch, hpclb):
+def test_a_full_disk_writing_an_out_file_is_one_line(tmp_path, monkeypatch, in_process):
     pytest.importorskip("matplotlib")
     _full_disk_at(monkeypatch)
     png = tmp_path / "s.png"
-    rc, err = hpclb("plot", "schedule", "mnist-lstm", "--k", "1", "--out", png)
+    rc, err = in_process("plot", "schedule", "mnist-lstm", "--k", "1", "--out", png)
     assert rc == 1
     one_error(err, f"{png}: disk full while writing it", "free space under")
     assert not png.exists()
@@ -245,11 +225,11 @@ def test_a_full_disk_writing_an_out_file_is_one_line(tmp_path, monkeypatch, hpcl
     ("--out", ("train", "mnist-lstm", "--out", "{f}/run", "--dry-run")),
     ("OUT", ("data", "shards", "src", "{f}/shards")),
 ])
-def test_an_out_under_a_file_is_one_line(tmp_path, hpclb, flag, argv):
+def test_an_out_under_a_file_is_one_line(tmp_path, in_process, flag, argv):
     """Before: `hpclb bench loader --out file/x.json` ended in a FileExistsError traceback."""
     f = tmp_path / "notes.txt"
     f.write_text("kept")
-    rc, err = hpclb(*[a.format(f=f) for a in argv])
+    rc, err = in_process(*[a.format(f=f) for a in argv])
     assert rc == 2
     one_error(err, f"hpclb: error: {flag} {f}/", f"{f} is a file, not a directory")
     assert f.read_text() == "kept"

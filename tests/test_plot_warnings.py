@@ -93,8 +93,8 @@ def test_advise_warns_for_torn_middle_line_and_non_finite_noise(tmp_path):
     assert "critical_batch 400 " in out  # median of epochs 1 and 3
     path = run / "metrics.jsonl"
     assert f"hpclb advise: warning: {path}:2: not JSON (a damaged line); line skipped" in err
-    assert f"hpclb advise: warning: {path}:3: epoch 2: noise.b_simple = nan is not a finite " \
-        f"number; epoch left out" in err
+    assert f"hpclb advise: warning: {path}:3: epoch 2: noise.b_simple = nan is not a positive " \
+        f"finite number; epoch left out" in err
 
 
 def test_advise_says_why_there_is_no_noise_scale(tmp_path):

@@ -15,6 +15,7 @@ Source of the schedules: You et al., *Large-Batch Training for LSTM and Beyond*,
 """
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 from typing import Any
@@ -31,7 +32,6 @@ from hpclb.sync.options import (
     LIBRARY_STALL_ABORT_S,
     SyncOptions,
     check_environment,
-    set_default_stall_abort_s,
 )
 
 __all__ = ["init", "communicator", "broadcast_parameters", "broadcast_optimizer_state", "legw",
@@ -69,10 +69,14 @@ def init(backend: str = "auto", device: str = "auto", *, share_gpu: bool = False
     ``dist.all_reduce`` of a metric); :func:`hpclb.comm.torch_dist.init_default_group`.
     """
     check_environment()  # a bad HPCLB_* variable named here, not at the first optimizer
-    set_default_stall_abort_s(stall_abort_s)
+    if stall_abort_s is not None and not (isinstance(stall_abort_s, (int, float)) and
+                                          0 < stall_abort_s < math.inf):
+        raise ValueError(f"stall_abort_s={stall_abort_s!r} must be None or a positive number "
+                         f"of seconds")
     if not has_communicator():
         get_communicator(backend, device=device, share_gpu=share_gpu)
     comm = current_communicator()
+    comm.stall_abort_s = None if stall_abort_s is None else float(stall_abort_s)
     if comm.world_size > 1:
         watchdog_for(comm)  # made by every rank together: the collectives below are watched
     if torch_process_group:
@@ -92,7 +96,7 @@ def _watched(comm: Communicator, label: str):
     if comm.world_size == 1:
         yield
         return
-    opts = SyncOptions.resolve()
+    opts = SyncOptions.resolve(default_abort_s=comm.stall_abort_s)
     wd = watchdog_for(comm)
     wd.register_timeout(opts.stall_timeout_s)
     with wd.waiting(wd.entered(label), label, opts.stall_timeout_s, None, opts.stall_abort_s):

@@ -238,10 +238,7 @@ def _train(args: argparse.Namespace, comm, cfg, early) -> int:
 def run(args: argparse.Namespace) -> int:
     """``hpclb train``: the exit status (0, 2 bad input, 3 diverged, 75 preempted, 1 failed);
     ``--dry-run``: 0 after printing the plan, 2 for bad input."""
-    from hpclb.sync.options import TRAIN_STALL_ABORT_S, set_default_stall_abort_s
-
     early = install_early_signals(["train"], fresh=False)  # main() did it; for direct calls
-    set_default_stall_abort_s(TRAIN_STALL_ABORT_S)  # a hung job ends (HPCLB_STALL_ABORT_S=never)
     comm = start_comm(args.backend, _recipe_device(args), args.share_gpu)
     if comm is None:
         return EXIT_USAGE

@@ -88,6 +88,9 @@ class Communicator(ABC):
     local_rank: int
     local_size: int
     device: torch.device = torch.device("cpu")
+    #: seconds a collective may wait before the job ends when neither an argument nor
+    #: ``$HPCLB_STALL_ABORT_S`` says (None: never); :func:`hpclb.init` sets it
+    stall_abort_s: float | None = None
     async_progress: bool = False
     thread_safe: bool = True
 

@@ -10,7 +10,9 @@ message (:func:`check_setting`, for the recipe and the flag alike), the value a 
 docs/cli.md (:func:`settings_table`, compared with the page by ``tests/test_docs.py``).
 
 Adding a setting is one :func:`setting` field here plus the code that reads
-``cfg.<name>``. Torch-free: ``hpclb train --help`` builds its flags from here.
+``cfg.<name>``. The gradient-sync settings (the recipe's ``sync:``) are declared, parsed and
+checked with the library's, in :mod:`hpclb.sync.options`; their flags and table are made here.
+Torch-free: ``hpclb train --help`` builds its flags from here.
 """
 from __future__ import annotations
 
@@ -20,14 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, NamedTuple
 
 from hpclb.errors import ConfigError, RecipeWarning
-from hpclb.sync.options import (
-    BYTES_FORMS,
-    DEFAULT_FUSION_THRESHOLD_BYTES,
-    DEFAULT_STALL_TIMEOUT_S,
-    OVERLAP_MODES,
-    TRAIN_STALL_ABORT_S,
-    parse_bytes,
-)
+from hpclb.sync.options import SYNC_SETTINGS, SyncSetting, parse_sync, resolve_sync
 
 __all__ = ["DEVICES", "PRECISIONS", "SETTINGS", "SYNC_SETTINGS", "RunSettings", "Setting",
            "SyncSetting", "add_setting_flags", "check_setting", "check_sync_section",
@@ -175,83 +170,6 @@ def settings_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-class SyncSetting(NamedTuple):
-    """One declared gradient-sync setting of ``hpclb train`` (the recipe's ``sync:`` section):
-    ``default``; ``shown`` (the default as written); ``flag``; ``env`` (the ``HPCLB_*``
-    variable that overrides the recipe); ``parse(value)`` -> the value used (accepts the
-    recipe's value or a flag's/variable's text; ValueError otherwise); ``valid`` (with its
-    unit); ``help``; ``metavar``."""
-
-    default: Any
-    shown: str
-    flag: str
-    env: str
-    parse: Callable[[Any], Any]
-    valid: str
-    help: str
-    metavar: str
-
-
-def _bytes(value: Any) -> int:
-    n = parse_bytes(value) if isinstance(value, str) else value
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n <= 0:
-        raise ValueError
-    return int(n)
-
-
-def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        if value not in choices:
-            raise ValueError
-        return value
-    return parse
-
-
-def _seconds(value: Any, never: bool = False) -> float | None:
-    """A number of seconds > 0 (from a number or its text); with ``never``: also ``never``
-    (-> None: wait forever)."""
-    if never and isinstance(value, str) and value.strip().lower() == "never":
-        return None
-    try:
-        seconds = float(value) if not isinstance(value, bool) else float("nan")
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if not (seconds > 0 and seconds != float("inf")):
-        raise ValueError
-    return seconds
-
-
-#: the gradient-sync settings of ``hpclb train`` (see :class:`hpclb.sync.gradients.GradientSync`
-#: for what each does): recipe ``sync.<name>`` < ``$HPCLB_*`` < flag (:func:`resolve_sync`)
-SYNC_SETTINGS: dict[str, SyncSetting] = {
-    "fusion_threshold_bytes": SyncSetting(
-        DEFAULT_FUSION_THRESHOLD_BYTES, "25MiB", "--fusion-threshold",
-        "HPCLB_FUSION_THRESHOLD_BYTES", _bytes, f"a size > 0: {BYTES_FORMS}",
-        "gradient bucket size: gradients are fused into buckets of about this many bytes, "
-        "each allreduced as soon as it is complete", "BYTES"),
-    "overlap": SyncSetting(
-        "auto", "auto", "--overlap", "HPCLB_OVERLAP", _choice(OVERLAP_MODES),
-        f"one of {', '.join(OVERLAP_MODES)} (how bucket allreduces overlap backward; auto: "
-        f"thread for MPI, nonblocking for NCCL/gloo)",
-        "how bucket allreduces overlap the backward pass", "MODE"),
-    "compression": SyncSetting(
-        "none", "none", "--compression", "HPCLB_COMPRESSION", _choice(("none", "fp16", "bf16")),
-        "one of none, fp16, bf16 (the dtype buckets travel in; each share is divided by "
-        "world_size x K before the cast)",
-        "gradient compression on the wire (changes the numbers: recorded in config.json)",
-        "DTYPE"),
-    "stall_timeout_s": SyncSetting(
-        DEFAULT_STALL_TIMEOUT_S, f"{DEFAULT_STALL_TIMEOUT_S:g}", "--stall-timeout",
-        "HPCLB_STALL_TIMEOUT_S", _seconds, "a number of seconds > 0 (e.g. 60)",
-        "report a collective that waited this long, naming the late ranks", "SECONDS"),
-    "stall_abort_s": SyncSetting(
-        TRAIN_STALL_ABORT_S, f"{TRAIN_STALL_ABORT_S:g}", "--stall-abort", "HPCLB_STALL_ABORT_S",
-        lambda v: _seconds(v, never=True),
-        "a number of seconds >= the stall timeout, or never (wait forever)",
-        "end every rank, with the diagnosis, after a collective waited this long", "SECONDS"),
-}
-
-
 def check_sync_section(section: Any, where: str) -> None:
     """The recipe's ``sync:`` section: a mapping of :data:`SYNC_SETTINGS` names to valid
     values; ConfigError naming the field and what is valid."""
@@ -262,43 +180,7 @@ def check_sync_section(section: Any, where: str) -> None:
         if name not in SYNC_SETTINGS:
             raise ConfigError(f"{where}: sync.{name}: not a gradient-sync setting; they are "
                               f"{', '.join(SYNC_SETTINGS)}")
-        _parsed(name, value, f"{where}: sync.{name}")
-
-
-def _parsed(name: str, value: Any, source: str) -> Any:
-    try:
-        return SYNC_SETTINGS[name].parse(value)
-    except ValueError:
-        raise ConfigError(f"{source}: must be {SYNC_SETTINGS[name].valid}, got "
-                          f"{value!r}") from None
-
-
-def resolve_sync(section: dict | None, given: dict[str, Any], environ: dict[str, str],
-                 where: str) -> dict[str, Any]:
-    """The gradient-sync settings a run uses, each from the first that sets it: the flag
-    (``given[name]``, None when not given), the ``HPCLB_*`` variable in ``environ``, the
-    recipe's ``sync:`` ``section`` (recipe ``where``), the declared default. ``stall_abort_s``
-    None: never. Raises ConfigError naming the source of a bad value, and both sources when
-    the abort time is below the stall timeout."""
-    values, sources = {}, {}
-    for name, s in SYNC_SETTINGS.items():
-        if given.get(name) is not None:
-            raw, source = given[name], s.flag
-        elif environ.get(s.env, "") != "":
-            raw, source = environ[s.env], f"${s.env}"
-        elif name in (section or {}):
-            raw, source = section[name], f"{where}: sync.{name}"
-        else:
-            values[name], sources[name] = s.default, f"the default of {s.flag}"
-            continue
-        values[name], sources[name] = _parsed(name, raw, source), source
-    abort, timeout = values["stall_abort_s"], values["stall_timeout_s"]
-    if abort is not None and abort < timeout:
-        raise ConfigError(f"{sources['stall_abort_s']} {abort:g} is below "
-                          f"{sources['stall_timeout_s']} {timeout:g} seconds: a stalled "
-                          f"collective is reported after the timeout, the job ended after the "
-                          f"abort time; raise the abort time (or never) or lower the timeout")
-    return values
+        parse_sync(name, value, f"{where}: sync.{name}")
 
 
 def sync_settings_table() -> str:

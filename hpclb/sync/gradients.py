@@ -136,7 +136,7 @@ class GradientSync(WindowMixin):
                           SyncOptions.resolve(
             fusion_threshold_bytes=fusion_threshold_bytes, first_bucket_bytes=first_bucket_bytes,
             overlap=overlap, compression=compression, stall_timeout_s=stall_timeout_s,
-            stall_abort_s=stall_abort_s))
+            stall_abort_s=stall_abort_s, default_abort_s=comm.stall_abort_s))
         self.on_stall = on_stall
         self.track_local_norm = bool(track_local_norm)
         self.track_used = bool(track_used)

@@ -1,24 +1,31 @@
-"""The settings of :class:`hpclb.sync.gradients.GradientSync`, read from arguments and the
-environment in one place and validated with their units.
+"""The settings of :class:`hpclb.sync.gradients.GradientSync`, declared once
+(:data:`SYNC_SETTINGS`) and parsed and validated with their units in one place
+(:func:`resolve_sync`), for the library and ``hpclb train`` alike.
 
-Every setting may come from an argument or from an ``HPCLB_*`` environment variable (the argument
-wins); :meth:`SyncOptions.resolve` returns them checked. Units are in the names: bytes and seconds.
+Every setting may come from an argument (a flag), an ``HPCLB_*`` environment variable or the
+recipe's ``sync:`` section, in that order; :meth:`SyncOptions.resolve` returns them checked.
+Units are in the names: bytes and seconds. Torch-free: ``hpclb train --help`` builds its flags
+from here.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from hpclb.errors import ConfigError
 
 __all__ = [
     "AGREED_ENVIRONMENT", "SYNC_VARIABLES", "BYTES_FORMS", "COMPRESSIONS",
     "DEFAULT_COMM_POLL_S", "DEFAULT_FIRST_BUCKET_BYTES",
     "DEFAULT_FUSION_THRESHOLD_BYTES", "DEFAULT_STALL_TIMEOUT_S", "OVERLAP_MODES",
-    "LIBRARY_STALL_ABORT_S", "TRAIN_STALL_ABORT_S", "SMALL_FUSION_BYTES", "MiB", "SyncOptions",
-    "check_environment", "in_force", "parse_bytes", "set_default_stall_abort_s"]
+    "LIBRARY_STALL_ABORT_S", "TRAIN_STALL_ABORT_S", "SMALL_FUSION_BYTES", "SYNC_SETTINGS",
+    "MiB", "SyncOptions", "SyncSetting", "check_environment", "in_force", "parse_bytes",
+    "parse_sync", "resolve_sync"]
 
 MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
@@ -31,11 +38,10 @@ LIBRARY_STALL_ABORT_S = 300.0
 # hpclb train's default: a stalled job ends with the diagnosis after 10 minutes (NCCL's default
 # collective timeout under torchrun); HPCLB_STALL_ABORT_S=never waits forever.
 TRAIN_STALL_ABORT_S = 600.0
-_default_stall_abort_s: list[float | None] = [None]  # set by hpclb.init (library mode)
 OVERLAP_MODES = ("auto", "thread", "nonblocking", "none")
 # names of torch dtypes (torch is imported only when a dtype is asked for: this module is torch-free
 # so that config can check the environment at start-up)
-COMPRESSIONS = {None: None, "none": None, "fp16": "float16", "bf16": "bfloat16"}
+COMPRESSIONS = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
 # Below this a fusion threshold is almost surely a unit mistake (Horovod's CLI takes MB, its env
 # var bytes): it makes about one bucket per tensor.
 SMALL_FUSION_BYTES = 1024
@@ -68,35 +74,17 @@ def _env(name: str, default, conv):
         raise ValueError(f"${name}={raw!r}: {e}") from e
 
 
-def _seconds(raw: str) -> float:
+def _number(value: Any) -> float:
+    """A finite number, from a number or its text (not a bool); nan otherwise."""
     try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise ValueError("must be a finite number of seconds (e.g. 60)")
-    return value
+        n = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        n = math.nan
+    return n if math.isfinite(n) else math.nan
 
 
-def _positive_seconds(raw: str) -> float:
-    value = _seconds(raw)
-    if not value > 0:
-        raise ValueError("must be a number of seconds > 0 (e.g. 60)")
-    return value
-
-
-def _abort_seconds(raw: str) -> float:
-    """``HPCLB_STALL_ABORT_S``: seconds > 0, or ``never`` (infinity: the job is never ended)."""
-    if raw.strip().lower() == "never":
-        return math.inf
-    try:
-        return _positive_seconds(raw)
-    except ValueError:
-        raise ValueError("must be a number of seconds > 0 (e.g. 600) or never") from None
-
-
-def _nonnegative_seconds(raw: str) -> float:
-    value = _seconds(raw)
+def _poll_seconds(raw: str) -> float:
+    value = _number(raw)
     if not value >= 0:
         raise ValueError("must be a number of seconds >= 0 (e.g. 0.0002)")
     return value
@@ -110,9 +98,134 @@ def _choice(valid: tuple[str, ...]):
     return conv
 
 
-_OVERLAP_ENV = _choice(OVERLAP_MODES)
+def _bytes(value: Any) -> int:
+    n = parse_bytes(value) if isinstance(value, str) else value
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n <= 0:
+        raise ValueError
+    return int(n)
+
+
+def _seconds(value: Any, never: bool = False) -> float | None:
+    """A number of seconds > 0 (from a number or its text); with ``never``: also ``never`` or
+    infinity (-> None: wait forever)."""
+    if never and (value == math.inf or str(value).strip().lower() == "never"):
+        return None
+    seconds = _number(value)
+    if not seconds > 0:
+        raise ValueError
+    return seconds
+
+
 _BOOL_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
-_COMPRESSION_ENV = _choice(("none", "fp16", "bf16"))
+
+
+class SyncSetting(NamedTuple):
+    """One declared gradient-sync setting (a :class:`SyncOptions` field, the recipe's ``sync:``
+    section of ``hpclb train``): ``default``; ``shown`` (the default as written); ``flag``;
+    ``env`` (the ``HPCLB_*`` variable); ``parse(value)`` -> the value used (accepts an
+    argument's, the recipe's, a flag's or a variable's value; ValueError otherwise); ``valid``
+    (with its unit); ``help``; ``metavar``."""
+
+    default: Any
+    shown: str
+    flag: str
+    env: str
+    parse: Callable[[Any], Any]
+    valid: str
+    help: str
+    metavar: str
+
+
+#: the gradient-sync settings (see :class:`hpclb.sync.gradients.GradientSync` for what each
+#: does), parsed and checked by :func:`resolve_sync` alone: argument or flag < ``$HPCLB_*`` <
+#: recipe ``sync.<name>`` < default
+SYNC_SETTINGS: dict[str, SyncSetting] = {
+    "fusion_threshold_bytes": SyncSetting(
+        DEFAULT_FUSION_THRESHOLD_BYTES, "25MiB", "--fusion-threshold",
+        "HPCLB_FUSION_THRESHOLD_BYTES", _bytes, f"a size > 0: {BYTES_FORMS}",
+        "gradient bucket size: gradients are fused into buckets of about this many bytes, "
+        "each allreduced as soon as it is complete", "BYTES"),
+    "overlap": SyncSetting(
+        "auto", "auto", "--overlap", "HPCLB_OVERLAP", _choice(OVERLAP_MODES),
+        f"one of {', '.join(OVERLAP_MODES)} (how bucket allreduces overlap backward; auto: "
+        f"thread for MPI, nonblocking for NCCL/gloo)",
+        "how bucket allreduces overlap the backward pass", "MODE"),
+    "compression": SyncSetting(
+        "none", "none", "--compression", "HPCLB_COMPRESSION", _choice(("none", "fp16", "bf16")),
+        "one of none, fp16, bf16 (the dtype buckets travel in; each share is divided by "
+        "world_size x K before the cast)",
+        "gradient compression on the wire (changes the numbers: recorded in config.json)",
+        "DTYPE"),
+    "stall_timeout_s": SyncSetting(
+        DEFAULT_STALL_TIMEOUT_S, f"{DEFAULT_STALL_TIMEOUT_S:g}", "--stall-timeout",
+        "HPCLB_STALL_TIMEOUT_S", _seconds, "a number of seconds > 0 (e.g. 60)",
+        "report a collective that waited this long, naming the late ranks", "SECONDS"),
+    "stall_abort_s": SyncSetting(
+        TRAIN_STALL_ABORT_S, f"{TRAIN_STALL_ABORT_S:g}", "--stall-abort", "HPCLB_STALL_ABORT_S",
+        lambda v: _seconds(v, never=True),
+        "a number of seconds >= the stall timeout, or never (wait forever)",
+        "end every rank, with the diagnosis, after a collective waited this long", "SECONDS"),
+}
+
+
+def parse_sync(name: str, value: Any, source: str) -> Any:
+    """``value`` of gradient-sync setting ``name`` parsed; ConfigError (a ValueError)
+    ``"<source>: must be <valid>, got <value>"``."""
+    try:
+        return SYNC_SETTINGS[name].parse(value)
+    except ValueError:
+        raise ConfigError(f"{source}: must be {SYNC_SETTINGS[name].valid}, got "
+                          f"{value!r}") from None
+
+
+def resolve_sync(section: dict | None, given: dict[str, Any], environ: Mapping[str, str],
+                 where: str = "", *, flags: bool = True,
+                 default_abort_s: float | None = TRAIN_STALL_ABORT_S) -> dict[str, Any]:
+    """The gradient-sync settings in force, each from the first that sets it: ``given[name]``
+    (the flag, ``flags``, or the argument; None: not given), the ``HPCLB_*`` variable in
+    ``environ``, the recipe's ``sync:`` ``section`` (recipe ``where``), the default
+    (``stall_abort_s``: ``default_abort_s``, raised to the stall timeout). ``stall_abort_s``
+    None: never. Raises ConfigError (a ValueError) naming the source of a bad value, and both
+    sources when the abort time is below the stall timeout."""
+    values, sources = {}, {}
+    for name, s in SYNC_SETTINGS.items():
+        if given.get(name) is not None:
+            raw, source = given[name], s.flag if flags else name
+        elif environ.get(s.env, "") != "":
+            raw, source = environ[s.env], f"${s.env}"
+        elif name in (section or {}):
+            raw, source = section[name], f"{where}: sync.{name}"
+        else:
+            values[name] = default_abort_s if name == "stall_abort_s" else s.default
+            sources[name] = None
+            continue
+        values[name], sources[name] = parse_sync(name, raw, source), source
+    abort, timeout = values["stall_abort_s"], values["stall_timeout_s"]
+    if abort is not None and abort < timeout:
+        if sources["stall_abort_s"] is None:  # a default ends the job after the report
+            return {**values, "stall_abort_s": timeout}
+        shown = sources["stall_timeout_s"] or (
+            "the default of --stall-timeout" if flags else "the default stall_timeout_s")
+        raise ConfigError(f"{sources['stall_abort_s']} {abort:g} is below {shown} {timeout:g} "
+                          f"seconds: a stalled collective is reported after the timeout, the "
+                          f"job ended after the abort time (abort after the report); raise the "
+                          f"abort time to {timeout:g} or more (or never), or lower the timeout")
+    return values
+
+
+def check_environment() -> None:
+    """Check every ``HPCLB_*`` gradient-sync variable that is set (:func:`resolve_sync`: also
+    ``HPCLB_STALL_ABORT_S`` against ``HPCLB_STALL_TIMEOUT_S`` or its default) and
+    ``HPCLB_COMM_POLL_S``, ``HPCLB_CUDA_AWARE_MPI``, ``HPCLB_TRUST_BACKEND``,
+    ``HPCLB_ABORT_ON_EXCEPTION``, at start-up (before any rank trains): raises ValueError
+    naming the variable(s), the value(s) and the valid values."""
+    resolve_sync(None, {}, os.environ, flags=False, default_abort_s=None)
+    _env("HPCLB_COMM_POLL_S", None, _poll_seconds)
+    # read elsewhere, lazily (on a GPU, in library mode): checked here so that a typo is caught
+    # on any machine, at start-up
+    _env("HPCLB_CUDA_AWARE_MPI", None, _choice(("0", "1")))
+    _env("HPCLB_TRUST_BACKEND", None, _choice(("auto", "torch")))
+    _env("HPCLB_ABORT_ON_EXCEPTION", None, lambda raw: _choice(_BOOL_WORDS)(raw.strip().lower()))
 
 
 #: the ``HPCLB_*`` variables every rank must set alike, each ``(value when unset, parser)``: the
@@ -131,10 +244,8 @@ AGREED_ENVIRONMENT = {
     "HPCLB_TRUST_BACKEND": ("auto", str),
 }
 #: the :class:`SyncOptions` field each ``HPCLB_*`` variable sets (an argument wins over it)
-SYNC_VARIABLES = {"fusion_threshold_bytes": "HPCLB_FUSION_THRESHOLD_BYTES",
-                  "overlap": "HPCLB_OVERLAP", "compression": "HPCLB_COMPRESSION",
-                  "stall_timeout_s": "HPCLB_STALL_TIMEOUT_S",
-                  "stall_abort_s": "HPCLB_STALL_ABORT_S", "comm_poll_s": "HPCLB_COMM_POLL_S"}
+SYNC_VARIABLES = {**{name: s.env for name, s in SYNC_SETTINGS.items()},
+                  "comm_poll_s": "HPCLB_COMM_POLL_S"}
 
 
 def in_force(name: str):
@@ -150,34 +261,6 @@ def in_force(name: str):
         return raw
 
 
-def check_environment() -> None:
-    """Check every ``HPCLB_*`` gradient-sync variable that is set (and ``HPCLB_CUDA_AWARE_MPI``,
-    ``HPCLB_TRUST_BACKEND``, ``HPCLB_ABORT_ON_EXCEPTION``), and ``HPCLB_STALL_ABORT_S`` against
-    ``HPCLB_STALL_TIMEOUT_S`` (or its default), at start-up (before any rank trains): raises
-    ValueError naming the variable(s), the value(s) and the valid values."""
-    _env("HPCLB_FUSION_THRESHOLD_BYTES", None,
-         lambda raw: _as_bytes("a fusion threshold", parse_bytes(raw)))
-    _env("HPCLB_OVERLAP", None, _OVERLAP_ENV)
-    _env("HPCLB_COMPRESSION", None, _COMPRESSION_ENV)
-    timeout = _env("HPCLB_STALL_TIMEOUT_S", None, _positive_seconds)
-    abort = _env("HPCLB_STALL_ABORT_S", None, _abort_seconds)
-    _env("HPCLB_COMM_POLL_S", None, _nonnegative_seconds)
-    # read elsewhere, lazily (on a GPU, in library mode): checked here so that a typo is caught
-    # on any machine, at start-up
-    _env("HPCLB_CUDA_AWARE_MPI", None, _choice(("0", "1")))
-    _env("HPCLB_TRUST_BACKEND", None, _choice(("auto", "torch")))
-    _env("HPCLB_ABORT_ON_EXCEPTION", None, lambda raw: _choice(_BOOL_WORDS)(raw.strip().lower()))
-    if abort is not None and abort < (DEFAULT_STALL_TIMEOUT_S if timeout is None else timeout):
-        shown = (f"$HPCLB_STALL_TIMEOUT_S={os.environ['HPCLB_STALL_TIMEOUT_S']!r}"
-                 if timeout is not None else
-                 f"the stall timeout ($HPCLB_STALL_TIMEOUT_S unset: {DEFAULT_STALL_TIMEOUT_S:g})")
-        raise ValueError(
-            f"$HPCLB_STALL_ABORT_S={os.environ['HPCLB_STALL_ABORT_S']!r} is below {shown} "
-            f"seconds: a stalled collective is reported after the timeout and the job ended "
-            f"after the abort time; set HPCLB_STALL_ABORT_S to "
-            f"{timeout or DEFAULT_STALL_TIMEOUT_S:g} or more, or lower HPCLB_STALL_TIMEOUT_S")
-
-
 @dataclass(frozen=True)
 class SyncOptions:
     """Resolved GradientSync settings (see :class:`hpclb.sync.gradients.GradientSync` for meanings).
@@ -188,63 +271,33 @@ class SyncOptions:
     fusion_threshold_bytes: int
     first_bucket_bytes: int
     overlap: str
-    compression: str | None
+    compression: str
     stall_timeout_s: float
     stall_abort_s: float | None
     comm_poll_s: float
 
     @classmethod
     def resolve(cls, *, fusion_threshold_bytes=None, first_bucket_bytes=None, overlap=None,
-                compression=None, stall_timeout_s=None, stall_abort_s=None) -> "SyncOptions":
-        """Arguments, else ``$HPCLB_FUSION_THRESHOLD_BYTES``, ``$HPCLB_OVERLAP``,
-        ``$HPCLB_COMPRESSION``, ``$HPCLB_STALL_TIMEOUT_S``, ``$HPCLB_STALL_ABORT_S``,
-        ``$HPCLB_COMM_POLL_S``, else the defaults (``stall_abort_s``: the default
-        :func:`set_default_stall_abort_s` set, at least ``stall_timeout_s``, else never;
-        ``HPCLB_STALL_ABORT_S=never``: never).
-        Raises ValueError naming the setting and its unit; warns (UserWarning) for a fusion
-        threshold under 1 KiB."""
-        opts = cls(
-            fusion_threshold_bytes=_as_bytes("fusion_threshold_bytes", fusion_threshold_bytes
-                                             if fusion_threshold_bytes is not None else
-                                             _env("HPCLB_FUSION_THRESHOLD_BYTES",
-                                                  DEFAULT_FUSION_THRESHOLD_BYTES, parse_bytes)),
-            first_bucket_bytes=_as_bytes("first_bucket_bytes", first_bucket_bytes
-                                         if first_bucket_bytes is not None
-                                         else DEFAULT_FIRST_BUCKET_BYTES),
-            overlap=overlap or _env("HPCLB_OVERLAP", "auto", _OVERLAP_ENV),
-            compression=compression if compression is not None else
-            _env("HPCLB_COMPRESSION", None, _COMPRESSION_ENV),
-            stall_timeout_s=float(stall_timeout_s if stall_timeout_s is not None else
-                                  _env("HPCLB_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S,
-                                       _positive_seconds)),
-            stall_abort_s=stall_abort_s if stall_abort_s is not None else
-            _env("HPCLB_STALL_ABORT_S", None, _abort_seconds),
-            comm_poll_s=float(_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S,
-                                   _nonnegative_seconds)))
-        if opts.stall_abort_s is None and _default_stall_abort_s[0] is not None:
-            opts = dataclasses.replace(opts, stall_abort_s=max(_default_stall_abort_s[0],
-                                                               opts.stall_timeout_s))
-        if opts.stall_abort_s == math.inf:  # HPCLB_STALL_ABORT_S=never
-            opts = dataclasses.replace(opts, stall_abort_s=None)
-        opts._check()
-        return opts
-
-    def _check(self) -> None:
-        if self.fusion_threshold_bytes < SMALL_FUSION_BYTES:
-            warnings.warn(f"fusion_threshold_bytes={self.fusion_threshold_bytes} bytes makes about "
+                compression=None, stall_timeout_s=None, stall_abort_s=None,
+                default_abort_s: float | None = None) -> "SyncOptions":
+        """Arguments, else ``$HPCLB_*`` (:data:`SYNC_VARIABLES`), else the defaults
+        (``stall_abort_s``: ``default_abort_s``, at least ``stall_timeout_s``; None: never;
+        ``never`` or infinity: never), by :func:`resolve_sync`. Raises ValueError naming the
+        setting and its unit; warns (UserWarning) for a fusion threshold under 1 KiB."""
+        given = {"fusion_threshold_bytes": fusion_threshold_bytes, "overlap": overlap,
+                 "compression": compression, "stall_timeout_s": stall_timeout_s,
+                 "stall_abort_s": stall_abort_s}
+        opts = cls(**resolve_sync(None, given, os.environ, flags=False,
+                                  default_abort_s=default_abort_s),
+                   first_bucket_bytes=DEFAULT_FIRST_BUCKET_BYTES if first_bucket_bytes is None
+                   else parse_sync("fusion_threshold_bytes", first_bucket_bytes,
+                                   "first_bucket_bytes"),
+                   comm_poll_s=_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, _poll_seconds))
+        if opts.fusion_threshold_bytes < SMALL_FUSION_BYTES:
+            warnings.warn(f"fusion_threshold_bytes={opts.fusion_threshold_bytes} bytes makes about "
                           f"one bucket per tensor; the unit is bytes (64 MiB is 67108864 or "
-                          f"'64MiB' in $HPCLB_FUSION_THRESHOLD_BYTES)", UserWarning, stacklevel=4)
-        if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"overlap={self.overlap!r}: choose one of {OVERLAP_MODES}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression={self.compression!r}: choose None, 'fp16' or 'bf16'")
-        if not self.stall_timeout_s > 0:
-            raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be > 0 seconds")
-        if self.stall_abort_s is not None and not self.stall_abort_s >= self.stall_timeout_s:
-            raise ValueError(f"stall_abort_s={self.stall_abort_s} (argument or "
-                             f"$HPCLB_STALL_ABORT_S) must be >= stall_timeout_s="
-                             f"{self.stall_timeout_s} (argument or $HPCLB_STALL_TIMEOUT_S) "
-                             f"seconds (abort after the report)")
+                          f"'64MiB' in $HPCLB_FUSION_THRESHOLD_BYTES)", UserWarning, stacklevel=3)
+        return opts
 
     @property
     def compression_dtype(self):
@@ -268,23 +321,3 @@ class SyncOptions:
             mode = "nonblocking"
         return mode
 
-
-def set_default_stall_abort_s(seconds: float | None) -> None:
-    """The ``stall_abort_s`` of every later GradientSync whose argument and
-    ``$HPCLB_STALL_ABORT_S`` are unset: end the job after a collective waited this many seconds
-    (None: wait forever). :func:`hpclb.init` sets :data:`LIBRARY_STALL_ABORT_S`. Raises
-    ValueError unless None or a positive finite number of seconds."""
-    if seconds is not None and not (isinstance(seconds, (int, float)) and
-                                    math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"stall_abort_s={seconds!r} must be None or a positive number of "
-                         f"seconds")
-    _default_stall_abort_s[0] = None if seconds is None else float(seconds)
-
-
-def _as_bytes(field: str, value) -> int:
-    if isinstance(value, str):
-        value = parse_bytes(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
-            or value <= 0:
-        raise ValueError(f"{field}={value!r} must be a positive number of bytes ({BYTES_FORMS})")
-    return int(value)

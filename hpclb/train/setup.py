@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,11 +148,10 @@ def forward_context(precision: str, device: torch.device, model: nn.Module):
 
 def _sync_options(sync: dict) -> dict:
     """``cfg.sync`` (resolved once, with ``$HPCLB_*`` applied) as GradientSync's arguments:
-    ``stall_abort_s`` None (never) is infinity there (None would mean "the default")."""
+    ``stall_abort_s`` None (never) is ``"never"`` there (None would mean "the default")."""
     if not sync:
         return {}
-    return {**sync, "stall_abort_s": math.inf if sync["stall_abort_s"] is None
-            else sync["stall_abort_s"]}
+    return {**sync, "stall_abort_s": sync["stall_abort_s"] or "never"}
 
 
 def build_optimizer(name: str, model: nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:
@@ -309,7 +307,6 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, start: Decisi
     inner = build_optimizer(cfg.optimizer, model, cfg.optimizer_params)
     optimizer = DistributedOptimizer(inner, model, comm=comm,
                                      accumulation_steps=cfg.accumulation_steps,
-                                     step_after="full_window",  # train_step: K counted
                                      grad_clip_norm=cfg.spec.grad_clip_norm,
                                      max_nonfinite_steps=cfg.max_nonfinite_steps, scaler=scaler,
                                      track_local_norm=cfg.noise_scale and comm.world_size > 1,

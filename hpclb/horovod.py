@@ -183,6 +183,18 @@ def mpi_threads_supported() -> bool:
 
 # -- the optimizer --------------------------------------------------------------------------------
 
+class _HorovodOptimizer(_DistributedOptimizer):
+    """Horovod's loop over GradientSync's one accumulation contract: every ``synchronize()`` /
+    ``step()`` ends the window, a short one (fewer passes than ``backward_passes_per_step``)
+    reduced there with the passes given (:meth:`~hpclb.sync.gradients.GradientSync.end_window`:
+    summed, then divided by the fixed divisor, as Horovod does)."""
+
+    def synchronize(self) -> bool:
+        if self.sync.window.reported is None:  # else super() refuses a second call
+            self.sync.end_window()
+        return super().synchronize()
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: _Compressor | None = None,
                          backward_passes_per_step: int = 1, op: _Op = Average,
@@ -221,12 +233,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         # Horovod's order is to wrap the optimizer, then hvd.broadcast_parameters: replicas
         # that differ here are made rank 0's now, without a warning the next line makes moot
         warnings.simplefilter("ignore", ReplicasDiffer)
-        return _DistributedOptimizer(optimizer, list(named_parameters), comm=comm,
-                                     accumulation_steps=backward_passes_per_step,
-                                     compression=None if compression is None else
-                                     compression.hpclb_name or "none",
-                                     divisor=comm.world_size if op is Average else 1,
-                                     step_after="window")
+        return _HorovodOptimizer(optimizer, list(named_parameters), comm=comm,
+                                 accumulation_steps=backward_passes_per_step,
+                                 compression=None if compression is None else
+                                 compression.hpclb_name or "none",
+                                 divisor=comm.world_size if op is Average else 1)
 
 
 def broadcast_parameters(params, root_rank: int = 0) -> None:

@@ -5,7 +5,9 @@ update from the micro-batches given, as Horovod's is, compared update by update 
 one-process torch loop. Before: that ``step()`` returned False, every later ``zero_grad()`` was
 a no-op, every update applied the running sum of all gradients since, and at 2 ranks each rank
 added its own un-reduced micro-batch, so the replicas drifted apart. Backward passes and
-``step()`` calls that disagree are refused, never absorbed."""
+``step()`` calls that disagree are refused, never absorbed. Short windows are Horovod's loop
+(:mod:`hpclb.horovod`); ``hpclb.DistributedOptimizer`` takes K passes per ``step()`` (or a
+``step()`` after every backward) and refuses a short window, naming it."""
 from __future__ import annotations
 
 import pytest
@@ -47,15 +49,14 @@ def _sgd(model):
 
 
 def _make(api: str, comm, model, k: int, **kw):
-    """The DistributedOptimizer of ``api``: ``hpclb`` (``hpclb-nonblocking``: that overlap
-    mode) with ``accumulation_steps=k``, or hpclb.horovod's with ``backward_passes_per_step``."""
-    if api == "horovod":
+    """The DistributedOptimizer of ``api``: ``hpclb`` with ``accumulation_steps=k``, or
+    hpclb.horovod's with ``backward_passes_per_step`` (``horovod-nonblocking``: that overlap
+    mode, from ``$HPCLB_OVERLAP``, which the caller sets)."""
+    if api.startswith("horovod"):
         hvd.init()
         return hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
                                         backward_passes_per_step=k)
-    overlap = "nonblocking" if api == "hpclb-nonblocking" else None
-    return hpclb.DistributedOptimizer(_sgd(model), model, comm=comm, accumulation_steps=k,
-                                      overlap=overlap, **kw)
+    return hpclb.DistributedOptimizer(_sgd(model), model, comm=comm, accumulation_steps=k, **kw)
 
 
 def _reference_step(ref, ref_opt, parts) -> None:
@@ -78,14 +79,15 @@ def _check_update(comm, model, ref, stepped, what: str) -> None:
                f"max |w - w_reference| = {err:.3g}")
 
 
-@pytest.mark.parametrize("api", ["hpclb", "hpclb-nonblocking", "horovod"])
+@pytest.mark.parametrize("api", ["horovod", "horovod-nonblocking"])
 @pytest.mark.parametrize("k", [2, 3])
-def test_a_short_window_is_one_update_from_the_micro_batches_given(comm, api, k):
+def test_a_short_window_is_one_update_from_the_micro_batches_given(comm, api, k, monkeypatch):
     """Windows of 2,2,1,2 (K=2) and 2,3,1,3 (K=3, the first one short) micro-batches, step()
-    after each: every update is the mean over the micro-batches given (hpclb's convention:
-    each micro-batch loss a mean, the window's gradients averaged over its micro-batches and
-    the ranks; Horovod's: the passes summed, each loss scaled by 1/passes by the script as
-    Horovod's ImageNet example does, averaged over ranks: the same number)."""
+    after each: every update is the mean over the micro-batches given (Horovod's: the passes
+    summed, each loss scaled by 1/passes by the script as Horovod's ImageNet example does,
+    averaged over ranks)."""
+    if api == "horovod-nonblocking":
+        monkeypatch.setenv("HPCLB_OVERLAP", "nonblocking")
     w, r = comm.world_size, comm.rank
     model, ref = _model(), _model()
     opt, ref_opt = _make(api, comm, model, k), _sgd(ref)
@@ -95,7 +97,7 @@ def test_a_short_window_is_one_update_from_the_micro_batches_given(comm, api, k)
             for m in range(c):
                 x, y = _micro_batch(u, m, w)
                 loss = _loss(model, x[r::w], y[r::w])
-                (loss / c if api == "horovod" else loss).backward()
+                (loss / c).backward()
             stepped = opt.step()
             _reference_step(ref, ref_opt, [(*_micro_batch(u, m, w), 1 / c) for m in range(c)])
             _check_update(comm, model, ref, stepped, f"update {u} (a window of {c} of {k})")
@@ -104,12 +106,11 @@ def test_a_short_window_is_one_update_from_the_micro_batches_given(comm, api, k)
     assert_all(comm, opt.steps == len(WINDOWS[k]), f"{opt.steps} optimizer steps")
 
 
-@pytest.mark.parametrize("api", ["hpclb", "horovod"])
-def test_ranks_that_give_different_numbers_of_micro_batches_in_a_short_window(comm, api):
+def test_ranks_that_give_different_numbers_of_micro_batches_in_a_short_window(comm):
     """K=2; in the second window rank 0 gives one micro-batch and the others two (at 1
-    process: a short window of one). hpclb's mean is over every micro-batch given on any rank;
-    Horovod's is the ranks' mean of each rank's own (the script scales by its own passes)."""
-    k, w, r = 2, comm.world_size, comm.rank
+    process: a short window of one). Horovod's is the ranks' mean of each rank's own (the
+    script scales by its own passes)."""
+    api, k, w, r = "horovod", 2, comm.world_size, comm.rank
     given = [[k] * w, [1] + [k] * (w - 1), [k] * w]  # window -> micro-batches given per rank
     model, ref = _model(), _model()
     opt, ref_opt = _make(api, comm, model, k), _sgd(ref)
@@ -119,14 +120,13 @@ def test_ranks_that_give_different_numbers_of_micro_batches_in_a_short_window(co
             for m in range(counts[r]):
                 x, y = _micro_batch(u, m, w)
                 loss = _loss(model, x[r::w], y[r::w])
-                (loss / counts[r] if api == "horovod" else loss).backward()
+                (loss / counts[r]).backward()
             stepped = opt.step()
             parts = []
             for q in range(w):
                 for m in range(counts[q]):
                     x, y = _micro_batch(u, m, w)
-                    weight = 1 / (w * counts[q]) if api == "horovod" else 1 / sum(counts)
-                    parts.append((x[q::w], y[q::w], weight))
+                    parts.append((x[q::w], y[q::w], 1 / (w * counts[q])))
             _reference_step(ref, ref_opt, parts)
             _check_update(comm, model, ref, stepped, f"update {u} ({counts} micro-batches)")
     finally:
@@ -152,72 +152,50 @@ def test_more_backward_passes_than_the_window_before_step_is_refused(comm, api):
     assert_all(comm, "step()" in str(e.value), str(e.value))
 
 
-def test_hpclbs_loop_takes_one_backward_per_step(comm):
-    """hpclb's loop (step() after every backward, recognised at the first step()): a second
-    backward before step() would make the passes and the step() calls disagree; refused,
-    naming step_after='window' for Horovod's loop. Before: counted as another micro-batch."""
+def test_hpclbs_optimizer_refuses_a_short_window_naming_horovods(comm):
+    """hpclb.DistributedOptimizer takes K backward passes per step(), or a step() after every
+    backward: a step() after 2 of K=3 passes (a short window, hpclb.horovod's loop) is
+    refused, naming the fix, never absorbed; a window of one pass is the per-backward loop's
+    first micro-batch, and a third pass after the window's K before step() is refused."""
+    w, r = comm.world_size, comm.rank
     model = _model()
     opt = _make("hpclb", comm, model, 3)
-    x, y = _micro_batch(0, 0, comm.world_size)
     try:
         opt.zero_grad()
-        _loss(model, x, y).backward()
-        assert opt.step() is False  # the window's first micro-batch
-        _loss(model, x, y).backward()
-        with pytest.raises(RuntimeError, match="step_after='window'"):
-            _loss(model, x, y).backward()
+        for m in range(2):
+            _loss(model, *(t[r::w] for t in _micro_batch(0, m, w))).backward()
+        with pytest.raises(RuntimeError, match="hpclb.horovod"):
+            opt.step()
     finally:
         opt.close()
-
-
-def test_horovods_loop_with_a_short_first_window_of_one_says_so(comm):
-    """A first window of one pass reads as hpclb's loop (step() after every backward); the next
-    window's second pass is then refused, naming the fix, never absorbed. With
-    step_after='window' the same loop is three updates, as the reference's."""
-    w, r = comm.world_size, comm.rank
     model = _model()
     opt = _make("hpclb", comm, model, 2)
     try:
         opt.zero_grad()
         _loss(model, *(t[r::w] for t in _micro_batch(0, 0, w))).backward()
-        opt.step()
+        assert opt.step() is False  # the window's first micro-batch
         opt.zero_grad()
-        _loss(model, *(t[r::w] for t in _micro_batch(1, 0, w))).backward()
-        with pytest.raises(RuntimeError, match="step_after='window'"):
+        _loss(model, *(t[r::w] for t in _micro_batch(1, 0, w))).backward()  # its second
+        with pytest.raises(RuntimeError, match="more than 2 backward passes"):
             _loss(model, *(t[r::w] for t in _micro_batch(1, 1, w))).backward()
     finally:
         opt.close()
-    for api in ("hpclb", "horovod"):  # hpclb.horovod's is Horovod's loop from the start
-        model, ref = _model(), _model()
-        kw = {"step_after": "window"} if api == "hpclb" else {}
-        opt, ref_opt = _make(api, comm, model, 2, **kw), _sgd(ref)
-        try:
-            for u, c in enumerate([1, 2, 2]):
-                opt.zero_grad()
-                for m in range(c):
-                    loss = _loss(model, *(t[r::w] for t in _micro_batch(u, m, w)))
-                    (loss / c if api == "horovod" else loss).backward()
-                stepped = opt.step()
-                _reference_step(ref, ref_opt,
-                                [(*_micro_batch(u, m, w), 1 / c) for m in range(c)])
-                _check_update(comm, model, ref, stepped, f"{api}: update {u} (a window of {c})")
-        finally:
-            opt.close()
 
 
-def test_the_recognised_loop_survives_refresh_parameters(comm):
-    """Horovod's loop recognised at the first step() (two passes) stays recognised when
-    refresh_parameters() rebuilds the buckets: the window of one after it is an update."""
+def test_horovods_loop_with_a_short_first_window_of_one_survives_refresh_parameters(comm):
+    """hpclb.horovod's optimizer is Horovod's loop from the start: a first window of one pass
+    is an update, as the reference's; after refresh_parameters() (which rebuilds the buckets)
+    a window of one is still one (the loop is the optimizer's, not the buckets')."""
     w, r = comm.world_size, comm.rank
     model, ref = _model(), _model()
-    opt, ref_opt = _make("hpclb", comm, model, 2), _sgd(ref)
+    opt, ref_opt = _make("horovod", comm, model, 2), _sgd(ref)
     try:
-        for u, c in enumerate([2, 1]):
-            if u:
+        for u, c in enumerate([1, 2, 1]):
+            if u == 2:
                 opt.refresh_parameters()
             opt.zero_grad()
             for m in range(c):
-                _loss(model, *(t[r::w] for t in _micro_batch(u, m, w))).backward()
+                (_loss(model, *(t[r::w] for t in _micro_batch(u, m, w))) / c).backward()
             stepped = opt.step()
             _reference_step(ref, ref_opt, [(*_micro_batch(u, m, w), 1 / c) for m in range(c)])
             _check_update(comm, model, ref, stepped, f"update {u} (a window of {c} of 2)")
@@ -225,13 +203,13 @@ def test_the_recognised_loop_survives_refresh_parameters(comm):
         opt.close()
 
 
-def test_full_window_counts_skips_and_refuses_a_short_window(comm):
-    """step_after='full_window' (hpclb train's loop): every rank counts K micro-batches, an
-    empty share with skip_micro_batch() (here the last rank's second), and each window is the
-    mean over world_size * K as it is; a step() after fewer is refused, naming the fix."""
+def test_skipped_micro_batches_count_in_the_window(comm):
+    """hpclb train's loop: every rank counts K micro-batches, an empty share with
+    skip_micro_batch() (here the last rank's second), and each window is the mean over
+    world_size * K as it is; a step() after one of them is inside the window (False)."""
     k, w, r = 2, comm.world_size, comm.rank
     model, ref = _model(), _model()
-    opt, ref_opt = _make("hpclb", comm, model, k, step_after="full_window"), _sgd(ref)
+    opt, ref_opt = _make("hpclb", comm, model, k), _sgd(ref)
     try:
         opt.zero_grad()
         for m in range(k):
@@ -246,46 +224,6 @@ def test_full_window_counts_skips_and_refuses_a_short_window(comm):
         _check_update(comm, model, ref, stepped, "a full window with an empty share")
         opt.zero_grad()
         _loss(model, *(t[r::w] for t in _micro_batch(1, 0, w))).backward()
-        with pytest.raises(RuntimeError, match="skip_micro_batch"):
-            opt.step()
-    finally:
-        opt.close()
-
-
-@pytest.mark.timeout(60, method="thread")
-def test_ranks_with_uneven_first_windows_recognise_the_same_loop(comm):
-    """step_after None (the default) and an uneven first window: rank 0 runs two backward
-    passes, the others one, then every rank calls step(). Every rank must read Horovod's loop
-    (the most passes any rank ran) and the gradient must be the mean over the micro-batches
-    given on all ranks, as one process computes it; the next (full) window too. Before: rank 0
-    read Horovod's loop and reduced at its second backward, the others read hpclb's loop and
-    returned False, and the ranks waited on each other until the stall abort (bounded here:
-    stall_abort_s=10 ends the job, the timeout ends a lone rank)."""
-    k, w, r = 2, comm.world_size, comm.rank
-    given = [[2] + [1] * (w - 1), [k] * w]  # window -> micro-batches given per rank
-    model, ref = _model(), _model()
-    opt = _make("hpclb", comm, model, k, stall_timeout_s=5, stall_abort_s=10)
-    ref_opt = _sgd(ref)
-    try:
-        for u, counts in enumerate(given):
-            opt.zero_grad()
-            for m in range(counts[r]):
-                _loss(model, *(t[r::w] for t in _micro_batch(u, m, w))).backward()
-            synced = opt.synchronize()
-            ref_opt.zero_grad()
-            for q in range(w):
-                for m in range(counts[q]):
-                    x, y = _micro_batch(u, m, w)
-                    (_loss(ref, x[q::w], y[q::w]) / sum(counts)).backward()
-            err = max((p.grad - q.grad).abs().max().item()
-                      for p, q in zip(model.parameters(), ref.parameters()))
-            assert_all(comm, synced is True and err < 1e-6,
-                       f"window {u} ({counts} micro-batches): synchronize() returned {synced}, "
-                       f"max |grad - grad_reference| = {err:.3g}")
-            with opt.skip_synchronize():
-                stepped = opt.step()
-            ref_opt.step()
-            _check_update(comm, model, ref, stepped, f"update {u} ({counts} micro-batches)")
-        assert_all(comm, opt.sync.step_after == "window", f"recognised {opt.sync.step_after!r}")
+        assert opt.step() is False and opt.sync.micro_batches == 1
     finally:
         opt.close()

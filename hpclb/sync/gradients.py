@@ -13,6 +13,19 @@ reports it. Every rank starts the buckets in the same order (bucket ``i`` only a
 bucket ``i-1``), which keeps the MPI rule that all ranks enter collectives in the same order; for
 the same reason one communicator carries one GradientSync at a time.
 
+**The accumulation contract** (``accumulation_steps`` K; ``hpclb train``'s loop), one for every
+caller: every rank counts K micro-batches per window, a backward each, or
+:meth:`~GradientSync.skip_micro_batch` for a rank's empty share; the K-th is reduced when it ends
+(``p.grad`` is the global mean when its backward returns), and :meth:`~GradientSync.synchronize`
+after the window reports it (True; a call inside a window returns False and changes nothing).
+A backward after the window's K and before ``synchronize()`` is refused before anything of it is
+sent (Horovod's "Gradients were computed more than backward_passes_per_step times before call to
+step()"; it would be added to the reduced mean). With K == 1 every backward is a window, and a
+``synchronize()`` with no backward since the last is an empty one. The loops built on it:
+``hpclb.DistributedOptimizer``'s ``step()`` after every backward (:mod:`hpclb.sync.optimizer`),
+Horovod's short windows (:meth:`~GradientSync.end_window`, :mod:`hpclb.horovod`) and DDP's
+:meth:`~GradientSync.no_sync`.
+
 Bucket planning and layout: :mod:`hpclb.sync.buckets`; the start-up checks that make ranks agree
 (model, parameters, buffers, step counts): :mod:`hpclb.sync.agree`.
 Settings: :mod:`hpclb.sync.options` (arguments and ``HPCLB_*`` variables, one place).
@@ -36,7 +49,7 @@ from hpclb.comm.watchdog import StallReport, watchdog_for
 from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
 from hpclb.sync.options import AGREED_ENVIRONMENT, SYNC_VARIABLES, MiB, SyncOptions, in_force
-from hpclb.sync.reduction import DRIVERS, Window, WindowMixin, checked_step_after
+from hpclb.sync.reduction import DRIVERS, Window
 
 __all__ = ["GradientSync"]
 
@@ -51,7 +64,8 @@ _requires_grad = operator.attrgetter("requires_grad")
 _profiling = torch.autograd._profiler_enabled  # the wait is labelled for --profile's trace
 _record = torch.profiler.record_function
 
-class GradientSync(WindowMixin):
+
+class GradientSync:
     """Average gradients across ranks in fused buckets, overlapped with backward.
 
     Args:
@@ -72,17 +86,11 @@ class GradientSync(WindowMixin):
             $HPCLB_OVERLAP or auto: ``thread`` for MPI, ``nonblocking`` for backends that
             progress on their own threads and for gradients that fit one bucket, where nothing
             can overlap); see :mod:`hpclb.sync.reduction`.
-        accumulation_steps: k backward passes (micro-batches) per window: the first k-1
-            accumulate locally (no communication), the k-th reduces at its end. The result is
-            the mean over ranks and micro-batches (one division by ``world_size * k``).
-            ``synchronize()`` returns True once per window.
-        step_after: the caller's loop, ``"micro_batch"`` (``synchronize()`` after every
-            backward; a window is k calls) or ``"window"`` (once after the window's backward
-            passes; every call ends the window, a short one with what is there),
-            ``"full_window"`` (the same, every window full on every rank: no count exchanged);
-            None
-            (default): recognised at the first ``synchronize()``. See
-            :mod:`hpclb.sync.reduction`, which also says how a short window is weighted.
+        accumulation_steps: k micro-batches (backward passes, or :meth:`skip_micro_batch`) per
+            window: the first k-1 accumulate locally (no communication), the k-th reduces at its
+            end. The result is the mean over ranks and micro-batches (one division by
+            ``world_size * k``). ``synchronize()`` returns True once per window (the
+            accumulation contract: module docstring).
         compression: None, ``"fp16"`` or ``"bf16"`` (default $HPCLB_COMPRESSION): buckets travel
             in that dtype, each rank's share divided by ``world_size * k`` *before* the cast
             (the sum of ranks' shares cannot overflow where each gradient does not).
@@ -125,13 +133,11 @@ class GradientSync(WindowMixin):
                  stall_timeout_s: float | None = None, stall_abort_s: float | None = None,
                  on_stall: Callable[[StallReport], None] | None = None,
                  track_local_norm: bool = False, track_used: bool = False,
-                 divisor: int | None = None, loss_prescaled: bool = False,
-                 step_after: str | None = None):
+                 divisor: int | None = None, loss_prescaled: bool = False):
         self.comm = comm
         named = self._named(params)
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
-        self.step_after = checked_step_after(step_after)
         self._set_options(accumulation_steps, divisor, bool(loss_prescaled),
                           SyncOptions.resolve(
             fusion_threshold_bytes=fusion_threshold_bytes, first_bucket_bytes=first_bucket_bytes,
@@ -149,15 +155,12 @@ class GradientSync(WindowMixin):
         self._bucket_views = [v for b in self.buckets for v in b.views]
         for p in self.params:
             _OWNERS[id(p)] = self
-        self.window = Window(given=accumulation_steps)
+        self.window = Window(accumulation_steps, given=accumulation_steps)
         self._next = 0   # next bucket to launch
         self.steps = 0   # synchronised (optimizer) steps so far
         self.wait_s = 0.0  # host seconds spent waiting for the allreduce (all windows)
         self._task = -1    # the backward (autograd graph task) whose end callback is queued
         self._no_sync = False
-        #: the loop is recognised at the first synchronize() (step_after None, K > 1): until
-        #: then backward passes accumulate locally and launch nothing (reduction.py)
-        self._recognising = self.step_after is None and accumulation_steps > 1
         self.used_in_window: list[tuple[nn.Parameter, bool]] = []
         self._hooks = []
         self._driver = None
@@ -191,8 +194,6 @@ class GradientSync(WindowMixin):
             raise ValueError("loss_prescaled=True scales the loss by 1 / (world_size * k) "
                              "itself; it does not take a divisor")
         self.divisor = comm.world_size * accumulation_steps if divisor is None else divisor
-        #: the reduced sum is hpclb's mean over ranks and micro-batches (not a given divisor)
-        self.divisor_is_mean = divisor is None
         #: what the caller multiplies each micro-batch's loss by (1.0 unless loss_prescaled)
         self.loss_prescale = 1.0 / self.divisor if prescaled else 1.0
         self.loss_prescaled = prescaled
@@ -290,7 +291,7 @@ class GradientSync(WindowMixin):
                    if name not in SYNC_VARIABLES.values()},
                 "track_local_norm": self.track_local_norm,
                 "track_used": self.track_used, "divisor": self.divisor,
-                "loss_prescaled": self.loss_prescaled, "step_after": self.step_after}
+                "loss_prescaled": self.loss_prescaled}
 
     def settings(self) -> dict:
         """The gradient-sync settings in force, as recorded in a run's ``config.json``
@@ -330,14 +331,14 @@ class GradientSync(WindowMixin):
         # gradient cost more host time than the rest of the hook)
         task = _graph_task_id()
         if task != self._task and task >= 0:  # this backward's first hook: wait at its end
-            self._check_pass()
+            self.window.check_pass()
             self._task = task
             _queue_callback(self._end_backward)
         if p.grad is not b.views[j]:
             self._adopt(b, j)
         b.used[j] = True
         if self._no_sync or self.window.micro != self.accumulation_steps - 1 \
-                or self._driver is None or self._recognising:
+                or self._driver is None:
             return  # accumulating locally (or one process: all is done at the window's end)
         if b.ready[j]:
             if b.launched:
@@ -393,21 +394,81 @@ class GradientSync(WindowMixin):
         w = self.comm.world_size * self.accumulation_steps * n_part / n_global
         return w * self.loss_prescale
 
+    # -- the window: the accumulation contract (module docstring) -----------------------------
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        """The end of a backward pass (autograd callback): count the micro-batch; on a window's
+        K-th, reduce every bucket and divide, so ``p.grad`` is the global mean on return."""
+        self._task = -1
+        if self.window.count(self._no_sync):
+            self._end_window()
+
+    def skip_micro_batch(self) -> None:
+        """This rank has no samples in the current micro-batch (an uneven last step): count it
+        in the window as an empty one, so every rank counts the same micro-batches; on the
+        window's last, reduce every bucket now, as the end of a backward does."""
+        if self._hooks:  # else (one process, K = 1) synchronize() ends every window
+            self.window.check_pass()
+            self._end_backward()
+
+    def end_window(self) -> None:
+        """Reduce the window now with the micro-batches counted so far (Horovod's ``step()``
+        after fewer passes than ``backward_passes_per_step``: :mod:`hpclb.horovod`), divided
+        as a full window is; :meth:`synchronize` reports it. Nothing to do after the window's
+        K-th micro-batch, after a backward under :meth:`no_sync` alone (``synchronize()``
+        refuses that) or at one process without hooks (``synchronize()`` ends every window)."""
+        if self._hooks and not self.window.reduced and not self.window.local:
+            self.window.end()
+            self._end_window()
+
+    def synchronize(self) -> bool:
+        """Call after the window (``DistributedOptimizer.step()`` does). True when a window
+        ended (and was reduced: every ``p.grad`` is the mean over ranks and micro-batches)
+        since the last call; False inside a window, where it changes nothing. With
+        ``accumulation_steps`` 1 a call with no backward since the last one (a rank with no
+        samples, or a backward that reached no parameter) is an empty window, reduced here.
+
+        Raises RuntimeError after :meth:`close` (at every world size: at 2 ranks it would wait
+        for hooks that are gone), and after a backward under :meth:`no_sync` that no backward
+        outside it followed (the gradients are this rank's own).
+        """
+        if not self._open:
+            raise RuntimeError(f"{self!r} was closed: its hooks are removed and nothing is "
+                               f"averaged; build a new DistributedOptimizer / GradientSync "
+                               f"(or refresh_parameters()) instead of stepping a closed one")
+        if not self._hooks:  # one process, no accumulation: every backward is a window
+            self.window.passes = 0
+            self.steps += 1
+            self._finish_alone()
+            return True
+        if not self.window.reduced and not self.window.local and self.accumulation_steps == 1:
+            self.skip_micro_batch()  # an empty window
+        return self.window.report()
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches accumulated so far in the current window (0 at a window's start)."""
+        return self.window.micro
+
+    def reset_epoch(self) -> int:
+        """Start a new accumulation window at an epoch boundary; returns how many micro-batches
+        of an unfinished window are dropped (their gradients stay local: zero them)."""
+        return self.window.reset()
+
     def mark_all_ready(self) -> None:
         """End a micro-batch whose gradients were written without autograd (manual gradients,
         benchmarks) as the end of a backward does: on a window's last micro-batch every bucket
         is reduced now. :meth:`synchronize` afterwards reports it as usual. Every gradient
         counts as written (none is taken for an unused parameter and reduced as zeros)."""
-        self._check_pass()
+        self.window.check_pass()
         for b in self.buckets:
             b.used = [True] * len(b.params)
         self._end_backward()
 
     @torch.no_grad()
     def _end_window(self) -> None:
-        """End the window with the micro-batches counted (K, or fewer in a short window of
-        Horovod's loop): reduce every bucket and divide (:mod:`hpclb.sync.reduction`)."""
-        self.window.given, self.window.micro = self.window.micro, 0
+        """End the window with the micro-batches counted (K, or fewer: :meth:`end_window`):
+        reduce every bucket and divide."""
         if self.track_used:
             self.used_in_window = [(p, u) for b in self.buckets for p, u in zip(b.params, b.used)]
         t0 = time.perf_counter()
@@ -419,7 +480,6 @@ class GradientSync(WindowMixin):
                     self._reduce()
         finally:
             self.steps += 1  # counted after the reduction (its buckets are labelled steps + 1)
-            self.window.reduced, self.window.local = True, False
             self.wait_s += time.perf_counter() - t0
 
     @contextmanager

@@ -6,10 +6,11 @@
    buckets, :class:`~hpclb.sync.gradients.GradientSync`) starts during backward and is waited
    for at the end of the window's last ``backward()``, so ``step()`` waits for nothing. With
    ``accumulation_steps`` K, the window is K backward passes (``hpclb train`` counts an empty
-   share with ``sync.skip_micro_batch()``) and then one ``step()``, as in Horovod's loop; a
-   ``step()`` after fewer passes ends a short window by reducing what is there (that
-   ``step()`` waits, :mod:`hpclb.sync.reduction`). Library users may also call ``step()`` after
-   every backward (then the first ``K - 1`` return ``False`` without stepping);
+   share with ``sync.skip_micro_batch()``) and then one ``step()``, GradientSync's one
+   accumulation contract (:mod:`hpclb.sync.gradients`). ``step()`` may also follow every
+   backward: inside a window it returns ``False`` and changes nothing, and one with no backward
+   since the last counts an empty micro-batch (``skip_micro_batch()``). A short window (a
+   ``step()`` after fewer passes, reduced there) is :mod:`hpclb.horovod`'s loop;
 2. unscale the fp16 loss scale (when a ``torch.amp.GradScaler`` is given);
 3. the global gradient norm (one fused norm over all gradients, on the device) and the
    non-finite guard: a non-finite norm skips the step on every rank together (the averaged
@@ -120,15 +121,16 @@ def drop_frozen_grads(params: list[nn.Parameter]) -> None:
             p.grad = None
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
-def _subclass_for(cls: type) -> type:
-    """``DistributedOptimizer`` mixed with the optimizer class ``cls`` (made once per class)."""
-    sub = _SUBCLASSES.get(cls)
+def _subclass_for(base: type, cls: type) -> type:
+    """``base`` (DistributedOptimizer or a subclass) mixed with the optimizer class ``cls``
+    (made once per pair)."""
+    sub = _SUBCLASSES.get((base, cls))
     if sub is None:
-        sub = _SUBCLASSES[cls] = type(f"Distributed{cls.__name__}", (DistributedOptimizer, cls),
-                                      {"__module__": __name__})
+        sub = _SUBCLASSES[base, cls] = type(f"Distributed{cls.__name__}", (base, cls),
+                                            {"__module__": base.__module__, "_mixed": True})
     return sub
 
 
@@ -141,23 +143,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model_or_named_parameters: the model (``nn.Module``) or its ``named_parameters()``, in the
             same order on every rank. Every parameter the optimizer updates must be here.
         comm: the communicator (default: the one :func:`hpclb.init` made).
-        accumulation_steps: K micro-batches (backward passes) per optimizer step. Two loops
-            (``step_after``, in ``**sync_options``): ``"micro_batch"``, hpclb's: call
-            ``backward()`` and ``step()`` after each; every K-th ``step()`` communicates and
-            updates, the others return False; ``"window"``, Horovod's: K ``backward()``, then
-            one ``step()``; every ``step()`` ends the window, and one after fewer passes (an
-            epoch's short last batch) reduces the micro-batches given and updates once (one
-            allreduce of their count per window); ``"full_window"``, ``hpclb train``'s:
-            Horovod's with every window's K micro-batches counted on every rank
-            (``sync.skip_micro_batch()`` for an empty share; no count exchanged). Default
-            None: the loop is recognised at the first ``step()``, the same on every rank (after
-            two or more backward passes on any rank: Horovod's; the first window is then
-            reduced at that ``step()``, not at its last backward). The result is the mean over
-            ranks and the micro-batches given (the gradient of the K-times larger batch when
-            each micro-batch loss is a mean; of the micro-batches given, on every rank, in a
-            short window). A backward that would put the passes and the ``step()`` calls out
-            of step (more than K before a ``step()``; two without ``step()`` in hpclb's loop)
-            raises RuntimeError.
+        accumulation_steps: K micro-batches (backward passes) per optimizer step: K
+            ``backward()`` (``sync.skip_micro_batch()`` for a rank's empty share), then
+            ``step()``; or ``step()`` after every ``backward()``, where the first ``K - 1``
+            return False without stepping and a ``step()`` with no backward since the last
+            counts an empty micro-batch. The result is the mean over ranks and the K
+            micro-batches (the gradient of the K-times larger batch when each micro-batch loss
+            is a mean). More than K backward passes before a ``step()``, or a ``step()`` after
+            2 to K - 1 of them (a short window: :mod:`hpclb.horovod`'s), raise RuntimeError.
         grad_clip_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         max_nonfinite_steps: non-finite steps skipped in a row before :class:`NonFiniteError`
             (>= 1; default 3). With an fp16 scaler, overflows count only once the loss scale has
@@ -182,7 +175,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             are reduced as zeros (momentum and weight decay still move them).
         **sync_options: passed to :class:`~hpclb.sync.gradients.GradientSync`
             (fusion_threshold_bytes, overlap, compression, stall_timeout_s, track_local_norm,
-            step_after, ...).
+            ...).
 
     Attributes after each ``step()``: ``grad_norm`` (0-d float32 device tensor, the averaged
     gradient's global L2 norm before clipping), ``steps`` (optimizer steps taken or skipped),
@@ -194,12 +187,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     The contract with the caller (``docs/library.md``; the functions above the class): when the
     window's last ``backward()`` returns, ``p.grad`` is the global mean (clip, log or change it
-    there, as under DDP; after a short window's ``synchronize()``); :meth:`no_sync` is DDP's
-    ``no_sync()``; ``zero_grad()`` is a no-op inside an accumulation window of hpclb's loop and
-    zeroes after every window's ``step()``; parameters frozen at a step are not updated; a
-    parameter set
-    that grows needs :meth:`refresh_parameters` (or :meth:`add_param_group`). The object is an
-    instance of ``type(optimizer)`` (torch's LR schedulers take it).
+    there, as under DDP); :meth:`no_sync` is DDP's ``no_sync()``; ``zero_grad()`` is a no-op
+    inside an accumulation window and zeroes after every window's ``step()``; parameters frozen
+    at a step are not updated; a parameter set that grows needs :meth:`refresh_parameters` (or
+    :meth:`add_param_group`). The object is an instance of ``type(optimizer)`` (torch's LR
+    schedulers take it).
 
     Raises ValueError when the optimizer updates a parameter that is not in
     ``model_or_named_parameters`` (its gradient would never be averaged) or for a bad setting,
@@ -207,9 +199,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __new__(cls, optimizer=None, *args, **kwargs):
-        if cls is DistributedOptimizer and isinstance(optimizer, torch.optim.Optimizer) \
+        if not cls.__dict__.get("_mixed") and isinstance(optimizer, torch.optim.Optimizer) \
                 and not isinstance(optimizer, DistributedOptimizer):
-            cls = _subclass_for(type(optimizer))
+            cls = _subclass_for(cls, type(optimizer))
         return object.__new__(cls)
 
     def __init__(self, optimizer: torch.optim.Optimizer, model_or_named_parameters, *,
@@ -316,18 +308,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradients in place (they are views into the communication buckets;
         ``set_to_none`` is accepted and ignored, since re-allocating would cost a copy). Inside
-        an accumulation window of hpclb's loop (after a ``step()`` that returned False) a no-op:
+        an accumulation window (after a ``step()`` that returned False) a no-op:
         the window's gradients accumulate until its last ``step()``; after every ``step()`` that
         ended a window it zeroes. With ``accumulation_steps`` > 1 raises
         RuntimeError whenever it would drop a micro-batch's gradients (after its backward,
         before its ``step()``)."""
         sync = self.sync
-        if sync.accumulation_steps > 1 and sync.backward_pending:
+        if sync.accumulation_steps > 1 and sync.window.passes:
             raise RuntimeError(
                 "zero_grad() between backward() and step() with accumulation_steps="
                 f"{sync.accumulation_steps}: it would drop this micro-batch's gradients from the "
                 "window. Call step() after every backward(), and zero_grad() before backward()")
-        if sync.micro_batches == 0:  # a window's start: after every step() that ended one
+        if sync.window.micro == 0:  # a window's start: after every step() that ended one
             if self._zero_by_bucket and self.sync.grads_are_views():
                 self.sync.zero_grads_()  # the same zeros, one fill per bucket
             else:
@@ -336,15 +328,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> bool:
         """Horovod's ``synchronize()``. The gradients are already averaged when the window's
         last ``backward()`` returns (DDP's contract), so this only checks the parameter set and
-        takes the window (in Horovod's loop a short one, fewer passes than
-        ``accumulation_steps``, is reduced here: :mod:`hpclb.sync.reduction`): afterwards
+        takes the window (:mod:`hpclb.horovod`'s reduces a short one here first): afterwards
         ``p.grad`` may be read, clipped or changed before ``step()``, which then does not
-        synchronise again. Returns False on a micro-batch of hpclb's loop that is not the
-        window's last (the gradients are still local). Raises RuntimeError for a
-        parameter set that changed, or a backward under ``no_sync()`` with none after it."""
+        synchronise again. Returns False inside a window (``step()`` after every backward: the
+        gradients are still local); a call with no backward since the last counts an empty
+        micro-batch. Raises RuntimeError for a parameter set that changed, a backward under
+        ``no_sync()`` with none after it, or a short window (2 to K - 1 backward passes)."""
         window = self.sync.window  # window.reported: this result, until step() takes it
         if window.reported is not None:
             raise RuntimeError("synchronize() was already called for this step; call step()")
+        if not window.reduced and not window.local:  # inside a window: step() per backward
+            if window.passes > 1:
+                raise RuntimeError(
+                    f"step() after {window.passes} of the window's accumulation_steps="
+                    f"{self.sync.accumulation_steps} backward passes: hpclb.DistributedOptimizer "
+                    f"takes K backward passes per step(), or one step() after every backward. "
+                    f"Count a rank's empty share with opt.sync.skip_micro_batch(); for "
+                    f"Horovod's short windows use hpclb.horovod.DistributedOptimizer")
+            if not window.passes:  # no backward since the last step(): an empty micro-batch
+                self.sync.skip_micro_batch()
         if not all(map(self._synced_ids.__contains__,
                        map(id, chain.from_iterable(map(_params_of, self.optimizer.param_groups))))):
             try:  # a parameter the optimizer holds is not synchronised: trainable now?
@@ -378,7 +380,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.sync.micro_batches or any(any(b.ready) for b in self.sync.buckets):
             raise RuntimeError("refresh_parameters() inside an accumulation window or between "
                                "backward() and step(): call it after step()")
-        self._sync_kwargs["step_after"] = self.sync.step_after  # the loop, once recognised
         known = {id(p) for _, p in self._named}
         for gi, group in enumerate(self.optimizer.param_groups):
             for j, p in enumerate(group["params"]):
@@ -396,8 +397,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None) -> bool:
         """Average, check, clip and step (module docstring). Returns False inside an
-        accumulation window of hpclb's loop (``step()`` after every backward) or for a step
-        skipped on the host path; True when the update was
+        accumulation window (``step()`` after every backward) or for a step skipped on the host
+        path; True when the update was
         issued (on the device path a non-finite step is masked there: ``step_skipped`` says).
         Raises :class:`NonFiniteError` after too many non-finite steps in a row (host path;
         the device path raises in :meth:`check_nonfinite`)."""

@@ -31,36 +31,17 @@ HELP = "train one experiment (run under mpirun for several ranks)"
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb train`` on the top-level subparsers."""
     from hpclb.comm.registry import BACKENDS
-    from hpclb.config import OPTIMIZERS, available_experiments
-    from hpclb.schedules import SCHEMES
+    from hpclb.config import OPTIONS, available_experiments
+    from hpclb.config.fields import add_option_flags
 
     t = subparsers.add_parser("train", help=HELP)
     t.add_argument("experiment", help=f"recipe name ({', '.join(available_experiments())}) or "
                    "path to a recipe .yaml")
-    t.add_argument("--batch-size", type=int, help="global batch in samples (default: the "
-                   "recipe's B0); split evenly over the ranks")
-    t.add_argument("--scaling", default="legw", choices=list(SCHEMES),
-                   help="how the B0 recipe moves to this batch: legw (sqrt LR, warmup epochs x k), "
-                   "linear (LR x k, fixed warmup), sqrt (fixed warmup), none")
-    t.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the recipe's")
-    t.add_argument("--lr", type=float, help="override the recipe's peak LR at B0 (for tuning)")
-    t.add_argument("--epochs", type=float, help="default: the recipe's (fractional allowed)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
-    t.add_argument("--out", help="run directory (default runs/<experiment>/<scaling>-b<B>); "
-                   "one that holds a run is refused unless --resume or --overwrite")
-    t.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_mode,
-                   metavar="auto", help="continue from the newest checkpoint in --out that "
-                   "verifies (exit 2 when there is none); --resume auto: continue when --out "
-                   "holds one, else start afresh (a run stopped before its first checkpoint is "
-                   "started again from step 0, its logs replaced): what a requeued or restarted "
-                   "job needs. Write it after EXPERIMENT")
+    add_option_flags(t, OPTIONS)  # --batch-size, --scaling, ... (hpclb.config.settings)
     t.add_argument("--resume-changed", type=_resume_changes, default=(), metavar="code,data",
                    help="with --resume: continue although the recipe's plug-in modules (code) "
                    "or the data files (data) differ from the checkpoint's (refused otherwise, "
                    "naming each); on purpose, recorded in config.json")
-    t.add_argument("--overwrite", action="store_true", help="delete the run already in --out "
-                   "(summary, metrics, checkpoints) and start afresh")
     t.add_argument("--backend", default="auto", choices=list(BACKENDS),
                    help="communication backend (auto: mpi when launched by mpirun/srun)")
     t.add_argument("--expect-world-size", type=int, help="fail unless the job has this many ranks")
@@ -77,15 +58,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _add_run_options(t: argparse.ArgumentParser) -> None:
     """The run settings' flags (:mod:`hpclb.config.fields`), then ``hpclb train``'s own:
-    GPU sharing, compilation, progress, profiling, dry run."""
+    GPU sharing, progress, profiling, dry run."""
     from hpclb.config.fields import add_setting_flags
 
     add_setting_flags(t)
     t.add_argument("--share-gpu", action="store_true", help="allow more ranks than GPUs on a "
                    "node (ranks share GPUs round-robin; for tests)")
-    t.add_argument("--compile", nargs="?", const="default", metavar="MODE",
-                   help="torch.compile the model's forward (MODE: default, reduce-overhead, "
-                   "max-autotune; bare --compile: default); off by default")
     t.add_argument("--progress-every", type=_progress_seconds, default=60.0, metavar="SECONDS",
                    help="when stderr is not a terminal (a SLURM log), rank 0 prints a progress "
                    "line (step, loss, LR, samples/s, ETA) every SECONDS during an epoch (0: "
@@ -110,16 +88,6 @@ def _progress_seconds(value: str) -> float:
         raise argparse.ArgumentTypeError(f"{value!r}: a number of seconds >= 0 (0: no progress "
                                          f"lines), e.g. 60")
     return seconds
-
-
-def _resume_mode(value: str):
-    """``--resume``'s optional value: only ``auto``."""
-    if value != "auto":
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: --resume takes no value (continue the run in --out) or auto (continue "
-            f"when --out holds a checkpoint, else start afresh); write the experiment before "
-            f"--resume")
-    return value
 
 
 def _resume_changes(value: str) -> tuple[str, ...]:
@@ -151,13 +119,8 @@ def _recipe_device(args: argparse.Namespace) -> str:
 def _resolve(args: argparse.Namespace, comm):
     """The run's RunConfig from the flags, after the checks that need the world size;
     ConfigError (on every rank alike) for a bad setting."""
-    from hpclb.config import (
-        SETTINGS,
-        SYNC_SETTINGS,
-        check_checkpoint_interval,
-        check_expect_world_size,
-        resolve,
-    )
+    from hpclb.config import SYNC_SETTINGS, check_checkpoint_interval, check_expect_world_size
+    from hpclb.config.settings import KEYWORDS, resolve
     from hpclb.train.profile import parse_profile_steps
 
     check_checkpoint_interval(args.checkpoint_interval)
@@ -170,13 +133,9 @@ def _resolve(args: argparse.Namespace, comm):
             f"{args.expect_world_size}` from the MPI that mpi4py uses (.venv/bin/mpirun)")
     if comm.rank > 0:  # recipe warnings once, from rank 0
         warnings.simplefilter("ignore", RecipeWarning)
-    return resolve(args.experiment, batch_size=args.batch_size, scaling=args.scaling,
-                   optimizer=args.optimizer, epochs=args.epochs, seed=args.seed,
-                   data_dir=args.data_dir, out=args.out, resume=args.resume, lr=args.lr,
-                   overwrite=args.overwrite, compile=args.compile,
-                   resume_changed=args.resume_changed,
+    return resolve(args.experiment, resume_changed=args.resume_changed,
                    sync={name: getattr(args, name) for name in SYNC_SETTINGS},
-                   **{name: getattr(args, name) for name in SETTINGS})
+                   **{name: getattr(args, name) for name in KEYWORDS})
 
 
 def _resolve_agreed(args: argparse.Namespace, comm):

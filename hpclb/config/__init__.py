@@ -33,6 +33,7 @@ from hpclb.config.schema import (
 )
 from hpclb.config.settings import (
     COMPILE_MODES,
+    OPTIONS,
     RunConfig,
     check_checkpoint_interval,
     check_expect_world_size,
@@ -48,7 +49,8 @@ from hpclb.tasks.spec import (
     TargetSpec,
 )
 
-__all__ = ["COMPILE_MODES", "DATASETS", "DEVICES", "LR_WARN_ABOVE", "OPTIMIZERS", "PRECISIONS",
+__all__ = ["COMPILE_MODES", "DATASETS", "DEVICES", "LR_WARN_ABOVE", "OPTIMIZERS", "OPTIONS",
+           "PRECISIONS",
            "RECIPE_KEYS", "RUN_SETTINGS", "SETTINGS", "SYNC_SETTINGS", "TASKS", "ConfigError",
            "DataSpec",
            "ModelSpec", "OptimizerSpec", "Recipe", "RecipeWarning", "RunConfig", "RunSettings",

@@ -24,10 +24,10 @@ from typing import Any, Callable, NamedTuple
 from hpclb.errors import ConfigError, RecipeWarning
 from hpclb.sync.options import SYNC_SETTINGS, SyncSetting, parse_sync, resolve_sync
 
-__all__ = ["DEVICES", "PRECISIONS", "SETTINGS", "SYNC_SETTINGS", "RunSettings", "Setting",
-           "SyncSetting", "add_setting_flags", "check_setting", "check_sync_section",
-           "recipe_where", "resolve_sync", "setting", "setting_value", "settings_table",
-           "sync_settings_table"]
+__all__ = ["DEVICES", "PRECISIONS", "SETTINGS", "SYNC_SETTINGS", "Option", "RunSettings",
+           "Setting", "SyncSetting", "add_option_flags", "add_setting_flags", "check_setting",
+           "check_sync_section", "option", "options_of", "recipe_where", "resolve_options",
+           "resolve_sync", "setting", "setting_value", "settings_table", "sync_settings_table"]
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -168,6 +168,60 @@ def settings_table() -> str:
         flag = f"{s.flag}/--no-{s.flag[2:]}" if isinstance(s.default, bool) else s.flag
         rows.append(f"| `{name}` | `{flag}` | `{default}` | {s.valid} |")
     return "\n".join(rows) + "\n"
+
+
+class Option(NamedTuple):
+    """One declared option of a run that the command line (or :func:`~hpclb.config.resolve`'s
+    keyword) sets and the recipe does not (see :func:`option`)."""
+
+    default: Any
+    flag: str
+    check: Callable[[Any], bool] | None
+    problem: Callable[[Any], str] | None
+    help: str | None
+    keyword: str | None
+    from_recipe: Callable[[Any], Any] | None
+    flag_args: dict
+
+
+def option(default: Any, flag: str, help: str | None = None, *,
+           check: Callable[[Any], bool] | None = None, problem: Callable[[Any], str] | None = None,
+           keyword: str | None = None, from_recipe: Callable[[Any], Any] | None = None,
+           **flag_args):
+    """A :class:`~hpclb.config.settings.RunConfig` field set by flag ``flag`` (its ``--help``
+    text ``help``; ``flag_args``: argparse's ``type``, ``choices``, ``nargs``, ...): ``default``
+    when not given (None and ``from_recipe``: ``from_recipe(recipe)``, the parsed
+    :class:`~hpclb.tasks.spec.Recipe`); ``check(value)`` -> bool, else ConfigError ``"<flag>:
+    <problem(value)>"``; ``keyword``: the flag's ``dest`` and ``resolve()``'s keyword when it
+    is not the field's name."""
+    return field(default=default, metadata={"option": Option(
+        default, flag, check, problem, help, keyword, from_recipe, flag_args)})
+
+
+def options_of(cls) -> dict[str, Option]:
+    """The fields of dataclass ``cls`` declared by :func:`option`: field name -> declaration."""
+    return {f.name: f.metadata["option"] for f in fields(cls) if "option" in f.metadata}
+
+
+def add_option_flags(parser: argparse.ArgumentParser, options: dict[str, Option]) -> None:
+    """One flag per :func:`option` (its ``dest``: the keyword, else the field's name)."""
+    for name, o in options.items():
+        parser.add_argument(o.flag, dest=o.keyword or name, default=o.default, help=o.help,
+                            **o.flag_args)
+
+
+def resolve_options(options: dict[str, Option], given: dict[str, Any], recipe: Any) -> dict:
+    """The value of each of ``options`` (field name -> value): ``given[keyword]``, else its
+    default (or the recipe's), checked in declaration order (ConfigError naming the flag)."""
+    values = {}
+    for name, o in options.items():
+        value = given.get(o.keyword or name, o.default)
+        if value is None and o.from_recipe is not None:
+            value = o.from_recipe(recipe)
+        if o.check is not None and not o.check(value):
+            raise ConfigError(f"{o.flag}: {o.problem(value)}")
+        values[name] = value
+    return values
 
 
 def check_sync_section(section: Any, where: str) -> None:

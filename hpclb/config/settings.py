@@ -6,12 +6,21 @@ rank raises the same error.
 """
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 from hpclb import schedules
-from hpclb.config.fields import SETTINGS, RunSettings, resolve_sync, setting_value
+from hpclb.config.fields import (
+    SETTINGS,
+    RunSettings,
+    option,
+    options_of,
+    resolve_options,
+    resolve_sync,
+    setting_value,
+)
 from hpclb.config.outputs import default_run_dir
 from hpclb.config.recipe import load_recipe
 from hpclb.config.schema import check_lr, number, positive_int, positive_number, require
@@ -21,13 +30,23 @@ from hpclb.sync.options import check_environment
 from hpclb.tasks.registry import TASKS
 from hpclb.tasks.spec import Recipe
 
-__all__ = ["COMPILE_MODES", "RESUME_CHANGES", "RunConfig", "check_checkpoint_interval",
-           "check_expect_world_size", "resolve"]
+__all__ = ["COMPILE_MODES", "KEYWORDS", "OPTIONS", "RESUME_CHANGES", "RunConfig",
+           "check_checkpoint_interval", "check_expect_world_size", "resolve", "resume_mode"]
 
 #: ``torch.compile`` modes ``hpclb train --compile MODE`` takes (torch's documented ones)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 #: what ``--resume-changed`` lets a resumed run find changed (docs/faults.md)
 RESUME_CHANGES = ("code", "data")
+
+
+def resume_mode(value: str):
+    """``--resume``'s optional value: only ``auto``."""
+    if value != "auto":
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: --resume takes no value (continue the run in --out) or auto (continue "
+            f"when --out holds a checkpoint, else start afresh); write the experiment before "
+            f"--resume")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +56,9 @@ class RunConfig(RunSettings):
 
     The fields of :class:`~hpclb.config.fields.RunSettings` (``accumulation_steps``,
     ``device``, ``precision``, ``log_every``, ...): command line, else recipe, else their
-    declared defaults. ``compile``: None (eager) or a ``torch.compile`` mode of
+    declared defaults. The fields declared by :func:`~hpclb.config.fields.option`
+    (:data:`OPTIONS`: ``global_batch_size``, ``scaling``, ...): the command line, else their
+    defaults (or the recipe's). ``compile``: None (eager) or a ``torch.compile`` mode of
     :data:`COMPILE_MODES` (``--compile``). ``out`` (default ``runs/<experiment>/<scaling>-b<B>``)
     must not hold a run unless ``resume`` (True, or ``"auto"``: resume when it holds a
     checkpoint) or ``overwrite`` (:mod:`hpclb.config.outputs`). ``resume_changed``: what of
@@ -46,18 +67,56 @@ class RunConfig(RunSettings):
 
     experiment: str
     recipe: dict
-    global_batch_size: int
-    scaling: str
-    optimizer: str
+    global_batch_size: int = option(
+        None, "--batch-size", "global batch in samples (default: the recipe's B0); split evenly "
+        "over the ranks", keyword="batch_size", type=int,
+        from_recipe=lambda spec: spec.base_batch_size,
+        check=lambda v: isinstance(v, int) and v > 0,
+        problem=lambda v: f"must be a positive integer (the global batch in samples), got {v}")
+    scaling: str = option(
+        "legw", "--scaling", "how the B0 recipe moves to this batch: legw (sqrt LR, warmup "
+        "epochs x k), linear (LR x k, fixed warmup), sqrt (fixed warmup), none",
+        choices=list(schedules.SCHEMES), check=lambda v: v in schedules.SCHEMES,
+        problem=lambda v: f"{v!r} is not one of {tuple(schedules.SCHEMES)}")
+    optimizer: str = option(
+        None, "--optimizer", "default: the recipe's", choices=OPTIMIZERS,
+        from_recipe=lambda spec: spec.optimizer, check=lambda v: v in OPTIMIZERS,
+        problem=lambda v: f"{v!r} is not one of {tuple(OPTIMIZERS)}")
     optimizer_params: dict
-    epochs: float
-    seed: int
-    data_dir: str | None
-    out: str
-    resume: bool | str
-    lr: float | None = None
-    overwrite: bool = False
-    compile: str | None = None
+    epochs: float = option(  # checked against the recipe's warmup by load_recipe
+        None, "--epochs", "default: the recipe's (fractional allowed)", type=float,
+        from_recipe=lambda spec: spec.epochs)
+    seed: int = option(0, "--seed", type=int, check=lambda v: isinstance(v, int) and v >= 0,
+                       problem=lambda v: f"must be >= 0, got {v}")
+    data_dir: str | None = option(
+        None, "--data-dir", "where the data lives (default $HPCLB_DATA or ./data)")
+    out: str = option(
+        None, "--out", "run directory (default runs/<experiment>/<scaling>-b<B>); one that holds "
+        "a run is refused unless --resume or --overwrite",
+        check=lambda v: v is None or str(v).strip() != "",
+        problem=lambda v: f"{v!r} is empty; give the run directory, or leave --out out for the "
+        f"default runs/<experiment>/<scaling>-b<B>")
+    resume: bool | str = option(
+        False, "--resume", "continue from the newest checkpoint in --out that verifies (exit 2 "
+        "when there is none); --resume auto: continue when --out holds one, else start afresh (a "
+        "run stopped before its first checkpoint is started again from step 0, its logs "
+        "replaced): what a requeued or restarted job needs. Write it after EXPERIMENT",
+        nargs="?", const=True, type=resume_mode, metavar="auto",
+        check=lambda v: v in (False, True, "auto"),
+        problem=lambda v: f"must be True, False or 'auto' (resume when --out holds a checkpoint, "
+        f"else start afresh), got {v!r}")
+    lr: float | None = option(
+        None, "--lr", "override the recipe's peak LR at B0 (for tuning)", type=float,
+        check=lambda v: v is None or positive_number(v),
+        problem=lambda v: f"must be a positive number, got {v}")
+    overwrite: bool = option(
+        False, "--overwrite", "delete the run already in --out (summary, metrics, checkpoints) "
+        "and start afresh", action="store_true")
+    compile: str | None = option(
+        None, "--compile", "torch.compile the model's forward (MODE: default, reduce-overhead, "
+        "max-autotune; bare --compile: default); off by default", nargs="?", const="default",
+        metavar="MODE", check=lambda v: v is None or v in COMPILE_MODES,
+        problem=lambda v: f"{v!r} is not one of {COMPILE_MODES}")
     resume_changed: tuple[str, ...] = ()
     #: the gradient-sync settings (:data:`~hpclb.config.fields.SYNC_SETTINGS`, resolved:
     #: flag, else ``$HPCLB_*``, else the recipe's ``sync:``, else the default; ``stall_abort_s``
@@ -172,6 +231,14 @@ class RunConfig(RunSettings):
         return asdict(self)
 
 
+#: the fields of :class:`RunConfig` the command line sets and the recipe does not: field name ->
+#: declaration (:func:`~hpclb.config.fields.option`: flag, help, check, default)
+OPTIONS = options_of(RunConfig)
+#: :func:`resolve`'s keywords for the command line's values: :data:`OPTIONS`', then
+#: :data:`~hpclb.config.fields.SETTINGS`' (each the flag's ``dest``)
+KEYWORDS = (*(o.keyword or name for name, o in OPTIONS.items()), *SETTINGS)
+
+
 def check_checkpoint_interval(seconds: float | None) -> float | None:
     """``--checkpoint-interval``: None or 0 (off) or a number of seconds > 0; ConfigError for a
     negative value or nan (which would checkpoint at every step or never)."""
@@ -199,71 +266,54 @@ def _check_environment() -> None:
         raise ConfigError(f"environment: {e}") from e
 
 
-def resolve(experiment: str, *, batch_size: int | None = None, scaling: str = "legw",
-            optimizer: str | None = None, epochs: float | None = None, seed: int = 0,
-            data_dir: str | None = None, out: str | None = None,
-            resume: bool | str = False, lr: float | None = None, overwrite: bool = False,
-            compile: str | None = None, sync: dict | None = None,
-            resume_changed: tuple[str, ...] = (), **settings) -> RunConfig:
+def resolve(experiment: str, *, sync: dict | None = None, resume_changed: tuple[str, ...] = (),
+            **given) -> RunConfig:
     """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
 
-    ``lr`` overrides the recipe's B0 peak LR (for tuning at B0). ``settings``: the command
-    line's values of the settings of :data:`hpclb.config.fields.SETTINGS`
+    ``given``: the command line's values of :data:`OPTIONS` by their keywords (``batch_size``,
+    ``scaling``, ``optimizer``, ``lr``: the recipe's B0 peak LR, for tuning at B0; ``epochs``,
+    ``seed``, ``data_dir``, ``out``, ``resume``, ``overwrite``, ``compile``; each flag's default
+    or the recipe's when not given) and of the settings of :data:`hpclb.config.fields.SETTINGS`
     (``accumulation_steps=4``, ``device="cpu"``, ...; None: the recipe's, else the declared
-    default). ``resume``: True continues the run in ``out`` (a checkpoint must be
-    there), ``"auto"`` continues it when ``out`` holds a checkpoint, else starts afresh. ``out``
-    defaults to ``runs/<name>/<scaling>-b<batch>``;
-    ``overwrite`` lets a new run replace a run already there (checked by
-    :func:`hpclb.train.setup.setup_run`). ``compile``: None, or the ``torch.compile`` mode the
-    model's forward is compiled with (:data:`COMPILE_MODES`). ``sync``: the command line's
-    gradient-sync settings (``{"compression": "bf16"}``; :func:`~hpclb.config.fields.
-    resolve_sync` applies ``$HPCLB_*`` and the recipe's ``sync:`` once, here).
-    ``resume_changed``: with ``resume``, what of :data:`RESUME_CHANGES` may have changed
-    since the checkpoint (``--resume-changed code,data``).
+    default). ``resume``: True continues the run in ``out`` (a checkpoint must be there),
+    ``"auto"`` continues it when ``out`` holds a checkpoint, else starts afresh. ``out``
+    defaults to ``runs/<name>/<scaling>-b<batch>``; ``overwrite`` lets a new run replace a run
+    already there (checked by :func:`hpclb.train.setup.setup_run`). ``compile``: None, or the
+    ``torch.compile`` mode the model's forward is compiled with (:data:`COMPILE_MODES`).
+    ``sync``: the command line's gradient-sync settings (``{"compression": "bf16"}``;
+    :func:`~hpclb.sync.options.resolve_sync` applies ``$HPCLB_*`` and the recipe's ``sync:``
+    once, here). ``resume_changed``: with ``resume``, what of :data:`RESUME_CHANGES` may have
+    changed since the checkpoint (``--resume-changed code,data``).
     Raises ConfigError naming the bad field and its command-line flag, TypeError for a keyword
     that is not a setting; warns (:class:`RecipeWarning`) for valid values outside their
     sensible range.
     """
-    unknown = sorted(set(settings) - set(SETTINGS))
+    unknown = sorted(set(given) - set(KEYWORDS))
     if unknown:
         raise TypeError(f"resolve() got unexpected keyword argument(s) {unknown}; the settings "
-                        f"are {', '.join(SETTINGS)}")
+                        f"are {', '.join(KEYWORDS)}")
     _check_environment()
-    recipe = load_recipe(experiment, epochs=epochs)  # the warmup against the run's budget
+    # the warmup against the run's budget
+    recipe = load_recipe(experiment, epochs=given.get("epochs"))
     spec = Recipe.from_dict(recipe)
-    require(scaling in schedules.SCHEMES, "--scaling",
-            f"{scaling!r} is not one of {tuple(schedules.SCHEMES)}")
-    batch = spec.base_batch_size if batch_size is None else batch_size
-    require(isinstance(batch, int) and batch > 0, "--batch-size",
-            f"must be a positive integer (the global batch in samples), got {batch}")
-    opt = optimizer or spec.optimizer
-    require(opt in OPTIMIZERS, "--optimizer", f"{opt!r} is not one of {tuple(OPTIMIZERS)}")
+    values = resolve_options(OPTIONS, given, spec)
+    opt = values["optimizer"]
     require(opt in spec.optimizers, "--optimizer",
             f"the recipe {spec.name} has no tuned hyper-parameters for {opt!r}; add "
             f"optimizers.{opt} to it or choose one of {sorted(spec.optimizers)}")
-    n_epochs = spec.epochs if epochs is None else epochs
-    require(set(resume_changed) <= set(RESUME_CHANGES) and (resume or not resume_changed),
+    require(set(resume_changed) <= set(RESUME_CHANGES) and (values["resume"] or not
+                                                             resume_changed),
             "--resume-changed", f"{','.join(resume_changed)!r}: takes {' or '.join(RESUME_CHANGES)}"
             f" or both, comma-separated (the run's code or data changed since its checkpoint, "
             f"on purpose), and only with --resume")
-    require(lr is None or positive_number(lr), "--lr",
-            f"must be a positive number, got {lr}")
-    if lr is not None:
-        check_lr(lr, "--lr")
-    require(isinstance(seed, int) and seed >= 0, "--seed", f"must be >= 0, got {seed}")
-    require(resume in (False, True, "auto"), "--resume", f"must be True, False or 'auto' "
-            f"(resume when --out holds a checkpoint, else start afresh), got {resume!r}")
-    require(out is None or str(out).strip() != "", "--out", f"{out!r} is empty; give the run "
-            f"directory, or leave --out out for the default runs/<experiment>/<scaling>-b<B>")
-    require(compile is None or compile in COMPILE_MODES, "--compile",
-            f"{compile!r} is not one of {COMPILE_MODES}")
-    values = {name: setting_value(name, settings.get(name), recipe) for name in SETTINGS}
-    return RunConfig(experiment=spec.name, recipe=recipe, global_batch_size=batch,
-                     scaling=scaling, optimizer=opt,
+    if values["lr"] is not None:
+        check_lr(values["lr"], "--lr")
+    return RunConfig(experiment=spec.name, recipe=recipe,
                      optimizer_params=dict(spec.optimizers[opt].params),
-                     epochs=float(n_epochs), seed=seed, data_dir=data_dir,
-                     out=out or default_run_dir(spec.name, scaling, batch), resume=resume,
-                     overwrite=overwrite, lr=lr, compile=compile,
+                     **{**values, "epochs": float(values["epochs"]),
+                        "out": values["out"] or default_run_dir(spec.name, values["scaling"],
+                                                                 values["global_batch_size"])},
                      resume_changed=tuple(sorted(set(resume_changed))),
                      sync=resolve_sync(recipe.get("sync"), sync or {}, dict(os.environ),
-                                       f"recipe {spec.name}"), **values)
+                                       f"recipe {spec.name}"),
+                     **{name: setting_value(name, given.get(name), recipe) for name in SETTINGS})

@@ -18,7 +18,10 @@ The options select the library paths a port may take (accumulation in hpclb's or
 loop, clipping inside ``step()`` or ``clip_grad_norm_`` after ``backward()``, ``zero_grad`` of
 the optimizer or of the model, an hpclb optimizer, the LEGW schedule). It reads the IDX files
 itself and calls only what hpclb's library API has offered since its first commit (2026-11-30),
-so that the same script runs on older commits (``PYTHONPATH=<worktree>``, a bisect)."""
+so that the same script runs on older commits (``PYTHONPATH=<worktree>``, a bisect); Horovod's
+loop with a short last window alone calls ``sync.skip_micro_batch()`` (since 2026-12-03): its
+losses weighted ``k / given`` give, bit for bit, the update that ``step()`` made of a short
+window before it was ``hpclb.horovod``'s alone (the mean over the micro-batches given)."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +49,8 @@ parser.add_argument("--lr", type=float, default=None, help="default: the optimiz
 parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per update")
 parser.add_argument("--loop", choices=("hpclb", "horovod"), default="hpclb",
                     help="step() after every backward (hpclb's loop) or once after the "
-                         "window's backward passes (Horovod's; the epoch's last window short)")
+                         "window's backward passes (Horovod's; the epoch's last window short, "
+                         "its missing micro-batches counted with skip_micro_batch())")
 parser.add_argument("--clip", type=float, default=None, help="DistributedOptimizer(grad_clip_norm)")
 parser.add_argument("--clip-after-backward", type=float, default=None,
                     help="torch.nn.utils.clip_grad_norm_ after backward() (DDP's idiom)")
@@ -146,11 +150,16 @@ def train(args, dtype: torch.dtype, comm) -> tuple[dict, torch.Tensor]:
         n_global = min(args.batch_size, len(data) - i * args.batch_size)
         if args.loop == "hpclb" or i % k == 0:
             (model if args.zero_grad == "model" else opt).zero_grad()
+        # Horovod's loop: the epoch's last window may be short (``given`` < k micro-batches);
+        # its losses weighted k / given make it the mean over the micro-batches given
+        given = min(k, len(loader) - i // k * k) if args.loop == "horovod" else k
         loss = F.nll_loss(model(x), y)
-        (loss * hpclb.share_weight(len(y), n_global)).backward()
+        (loss * (hpclb.share_weight(len(y), n_global) * (k / given))).backward()
         if args.clip_after_backward is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_after_backward)
         if args.loop == "hpclb" or i % k == k - 1 or i == len(loader) - 1:
+            for _ in range(k - given):  # its missing micro-batches, counted empty
+                opt.sync.skip_micro_batch()
             opt.step()
         if sched is not None:
             sched.step()

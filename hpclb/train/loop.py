@@ -41,7 +41,7 @@ import math
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -60,12 +60,13 @@ from hpclb.train.preemption import PreemptionFlag
 from hpclb.train.progress import Progress
 from hpclb.train.setup import Run, setup_run
 
-__all__ = ["EXPLODED_LOSS_FACTOR", "StepLog", "train_step", "train"]
+__all__ = ["EXPLODED_LOSS_FACTOR", "StepLog", "StepRead", "train_step", "train"]
 
 # An epoch's training loss this many times the first applied (not skipped) step's (both finite,
 # > 0) is a divergence: a cross-entropy that starts at ln(classes) never legitimately grows a
 # hundredfold. docs/faults.md states it (tests/test_faults_doc.py).
 EXPLODED_LOSS_FACTOR = 1e2
+LOSS_SUM, COUNT = 0, 2  # in a task's statistics (Task.loss): the loss sum, samples or tokens
 
 
 def _set_threads(comm: Communicator) -> None:
@@ -108,7 +109,7 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
     if skipped is not None:  # a skipped step adds nothing to the epoch's statistics
         sums.copy_(torch.where(skipped.to(sums.device), before, sums))
         if first is not None:
-            first.copy_(torch.where(first[2] > 0, first, sums - before))
+            first.copy_(torch.where(first[COUNT] > 0, first, sums - before))
     run.pos.global_step += 1
     return stepped
 
@@ -116,6 +117,20 @@ def train_step(run: Run, i: int, sums: torch.Tensor, first: torch.Tensor | None 
 def _finite_or_none(x: float) -> float | None:
     """A skipped (non-finite) step's value is not a metric: None in the step line."""
     return x if math.isfinite(x) else None
+
+
+class StepRead(NamedTuple):
+    """A step line's read (:meth:`StepLog._read`): the first three summed over the ranks, the
+    rest the same on every rank (trust: min, median, max, nan: none; last_skipped 1.0/0.0)."""
+
+    loss_sum: float
+    count: float
+    local_sq: float
+    averaged_sq: float
+    noise_steps: float
+    grad_norm: float
+    trust: tuple[float, float, float]
+    last_skipped: float
 
 
 class StepLog:
@@ -207,11 +222,9 @@ class StepLog:
         if self.progress is not None and time.monotonic() >= self.progress.due_at:
             self.progress.update(i, step, self.run.schedule.lr(step - 1), self.last)
 
-    def _read(self, sums: torch.Tensor) -> tuple[list[float], list[float]]:
-        """One read from the device: ``[loss sum, count, local squared norms]`` of the interval
-        summed over the ranks (one allreduce) and this rank's ``[averaged squared norms, noise
-        steps, grad_norm, trust min, median, max, last step skipped (1.0/0.0)]`` (the same on
-        every rank)."""
+    def _read(self, sums: torch.Tensor) -> StepRead:
+        """One read from the device (a copy of one vector) and one allreduce of its first
+        three numbers (:class:`StepRead`)."""
         d = sums - self._last + self._carry
         opt = self.run.optimizer
         ratios = getattr(opt.optimizer, "trust_ratios", None)
@@ -222,12 +235,14 @@ class StepLog:
         found = opt.step_skipped
         last_skipped = nan.new_zeros(1) if found is None else \
             found.detach().to(sums.device).double().reshape(1)
-        vec = torch.cat([torch.stack([d[0], d[2]]).double(), self._noise_sums.double(),
+        vec = torch.cat([torch.stack([d[LOSS_SUM], d[COUNT]]).double(), self._noise_sums.double(),
                          norm.to(sums.device), q.to(sums.device), last_skipped]).cpu()
         reduced = torch.stack([vec[0], vec[1], vec[2]])
         if self.run.comm.world_size > 1:
             self.run.comm.allreduce_(reduced)
-        return reduced.tolist(), vec[3:].tolist()
+        averaged_sq, noise_steps, grad_norm, *trust, last_skipped = vec[3:].tolist()
+        return StepRead(*reduced.tolist(), averaged_sq, noise_steps, grad_norm, tuple(trust),
+                        last_skipped)
 
     def _update_noise(self, small_sum: float, big_sum: float, n: float) -> None:
         if self.noise is None or not n:
@@ -239,16 +254,16 @@ class StepLog:
         run, opt = self.run, self.run.optimizer
         dt = time.perf_counter() - self.t0
         skipped = opt.check_nonfinite()   # raises at the limit (the device path's check)
-        (loss, count, small), (big, n, norm, *trust, last_skipped) = self._read(sums)
-        self._update_noise(small, big, n)
+        r = self._read(sums)
+        self._update_noise(r.local_sq, r.averaged_sq, r.noise_steps)
         wait = (opt.sync_wait_s - self.sync0) / self.steps
-        applied = last_skipped != 1.0  # a skipped step's norm and ratios were never applied
-        scalars = {"loss": loss / count if count else None,
+        applied = r.last_skipped != 1.0  # a skipped step's norm and ratios were never applied
+        scalars = {"loss": r.loss_sum / r.count if r.count else None,
                    "lr": run.schedule.lr(run.pos.global_step - 1),
-                   "grad_norm": _finite_or_none(norm) if applied else None,
-                   **({} if math.isnan(trust[0]) else dict(zip(
+                   "grad_norm": _finite_or_none(r.grad_norm) if applied else None,
+                   **({} if math.isnan(r.trust[0]) else dict(zip(
                        ("trust_min", "trust_median", "trust_max"),
-                       map(_finite_or_none, trust) if applied else (None,) * 3))),
+                       map(_finite_or_none, r.trust) if applied else (None,) * 3))),
                    "step_skipped": not applied,
                    "samples_per_s": self.samples / dt,
                    "step_time_s": dt / self.steps, "comm_wait_s": wait,
@@ -271,8 +286,9 @@ class StepLog:
         vec = torch.cat([base.double().cpu(), self._carry.double().cpu(), noise[:1]])
         if self.run.comm.world_size > 1:
             self.run.comm.allreduce_(vec)
-        return {"log_base": vec[:3].tolist(), "log_carry": vec[3:6].tolist(),
-                "noise_sums": [float(vec[6]), *noise[1:].tolist()],
+        base, carry, local_sq = vec.split([3, 3, 1])
+        return {"log_base": base.tolist(), "log_carry": carry.tolist(),
+                "noise_sums": [float(local_sq), *noise[1:].tolist()],
                 "noise": None if self.noise is None else self.noise.state_dict()}
 
     def _load_state_dict(self, state: dict | None) -> None:
@@ -375,7 +391,7 @@ def _resolve_first_loss(run: Run, first: torch.Tensor | None) -> None:
     over the ranks: a collective, once per epoch end or checkpoint until it is known)."""
     if run.pos.first_loss is not None or first is None:
         return
-    t = torch.stack([first[0], first[2]]).double().cpu()
+    t = torch.stack([first[LOSS_SUM], first[COUNT]]).double().cpu()
     if run.comm.world_size > 1:
         run.comm.allreduce_(t)
     if t[1] > 0:

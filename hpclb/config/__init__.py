@@ -50,13 +50,11 @@ from hpclb.tasks.spec import (
 )
 
 __all__ = ["COMPILE_MODES", "DATASETS", "DEVICES", "LR_WARN_ABOVE", "OPTIMIZERS", "OPTIONS",
-           "PRECISIONS",
-           "RECIPE_KEYS", "RUN_SETTINGS", "SETTINGS", "SYNC_SETTINGS", "TASKS", "ConfigError",
-           "DataSpec",
-           "ModelSpec", "OptimizerSpec", "Recipe", "RecipeWarning", "RunConfig", "RunSettings",
-           "ScheduleSpec", "TargetSpec", "available_experiments", "check_checkpoint_interval",
-           "check_expect_world_size", "load_recipe", "parse_recipe", "resolve", "settings_table",
-           "sync_settings_table"]
+           "PRECISIONS", "RECIPE_KEYS", "RUN_SETTINGS", "SETTINGS", "SYNC_SETTINGS", "TASKS",
+           "ConfigError", "DataSpec", "ModelSpec", "OptimizerSpec", "Recipe", "RecipeWarning",
+           "RunConfig", "RunSettings", "ScheduleSpec", "TargetSpec", "available_experiments",
+           "check_checkpoint_interval", "check_expect_world_size", "load_recipe", "parse_recipe",
+           "resolve", "settings_table", "sync_settings_table"]
 
 
 def __getattr__(name: str):

@@ -26,7 +26,7 @@ from hpclb.sync.options import SYNC_SETTINGS, SyncSetting, parse_sync, resolve_s
 
 __all__ = ["DEVICES", "PRECISIONS", "SETTINGS", "SYNC_SETTINGS", "Option", "RunSettings",
            "Setting", "SyncSetting", "add_option_flags", "add_setting_flags", "check_setting",
-           "check_sync_section", "option", "options_of", "recipe_where", "resolve_options",
+           "check_sync_section", "option", "recipe_where", "resolve_options",
            "resolve_sync", "setting", "setting_value", "settings_table", "sync_settings_table"]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -171,8 +171,7 @@ def settings_table() -> str:
 
 
 class Option(NamedTuple):
-    """One declared option of a run that the command line (or :func:`~hpclb.config.resolve`'s
-    keyword) sets and the recipe does not (see :func:`option`)."""
+    """One declared option of a run that the command line sets, not the recipe (:func:`option`)."""
 
     default: Any
     flag: str
@@ -188,19 +187,12 @@ def option(default: Any, flag: str, help: str | None = None, *,
            check: Callable[[Any], bool] | None = None, problem: Callable[[Any], str] | None = None,
            keyword: str | None = None, from_recipe: Callable[[Any], Any] | None = None,
            **flag_args):
-    """A :class:`~hpclb.config.settings.RunConfig` field set by flag ``flag`` (its ``--help``
-    text ``help``; ``flag_args``: argparse's ``type``, ``choices``, ``nargs``, ...): ``default``
-    when not given (None and ``from_recipe``: ``from_recipe(recipe)``, the parsed
-    :class:`~hpclb.tasks.spec.Recipe`); ``check(value)`` -> bool, else ConfigError ``"<flag>:
-    <problem(value)>"``; ``keyword``: the flag's ``dest`` and ``resolve()``'s keyword when it
-    is not the field's name."""
+    """A :class:`~hpclb.config.settings.RunConfig` field set by flag ``flag`` (``help``;
+    ``flag_args``: argparse's ``type``, ``choices``, ``nargs``, ...), else ``default`` (None:
+    ``from_recipe(recipe)``); ``check(value)`` -> bool, else ConfigError ``"<flag>:
+    <problem(value)>"``; ``keyword``: the flag's ``dest`` and ``resolve()``'s keyword."""
     return field(default=default, metadata={"option": Option(
         default, flag, check, problem, help, keyword, from_recipe, flag_args)})
-
-
-def options_of(cls) -> dict[str, Option]:
-    """The fields of dataclass ``cls`` declared by :func:`option`: field name -> declaration."""
-    return {f.name: f.metadata["option"] for f in fields(cls) if "option" in f.metadata}
 
 
 def add_option_flags(parser: argparse.ArgumentParser, options: dict[str, Option]) -> None:
@@ -211,8 +203,7 @@ def add_option_flags(parser: argparse.ArgumentParser, options: dict[str, Option]
 
 
 def resolve_options(options: dict[str, Option], given: dict[str, Any], recipe: Any) -> dict:
-    """The value of each of ``options`` (field name -> value): ``given[keyword]``, else its
-    default (or the recipe's), checked in declaration order (ConfigError naming the flag)."""
+    """Each of ``options``' value (field -> value), given (by keyword) or default, checked."""
     values = {}
     for name, o in options.items():
         value = given.get(o.keyword or name, o.default)

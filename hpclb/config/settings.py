@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 
 from hpclb import schedules
@@ -16,7 +16,6 @@ from hpclb.config.fields import (
     SETTINGS,
     RunSettings,
     option,
-    options_of,
     resolve_options,
     resolve_sync,
     setting_value,
@@ -233,7 +232,7 @@ class RunConfig(RunSettings):
 
 #: the fields of :class:`RunConfig` the command line sets and the recipe does not: field name ->
 #: declaration (:func:`~hpclb.config.fields.option`: flag, help, check, default)
-OPTIONS = options_of(RunConfig)
+OPTIONS = {f.name: f.metadata["option"] for f in fields(RunConfig) if "option" in f.metadata}
 #: :func:`resolve`'s keywords for the command line's values: :data:`OPTIONS`', then
 #: :data:`~hpclb.config.fields.SETTINGS`' (each the flag's ``dest``)
 KEYWORDS = (*(o.keyword or name for name, o in OPTIONS.items()), *SETTINGS)

@@ -22,6 +22,7 @@ from typing import Any
 
 from hpclb.comm.base import Communicator
 from hpclb.config.fields import SYNC_SETTINGS
+from hpclb.config.settings import OPTIONS
 from hpclb.data.registry import dataset
 from hpclb.errors import ConfigError
 from hpclb.plugins import is_plugin, source_digests
@@ -33,7 +34,7 @@ __all__ = ["AGREED_ENVIRONMENT", "FINGERPRINT_PARTS", "LOCATIONS", "agree_finger
 #: RunConfig fields and recipe fields that are locations: each rank may have its own
 LOCATIONS = ("out", "data_dir", "recipe.plugin_path")
 # the command-line flag of a RunConfig field, where it is not --<field with dashes>
-_FLAGS = {"experiment": "EXPERIMENT", "global_batch_size": "--batch-size"}
+_FLAGS = {"experiment": "EXPERIMENT", **{name: o.flag for name, o in OPTIONS.items()}}
 _SHOWN = 8  # differing settings named in the message; the rest are counted
 _SETTINGS_FIX = ("every rank must run the same configuration: launch every rank with the same "
                  "command line, the same recipe file content and the same HPCLB_* environment "

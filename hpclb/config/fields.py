@@ -180,19 +180,21 @@ class Option(NamedTuple):
     help: str | None
     keyword: str | None
     from_recipe: Callable[[Any], Any] | None
+    column: str | None
     flag_args: dict
 
 
 def option(default: Any, flag: str, help: str | None = None, *,
            check: Callable[[Any], bool] | None = None, problem: Callable[[Any], str] | None = None,
            keyword: str | None = None, from_recipe: Callable[[Any], Any] | None = None,
-           **flag_args):
+           column: str | None = None, **flag_args):
     """A :class:`~hpclb.config.settings.RunConfig` field set by flag ``flag`` (``help``;
     ``flag_args``: argparse's ``type``, ``choices``, ``nargs``, ...), else ``default`` (None:
     ``from_recipe(recipe)``); ``check(value)`` -> bool, else ConfigError ``"<flag>:
-    <problem(value)>"``; ``keyword``: the flag's ``dest`` and ``resolve()``'s keyword."""
+    <problem(value)>"``; ``keyword``: the flag's ``dest`` and ``resolve()``'s keyword;
+    ``column``: the ``hpclb compare`` column that shows it (config.json records every field)."""
     return field(default=default, metadata={"option": Option(
-        default, flag, check, problem, help, keyword, from_recipe, flag_args)})
+        default, flag, check, problem, help, keyword, from_recipe, column, flag_args)})
 
 
 def add_option_flags(parser: argparse.ArgumentParser, options: dict[str, Option]) -> None:

@@ -68,23 +68,23 @@ class RunConfig(RunSettings):
     recipe: dict
     global_batch_size: int = option(
         None, "--batch-size", "global batch in samples (default: the recipe's B0); split evenly "
-        "over the ranks", keyword="batch_size", type=int,
+        "over the ranks", keyword="batch_size", type=int, column="batch",
         from_recipe=lambda spec: spec.base_batch_size,
         check=lambda v: isinstance(v, int) and v > 0,
         problem=lambda v: f"must be a positive integer (the global batch in samples), got {v}")
     scaling: str = option(
         "legw", "--scaling", "how the B0 recipe moves to this batch: legw (sqrt LR, warmup "
         "epochs x k), linear (LR x k, fixed warmup), sqrt (fixed warmup), none",
-        choices=list(schedules.SCHEMES), check=lambda v: v in schedules.SCHEMES,
+        choices=list(schedules.SCHEMES), check=lambda v: v in schedules.SCHEMES, column="scheme",
         problem=lambda v: f"{v!r} is not one of {tuple(schedules.SCHEMES)}")
     optimizer: str = option(
-        None, "--optimizer", "default: the recipe's", choices=OPTIMIZERS,
+        None, "--optimizer", "default: the recipe's", choices=OPTIMIZERS, column="optimizer",
         from_recipe=lambda spec: spec.optimizer, check=lambda v: v in OPTIMIZERS,
         problem=lambda v: f"{v!r} is not one of {tuple(OPTIMIZERS)}")
     optimizer_params: dict
     epochs: float = option(  # checked against the recipe's warmup by load_recipe
         None, "--epochs", "default: the recipe's (fractional allowed)", type=float,
-        from_recipe=lambda spec: spec.epochs)
+        from_recipe=lambda spec: spec.epochs, column="epochs")
     seed: int = option(0, "--seed", type=int, check=lambda v: isinstance(v, int) and v >= 0,
                        problem=lambda v: f"must be >= 0, got {v}")
     data_dir: str | None = option(

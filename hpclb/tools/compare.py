@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hpclb._io import read_json
+from hpclb.config.settings import OPTIONS
 from hpclb.errors import ConfigError
 from hpclb.sync.options import (
     DEFAULT_COMM_POLL_S,
@@ -115,10 +116,9 @@ def run_row(run_dir: str | Path, warn: Warn | None = None) -> dict[str, Any]:
     source = summary or config or {}
     recipe = (config or {}).get("recipe")
     row = {"run": str(run_dir), "experiment": source.get("experiment"),
-           "batch": source.get("global_batch_size"), "scheme": source.get("scaling"),
-           "optimizer": source.get("optimizer"), "peak_lr": source.get("peak_lr"),
-           "warmup_steps": source.get("warmup_steps"), "ranks": source.get("world_size"),
-           "epochs": source.get("epochs"), "metric": _metric(recipe, summary),
+           **{o.column: source.get(name) for name, o in OPTIONS.items() if o.column},
+           "peak_lr": source.get("peak_lr"), "warmup_steps": source.get("warmup_steps"),
+           "ranks": source.get("world_size"), "metric": _metric(recipe, summary),
            "status": "finished" if summary is not None else "unfinished",
            "sync": _sync_shown(config)}
     if summary is not None:

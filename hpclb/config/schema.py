@@ -54,7 +54,7 @@ RECIPE_KEYS = (
     "per_gpu_batch",       # hpclb jobs render's default per-rank batch
     "plugin_path",         # extra directories (relative to the recipe) to import plug-ins from
     "sync",                # {fusion_threshold_bytes, overlap, compression, stall_timeout_s,
-                           #  stall_abort_s}: gradient sync (hpclb/config/fields.py)
+                           #  stall_abort_s}: gradient sync (hpclb/sync/options.py)
     *SETTINGS,
 )
 

@@ -292,8 +292,7 @@ def resolve(experiment: str, *, sync: dict | None = None, resume_changed: tuple[
         raise TypeError(f"resolve() got unexpected keyword argument(s) {unknown}; the settings "
                         f"are {', '.join(KEYWORDS)}")
     _check_environment()
-    # the warmup against the run's budget
-    recipe = load_recipe(experiment, epochs=given.get("epochs"))
+    recipe = load_recipe(experiment, epochs=given.get("epochs"))  # warmup vs the budget
     spec = Recipe.from_dict(recipe)
     values = resolve_options(OPTIONS, given, spec)
     opt = values["optimizer"]

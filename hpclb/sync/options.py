@@ -137,8 +137,8 @@ class SyncSetting(NamedTuple):
 
 
 #: the gradient-sync settings (see :class:`hpclb.sync.gradients.GradientSync` for what each
-#: does), parsed and checked by :func:`resolve_sync` alone: argument or flag < ``$HPCLB_*`` <
-#: recipe ``sync.<name>`` < default
+#: does), parsed and checked by :func:`resolve_sync` alone; the argument or flag wins over
+#: ``$HPCLB_*``, which wins over the recipe's ``sync.<name>``, which wins over the default
 SYNC_SETTINGS: dict[str, SyncSetting] = {
     "fusion_threshold_bytes": SyncSetting(
         DEFAULT_FUSION_THRESHOLD_BYTES, "25MiB", "--fusion-threshold",

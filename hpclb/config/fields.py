@@ -10,9 +10,11 @@ message (:func:`check_setting`, for the recipe and the flag alike), the value a 
 docs/cli.md (:func:`settings_table`, compared with the page by ``tests/test_docs.py``).
 
 Adding a setting is one :func:`setting` field here plus the code that reads
-``cfg.<name>``. The gradient-sync settings (the recipe's ``sync:``) are declared, parsed and
-checked with the library's, in :mod:`hpclb.sync.options`; their flags and table are made here.
-Torch-free: ``hpclb train --help`` builds its flags from here.
+``cfg.<name>``. The options only the command line sets (``--batch-size``, ``--seed``, ...) are
+:class:`~hpclb.config.settings.RunConfig` fields made by :func:`option` alike. The gradient-sync
+settings (the recipe's ``sync:``) are declared, parsed and checked with the library's, in
+:mod:`hpclb.sync.options`; their flags and table are made here. Torch-free: ``hpclb train
+--help`` builds its flags from here.
 """
 from __future__ import annotations
 

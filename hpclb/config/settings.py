@@ -26,6 +26,7 @@ from hpclb.config.schema import check_lr, number, positive_int, positive_number,
 from hpclb.errors import ConfigError
 from hpclb.optim import OPTIMIZERS
 from hpclb.sync.options import check_environment
+from hpclb.sync.reduction import shares_per_step
 from hpclb.tasks.registry import TASKS
 from hpclb.tasks.spec import Recipe
 
@@ -152,15 +153,15 @@ class RunConfig(RunSettings):
         k = self.accumulation_steps
         if k == 1:
             return self.per_rank_batch_size(world_size)
-        if self.global_batch_size % (world_size * k):
-            n = world_size * k
+        n = shares_per_step(world_size, k)
+        if self.global_batch_size % n:
             raise ConfigError(
                 f"--batch-size {self.global_batch_size} (the global batch) is not divisible by "
                 f"the world size {world_size} x --accumulation-steps {k} = {n} (each rank runs "
                 f"{k} micro-batches of B / {n} samples); choose a --batch-size that is a "
                 f"multiple of {n}, or another --accumulation-steps (recipe field "
                 f"accumulation_steps)")
-        return self.global_batch_size // (world_size * k)
+        return self.global_batch_size // n
 
     def schedule(self, num_samples: int) -> schedules.Schedule:
         """The LR schedule of this run on a training set of ``num_samples`` samples.

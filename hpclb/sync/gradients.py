@@ -49,7 +49,7 @@ from hpclb.comm.watchdog import StallReport, watchdog_for
 from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
 from hpclb.sync.options import AGREED_ENVIRONMENT, SYNC_VARIABLES, MiB, SyncOptions, in_force
-from hpclb.sync.reduction import DRIVERS, Window
+from hpclb.sync.reduction import DRIVERS, Window, shares_per_step
 
 __all__ = ["GradientSync"]
 
@@ -193,7 +193,9 @@ class GradientSync:
         if prescaled and divisor is not None:
             raise ValueError("loss_prescaled=True scales the loss by 1 / (world_size * k) "
                              "itself; it does not take a divisor")
-        self.divisor = comm.world_size * accumulation_steps if divisor is None else divisor
+        #: the shares one step averages over (world_size * K)
+        self.shares = shares_per_step(comm.world_size, accumulation_steps)
+        self.divisor = self.shares if divisor is None else divisor
         #: what the caller multiplies each micro-batch's loss by (1.0 unless loss_prescaled)
         self.loss_prescale = 1.0 / self.divisor if prescaled else 1.0
         self.loss_prescaled = prescaled
@@ -391,7 +393,7 @@ class GradientSync:
         ``n_global`` samples of the global batch (all ranks, all micro-batches), also when the
         shares are uneven: ``world_size * K * n_part / n_global`` (the reduced sum is divided
         by ``world_size * K``), times :attr:`loss_prescale`. Exactly 1 for even shares."""
-        w = self.comm.world_size * self.accumulation_steps * n_part / n_global
+        w = self.shares * n_part / n_global
         return w * self.loss_prescale
 
     # -- the window: the accumulation contract (module docstring) -----------------------------

@@ -42,6 +42,7 @@ from hpclb.plugins import is_plugin
 from hpclb.schedules import Schedule
 from hpclb.sync.agree import broadcast_parameters, check_model_consistency
 from hpclb.sync.optimizer import DistributedOptimizer
+from hpclb.sync.reduction import shares_per_step
 from hpclb.tasks import Task, build_task
 from hpclb.train.agreed import agreed
 from hpclb.train.checkpoint import CheckpointStore
@@ -310,8 +311,8 @@ def _build(cfg, comm, device, task, sched, store, per_rank, micro, start: Decisi
                                      grad_clip_norm=cfg.spec.grad_clip_norm,
                                      max_nonfinite_steps=cfg.max_nonfinite_steps, scaler=scaler,
                                      track_local_norm=cfg.noise_scale and comm.world_size > 1,
-                                     loss_prescaled=prescale_exactly(
-                                         comm.world_size * cfg.accumulation_steps, scaler),
+                                     loss_prescaled=prescale_exactly(shares_per_step(
+                                         comm.world_size, cfg.accumulation_steps), scaler),
                                      **_sync_options(cfg.sync))
     task.setup(per_rank_batch=per_rank, global_batch=cfg.global_batch_size, rank=comm.rank,
                world_size=comm.world_size, seed=cfg.seed, steps_per_epoch=sched.steps_per_epoch,

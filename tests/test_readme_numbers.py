@@ -47,6 +47,7 @@ ADAM = "results/science/mnist-lstm-adam/mnist-lstm.json"
 MOM = "results/science/mnist-lstm-momentum/mnist-lstm.json"
 CNN = "results/science/fashion-resnet8/fashion-resnet8.json"
 PTB = "results/science/ptb-small/ptb-small.json"
+PRED = "results/science/predictions.json"
 PCT = {"scale": 100.0, "fmt": ".2f"}
 
 
@@ -133,6 +134,23 @@ CLAIMS: list[Claim] = [
           "[batch_size=1024,scheme=legw,status=done].metric", reduce="mean", **PCT),
     Claim(f"just misses with momentum ({SLOT} %)", MOM,
           "[batch_size=1024,scheme=legw,status=done].metric", reduce="mean", **PCT),
+    # the k-map (docs/science.md, "Which batch should I use?"): predictions, then means over seeds
+    Claim(f"MNIST-LSTM with Adam, predicted k_max {SLOT}, measured", PRED,
+          "workloads.mnist-adam.k_max", "d"),
+    Claim(f"measured 32 ({SLOT} % at B = 4096", ADAM,
+          "[batch_size=4096,scheme=legw,status=done].metric", reduce="mean", **PCT),
+    Claim(f"% at B = {SLOT} against B0's 99.01", ADAM,
+          "[batch_size=4096,scheme=legw,status=done].batch_size", "d", reduce="same"),
+    Claim(f"against B0's {SLOT} %); with SGD", ADAM,
+          "[batch_size=128,scheme=legw,status=done].metric", reduce="mean", **PCT),
+    Claim(f"with SGD + momentum, predicted {SLOT}, measured below", PRED,
+          "workloads.mnist-momentum.k_max", "d"),
+    Claim(f"measured below 8 ({SLOT} % at B = 2048", MOM,
+          "[batch_size=2048,scheme=legw,status=done].metric", reduce="mean", **PCT),
+    Claim(f"% at B = {SLOT} against 98.98", MOM,
+          "[batch_size=2048,scheme=legw,status=done].batch_size", "d", reduce="same"),
+    Claim(f"against {SLOT} %): √k", MOM,
+          "[batch_size=128,scheme=legw,status=done].metric", reduce="mean", **PCT),
     # benchmarks
     Claim(f"2 ranks, `results/bench_allreduce_mean.json`): {SLOT}× a raw mpi4py Allreduce",
           "results/bench_allreduce_mean.json", "hpclb_vs_raw_mean_allreduce"),
@@ -154,7 +172,8 @@ CLAIMS: list[Claim] = [
 SETTINGS = [
     "mpirun -n 2", '"world_size": 1', '"world_size": 2', "at k = 64 with LEGW", "B = 1024 = 8·B0",
     "2 ranks, 2026-12-07", "3 seeds", "ResNet-50's gradients, 2 ranks", "(target 0.95 not met)",
-    "at 1 process", "at 2 ranks",
+    "at 1 process", "at 2 ranks", "k = 16 and 32", "measured 32 (", "measured below 8",
+    "√k under-scales",
 ]
 
 

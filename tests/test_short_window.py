@@ -156,7 +156,9 @@ def test_hpclbs_optimizer_refuses_a_short_window_naming_horovods(comm):
     """hpclb.DistributedOptimizer takes K backward passes per step(), or a step() after every
     backward: a step() after 2 of K=3 passes (a short window, hpclb.horovod's loop) is
     refused, naming the fix, never absorbed; a window of one pass is the per-backward loop's
-    first micro-batch, and a third pass after the window's K before step() is refused."""
+    first micro-batch, and a third pass after the window's K before step() is refused; once a
+    first window took K passes per step(), a later step() after one pass is a short window,
+    refused (never read as the per-backward loop's micro-batch, which would drop its update)."""
     w, r = comm.world_size, comm.rank
     model = _model()
     opt = _make("hpclb", comm, model, 3)
@@ -178,6 +180,19 @@ def test_hpclbs_optimizer_refuses_a_short_window_naming_horovods(comm):
         _loss(model, *(t[r::w] for t in _micro_batch(1, 0, w))).backward()  # its second
         with pytest.raises(RuntimeError, match="more than 2 backward passes"):
             _loss(model, *(t[r::w] for t in _micro_batch(1, 1, w))).backward()
+    finally:
+        opt.close()
+    model = _model()  # Horovod's loop on hpclb's optimizer, K = 2: its last window of one
+    opt = _make("hpclb", comm, model, 2)  # pass is short (the first took 2 per step())
+    try:
+        opt.zero_grad()
+        for m in range(2):
+            _loss(model, *(t[r::w] for t in _micro_batch(0, m, w))).backward()
+        assert opt.step() is True
+        opt.zero_grad()
+        _loss(model, *(t[r::w] for t in _micro_batch(1, 0, w))).backward()
+        with pytest.raises(RuntimeError, match=r"short window.*scale each loss by 2 / passes"):
+            opt.step()  # was: False, and the window's update silently lost
     finally:
         opt.close()
 
@@ -206,7 +221,7 @@ def test_horovods_loop_with_a_short_first_window_of_one_survives_refresh_paramet
 def test_skipped_micro_batches_count_in_the_window(comm):
     """hpclb train's loop: every rank counts K micro-batches, an empty share with
     skip_micro_batch() (here the last rank's second), and each window is the mean over
-    world_size * K as it is; a step() after one of them is inside the window (False)."""
+    world_size * K as it is; a later step() after one of them is a short window, refused."""
     k, w, r = 2, comm.world_size, comm.rank
     model, ref = _model(), _model()
     opt, ref_opt = _make("hpclb", comm, model, k), _sgd(ref)
@@ -224,6 +239,7 @@ def test_skipped_micro_batches_count_in_the_window(comm):
         _check_update(comm, model, ref, stepped, "a full window with an empty share")
         opt.zero_grad()
         _loss(model, *(t[r::w] for t in _micro_batch(1, 0, w))).backward()
-        assert opt.step() is False and opt.sync.micro_batches == 1
+        with pytest.raises(RuntimeError, match="short window"):
+            opt.step()  # this loop took K per step(): one pass is a short window, not K's first
     finally:
         opt.close()

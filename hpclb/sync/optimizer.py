@@ -150,7 +150,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             counts an empty micro-batch. The result is the mean over ranks and the K
             micro-batches (the gradient of the K-times larger batch when each micro-batch loss
             is a mean). More than K backward passes before a ``step()``, or a ``step()`` after
-            2 to K - 1 of them (a short window: :mod:`hpclb.horovod`'s), raise RuntimeError.
+            2 to K - 1 of them (a short window: :mod:`hpclb.horovod`'s), raise RuntimeError;
+            so does a ``step()`` after one pass once the first window took K per ``step()``
+            (the loop is known from the first window, on each rank).
         grad_clip_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         max_nonfinite_steps: non-finite steps skipped in a row before :class:`NonFiniteError`
             (>= 1; default 3). With an fp16 scaler, overflows count only once the loss scale has
@@ -253,6 +255,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._views = False  # this step's gradients are the bucket views (GradientSync)
         self.steps = 0
         self.guard = NonFiniteGuard(optimizer, max_nonfinite_steps, scaler)
+        #: the caller's loop, seen at its first window (K > 1): True, step() after every
+        #: backward; False, one step() after the window's K passes (then a step() after one
+        #: pass is a short window, refused, not a micro-batch); None, not seen yet
+        self._step_per_backward: bool | None = None
 
     def _build_sync(self) -> None:
         """The GradientSync over the trainable parameters of ``_named``."""
@@ -333,20 +339,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         synchronise again. Returns False inside a window (``step()`` after every backward: the
         gradients are still local); a call with no backward since the last counts an empty
         micro-batch. Raises RuntimeError for a parameter set that changed, a backward under
-        ``no_sync()`` with none after it, or a short window (2 to K - 1 backward passes)."""
+        ``no_sync()`` with none after it, or a short window (2 to K - 1 backward passes, or
+        one in a loop whose first window took K per ``step()``)."""
         window = self.sync.window  # window.reported: this result, until step() takes it
         if window.reported is not None:
             raise RuntimeError("synchronize() was already called for this step; call step()")
+        k = self.sync.accumulation_steps
         if not window.reduced and not window.local:  # inside a window: step() per backward
-            if window.passes > 1:
+            if window.passes > 1 or (window.passes and self._step_per_backward is False):
                 raise RuntimeError(
-                    f"step() after {window.passes} of the window's accumulation_steps="
-                    f"{self.sync.accumulation_steps} backward passes: hpclb.DistributedOptimizer "
-                    f"takes K backward passes per step(), or one step() after every backward. "
-                    f"Count a rank's empty share with opt.sync.skip_micro_batch(); for "
-                    f"Horovod's short windows use hpclb.horovod.DistributedOptimizer")
-            if not window.passes:  # no backward since the last step(): an empty micro-batch
+                    f"step() after {window.passes} of the window's accumulation_steps={k} "
+                    f"backward passes (a short window): hpclb.DistributedOptimizer takes K "
+                    f"backward passes per step(), or one step() after every backward, and this "
+                    f"loop took {k} per step() before. Count the missing micro-batches with "
+                    f"opt.sync.skip_micro_batch() and scale each loss by {k} / passes given, "
+                    f"drop the short last batch (drop_last=True), or use "
+                    f"hpclb.horovod.DistributedOptimizer for Horovod's short windows")
+            if window.passes:
+                self._step_per_backward = True
+            else:  # no backward since the last step(): an empty micro-batch
                 self.sync.skip_micro_batch()
+        elif window.reduced and k > 1 and self._step_per_backward is None:
+            self._step_per_backward = window.passes == 1
         if not all(map(self._synced_ids.__contains__,
                        map(id, chain.from_iterable(map(_params_of, self.optimizer.param_groups))))):
             try:  # a parameter the optimizer holds is not synchronised: trainable now?

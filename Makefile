@@ -70,13 +70,18 @@ lint: install
 	$(VENV)/bin/vulture
 	$(PY) dev/check_house.py hpclb
 
-# The 1-process suite runs the MPI-marked tests too, at world size 1 (--with-mpi, no launcher).
-test: install data lint
-	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m "not extended"
+# The 1-process suite: the tests that are not MPI-marked on TEST_WORKERS pytest-xdist workers
+# (one file a worker, so a module's shared reference runs are made once), then the MPI-marked
+# ones at world size 1 in one process (--with-mpi initialises MPI, which xdist's workers cannot
+# share), then those at 2 ranks (test-mpi). TEST_WORKERS=1 runs the first part in one process.
+TEST_WORKERS ?= 2
+PYTEST_XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+test: install data lint test-unit
 	$(MAKE) --no-print-directory test-mpi
 
 test-unit: install data
-	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m "not extended"
+	$(PY) -m pytest -q $(PYTEST_XDIST) --durations=20 --ignore=tests/faults -m "not extended and not mpi"
+	$(PY) -m pytest -q --with-mpi --ignore=tests/faults -m "mpi and not extended"
 
 # Slower variants of cases make test covers (bf16/fp16 accuracy runs, more signal timings, the
 # benchmark CLIs at 2 ranks, the kernel under AddressSanitizer, the other settings whose rank

@@ -67,6 +67,7 @@ def test_probe_verdicts():
     assert PROGRESS_MIN == 0.5
 
 
+@pytest.mark.extended  # a real probe grid (~90 s); the rule's pieces are tested above
 def test_stability_probe_runs_the_grid_until_an_lr_does_not_train(tmp_path):
     """A real probe of a small MNIST-LSTM recipe (hidden 16, 4,096 images, B0 128: 8 warmup
     steps then 62 at the LR): Adam at 0.32 trains, and the grid goes up by sqrt(2) until an LR

@@ -135,6 +135,7 @@ def test_the_call_is_written_down():
         assert re.search(rf"\| {name} \| {est} s \| {limit} s \|", gpus), name
 
 
+@pytest.mark.extended  # 150 s: the whole prepared call on the CPU (make test-extended, in CI)
 def test_the_call_runs_on_the_cpu(tmp_path, bundle):
     """The travelling tree (no .venv, no ignored file but the carry) is <= 64 MiB; its command
     with --cpu-dry-run passes every phase, the MPI phases through the carried Open MPI (no

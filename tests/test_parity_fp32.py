@@ -105,7 +105,8 @@ def _compare(ranks: int, args: list[str], dtypes: str, tmp_path, mnist_dir) -> N
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("args", [SMOOTH_CNN, LSTM], ids=["cnn-smooth", "lstm"])
+@pytest.mark.parametrize("args", [pytest.param(SMOOTH_CNN, marks=pytest.mark.extended), LSTM],
+                         ids=["cnn-smooth", "lstm"])  # the CNN: ~80 s, make test-extended
 def test_one_process_and_two_ranks_differ_by_rounding_only(args, tmp_path, mnist_dir):
     """fp32 and fp64 at 1 process vs 2 ranks, the same global batches: every step's loss and
     the final parameters within the bounds."""

@@ -43,7 +43,7 @@ def test_outputs_and_same_seed_same_result(tmp_path, mnist_dir):
         s1["final_test_accuracy"]
 
 
-@pytest.mark.parametrize("acc", [1, 2])
+@pytest.mark.parametrize("acc", [pytest.param(1, marks=pytest.mark.extended), 2])  # 2 covers 1's
 def test_preempted_run_resumes_bit_for_bit(tmp_path, mnist_dir, monkeypatch, acc):
     """Also with 2 micro-batches per step (checkpoints are taken between optimizer steps)."""
     full, cfg_full = run(tmp_path, "full", data_dir=str(mnist_dir.parent), accumulation_steps=acc)

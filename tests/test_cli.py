@@ -138,6 +138,8 @@ def test_every_packaged_recipe_uses_only_known_fields(tmp_path):
     (["--expect-world-size", "0"], r"--expect-world-size 0: must be an integer >= 1"),
     (["--expect-world-size", "-2"], r"--expect-world-size -2: must be an integer >= 1"),
     (["--epochs", "inf"], r"--epochs: must be a finite number > 0"),
+    (["--seed", "-1"], r"--seed: must be in \[0, 2\*\*32 - 1 = 4294967295\], got -1"),
+    (["--seed", "99999999999999999999"], r"--seed: must be in \[0, 2\*\*32 - 1"),  # was a crash
 ])
 def test_bad_flags_fail_in_process(tmp_path, in_process, args, message):
     rc, err = in_process("train", quick_recipe(tmp_path), "--out", tmp_path / "o",

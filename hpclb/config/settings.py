@@ -86,8 +86,9 @@ class RunConfig(RunSettings):
     epochs: float = option(  # checked against the recipe's warmup by load_recipe
         None, "--epochs", "default: the recipe's (fractional allowed)", type=float,
         from_recipe=lambda spec: spec.epochs, column="epochs")
-    seed: int = option(0, "--seed", type=int, check=lambda v: isinstance(v, int) and v >= 0,
-                       problem=lambda v: f"must be >= 0, got {v}")
+    seed: int = option(0, "--seed", type=int,  # < 2**32: every stream seeded from it fits
+                       check=lambda v: isinstance(v, int) and 0 <= v < 2 ** 32,
+                       problem=lambda v: f"must be in [0, 2**32 - 1 = 4294967295], got {v}")
     data_dir: str | None = option(
         None, "--data-dir", "where the data lives (default $HPCLB_DATA or ./data)")
     out: str = option(

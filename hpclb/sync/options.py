@@ -164,7 +164,8 @@ SYNC_SETTINGS: dict[str, SyncSetting] = {
         TRAIN_STALL_ABORT_S, f"{TRAIN_STALL_ABORT_S:g}", "--stall-abort", "HPCLB_STALL_ABORT_S",
         lambda v: _seconds(v, never=True),
         "a number of seconds >= the stall timeout, or never (wait forever)",
-        "end every rank, with the diagnosis, after a collective waited this long", "SECONDS"),
+        "end every rank, with the diagnosis, after a collective waited this long (never: "
+        "wait forever)", "SECONDS"),
 }
 
 

@@ -66,6 +66,19 @@ def _science_row(row: str, file: str, big: int, b0: int, schemes: list[str], **k
     return out
 
 
+def _kmap_claims(workload: str, before: str, after: str, file: str, batch: int, b0_text: str,
+                 b0_end: str) -> list[Claim]:
+    """One workload's k-map sentence: "<before>K<after>ACC % at B = BATCH <b0_text> B0 <b0_end>":
+    the registered k_max (results/science/predictions.json), then LEGW's and B0's means over
+    seeds (docs/science.md, "Which batch should I use?")."""
+    legw = f"[batch_size={batch},scheme=legw,status=done]"
+    return [Claim(f"{before}{SLOT}{after}", PRED, f"workloads.{workload}.k_max", "d"),
+            Claim(f"{after}{SLOT} % at B = {batch}", file, legw + ".metric", reduce="mean", **PCT),
+            Claim(f"% at B = {SLOT} {b0_text}", file, legw + ".batch_size", "d", reduce="same"),
+            Claim(f"{b0_text} {SLOT}{b0_end}", file, "[batch_size=128,scheme=legw,status=done].metric",
+                  reduce="mean", **PCT)]
+
+
 CLAIMS: list[Claim] = [
     # make train's summary line and the main job's bullet
     Claim(f"global batch {SLOT} (k=", MAIN, "global_batch_size", "d"),
@@ -135,22 +148,10 @@ CLAIMS: list[Claim] = [
     Claim(f"just misses with momentum ({SLOT} %)", MOM,
           "[batch_size=1024,scheme=legw,status=done].metric", reduce="mean", **PCT),
     # the k-map (docs/science.md, "Which batch should I use?"): predictions, then means over seeds
-    Claim(f"MNIST-LSTM with Adam, predicted k_max {SLOT}, measured", PRED,
-          "workloads.mnist-adam.k_max", "d"),
-    Claim(f"measured 32 ({SLOT} % at B = 4096", ADAM,
-          "[batch_size=4096,scheme=legw,status=done].metric", reduce="mean", **PCT),
-    Claim(f"% at B = {SLOT} against B0's 99.01", ADAM,
-          "[batch_size=4096,scheme=legw,status=done].batch_size", "d", reduce="same"),
-    Claim(f"against B0's {SLOT} %); with SGD", ADAM,
-          "[batch_size=128,scheme=legw,status=done].metric", reduce="mean", **PCT),
-    Claim(f"with SGD + momentum, predicted {SLOT}, measured below", PRED,
-          "workloads.mnist-momentum.k_max", "d"),
-    Claim(f"measured below 8 ({SLOT} % at B = 2048", MOM,
-          "[batch_size=2048,scheme=legw,status=done].metric", reduce="mean", **PCT),
-    Claim(f"% at B = {SLOT} against 98.98", MOM,
-          "[batch_size=2048,scheme=legw,status=done].batch_size", "d", reduce="same"),
-    Claim(f"against {SLOT} %): √k", MOM,
-          "[batch_size=128,scheme=legw,status=done].metric", reduce="mean", **PCT),
+    *_kmap_claims("mnist-adam", "MNIST-LSTM with Adam, predicted k_max ", ", measured 32 (", ADAM,
+                  4096, "against B0's", " %); with SGD"),
+    *_kmap_claims("mnist-momentum", "with SGD + momentum, predicted ", ", measured below 8 (",
+                  MOM, 2048, "against its B0's", " %): √k"),
     # benchmarks
     Claim(f"2 ranks, `results/bench_allreduce_mean.json`): {SLOT}× a raw mpi4py Allreduce",
           "results/bench_allreduce_mean.json", "hpclb_vs_raw_mean_allreduce"),

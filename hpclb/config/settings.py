@@ -25,8 +25,7 @@ from hpclb.config.recipe import load_recipe
 from hpclb.config.schema import check_lr, number, positive_int, positive_number, require
 from hpclb.errors import ConfigError
 from hpclb.optim import OPTIMIZERS
-from hpclb.sync.options import check_environment
-from hpclb.sync.reduction import shares_per_step
+from hpclb.sync.options import check_environment, shares_per_step
 from hpclb.tasks.registry import TASKS
 from hpclb.tasks.spec import Recipe
 

@@ -48,8 +48,15 @@ from hpclb.comm.base import Communicator
 from hpclb.comm.watchdog import StallReport, watchdog_for
 from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
-from hpclb.sync.options import AGREED_ENVIRONMENT, SYNC_VARIABLES, MiB, SyncOptions, in_force
-from hpclb.sync.reduction import DRIVERS, Window, shares_per_step
+from hpclb.sync.options import (
+    AGREED_ENVIRONMENT,
+    SYNC_VARIABLES,
+    MiB,
+    SyncOptions,
+    in_force,
+    shares_per_step,
+)
+from hpclb.sync.reduction import DRIVERS, Window
 
 __all__ = ["GradientSync"]
 

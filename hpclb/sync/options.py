@@ -25,7 +25,7 @@ __all__ = [
     "DEFAULT_FUSION_THRESHOLD_BYTES", "DEFAULT_STALL_TIMEOUT_S", "OVERLAP_MODES",
     "LIBRARY_STALL_ABORT_S", "TRAIN_STALL_ABORT_S", "SMALL_FUSION_BYTES", "SYNC_SETTINGS",
     "MiB", "SyncOptions", "SyncSetting", "check_environment", "in_force", "parse_bytes",
-    "parse_sync", "resolve_sync"]
+    "parse_sync", "resolve_sync", "shares_per_step"]
 
 MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
@@ -45,6 +45,14 @@ COMPRESSIONS = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
 # Below this a fusion threshold is almost surely a unit mistake (Horovod's CLI takes MB, its env
 # var bytes): it makes about one bucket per tensor.
 SMALL_FUSION_BYTES = 1024
+
+
+def shares_per_step(world_size: int, accumulation_steps: int) -> int:
+    """The shares one optimizer step averages over: ``world_size * accumulation_steps`` (each
+    rank's micro-batches of a window). The default divisor of the reduced sum, the loss
+    weights' scale and the global batch's divisibility all use it."""
+    return world_size * accumulation_steps
+
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}

@@ -43,15 +43,7 @@ import torch
 from hpclb.comm.base import Communicator
 from hpclb.comm.streams import TorchCudaAPI
 
-__all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver", "Window",
-           "shares_per_step"]
-
-
-def shares_per_step(world_size: int, accumulation_steps: int) -> int:
-    """The shares one optimizer step averages over: ``world_size * accumulation_steps`` (each
-    rank's micro-batches of a window). The default divisor of the reduced sum, the loss
-    weights' scale and the global batch's divisibility all use it."""
-    return world_size * accumulation_steps
+__all__ = ["DRIVERS", "BlockingDriver", "NonblockingDriver", "ThreadDriver", "Window"]
 
 
 @dataclass

@@ -42,7 +42,7 @@ from hpclb.plugins import is_plugin
 from hpclb.schedules import Schedule
 from hpclb.sync.agree import broadcast_parameters, check_model_consistency
 from hpclb.sync.optimizer import DistributedOptimizer
-from hpclb.sync.reduction import shares_per_step
+from hpclb.sync.options import shares_per_step
 from hpclb.tasks import Task, build_task
 from hpclb.train.agreed import agreed
 from hpclb.train.checkpoint import CheckpointStore

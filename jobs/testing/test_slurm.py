@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -94,11 +95,18 @@ def wait_done(cluster, job: str, timeout: float, restarts: int = 0) -> str:
 
 
 def render_quick(tmp: Path, out: str, epochs: float, name: str, time: str = "00:15:00",
-                 signal_lead: int = 300) -> Path:
-    """A 2-node x 1-rank MNIST-LSTM script on a 4,096-image subset (16 steps per epoch)."""
+                 signal_lead: int = 300, pace_s: float | None = None) -> Path:
+    """A 2-node x 1-rank MNIST-LSTM script on a 4,096-image subset (16 steps per epoch); with
+    ``pace_s``, the model is ``paced_model.PacedMnistLSTM`` (same numbers, each training
+    forward ``pace_s`` seconds longer)."""
     from helpers import quick_recipe
 
-    recipe = quick_recipe(tmp, epochs=epochs)
+    changes = {}
+    if pace_s is not None:
+        changes = {"model": {"name": "paced_model:PacedMnistLSTM", "hidden_size": 128,
+                             "forget_bias": 1.0, "pace_s": pace_s},
+                   "plugin_path": [str(HERE)]}
+    recipe = quick_recipe(tmp, epochs=epochs, **changes)
     text, plan = jobs.render(jobs.JobSpec(
         experiment=recipe, scheduler="slurm", nodes=2, gpus_per_node=0, tasks_per_node=1,
         per_gpu_batch=128,
@@ -310,25 +318,47 @@ def test_term_to_the_batch_shell_during_start_up_requeues(cluster, workdir, mnis
     assert log.rstrip().endswith("training exited with 0")
 
 
+def signal_delays(log: str) -> list[int]:
+    """Seconds from each attempt's start to its USR2, from the job log's ``[job] <time>`` lines."""
+    delays, start = [], None
+    for when, what in re.findall(r"^\[job\] (\d{4}-\S+) (.*)$", log, re.M):
+        t = datetime.fromisoformat(when)
+        if re.match(r"\S+ restart \d+ on ", what):
+            start = t
+        elif what.startswith("got USR2") and start is not None:
+            delays.append(round((t - start).total_seconds()))
+    return delays
+
+
 @pytest.mark.timeout(1200)
 def test_time_limit_signal_requeues_until_done(cluster, workdir, mnist_ok):
-    """The real thing: SLURM itself sends USR2 (--signal=B:USR2@40 with --time=00:01:00, so 20 s
-    into each attempt give or take slurmctld's ~30 s check period); every attempt checkpoints,
-    exits 75 and requeues, the last one finishes (a signal that comes after its last step or
-    during start-up must not kill a rank); same parameters as an uninterrupted run. 1-2
-    requeues on an idle machine, more when the cores are busy (start-up then takes longer)."""
-    tl = cluster.sbatch(str(render_quick(workdir, "tl", 30, "tl", "00:01:00", 40)), cwd=workdir)
+    """The real thing: SLURM itself sends USR2 (--signal=B:USR2@60 with --time=00:03:00:
+    slurmctld checks time limits every 30 s and signals at the first check with less than
+    60 + 30 s left, so 90-120 s into each attempt); every attempt checkpoints, exits 75 and
+    requeues, the last one finishes (a signal that comes after its last step or during start-up
+    must not kill a rank); same parameters as an uninterrupted run.
+
+    SLURM keeps time limits in whole minutes (00:02:30 is 3 minutes), and the training is paced
+    (``paced_model``: 0.3 s of sleep per training forward, 144 s over the 480 steps) so that
+    it outlasts the first signal on any machine: unpaced, it took 9.7 s on a fast idle one and
+    ended before SLURM's first check (the test had --time=00:01:00, signal at 0-30 s). One
+    requeue, two where start-up and steps are slow."""
+    tl = cluster.sbatch(str(render_quick(workdir, "tl", 30, "tl", "00:03:00", 60, pace_s=0.3)),
+                        cwd=workdir)
     t0 = time.monotonic()
     state = wait_done(cluster, tl, 1100, restarts=1)
     log = (workdir / f"tl-{tl}.out").read_text()
     assert state == "COMPLETED", f"{state}\n{log}"
     # the uninterrupted reference runs after, not beside it: two jobs starting MPI at once on
     # this one-host emulated cluster can crash in MPI_Init (Open MPI's ob1 matching a fragment
-    # before MPI_COMM_WORLD is set up; seen here in both preemption tests)
-    ref = cluster.sbatch(str(render_quick(workdir, "tlref", 30, "tlref")), cwd=workdir)
+    # before MPI_COMM_WORLD is set up; seen here in both preemption tests). Unpaced: the pace
+    # changes no number.
+    ref = cluster.sbatch(str(render_quick(workdir, "tlref", 30, "tlref", pace_s=0.0)),
+                         cwd=workdir)
     assert wait_done(cluster, ref, 300) == "COMPLETED", log_of(cluster, ref)
     restarts = int(cluster.job_field(tl, "Restarts"))
-    print(f"\ntime-limit signal test: {time.monotonic() - t0:.1f} s, {restarts} requeue(s)")
+    print(f"\ntime-limit signal test: {time.monotonic() - t0:.1f} s, {restarts} requeue(s), "
+          f"USR2 {signal_delays(log)} s into the attempts")
     # one more USR2 may come after the last attempt's last step: it must not fail the job
     assert restarts <= log.count("got USR2: asking the ranks to checkpoint") <= restarts + 1, log
     attempts = re.split(rf"\[job\] \S+ {tl} restart \d+ on .*\n", log)[1:]

@@ -298,10 +298,11 @@ def test_term_to_the_batch_shell_during_start_up_requeues(cluster, workdir, mnis
     traps it from there on; before the launch it requeues without starting the ranks, after it
     the script passes it on once the launch is 10 s old (a rank still being created dies by a
     signal), by then during the ranks' start-up or training; either way exit 75 -> requeue, and
-    the requeued job finishes. 40 epochs (~15 s here) so that the signal comes before the last
-    step (after it, the job rightly ends COMPLETED without a requeue)."""
-    job = cluster.sbatch(str(render_quick(workdir, "early", epochs=40, name="early")),
-                         cwd=workdir)
+    the requeued job finishes. 40 epochs (~15 s here, 13 s on a fast idle machine), paced by
+    0.02 s a step (13 s more on any machine), so that the signal comes before the last step
+    (after it, the job rightly ends COMPLETED without a requeue)."""
+    job = cluster.sbatch(str(render_quick(workdir, "early", epochs=40, name="early",
+                                          pace_s=0.02)), cwd=workdir)
     out = workdir / f"early-{job}.out"
     deadline = time.monotonic() + 120
     while f"{job} restart 0 on" not in (out.read_text() if out.exists() else ""):

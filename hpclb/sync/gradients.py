@@ -46,16 +46,9 @@ from torch import Tensor, nn
 
 from hpclb.comm.base import Communicator
 from hpclb.comm.watchdog import StallReport, watchdog_for
+from hpclb.sync import options
 from hpclb.sync.agree import check_sync_agreement
 from hpclb.sync.buckets import Bucket, make_bucket, plan_buckets
-from hpclb.sync.options import (
-    AGREED_ENVIRONMENT,
-    SYNC_VARIABLES,
-    MiB,
-    SyncOptions,
-    in_force,
-    shares_per_step,
-)
 from hpclb.sync.reduction import DRIVERS, Window
 
 __all__ = ["GradientSync"]
@@ -146,7 +139,7 @@ class GradientSync:
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         self._set_options(accumulation_steps, divisor, bool(loss_prescaled),
-                          SyncOptions.resolve(
+                          options.SyncOptions.resolve(
             fusion_threshold_bytes=fusion_threshold_bytes, first_bucket_bytes=first_bucket_bytes,
             overlap=overlap, compression=compression, stall_timeout_s=stall_timeout_s,
             stall_abort_s=stall_abort_s, default_abort_s=comm.stall_abort_s))
@@ -179,7 +172,7 @@ class GradientSync:
         GradientSync._live[id(comm)] = self
 
     def _set_options(self, accumulation_steps: int, divisor: int | None, prescaled: bool,
-                     o: SyncOptions) -> None:
+                     o: options.SyncOptions) -> None:
         comm = self.comm
         if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) \
                 or accumulation_steps < 1:
@@ -201,7 +194,7 @@ class GradientSync:
             raise ValueError("loss_prescaled=True scales the loss by 1 / (world_size * k) "
                              "itself; it does not take a divisor")
         #: the shares one step averages over (world_size * K)
-        self.shares = shares_per_step(comm.world_size, accumulation_steps)
+        self.shares = options.shares_per_step(comm.world_size, accumulation_steps)
         self.divisor = self.shares if divisor is None else divisor
         #: what the caller multiplies each micro-batch's loss by (1.0 unless loss_prescaled)
         self.loss_prescale = 1.0 / self.divisor if prescaled else 1.0
@@ -296,8 +289,8 @@ class GradientSync:
                 "first_bucket_bytes": self.first_bucket_bytes,
                 "overlap": self.overlap, "comm_poll_s": self.comm_poll_s,
                 "stall_timeout_s": o.stall_timeout_s, "stall_abort_s": o.stall_abort_s,
-                **{f"${name}": in_force(name) for name in AGREED_ENVIRONMENT
-                   if name not in SYNC_VARIABLES.values()},
+                **{f"${name}": options.in_force(name) for name in options.AGREED_ENVIRONMENT
+                   if name not in options.SYNC_VARIABLES.values()},
                 "track_local_norm": self.track_local_norm,
                 "track_used": self.track_used, "divisor": self.divisor,
                 "loss_prescaled": self.loss_prescaled}
@@ -635,7 +628,7 @@ class GradientSync:
             self._driver.close()
 
     def __repr__(self) -> str:
-        return (f"GradientSync({len(self.params)} tensors, {self.nbytes / MiB:.2f} MiB in "
+        return (f"GradientSync({len(self.params)} tensors, {self.nbytes / options.MiB:.2f} MiB in "
                 f"{len(self.buckets)} buckets, overlap={self.overlap}, "
                 f"accumulation_steps={self.accumulation_steps}, compression="
                 f"{str(self.compression).replace('torch.', '')}, world_size="

@@ -107,3 +107,13 @@ def test_advise_says_why_there_is_no_noise_scale(tmp_path):
     off = make_run(tmp_path, "off", [epoch(1)])
     rc, _, err = hpclb("advise", str(off))
     assert rc == 2 and "trained without the noise scale" in err and "--noise-scale" in err
+
+
+def test_advise_on_a_run_without_an_epoch_row_says_so(tmp_path):
+    """An empty metrics.jsonl (a run killed in its first epoch) is not blamed on the gradient
+    noise (found by a fresh-user review: it said the gradient was all noise so far)."""
+    for name, lines in (("empty", []), ("steps", [step(1, 2.3), step(2, 2.2)])):
+        run = make_run(tmp_path, name, lines, noise_scale=True)
+        rc, _, err = hpclb("advise", str(run))
+        assert rc == 2 and "it has no epoch row at all" in err, err
+        assert "all noise" not in err, err

@@ -119,8 +119,11 @@ def advice_of(rows: RunRows, last: int = 3) -> dict[str, Any]:
     run = rows.path.parent
     noisy = noisy_epochs(rows)
     if not noisy:
+        why = _why_no_noise(run) if rows.epochs else (
+            "it has no epoch row at all (the run ended, or is still, in its first epoch); "
+            "advise reads the epochs' noise scale: let it finish at least one epoch")
         raise ConfigError(f"{run}: no gradient noise scale in metrics.jsonl (no epoch row with a "
-                          f"positive finite noise.b_simple): {_why_no_noise(run)}")
+                          f"positive finite noise.b_simple): {why}")
     cfg = run_config(rows.path.parent)
     b0 = cfg["base_batch_size"]
     tail = noisy[-last:]

@@ -141,6 +141,17 @@ def test_what_is_compared(monkeypatch):
     assert run_settings(_cfg(out="/a", data_dir="/d0"))["$HPCLB_OVERLAP"] == "thread"
 
 
+
+def test_a_stall_abort_of_never_is_named_never(monkeypatch):
+    """A rank with --stall-abort never (None in the settings) against one with 600 s: the
+    message says never, not unset (found by a fresh-user review)."""
+    from hpclb.config.agreement import _canonical, _mismatch_message, run_settings
+
+    never = run_settings(_cfg(out="/a", sync={"stall_abort_s": "never"}))
+    other = run_settings(_cfg(out="/a", sync={"stall_abort_s": 600}))
+    msg = _mismatch_message([_canonical(never), _canonical(other)])
+    assert 'sync.stall_abort_s (--stall-abort) is "never" on rank 0 but 600.0 on rank 1' in msg, msg
+
 def test_the_message_groups_the_ranks_by_value():
     """Rank 0's value first, then each other value with its ranks; settings that agree are not
     named."""

@@ -67,9 +67,9 @@ def config_settings(cfg, skip: tuple[str, ...] = ()) -> dict[str, Any]:
             continue
         if f.name == "recipe":
             settings.update(_recipe_fields(value, "recipe", skip))
-        elif f.name == "sync":  # each gradient-sync setting by its flag
-            settings.update({f"sync.{k} ({SYNC_SETTINGS[k].flag})": v for k, v in value.items()
-                             if f"sync.{k}" not in skip})
+        elif f.name == "sync":  # each gradient-sync setting by its flag (None: never)
+            settings.update({f"sync.{k} ({SYNC_SETTINGS[k].flag})": "never" if v is None else v
+                             for k, v in value.items() if f"sync.{k}" not in skip})
         elif f.name == "optimizer_params":  # where they come from: the optimizer's section
             settings[f"{f.name} (the recipe's optimizers.{cfg.optimizer})"] = value
         else:

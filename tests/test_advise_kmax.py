@@ -40,6 +40,24 @@ def test_warmup_bound_is_lewgs_constant_steps_over_half_the_budget():
     assert "117 of 160" in format_prediction(p)
 
 
+def test_bound_by_names_only_bounds_that_fail():
+    """Where no bound fails inside the table, "bound by" names why the k range ends (the
+    training set, or a warmup no shorter than the whole run, which fails the warmup bound), not
+    every bound, nor an unmeasured stability (found by a fresh-user review)."""
+    small = dict(MNIST, num_samples=2048, epochs=2)  # 32 steps at B0, 4 warmup steps
+    p = predict_k_max(**small, b_simple=[1e9] * 2)
+    # k = 4: 4 of 8 steps (50 %, passes); k = 8: 4 of 4, no schedule: the warmup fails there
+    assert [r["k"] for r in p["rows"]] == [1, 2, 4] and p["table_end"] is None
+    assert p["k_max"] == 4 and p["binding"] == ["warmup"], p
+    assert "(fails at k = 8: the warmup is no shorter than the whole run there)" in \
+        format_prediction(p)
+    data = predict_k_max(**dict(MNIST, base_warmup_epochs=0.01), b_simple=[1e9] * 20)
+    assert data["rows"][-1]["k"] == 256 and data["table_end"] == "training set"
+    assert data["binding"] == ["training set"] and data["k_max"] == 256, data
+    text = format_prediction(data)
+    assert "bound by training set" in text and "stability" not in text.splitlines()[0], text
+
+
 def test_stability_bound_is_the_sqrt_k_peak_under_the_stable_lr():
     # stable LR 4x eta0: sqrt(k) <= 4, k <= 16
     p = predict_k_max(**MNIST, b_simple=[1e9] * 20, stable_lr=8e-3)
@@ -134,6 +152,14 @@ def test_hpclb_advise_prints_k_max_from_a_b0_run(tmp_path, capsys):
     assert main(["advise", str(run), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["inputs"]["b_simple"] == noise and doc["inputs"]["num_samples"] == 4096
+    assert doc["stable_from"] is None and doc["probe"] is None  # no stable LR: from nowhere
+    # --last below 1 is refused by the command too (it combined every epoch, or dropped the
+    # first, with exit 0; found by a fresh-user review); --lr-probe and --stable-lr exclude
+    for argv in (["--last", "0"], ["--last", "-1"], ["--lr-probe", "--stable-lr", "1"]):
+        with pytest.raises(SystemExit) as e:
+            main(["advise", str(run), *argv])
+        assert e.value.code == 2
+    assert "--last: must be an integer >= 1" in capsys.readouterr().err
     # a stable LR under eta0: the B0 recipe itself is past it, k_max 1, said so
     assert main(["advise", str(run), "--stable-lr", "0.001"]) == 0
     out = capsys.readouterr().out

@@ -109,13 +109,13 @@ def advise(run_dir, last: int = 3, warn: Warn | None = None) -> dict[str, Any]:
     one process, where it is not measured). Every line or epoch left out (a torn line, a
     non-finite value) goes to ``warn`` with its file and line (:mod:`hpclb.tools.runrows`).
     """
-    if not (isinstance(last, int) and last >= 1):
-        raise ConfigError(f"--last must be an integer >= 1 (epochs to combine), got {last!r}")
     return advice_of(read_run(Path(run_dir), warn), last)
 
 
 def advice_of(rows: RunRows, last: int = 3) -> dict[str, Any]:
     """:func:`advise` of a run's rows already read (:func:`~hpclb.tools.runrows.read_run`)."""
+    if isinstance(last, bool) or not (isinstance(last, int) and last >= 1):
+        raise ConfigError(f"--last must be an integer >= 1 (epochs to combine), got {last!r}")
     run = rows.path.parent
     noisy = noisy_epochs(rows)
     if not noisy:

@@ -89,7 +89,12 @@ def predict_k_max(*, base_batch_size: int, num_samples: int, epochs: float,
       :mod:`hpclb.tools.lr_probe`); no bound when ``stable_lr`` is None.
 
     ``num_samples``: training samples (the unit the recipe's batch counts); ``epochs`` the
-    budget. Returns ``{"k_max", "batch", "bounds": {name: k}, "binding": [names], "k_limit",
+    budget. ``binding``: the bounds that fail at ``2 * k_max``; where none does, why the k range
+    ends there (``"k_limit"`` or ``"training set"``: ``2 * k_max * B0`` is above it). A warmup
+    no shorter than the whole run at the next k fails the warmup bound there (``table_end``,
+    why the rows stop after ``k_max``'s table: ``"k_limit"``, ``"training set"`` or None, that
+    warmup).
+    Returns ``{"k_max", "batch", "bounds": {name: k}, "binding": [names], "k_limit", "table_end",
     "stable_lr", "rows": [{"k", "batch", "peak_lr", "warmup_steps", "total_steps",
     "warmup_share", "progress"}]}``. Raises ValueError for a non-positive input."""
     for name, v in (("base_batch_size", base_batch_size), ("num_samples", num_samples),
@@ -105,14 +110,22 @@ def predict_k_max(*, base_batch_size: int, num_samples: int, epochs: float,
         "budget": lambda r: r["progress"] >= PROGRESS_MIN,
         "warmup": lambda r: r["warmup_share"] <= WARMUP_SHARE_MAX,
         "stability": lambda r: stable_lr is None or r["peak_lr"] <= stable_lr * (1 + 1e-9)}
-    bounds = {}
+    # why the table ends after its last k: k_limit, the training set, or (else) a warmup no
+    # shorter than the run at the next k, which fails the warmup bound there
+    after = 2 * rows[-1]["k"]
+    end = ("k_limit" if after > k_limit else "training set"
+           if after * base_batch_size > num_samples else None)
+    bounds, failed = {}, []
     for name, ok in passes.items():
         first_bad = next((r["k"] for r in rows[1:] if not ok(r)), None)
+        if first_bad is None and name == "warmup" and end is None:
+            first_bad = after
         bounds[name] = max(r["k"] for r in rows if first_bad is None or r["k"] < first_bad)
+        failed += [name] if first_bad is not None else []
     k_max = min(bounds.values())
     return {"k_max": k_max, "batch": k_max * base_batch_size, "bounds": bounds,
-            "binding": [n for n, b in bounds.items() if b == k_max], "k_limit": k_limit,
-            "stable_lr": stable_lr, "rows": rows}
+            "binding": [n for n in failed if bounds[n] == k_max] or [end], "k_limit": k_limit,
+            "table_end": end, "stable_lr": stable_lr, "rows": rows}
 
 
 def format_prediction(p: dict[str, Any], stable_from: str = "probe at B0") -> str:
@@ -122,7 +135,9 @@ def format_prediction(p: dict[str, Any], stable_from: str = "probe at B0") -> st
     b = p["bounds"]
     top = max(rows)
 
-    def at(k: int) -> str:
+    def at(k: int, warmup: bool = False) -> str:
+        if k >= top and warmup and p.get("table_end", "k_limit") is None:
+            return f" (fails at k = {2 * k}: the warmup is no shorter than the whole run there)"
         return f" (no k up to {top} fails)" if k >= top else f" (fails at k = {2 * k})"
 
     w = rows.get(2 * b["warmup"], rows[b["warmup"]])
@@ -133,7 +148,7 @@ def format_prediction(p: dict[str, Any], stable_from: str = "probe at B0") -> st
              + (f"; at k = {2 * b['budget']}: {rows[2 * b['budget']]['progress']:.0%}"
                 if 2 * b["budget"] in rows else ""),
              f"  warmup: {rows[1]['warmup_steps']} warmup steps <= "
-             f"{WARMUP_SHARE_MAX:.0%} of the steps -> k <= {b['warmup']}{at(b['warmup'])}"
+             f"{WARMUP_SHARE_MAX:.0%} of the steps -> k <= {b['warmup']}{at(b['warmup'], True)}"
              + (f"; at k = {w['k']} it is {w['warmup_steps']} of {w['total_steps']}"
                 if w["k"] != b["warmup"] else "")]
     if p["stable_lr"] is None:
@@ -227,7 +242,8 @@ def saved_probe(run: Path, inputs: dict, warn: Warn) -> dict | None:
 def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
                     probe: dict | None = None, warn: Warn | None = None) -> dict[str, Any]:
     """The advice (:func:`~hpclb.tools.advise.advise`) and, for a run at its recipe's B0, the
-    prediction: ``{"advice", "inputs", "prediction", "probe", "stable_from"}``
+    prediction: ``{"advice", "inputs", "prediction", "probe", "stable_from"}`` (``stable_from``:
+    ``"given"``, ``"probe at B0"`` or None without a stable LR)
     (``prediction`` None, with ``why``, for a run at another batch). The stable LR is
     ``stable_lr`` if given, else ``probe["stable_lr"]``, else the probe saved beside the run
     (:func:`saved_probe`), else none. Raises ConfigError as ``advise`` does."""
@@ -243,9 +259,9 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
     inputs["b_simple"] = _b_simple_per_epoch(rows)
     if probe is None and stable_lr is None:
         probe = saved_probe(run, inputs, warn)
-    stable_from = "given" if stable_lr is not None else "probe at B0"
+    stable_from = "given" if stable_lr is not None else None
     if stable_lr is None and probe is not None:
-        stable_lr = probe["stable_lr"]
+        stable_lr, stable_from = probe["stable_lr"], "probe at B0"
     pred = predict_k_max(**{k: inputs[k] for k in ("base_batch_size", "num_samples", "epochs",
                                                    "base_warmup_epochs", "base_lr",
                                                    "b_simple")}, stable_lr=stable_lr)

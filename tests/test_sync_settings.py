@@ -37,6 +37,11 @@ def test_flag_over_variable_over_recipe_over_default():
     ({"compression": "fp8"}, {}, {}, r"r: sync.compression: must be one of none, fp16, "
                                      r"bf16.*got 'fp8'"),
     ({}, {"fusion_threshold_bytes": "25 parsecs"}, {}, r"--fusion-threshold: must be a size"),
+    # past a float: named, not an OverflowError (found by a fresh-user review)
+    ({}, {"fusion_threshold_bytes": "1e400"}, {}, r"--fusion-threshold: must be a size"),
+    ({}, {}, {"HPCLB_FUSION_THRESHOLD_BYTES": "1e400"},
+     r"\$HPCLB_FUSION_THRESHOLD_BYTES: must be a size"),
+    ({"fusion_threshold_bytes": float("inf")}, {}, {}, r"r: sync.fusion_threshold_bytes: must"),
     ({}, {}, {"HPCLB_STALL_TIMEOUT_S": "-1"}, r"\$HPCLB_STALL_TIMEOUT_S: must be a number of "
                                               r"seconds > 0"),
     ({"stall_abort_s": 30}, {}, {}, r"r: sync.stall_abort_s 30 is below the default of "

@@ -67,7 +67,7 @@ def parse_bytes(raw: str) -> int:
     accepted forms."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(raw))
     unit = m.group(2).upper() if m else None
-    if m is None or unit not in _UNITS:
+    if m is None or unit not in _UNITS or not math.isfinite(float(m.group(1)) * _UNITS[unit]):
         raise ValueError(f"{raw!r} is not a size: use {BYTES_FORMS}")
     return int(float(m.group(1)) * _UNITS[unit])
 
@@ -108,7 +108,8 @@ def _choice(valid: tuple[str, ...]):
 
 def _bytes(value: Any) -> int:
     n = parse_bytes(value) if isinstance(value, str) else value
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or n != int(n) or n <= 0:
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) \
+            or n != int(n) or n <= 0:
         raise ValueError
     return int(n)
 

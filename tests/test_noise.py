@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpclb.noise import NoiseScaleEstimator, grad_sq_norm
-from hpclb.tools.advise import recommend_batch
+from hpclb.tools.advise import format_advice, recommend_batch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,5 +120,12 @@ def test_grad_sq_norm_and_recommended_batch():
     assert recommend_batch(1000.0, 128) == 512
     assert recommend_batch(1024.0, 128) == 1024
     assert recommend_batch(50.0, 128) == 128
+    # the printed rule says so when B0 is above the critical batch (fresh-user review)
+    advice = {"epochs": [1, 2], "critical_batch": 112.6, "critical_lo": 90.0,
+              "critical_hi": 130.0, "base_batch_size": 128, "recommended_batch": 128,
+              "recommended_lo": 128, "recommended_hi": 128, "run_batch_size": 128}
+    assert "k = 1: B0 itself: critical_batch is below it" in format_advice(advice)
+    advice.update(critical_batch=1000.0, recommended_batch=512)
+    assert "k = 4: the largest B0 x 2^j not above critical_batch" in format_advice(advice)
     with pytest.raises(ValueError, match="b_simple"):
         recommend_batch(float("nan"), 128)

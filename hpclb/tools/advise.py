@@ -156,10 +156,12 @@ def format_advice(a: dict[str, Any]) -> str:
     ep = a["epochs"]
     span = f"epoch {ep[0]}" if len(ep) == 1 else f"epochs {ep[0]}-{ep[-1]}"
     k = a["recommended_batch"] / a["base_batch_size"]
+    rule = ("B0 itself: critical_batch is below it" if a["critical_batch"] < a["base_batch_size"]
+            else "the largest B0 x 2^j not above critical_batch")
     return "\n".join([
         f"critical_batch {a['critical_batch']:.4g} (B_simple, McCandlish et al. 2018; median of "
         f"{span}; range {g(a['critical_lo'])} - {g(a['critical_hi'])})",
-        f"recommended_batch {a['recommended_batch']} (LEGW, k = {k:g}: the largest B0 x 2^j not "
-        f"above critical_batch, B0 = {a['base_batch_size']}; {a['recommended_lo'] or '?'} - "
+        f"recommended_batch {a['recommended_batch']} (LEGW, k = {k:g}: {rule}, B0 = "
+        f"{a['base_batch_size']}; {a['recommended_lo'] or '?'} - "
         f"{a['recommended_hi'] or '?'} over the range)",
         f"this run's batch: {a['run_batch_size']}"])

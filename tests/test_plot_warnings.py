@@ -117,3 +117,17 @@ def test_advise_on_a_run_without_an_epoch_row_says_so(tmp_path):
         rc, _, err = hpclb("advise", str(run))
         assert rc == 2 and "it has no epoch row at all" in err, err
         assert "all noise" not in err, err
+
+
+@pytest.mark.parametrize("b0", ["abc", True, 0, 12.5])
+def test_advise_refuses_a_damaged_base_batch_size_naming_the_file(tmp_path, b0):
+    """A config.json whose recipe.base_batch_size is not a positive integer is named (a boolean
+    was read as B0 = 1 with exit 0, text gave int()'s message without the file; fresh-user
+    review)."""
+    run = make_run(tmp_path, "run", [epoch(1, noise=noise(500.0))], noise_scale=True)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["recipe"]["base_batch_size"] = b0
+    (run / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = hpclb("advise", str(run))
+    assert rc == 2 and f"{run / 'config.json'}: recipe.base_batch_size {b0!r} is not a " \
+        f"positive integer" in err, err

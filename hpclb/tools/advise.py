@@ -44,7 +44,7 @@ def run_config(run: Path) -> dict:
     path = run / "config.json"
     try:
         cfg = read_json(path, "the config.json files of `hpclb train`")
-        b0 = int(cfg["recipe"]["base_batch_size"])
+        b0 = cfg["recipe"]["base_batch_size"]
     except FileNotFoundError:
         raise ConfigError(f"{path}: missing; advise needs the run's base_batch_size") from None
     except ValueError as e:  # not UTF-8 or not JSON: the message names the file and the place
@@ -52,8 +52,8 @@ def run_config(run: Path) -> dict:
     except (OSError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: not a config.json of `hpclb train` ({e!r}); advise needs "
                           f"the run's recipe.base_batch_size") from e
-    if b0 <= 0:
-        raise ConfigError(f"{path}: recipe.base_batch_size {b0} is not a positive integer")
+    if isinstance(b0, bool) or not isinstance(b0, int) or b0 <= 0:
+        raise ConfigError(f"{path}: recipe.base_batch_size {b0!r} is not a positive integer")
     return {**cfg, "base_batch_size": b0}
 
 

@@ -152,6 +152,18 @@ def test_a_stall_abort_of_never_is_named_never(monkeypatch):
     msg = _mismatch_message([_canonical(never), _canonical(other)])
     assert 'sync.stall_abort_s (--stall-abort) is "never" on rank 0 but 600.0 on rank 1' in msg, msg
 
+
+def test_never_is_never_in_any_case(monkeypatch):
+    """$HPCLB_STALL_ABORT_S=never on one rank and NEVER on another are the same setting (they
+    were compared as raw text and refused as a disagreement; fresh-user review)."""
+    from hpclb.config.agreement import run_settings
+
+    seen = []
+    for text in ("never", "NEVER", " Never"):
+        monkeypatch.setenv("HPCLB_STALL_ABORT_S", text)
+        seen.append(run_settings(_cfg(out="/a"))["$HPCLB_STALL_ABORT_S"])
+    assert seen == ["never"] * 3, seen
+
 def test_the_message_groups_the_ranks_by_value():
     """Rank 0's value first, then each other value with its ranks; settings that agree are not
     named."""

@@ -249,7 +249,7 @@ AGREED_ENVIRONMENT = {
     "HPCLB_OVERLAP": ("auto", str),
     "HPCLB_COMPRESSION": ("none", str),
     "HPCLB_STALL_TIMEOUT_S": (DEFAULT_STALL_TIMEOUT_S, float),
-    "HPCLB_STALL_ABORT_S": (None, float),
+    "HPCLB_STALL_ABORT_S": (None, lambda v: "never" if v.strip().lower() == "never" else float(v)),
     "HPCLB_COMM_POLL_S": (DEFAULT_COMM_POLL_S, float),
     "HPCLB_TRUST_BACKEND": ("auto", str),
 }

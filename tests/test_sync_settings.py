@@ -108,3 +108,13 @@ def test_ranks_compare_each_sync_setting_by_its_flag(tmp_path):
     assert a["sync.compression (--compression)"] == "fp16"
     message = _mismatch_message([_canonical(a), _canonical(b)])
     assert "sync.compression (--compression) is" in message and "bf16" in message, message
+
+
+def test_a_tiny_fusion_threshold_warns_naming_every_place_it_is_set():
+    """The unit hint names the flag, the variable and the recipe (it named only the variable,
+    whichever had set it; fresh-user review)."""
+    from hpclb.sync.options import SyncOptions
+
+    with pytest.warns(UserWarning, match=r"one bucket per tensor.*--fusion-threshold, "
+                                         r"\$HPCLB_FUSION_THRESHOLD_BYTES, the recipe's sync:"):
+        SyncOptions.resolve(fusion_threshold_bytes=100)

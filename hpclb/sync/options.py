@@ -305,8 +305,10 @@ class SyncOptions:
                    comm_poll_s=_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, _poll_seconds))
         if opts.fusion_threshold_bytes < SMALL_FUSION_BYTES:
             warnings.warn(f"fusion_threshold_bytes={opts.fusion_threshold_bytes} bytes makes about "
-                          f"one bucket per tensor; the unit is bytes (64 MiB is 67108864 or "
-                          f"'64MiB' in $HPCLB_FUSION_THRESHOLD_BYTES)", UserWarning, stacklevel=3)
+                          f"one bucket per tensor; the unit is bytes (64 MiB is 67108864, or "
+                          f"'64MiB' wherever it is set: --fusion-threshold, "
+                          f"$HPCLB_FUSION_THRESHOLD_BYTES, the recipe's sync: section)",
+                          UserWarning, stacklevel=3)
         return opts
 
     @property

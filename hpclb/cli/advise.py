@@ -26,22 +26,12 @@ def _positive(text: str) -> float:
     return v
 
 
-def _epochs(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (epochs to combine), got {v}")
-    return v
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hpclb advise`` on the top-level subparsers."""
     p = subparsers.add_parser("advise", help=HELP)
     p.add_argument("run_dir", help="a run directory written by hpclb train --noise-scale (at the "
                                    "recipe's B0 for the k_max prediction)")
-    p.add_argument("--last", type=_epochs, default=3, help="epochs to combine (default 3)")
+    p.add_argument("--last", type=int, default=3, help="epochs to combine (default 3)")
     stable = p.add_mutually_exclusive_group()
     stable.add_argument("--lr-probe", action="store_true",
                         help="measure the largest LR that trains at B0 (short runs of the run's "

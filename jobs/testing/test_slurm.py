@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from joblog import resumes, startups  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
 
+from hpclb.config import load_recipe  # noqa: E402
 from hpclb.tools import jobs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("apt-get"),
@@ -103,8 +104,8 @@ def render_quick(tmp: Path, out: str, epochs: float, name: str, time: str = "00:
 
     changes = {}
     if pace_s is not None:
-        changes = {"model": {"name": "paced_model:PacedMnistLSTM", "hidden_size": 128,
-                             "forget_bias": 1.0, "pace_s": pace_s},
+        model = load_recipe("mnist-lstm")["model"]  # the packaged model's arguments
+        changes = {"model": {**model, "name": "paced_model:PacedMnistLSTM", "pace_s": pace_s},
                    "plugin_path": [str(HERE)]}
     recipe = quick_recipe(tmp, epochs=epochs, **changes)
     text, plan = jobs.render(jobs.JobSpec(

@@ -120,12 +120,19 @@ def test_grad_sq_norm_and_recommended_batch():
     assert recommend_batch(1000.0, 128) == 512
     assert recommend_batch(1024.0, 128) == 1024
     assert recommend_batch(50.0, 128) == 128
+    # never above the training set: 84k critical on MNIST's 60,000 samples gives 32768, not 65536
+    assert recommend_batch(84000.0, 128) == 65536
+    assert recommend_batch(84000.0, 128, max_batch=59905) == 32768
+    assert recommend_batch(50.0, 128, max_batch=100) == 128  # B0 stays the floor
     # the printed rule says so when B0 is above the critical batch (fresh-user review)
     advice = {"epochs": [1, 2], "critical_batch": 112.6, "critical_lo": 90.0,
               "critical_hi": 130.0, "base_batch_size": 128, "recommended_batch": 128,
               "recommended_lo": 128, "recommended_hi": 128, "run_batch_size": 128}
     assert "k = 1: B0 itself: critical_batch is below it" in format_advice(advice)
     advice.update(critical_batch=1000.0, recommended_batch=512)
-    assert "k = 4: the largest B0 x 2^j not above critical_batch" in format_advice(advice)
+    assert "k = 4: the largest B0 x 2^j not above critical_batch," in format_advice(advice)
+    advice.update(critical_batch=84000.0, recommended_batch=32768, train_samples_min=59905)
+    assert "k = 256: the largest B0 x 2^j not above critical_batch nor the training set " \
+           "(>= 59905 samples)" in format_advice(advice)
     with pytest.raises(ValueError, match="b_simple"):
         recommend_batch(float("nan"), 128)

@@ -121,3 +121,16 @@ def test_advise_without_noise_data_exits_2_naming_the_flag(tmp_path, capsys):
     assert cli.main(["advise", str(run)]) == 2
     assert "--noise-scale" in capsys.readouterr().err
     assert cli.main(["advise", str(tmp_path / "nowhere")]) == 2
+
+
+def test_advise_recommends_no_batch_above_the_training_set(tmp_path, capsys):
+    # MNIST's late-epoch noise scale (84k) exceeds its 60,000 training samples: the recommended
+    # batch and its range stop at the largest B0 x 2^j within one epoch (a review finding)
+    run = noisy_run(tmp_path, [(84000, 70000, 90000)] * 3)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg.update(steps_per_epoch=469, global_batch_size=128)  # as hpclb train records at B0
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(["advise", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "recommended_batch 32768 (LEGW, k = 256" in out
+    assert "nor the training set (>= 59905 samples)" in out and "32768 - 32768 over" in out

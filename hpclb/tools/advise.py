@@ -23,17 +23,18 @@ __all__ = ["recommend_batch", "advise", "advice_of", "format_advice", "noisy_epo
            "run_config"]
 
 
-def recommend_batch(b_simple: float, base_batch_size: int) -> int:
+def recommend_batch(b_simple: float, base_batch_size: int, max_batch: int | None = None) -> int:
     """The largest batch :func:`hpclb advise` recommends for LEGW: the largest ``B0 * 2^j``
-    (``j >= 0``) not above ``b_simple``, so LEGW's ``k`` stays a power of two and the batch
-    stays at or below the estimated critical batch; ``B0`` itself when ``b_simple < B0``.
+    (``j >= 0``) not above ``b_simple`` nor ``max_batch`` (the training set, in samples), so
+    LEGW's ``k`` stays a power of two and the batch stays at or below the estimated critical
+    batch and within one epoch; ``B0`` itself when ``b_simple < B0``.
     Raises ValueError for a non-positive or non-finite ``b_simple`` or ``B0``."""
     if not (isinstance(b_simple, (int, float)) and math.isfinite(b_simple) and b_simple > 0):
         raise ValueError(f"b_simple must be a positive finite number, got {b_simple!r}")
     if not (isinstance(base_batch_size, int) and base_batch_size > 0):
         raise ValueError(f"base_batch_size must be a positive integer, got {base_batch_size!r}")
     batch = base_batch_size
-    while batch * 2 <= b_simple:
+    while batch * 2 <= min(b_simple, max_batch or math.inf):
         batch *= 2
     return batch
 
@@ -103,7 +104,9 @@ def advise(run_dir, last: int = 3, warn: Warn | None = None) -> dict[str, Any]:
     for a full run); ``critical_lo``/``critical_hi``: the lowest ``b_simple_lo`` and the highest
     ``b_simple_hi`` of those epochs, each widened to include the epoch's end value.
     ``recommended_batch``: :func:`recommend_batch` of it (the largest ``B0 * 2^j`` not above it),
-    with the same rule at both ends of the spread.
+    with the same rule at both ends of the spread; none above ``train_samples_min``, the fewest
+    training samples the run's ``config.json`` allows (``(steps_per_epoch - 1) * batch + 1``;
+    None when it does not say), so no batch is larger than the training set.
     Raises ConfigError (exit 2) naming the directory when it or its metrics.jsonl is missing,
     and, when the run has no noise data, saying why (trained without ``--noise-scale``, or at
     one process, where it is not measured). Every line or epoch left out (a torn line, a
@@ -140,12 +143,23 @@ def advice_of(rows: RunRows, last: int = 3) -> dict[str, Any]:
     highs = [max(spread(r, "b_simple_hi")) for r in tail]
     lo, hi = (min(lows) if lows else None), (max(highs) if highs else None)
     pos = lambda x: x is not None and x > 0  # noqa: E731
+    n = _train_samples_min(cfg)
     return {"critical_batch": critical, "critical_lo": lo, "critical_hi": hi,
             "epochs": [r.get("epoch") for r in tail], "base_batch_size": b0,
             "run_batch_size": cfg.get("global_batch_size"),
-            "recommended_batch": recommend_batch(critical, b0) if critical > 0 else b0,
-            "recommended_lo": recommend_batch(lo, b0) if pos(lo) else None,
-            "recommended_hi": recommend_batch(hi, b0) if pos(hi) else None}
+            "train_samples_min": n,
+            "recommended_batch": recommend_batch(critical, b0, n) if critical > 0 else b0,
+            "recommended_lo": recommend_batch(lo, b0, n) if pos(lo) else None,
+            "recommended_hi": recommend_batch(hi, b0, n) if pos(hi) else None}
+
+
+def _train_samples_min(cfg: dict) -> int | None:
+    """The fewest training samples an epoch of ``steps_per_epoch`` steps at ``global_batch_size``
+    can hold (its last step at least one sample); None when config.json lacks either."""
+    steps, batch = cfg.get("steps_per_epoch"), cfg.get("global_batch_size")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (steps, batch)):
+        return None
+    return (steps - 1) * batch + 1
 
 
 def format_advice(a: dict[str, Any]) -> str:
@@ -156,8 +170,11 @@ def format_advice(a: dict[str, Any]) -> str:
     ep = a["epochs"]
     span = f"epoch {ep[0]}" if len(ep) == 1 else f"epochs {ep[0]}-{ep[-1]}"
     k = a["recommended_batch"] / a["base_batch_size"]
+    n = a.get("train_samples_min")
     rule = ("B0 itself: critical_batch is below it" if a["critical_batch"] < a["base_batch_size"]
-            else "the largest B0 x 2^j not above critical_batch")
+            else "the largest B0 x 2^j not above critical_batch"
+            + (f" nor the training set (>= {n} samples)" if n and n < a["critical_batch"]
+               else ""))
     return "\n".join([
         f"critical_batch {a['critical_batch']:.4g} (B_simple, McCandlish et al. 2018; median of "
         f"{span}; range {g(a['critical_lo'])} - {g(a['critical_hi'])})",

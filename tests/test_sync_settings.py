@@ -2,6 +2,8 @@
 SYNC_SETTINGS): the recipe's `sync:` section, the `HPCLB_*` variables as overrides applied once
 at resolution, the flags over both; each bad value names where it came from."""
 import json
+import re
+from pathlib import Path
 
 import pytest
 from helpers import LAUNCH_ENV, quick_recipe, run_hpclb
@@ -63,6 +65,15 @@ def test_a_bad_value_names_its_source(section, given, env, message):
 def test_the_recipe_section_is_checked_when_it_is_loaded(tmp_path, sync, message):
     with pytest.raises(ConfigError, match=message):
         resolve(quick_recipe(tmp_path, sync=sync))
+
+
+def test_an_abort_below_the_timeout_names_the_recipe_file(tmp_path):
+    # the recipe's own file, as every other recipe error names it (review finding: it named the
+    # recipe's `name:` field, which need not match any file)
+    path = quick_recipe(tmp_path, sync={"stall_abort_s": 5})
+    with pytest.raises(ConfigError, match=rf"^{re.escape(Path(path).name)}: sync.stall_abort_s 5 "
+                                          r"is below the default of --stall-timeout 60"):
+        resolve(path)
 
 
 def test_resolve_applies_the_variables_once(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from hpclb.errors import ConfigError
 from hpclb.plugins import add_search_path, is_plugin
 from hpclb.tasks.spec import Recipe, task_name
 
-__all__ = ["available_experiments", "load_recipe", "parse_recipe"]
+__all__ = ["available_experiments", "load_recipe", "parse_recipe", "recipe_path"]
 
 
 def available_experiments() -> list[str]:
@@ -37,7 +37,9 @@ def available_experiments() -> list[str]:
     return sorted(f.name[:-5].replace("_", "-") for f in files if f.name.endswith(".yaml"))
 
 
-def _recipe_path(experiment: str) -> Path:
+def recipe_path(experiment: str) -> Path:
+    """The YAML file of a recipe given by packaged name (``mnist-lstm``) or path; ConfigError
+    when there is none (naming the choices)."""
     path = Path(experiment)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
@@ -128,7 +130,7 @@ def load_recipe(experiment: str, epochs: float | None = None) -> dict[str, Any]:
     sensible range. A budget of more than :data:`~hpclb.schedules.MAX_TOTAL_STEPS` epochs is
     refused here, one of more steps at the run's batch when its schedule is made.
     """
-    path = _recipe_path(experiment)
+    path = recipe_path(experiment)
     recipe = _read_yaml(path)
     require(isinstance(recipe, dict), str(path), "a recipe must be a YAML mapping")
     where = f"{path.name}"

@@ -21,7 +21,7 @@ from hpclb.config.fields import (
     setting_value,
 )
 from hpclb.config.outputs import default_run_dir
-from hpclb.config.recipe import load_recipe
+from hpclb.config.recipe import load_recipe, recipe_path
 from hpclb.config.schema import check_lr, number, positive_int, positive_number, require
 from hpclb.errors import ConfigError
 from hpclb.optim import OPTIMIZERS
@@ -314,5 +314,5 @@ def resolve(experiment: str, *, sync: dict | None = None, resume_changed: tuple[
                                                                  values["global_batch_size"])},
                      resume_changed=tuple(sorted(set(resume_changed))),
                      sync=resolve_sync(recipe.get("sync"), sync or {}, dict(os.environ),
-                                       f"recipe {spec.name}"),
+                                       recipe_path(experiment).name),
                      **{name: setting_value(name, given.get(name), recipe) for name in SETTINGS})

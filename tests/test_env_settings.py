@@ -25,10 +25,14 @@ CASES = [
                                    r".*got '0'"),
     ("HPCLB_FUSION_THRESHOLD_BYTES", "0", r"\$HPCLB_FUSION_THRESHOLD_BYTES: must be a size > 0: "
                                           r"an integer number of bytes .*got '0'"),
-    ("HPCLB_CUDA_AWARE_MPI", "2", r"\$HPCLB_CUDA_AWARE_MPI='2': choose one of 0, 1"),
-    ("HPCLB_TRUST_BACKEND", "cuda", r"\$HPCLB_TRUST_BACKEND='cuda': choose one of auto, torch"),
-    ("HPCLB_ABORT_ON_EXCEPTION", "maybe", r"\$HPCLB_ABORT_ON_EXCEPTION='maybe': choose one of 0"),
-    ("HPCLB_COMM_POLL_S", "-1", r"\$HPCLB_COMM_POLL_S='-1': must be a number of seconds >= 0"),
+    # every variable's message has one form: $NAME: must be <valid>, got <value> (review finding)
+    ("HPCLB_CUDA_AWARE_MPI", "2", r"\$HPCLB_CUDA_AWARE_MPI: must be one of 0, 1, got '2'"),
+    ("HPCLB_TRUST_BACKEND", "cuda", r"\$HPCLB_TRUST_BACKEND: must be one of auto, torch, got "
+                                    r"'cuda'"),
+    ("HPCLB_ABORT_ON_EXCEPTION", "maybe", r"\$HPCLB_ABORT_ON_EXCEPTION: must be one of 0, 1, "
+                                          r"false, .*got 'maybe'"),
+    ("HPCLB_COMM_POLL_S", "-1", r"\$HPCLB_COMM_POLL_S: must be a number of seconds >= 0 "
+                                r"\(e.g. 0.0002\), got '-1'"),
     ("HPCLB_STALL_ABORT_S", "0", r"\$HPCLB_STALL_ABORT_S: must be a number of seconds >= the "
                                  r"stall timeout, or never .*got '0'"),
     ("HPCLB_STALL_ABORT_S", "30", r"\$HPCLB_STALL_ABORT_S 30 is below the default "

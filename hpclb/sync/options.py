@@ -79,7 +79,7 @@ def _env(name: str, default, conv):
     try:
         return conv(raw)
     except ValueError as e:
-        raise ValueError(f"${name}={raw!r}: {e}") from e
+        raise ValueError(f"${name}: must be {e}, got {raw!r}") from e
 
 
 def _number(value: Any) -> float:
@@ -94,14 +94,14 @@ def _number(value: Any) -> float:
 def _poll_seconds(raw: str) -> float:
     value = _number(raw)
     if not value >= 0:
-        raise ValueError("must be a number of seconds >= 0 (e.g. 0.0002)")
+        raise ValueError("a number of seconds >= 0 (e.g. 0.0002)")
     return value
 
 
 def _choice(valid: tuple[str, ...]):
     def conv(raw: str) -> str:
         if raw not in valid:
-            raise ValueError(f"choose one of {', '.join(valid)}")
+            raise ValueError(f"one of {', '.join(valid)}")
         return raw
     return conv
 

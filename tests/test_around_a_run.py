@@ -183,6 +183,15 @@ def test_dry_run_warns_when_warmup_takes_more_than_half_the_run(tmp_path):
                      r"more epochs \(--epochs\)", stderr), stderr
 
 
+def test_dry_run_warns_of_a_fusion_threshold_in_the_wrong_unit(tmp_path):
+    # the warning hpclb train gives when it builds the gradient sync, given by the plan too
+    # (review finding: the dry run was silent about it)
+    rc, stdout, stderr = _dry("--out", tmp_path / "o", "--fusion-threshold", "64")
+    assert rc == 0 and "sync         buckets of 64 B" in stdout, stdout
+    assert re.search(r"hpclb: warning: fusion_threshold_bytes=64 bytes makes about one bucket "
+                     r"per tensor; the unit is bytes", stderr), stderr
+
+
 def test_dry_run_tells_what_happens_to_out(finished):
     recipe, out, _ = finished
     rc, stdout, stderr = _dry("--out", out, experiment=recipe)

@@ -25,7 +25,7 @@ __all__ = [
     "DEFAULT_FUSION_THRESHOLD_BYTES", "DEFAULT_STALL_TIMEOUT_S", "OVERLAP_MODES",
     "LIBRARY_STALL_ABORT_S", "TRAIN_STALL_ABORT_S", "SMALL_FUSION_BYTES", "SYNC_SETTINGS",
     "MiB", "SyncOptions", "SyncSetting", "check_environment", "in_force", "parse_bytes",
-    "parse_sync", "resolve_sync", "shares_per_step"]
+    "parse_sync", "resolve_sync", "shares_per_step", "small_bucket_warning"]
 
 MiB = 2 ** 20
 DEFAULT_FUSION_THRESHOLD_BYTES = 25 * MiB
@@ -223,6 +223,17 @@ def resolve_sync(section: dict | None, given: dict[str, Any], environ: Mapping[s
     return values
 
 
+def small_bucket_warning(fusion_threshold_bytes: int) -> str | None:
+    """The unit hint for a fusion threshold under :data:`SMALL_FUSION_BYTES` (about one bucket
+    per tensor: a unit mistake, surely), else None; :class:`SyncOptions` warns it, and so does
+    ``hpclb train --dry-run``."""
+    if fusion_threshold_bytes >= SMALL_FUSION_BYTES:
+        return None
+    return (f"fusion_threshold_bytes={fusion_threshold_bytes} bytes makes about one bucket per "
+            f"tensor; the unit is bytes (64 MiB is 67108864, or '64MiB' wherever it is set: "
+            f"--fusion-threshold, $HPCLB_FUSION_THRESHOLD_BYTES, the recipe's sync: section)")
+
+
 def check_environment() -> None:
     """Check every ``HPCLB_*`` gradient-sync variable that is set (:func:`resolve_sync`: also
     ``HPCLB_STALL_ABORT_S`` against ``HPCLB_STALL_TIMEOUT_S`` or its default) and
@@ -303,12 +314,9 @@ class SyncOptions:
                    else parse_sync("fusion_threshold_bytes", first_bucket_bytes,
                                    "first_bucket_bytes"),
                    comm_poll_s=_env("HPCLB_COMM_POLL_S", DEFAULT_COMM_POLL_S, _poll_seconds))
-        if opts.fusion_threshold_bytes < SMALL_FUSION_BYTES:
-            warnings.warn(f"fusion_threshold_bytes={opts.fusion_threshold_bytes} bytes makes about "
-                          f"one bucket per tensor; the unit is bytes (64 MiB is 67108864, or "
-                          f"'64MiB' wherever it is set: --fusion-threshold, "
-                          f"$HPCLB_FUSION_THRESHOLD_BYTES, the recipe's sync: section)",
-                          UserWarning, stacklevel=3)
+        warning = small_bucket_warning(opts.fusion_threshold_bytes)
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=3)
         return opts
 
     @property

@@ -28,6 +28,7 @@ from hpclb.config import RunConfig
 from hpclb.config.outputs import check_run_dir, run_files
 from hpclb.errors import ConfigError, JobError
 from hpclb.plugins import is_plugin
+from hpclb.sync.options import SMALL_FUSION_BYTES, small_bucket_warning
 from hpclb.tasks import build_task
 from hpclb.tasks.registry import TASKS
 from hpclb.train.agreed import agreed
@@ -137,7 +138,9 @@ def format_plan(plan: dict[str, Any]) -> str:
         s = p["sync"]
         abort = ("no abort" if s["stall_abort_s"] is None else
                  f"abort after {s['stall_abort_s']:g} s")
-        lines.insert(-1, f"  sync         buckets of {s['fusion_threshold_bytes'] / 2**20:g} MiB, "
+        nbytes = s["fusion_threshold_bytes"]
+        size = f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes} B"
+        lines.insert(-1, f"  sync         buckets of {size}, "
                          f"overlap {s['overlap']}, compression {s['compression']}, stall report "
                          f"after {s['stall_timeout_s']:g} s, {abort}")
     if p.get("profile"):
@@ -174,7 +177,9 @@ def dry_run(cfg: RunConfig, comm, profile: tuple[int, int] | None = None) -> int
                   lambda: plan_run(cfg, comm, devices, profile) if comm.rank == 0 else None)
     if comm.rank == 0:
         print(format_plan(plan), flush=True)
-        warning = warmup_warning(plan)
-        if warning:
-            print(f"hpclb: warning: {warning}", file=sys.stderr, flush=True)
+        for warning in (warmup_warning(plan),
+                        small_bucket_warning(cfg.sync.get("fusion_threshold_bytes",
+                                                          SMALL_FUSION_BYTES))):
+            if warning:
+                print(f"hpclb: warning: {warning}", file=sys.stderr, flush=True)
     return 0

@@ -172,6 +172,13 @@ def test_hpclb_advise_prints_k_max_from_a_b0_run(tmp_path, capsys):
     assert main(["advise", str(run)]) == 0
     cap = capsys.readouterr()
     assert "stability: not measured" in cap.out and "probed momentum from eta0 0.1" in cap.err
+    assert "not its recipe's" not in cap.err
+    # a B0 run cut short of its recipe's budget predicts for the budget it trained, and says so
+    # (review finding: it did so silently)
+    (run / "config.json").write_text(json.dumps({**cfg, "epochs": 2.0}))
+    assert main(["advise", str(run)]) == 0
+    assert "trained 2 epochs, not its recipe's 4: k_max is for a budget of 2 epochs" \
+        in capsys.readouterr().err
     cfg["global_batch_size"] = 1024
     (run / "config.json").write_text(json.dumps(cfg))
     assert main(["advise", str(run)]) == 0

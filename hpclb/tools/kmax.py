@@ -255,8 +255,14 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
         return {"advice": a, "prediction": None,
                 "why": f"trained at batch {a['run_batch_size']}, not at its recipe's B0 "
                        f"{a['base_batch_size']}: the k_max prediction starts from a B0 run"}
-    inputs = _run_inputs(run, run_config(run))
+    cfg = run_config(run)
+    inputs = _run_inputs(run, cfg)
     inputs["b_simple"] = _b_simple_per_epoch(rows)
+    planned = (cfg.get("recipe") or {}).get("epochs")
+    if finite(planned) and not math.isclose(planned, inputs["epochs"]):
+        warn(f"{run}: trained {inputs['epochs']:g} epochs, not its recipe's {planned:g}: k_max is "
+             f"for a budget of {inputs['epochs']:g} epochs (the noise scale of the epochs it did "
+             f"not train is unknown); train the B0 run for the recipe's epochs to predict for them")
     if probe is None and stable_lr is None:
         probe = saved_probe(run, inputs, warn)
     stable_from = "given" if stable_lr is not None else None

@@ -127,3 +127,28 @@ def test_a_finished_run_without_a_metric_is_shown_not_called_unreadable(tmp_path
     msg = _finished(tmp_path, "ckpt.pt")
     assert "faults legw global batch 64 on 2 rank(s): after 16 steps" in msg, msg
     assert "cannot be read" not in msg and "nothing left to train" in msg
+
+
+def test_resume_changed_is_one_declaration(tmp_path):
+    """--resume-changed is declared once (a RunConfig option, #52): its flag and argparse type,
+    its check in resolve() for the library alike, and the record in config.json come from it."""
+    import argparse
+
+    from hpclb.config import OPTIONS, resolve
+    from hpclb.config.fields import add_option_flags
+    from hpclb.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_option_flags(parser, OPTIONS)
+    assert parser.parse_args(["--resume-changed", "data,code"]).resume_changed == ("data", "code")
+    assert parser.parse_args([]).resume_changed == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--resume-changed", "weights"])
+    cfg = resolve("mnist-lstm", resume=True, resume_changed=("data", "code", "data"),
+                  out=str(tmp_path / "o"))
+    assert cfg.resume_changed == ("code", "data") and cfg.to_dict()["resume_changed"] == \
+        ("code", "data")
+    for bad, resume in ((("weights",), True), (("code",), False)):
+        with pytest.raises(ConfigError, match=r"^--resume-changed: .*takes code or data or both, "
+                                              r"comma-separated .*and only with --resume"):
+            resolve("mnist-lstm", resume=resume, resume_changed=bad, out=str(tmp_path / "o"))

@@ -38,10 +38,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("experiment", help=f"recipe name ({', '.join(available_experiments())}) or "
                    "path to a recipe .yaml")
     add_option_flags(t, OPTIONS)  # --batch-size, --scaling, ... (hpclb.config.settings)
-    t.add_argument("--resume-changed", type=_resume_changes, default=(), metavar="code,data",
-                   help="with --resume: continue although the recipe's plug-in modules (code) "
-                   "or the data files (data) differ from the checkpoint's (refused otherwise, "
-                   "naming each); on purpose, recorded in config.json")
     t.add_argument("--backend", default="auto", choices=list(BACKENDS),
                    help="communication backend (auto: mpi when launched by mpirun/srun)")
     t.add_argument("--expect-world-size", type=int, help="fail unless the job has this many ranks")
@@ -90,18 +86,6 @@ def _progress_seconds(value: str) -> float:
     return seconds
 
 
-def _resume_changes(value: str) -> tuple[str, ...]:
-    """``--resume-changed``: ``code``, ``data`` or ``code,data``."""
-    from hpclb.config.settings import RESUME_CHANGES
-
-    parts = tuple(p.strip() for p in value.split(","))
-    if not parts or not set(parts) <= set(RESUME_CHANGES):
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: takes code, data or code,data (what may differ from the checkpoint's "
-            f"run: the recipe's plug-in modules, the data files)")
-    return parts
-
-
 def _recipe_device(args: argparse.Namespace) -> str:
     """``--device``, else the recipe's ``device`` field, else auto (a broken recipe is reported
     by ``resolve`` once the communicator is up)."""
@@ -133,8 +117,7 @@ def _resolve(args: argparse.Namespace, comm):
             f"{args.expect_world_size}` from the MPI that mpi4py uses (.venv/bin/mpirun)")
     if comm.rank > 0:  # recipe warnings once, from rank 0
         warnings.simplefilter("ignore", RecipeWarning)
-    return resolve(args.experiment, resume_changed=args.resume_changed,
-                   sync={name: getattr(args, name) for name in SYNC_SETTINGS},
+    return resolve(args.experiment, sync={name: getattr(args, name) for name in SYNC_SETTINGS},
                    **{name: getattr(args, name) for name in KEYWORDS})
 
 

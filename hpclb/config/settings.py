@@ -30,12 +30,23 @@ from hpclb.tasks.registry import TASKS
 from hpclb.tasks.spec import Recipe
 
 __all__ = ["COMPILE_MODES", "KEYWORDS", "OPTIONS", "RESUME_CHANGES", "RunConfig",
-           "check_checkpoint_interval", "check_expect_world_size", "resolve", "resume_mode"]
+           "check_checkpoint_interval", "check_expect_world_size", "resolve", "resume_changes",
+           "resume_mode"]
 
 #: ``torch.compile`` modes ``hpclb train --compile MODE`` takes (torch's documented ones)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 #: what ``--resume-changed`` lets a resumed run find changed (docs/faults.md)
 RESUME_CHANGES = ("code", "data")
+
+
+def resume_changes(value: str) -> tuple[str, ...]:
+    """``--resume-changed``'s value: ``code``, ``data`` or ``code,data``."""
+    parts = tuple(p.strip() for p in value.split(","))
+    if not set(parts) <= set(RESUME_CHANGES):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: takes code, data or code,data (what may differ from the checkpoint's "
+            f"run: the recipe's plug-in modules, the data files)")
+    return parts
 
 
 def resume_mode(value: str):
@@ -117,7 +128,14 @@ class RunConfig(RunSettings):
         "max-autotune; bare --compile: default); off by default", nargs="?", const="default",
         metavar="MODE", check=lambda v: v is None or v in COMPILE_MODES,
         problem=lambda v: f"{v!r} is not one of {COMPILE_MODES}")
-    resume_changed: tuple[str, ...] = ()
+    resume_changed: tuple[str, ...] = option(
+        (), "--resume-changed", "with --resume: continue although the recipe's plug-in modules "
+        "(code) or the data files (data) differ from the checkpoint's (refused otherwise, naming "
+        "each); on purpose, recorded in config.json", type=resume_changes, metavar="code,data",
+        check=lambda v: set(v) <= set(RESUME_CHANGES),
+        problem=lambda v: f"{','.join(v)!r}: takes {' or '.join(RESUME_CHANGES)} or both, "
+        f"comma-separated (the run's code or data changed since its checkpoint, on purpose), "
+        f"and only with --resume")
     #: the gradient-sync settings (:data:`~hpclb.config.fields.SYNC_SETTINGS`, resolved:
     #: flag, else ``$HPCLB_*``, else the recipe's ``sync:``, else the default; ``stall_abort_s``
     #: None: never); empty: the library's (``GradientSync`` reads ``$HPCLB_*`` itself)
@@ -266,8 +284,7 @@ def _check_environment() -> None:
         raise ConfigError(f"environment: {e}") from e
 
 
-def resolve(experiment: str, *, sync: dict | None = None, resume_changed: tuple[str, ...] = (),
-            **given) -> RunConfig:
+def resolve(experiment: str, *, sync: dict | None = None, **given) -> RunConfig:
     """Build a :class:`RunConfig` from a recipe and command-line overrides (None = recipe's).
 
     ``given``: the command line's values of :data:`OPTIONS` by their keywords (``batch_size``,
@@ -300,11 +317,9 @@ def resolve(experiment: str, *, sync: dict | None = None, resume_changed: tuple[
     require(opt in spec.optimizers, "--optimizer",
             f"the recipe {spec.name} has no tuned hyper-parameters for {opt!r}; add "
             f"optimizers.{opt} to it or choose one of {sorted(spec.optimizers)}")
-    require(set(resume_changed) <= set(RESUME_CHANGES) and (values["resume"] or not
-                                                             resume_changed),
-            "--resume-changed", f"{','.join(resume_changed)!r}: takes {' or '.join(RESUME_CHANGES)}"
-            f" or both, comma-separated (the run's code or data changed since its checkpoint, "
-            f"on purpose), and only with --resume")
+    changed = values["resume_changed"] = tuple(sorted(set(values["resume_changed"])))
+    require(values["resume"] or not changed, "--resume-changed",
+            OPTIONS["resume_changed"].problem(changed))
     if values["lr"] is not None:
         check_lr(values["lr"], "--lr")
     return RunConfig(experiment=spec.name, recipe=recipe,
@@ -312,7 +327,6 @@ def resolve(experiment: str, *, sync: dict | None = None, resume_changed: tuple[
                      **{**values, "epochs": float(values["epochs"]),
                         "out": values["out"] or default_run_dir(spec.name, values["scaling"],
                                                                  values["global_batch_size"])},
-                     resume_changed=tuple(sorted(set(resume_changed))),
                      sync=resolve_sync(recipe.get("sync"), sync or {}, dict(os.environ),
                                        recipe_path(experiment).name),
                      **{name: setting_value(name, given.get(name), recipe) for name in SETTINGS})

@@ -189,3 +189,66 @@ def test_hpclb_advise_prints_k_max_from_a_b0_run(tmp_path, capsys):
     for bad in ("0", "-1", "nan", "inf"):
         with pytest.raises(SystemExit):
             main(["advise", str(run), "--stable-lr", bad])
+
+
+def _b0_run(tmp_path, noise, epochs=4):
+    """A B0 run directory of the 4,096-image quick recipe: config.json and epoch rows."""
+    from hpclb.config import load_recipe
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = {"experiment": "quick.yaml", "optimizer": "adam", "lr": None, "epochs": float(epochs),
+           "data_root": "data", "data_dir": None, "global_batch_size": 128, "world_size": 2,
+           "steps_per_epoch": 32, "noise_scale": True,
+           "recipe": load_recipe(quick_recipe(tmp_path, epochs=epochs))}
+    (run / "config.json").write_text(json.dumps(cfg))
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "epoch", "epoch": e + 1, "noise": {"b_simple": b, "g2": -1.0 if b ==
+                                                               math.inf else 1.0}}) + "\n"
+        for e, b in enumerate(noise)))
+    return run
+
+
+def test_advise_review_findings(tmp_path, capsys, monkeypatch):
+    """What a fresh-user review found in `hpclb advise` (2026-12-07): a recommended batch above
+    k_max's, Infinity in --json, epochs labelled as a range they are not, a record's
+    lr_probe.json not read, a file taken for a run, and the probe reading ./data."""
+    from hpclb.cli import main
+
+    # epochs 3 (all noise: inf) and 4: the critical batch is 3000 from epochs 1, 2, 4
+    run = _b0_run(tmp_path, [1000.0, 3000.0, math.inf, 3000.0])
+    assert main(["advise", str(run), "--stable-lr", "0.004"]) == 0  # stability: k <= 4
+    out = capsys.readouterr().out
+    assert "median of epochs 1, 2, 4;" in out, out
+    # the critical-batch rule alone says 2048; k_max 4 (batch 512) caps it
+    assert "recommended_batch 512 (LEGW, k = 4: the largest B0 x 2^j not above critical_batch, " \
+           "capped at k_max's batch 512 (below)" in out, out
+    assert "k_max 4 (batch 512)" in out
+    assert main(["advise", str(run), "--json", "--stable-lr", "0.004"]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert doc["inputs"]["b_simple"] == [1000.0, 3000.0, None, 3000.0]
+    assert doc["advice"]["capped_at"] == 512 and doc["advice"]["recommended_batch"] == 512
+    # a run's record keeps its probe beside config.json (results/science/b0-noise/<w>/)
+    probe = {"optimizer": "adam", "base_lr": 0.002, "stable_lr": 0.004, "probes": []}
+    (run / "lr_probe.json").write_text(json.dumps(probe))
+    assert main(["advise", str(run)]) == 0
+    assert "stable LR 0.004 (probe at B0) -> k <= 4" in capsys.readouterr().out
+    # a file that is not a metrics file is refused as such, not read as 50 damaged lines
+    (run / "summary.json").write_text("{}")
+    assert main(["advise", str(run / "summary.json")]) == 2
+    err = capsys.readouterr().err
+    assert "summary.json: a file, not a run directory" in err and "damaged" not in err
+    # --lr-probe reads the data where the user says (or $HPCLB_DATA), not the run's ./data
+    class Probed(Exception):
+        pass
+
+    def probe(*args, data_dir, **kwargs):  # stands in for the probe's runs
+        raise Probed(data_dir)
+
+    monkeypatch.setattr("hpclb.tools.lr_probe.stability_probe", probe)
+    (run / "lr_probe.json").unlink()
+    with pytest.raises(Probed, match=f"^{tmp_path / 'd'}$"):
+        main(["advise", str(run), "--lr-probe", "--data-dir", str(tmp_path / "d")])
+    with pytest.raises(Probed, match="^None$"):  # the run's --data-dir: none, so $HPCLB_DATA
+        main(["advise", str(run), "--lr-probe"])

@@ -109,7 +109,17 @@ def test_advise_median_of_last_epochs_and_power_of_two_rule(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "critical_batch 1100 " in out and "epochs 2-4" in out
     assert "range 700 - 2100" in out
+    # at B0 the k_max prediction (4: the budget) caps the critical-batch rule's 1024
+    assert "recommended_batch 512 (LEGW, k = 4" in out and "capped at k_max's batch 512" in out
+    assert "512 - 512 over the range" in out
+    # a run at another batch has no prediction: the rule alone, B0 x 2^j under 1100 (and over
+    # the range 700 - 2100)
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "global_batch_size": 256}))
+    assert cli.main(["advise", str(run)]) == 0
+    out = capsys.readouterr().out
     assert "recommended_batch 1024 (LEGW, k = 8" in out and "512 - 2048 over the range" in out
+    assert "capped" not in out
     assert cli.main(["advise", str(run), "--last", "1"]) == 0
     assert "critical_batch 1100 " in capsys.readouterr().out
 
@@ -128,7 +138,8 @@ def test_advise_recommends_no_batch_above_the_training_set(tmp_path, capsys):
     # batch and its range stop at the largest B0 x 2^j within one epoch (a review finding)
     run = noisy_run(tmp_path, [(84000, 70000, 90000)] * 3)
     cfg = json.loads((run / "config.json").read_text())
-    cfg.update(steps_per_epoch=469, global_batch_size=128)  # as hpclb train records at B0
+    # a run at 2 x B0 (no k_max prediction to cap it): 235 steps of 256 hold >= 59,905 images
+    cfg.update(steps_per_epoch=235, global_batch_size=256)
     (run / "config.json").write_text(json.dumps(cfg))
     assert cli.main(["advise", str(run)]) == 0
     out = capsys.readouterr().out

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from hpclb.cli.common import error
-from hpclb.errors import EXIT_USAGE, ConfigError
+from hpclb.errors import EXIT_USAGE, ConfigError, DataError
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -16,7 +17,6 @@ HELP = ("critical batch size (gradient noise scale) of a run trained with --nois
 
 
 def _positive(text: str) -> float:
-    import math
     try:
         v = float(text)
     except ValueError:
@@ -40,8 +40,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "and used by later calls")
     stable.add_argument("--stable-lr", type=_positive, default=None,
                         help="a stable LR at B0 measured otherwise (instead of the probe)")
+    p.add_argument("--data-dir", default=None,
+                   help="where --lr-probe reads the run's data (default: the run's own "
+                        "--data-dir, else $HPCLB_DATA, else ./data)")
     p.add_argument("--json", action="store_true",
-                   help="print the advice, the prediction and its inputs as one JSON object")
+                   help="print the advice, the prediction and its inputs as one JSON object "
+                        "(strict JSON: an infinite B_simple, an epoch whose gradient was all "
+                        "noise, is null)")
     p.set_defaults(func=run)
     return p
 
@@ -61,11 +66,38 @@ def _probe(args, first: dict) -> dict:
     top = max(r["k"] for r in first["prediction"]["rows"])
     return stability_probe(
         str(run_recipe(cfg, work)), optimizer=cfg.get("optimizer"), lr=cfg.get("lr"),
-        data_dir=cfg.get("data_root"), work=work, max_j=max(1, top.bit_length() - 1),
+        data_dir=args.data_dir or cfg.get("data_dir"), work=work,
+        max_j=max(1, top.bit_length() - 1),
         record={"recipe_sha256": first["inputs"]["recipe_sha256"]},
         report=lambda p: print(f"lr probe: LR {p['lr']:.4g} (k = {p['k']}): "
                                f"{'trains' if p['trains'] else 'does not train'}: {p['why']}",
                                file=sys.stderr, flush=True))
+
+
+def _strict(x):
+    """``x`` with every non-finite float as None (JSON has no Infinity or NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
+def cap_at_k_max(p: dict) -> None:
+    """The advice's recommended batches, in place, at most the predicted k_max's batch (where
+    there is a prediction): the critical-batch rule alone recommended batches the k_max line
+    (and ``hpclb train``'s warmup check) refused (fresh-user review); ``capped_at``: that
+    batch, or None."""
+    a, pred = p["advice"], p.get("prediction")
+    a["capped_at"] = None
+    if pred is None or a["recommended_batch"] <= pred["batch"]:
+        return
+    a["capped_at"] = pred["batch"]
+    for key in ("recommended_batch", "recommended_lo", "recommended_hi"):
+        if a.get(key) is not None:
+            a[key] = min(a[key], pred["batch"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,11 +114,12 @@ def run(args: argparse.Namespace) -> int:
                             warn=(lambda _: None) if args.lr_probe else warn)
         if args.lr_probe and p["prediction"] is not None:
             p = predict_for_run(args.run_dir, last=args.last, probe=_probe(args, p), warn=warn)
-    except (ConfigError, OSError, ValueError) as e:
+    except (ConfigError, DataError, OSError, ValueError) as e:
         error(str(e))
         return EXIT_USAGE
+    cap_at_k_max(p)
     if args.json:
-        print(json.dumps(p, indent=2))
+        print(json.dumps(_strict(p), indent=2, allow_nan=False))
         return 0
     print(format_advice(p["advice"]))
     if p["prediction"] is None:

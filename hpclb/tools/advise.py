@@ -168,12 +168,16 @@ def format_advice(a: dict[str, Any]) -> str:
         return "?" if x is None else f"{x:.4g}"
 
     ep = a["epochs"]
-    span = f"epoch {ep[0]}" if len(ep) == 1 else f"epochs {ep[0]}-{ep[-1]}"
+    consecutive = all(isinstance(e, int) for e in ep) and ep == list(range(ep[0], ep[0] + len(ep)))
+    span = (f"epoch {ep[0]}" if len(ep) == 1 else f"epochs {ep[0]}-{ep[-1]}" if consecutive
+            else f"epochs {', '.join(map(str, ep))}")
     k = a["recommended_batch"] / a["base_batch_size"]
     n = a.get("train_samples_min")
     rule = ("B0 itself: critical_batch is below it" if a["critical_batch"] < a["base_batch_size"]
             else "the largest B0 x 2^j not above critical_batch"
             + (f" nor the training set (>= {n} samples)" if n and n < a["critical_batch"]
+               else "")
+            + (f", capped at k_max's batch {a['capped_at']} (below)" if a.get("capped_at")
                else ""))
     return "\n".join([
         f"critical_batch {a['critical_batch']:.4g} (B_simple, McCandlish et al. 2018; median of "

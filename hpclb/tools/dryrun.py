@@ -27,6 +27,7 @@ from hpclb.comm.device import device_info
 from hpclb.config import RunConfig
 from hpclb.config.outputs import check_run_dir, run_files
 from hpclb.errors import ConfigError, JobError
+from hpclb.noise import check_world_size
 from hpclb.plugins import is_plugin
 from hpclb.sync.options import SMALL_FUSION_BYTES, small_bucket_warning
 from hpclb.tasks import build_task
@@ -91,6 +92,7 @@ def plan_run(cfg: RunConfig, comm, devices: list[str],
     rank's device: a dict of plain numbers and strings. Raises ConfigError where the run would
     refuse to start."""
     w = comm.world_size
+    check_world_size(cfg.noise_scale, w)  # as the run refuses it (fresh-user review)
     per_rank, micro = cfg.per_rank_batch_size(w), cfg.micro_batch_size(w)
     n, unit, model_kwargs = train_set_size_of(cfg)
     sched = cfg.schedule(n)

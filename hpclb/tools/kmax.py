@@ -217,10 +217,13 @@ def _run_inputs(run: Path, cfg: dict) -> dict[str, Any]:
 
 
 def saved_probe(run: Path, inputs: dict, warn: Warn) -> dict | None:
-    """``RUN_DIR/lr_probe/lr_probe.json`` when it probed this run's recipe, optimizer and eta0;
+    """``RUN_DIR/lr_probe/lr_probe.json`` (else ``RUN_DIR/lr_probe.json``, as a run's record
+    keeps it) when it probed this run's recipe, optimizer and eta0;
     None (with a warning) when it probed another (the run was overwritten since) or is
     unreadable."""
     path = run / PROBE_DIR / "lr_probe.json"
+    if not path.is_file():  # a run's record keeps it beside config.json (results/science/)
+        path = run / "lr_probe.json"
     if not path.is_file():
         return None
     try:

@@ -42,10 +42,13 @@ class RunRows:
 
 
 def metrics_path(run: Path) -> Path:
-    """``run/metrics.jsonl`` (or ``run`` when it is that file); ConfigError naming ``run`` when
-    it is not a directory or holds no metrics file."""
-    if run.is_file():
+    """``run/metrics.jsonl`` (or ``run`` when it is a ``.jsonl`` file); ConfigError naming
+    ``run`` when it is another file, not a directory, or a directory with no metrics file."""
+    if run.is_file() and run.suffix == ".jsonl":
         return run
+    if run.is_file():
+        raise ConfigError(f"{run}: a file, not a run directory: give the --out directory of "
+                          f"`hpclb train` ({run.parent}?) or its {METRICS_FILE}")
     if not run.is_dir():
         raise ConfigError(f"{run}: no such run directory (give the --out directory of `hpclb "
                           f"train`)")

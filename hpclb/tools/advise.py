@@ -165,7 +165,8 @@ def _train_samples_min(cfg: dict) -> int | None:
 def format_advice(a: dict[str, Any]) -> str:
     """The lines ``hpclb advise`` prints for :func:`advise`'s result."""
     def g(x):
-        return "?" if x is None else f"{x:.4g}"
+        # batches in samples: whole numbers from 1,000 up (17811, not 1.781e+04)
+        return "?" if x is None else f"{x:.0f}" if x >= 1000 else f"{x:.4g}"
 
     ep = a["epochs"]
     consecutive = all(isinstance(e, int) for e in ep) and ep == list(range(ep[0], ep[0] + len(ep)))
@@ -180,7 +181,7 @@ def format_advice(a: dict[str, Any]) -> str:
             + (f", capped at k_max's batch {a['capped_at']} (below)" if a.get("capped_at")
                else ""))
     return "\n".join([
-        f"critical_batch {a['critical_batch']:.4g} (B_simple, McCandlish et al. 2018; median of "
+        f"critical_batch {g(a['critical_batch'])} (B_simple, McCandlish et al. 2018; median of "
         f"{span}; range {g(a['critical_lo'])} - {g(a['critical_hi'])})",
         f"recommended_batch {a['recommended_batch']} (LEGW, k = {k:g}: {rule}, B0 = "
         f"{a['base_batch_size']}; {a['recommended_lo'] or '?'} - "

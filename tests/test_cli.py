@@ -182,6 +182,12 @@ def test_warmup_message_names_the_command_line_fixes(tmp_path, mnist_dir):
         resolve(recipe, batch_size=256, epochs=0.1, scaling="linear").schedule(4096)
     assert "--epochs 0.1: the recipe's warmup" in str(e.value)  # refused before the data
     assert "smaller --batch-size" not in str(e.value) and "train more than 0.25" in str(e.value)
+    assert "more at a larger batch with --scaling legw: its warmup is 0.25 x k epochs" in \
+        str(e.value)  # the B0 bound is not the whole story (fresh-user review)
+    with pytest.raises(ConfigError) as e:  # goyal's 5 epochs: the recipe's warmup is no fix
+        resolve(recipe, batch_size=256, epochs=2, scaling="goyal").schedule(4096)
+    assert "or use another --scaling (goyal's warmup is a fixed 5 epochs" in str(e.value)
+    assert "warmup_epochs)" in str(e.value) and "shorten the recipe's" not in str(e.value)
 
 
 # --- help without torch: the parser is built from name lists, each command's only when run --

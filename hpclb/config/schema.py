@@ -487,7 +487,8 @@ def check_settings(recipe: dict, where: str, epochs: float | None = None) -> Non
     budget = epochs if given else recipe["epochs"]
     require(w0 < budget, f"--epochs {epochs:g}" if given else f"{where}: warmup_epochs",
             f"the recipe's warmup ({where}: warmup_epochs {w0:g}, at base_batch_size) must be "
-            f"shorter than training ({budget:g} epochs); train more than {w0:g} epochs or shorten "
+            f"shorter than training ({budget:g} epochs); train more than {w0:g} epochs (more at a "
+            f"larger batch with --scaling legw: its warmup is {w0:g} x k epochs) or shorten "
             f"warmup_epochs" if given else f"{w0:g} epochs of warmup (at base_batch_size) is not "
             f"shorter than training (epochs: {budget:g}); shorten warmup_epochs or train more")
     _check_optimizers(recipe, where)

@@ -217,7 +217,10 @@ class RunConfig(RunSettings):
             if schedules.SCHEMES[self.scaling][1] == "legw":
                 fixes.append("use a smaller --batch-size (LEGW's warmup, warmup_epochs x k "
                              "epochs, grows with the batch)")
-            fixes.append("shorten the recipe's warmup_epochs")
+            fixes.append("use another --scaling (goyal's warmup is a fixed "
+                         f"{schedules.GOYAL_WARMUP_EPOCHS:g} epochs, whatever the batch or the "
+                         f"recipe's warmup_epochs)" if self.scaling == "goyal" else
+                         "shorten the recipe's warmup_epochs")
             raise ConfigError(
                 f"schedule: {e.problem} at --batch-size {b} (--scaling {self.scaling}); "
                 f"{', '.join(fixes[:-1])}, or {fixes[-1]}") from e

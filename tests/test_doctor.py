@@ -150,6 +150,9 @@ def test_launcher_line_names_the_scheduler_and_launcher_variables(monkeypatch, t
     assert r["items"]["launcher"] == "none (one process): SLURM_JOB_ID=42 PBS_JOBID=7.pbs"
     assert r["items"]["data"].endswith("none: no such directory (hpclb data fetch NAME "
                                        "--data-dir D)")
+    # a missing data directory is a warning, not silence under "ready" (fresh-user review)
+    assert any(w.startswith(f"data: {tmp_path / 'none'} does not exist") for w in r["warnings"])
+    assert f"warning: data: {tmp_path / 'none'} does not exist" in format_report([r], verdict([r]))
 
 
 def test_ranks_that_disagree_on_versions_block_naming_each(tmp_path):

@@ -232,6 +232,9 @@ def _data(r: dict, data_dir) -> None:
     root = resolve(data_dir)
     if not root.is_dir():
         r["items"]["data"] = f"{root}: no such directory (hpclb data fetch NAME --data-dir D)"
+        r["warnings"].append(f"data: {root} does not exist, and a recipe's built-in data set is "
+                             f"read there: stage it (hpclb data fetch NAME --data-dir {root}) or "
+                             f"point $HPCLB_DATA / --data-dir at the staged data")
         return
     found = []
     for name in DATASETS:

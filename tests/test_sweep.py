@@ -260,3 +260,19 @@ def test_a_point_under_mpirun_that_was_preempted_stops_the_sweep_with_75(tmp_pat
     p = sweep.Point(256, "legw", 0, "adam", 1.0, 2)
     with pytest.raises(Preempted):
         sweep._run_mpi(_tiny(tmp_path), p, tmp_path / "run", None, False, True)
+
+
+def test_status_says_how_many_done_points_were_rejected(tmp_path):
+    """A rejected point is recorded (its error is the result) and counts as done, but the status
+    line says it was not trained (a fresh-user review read "2 done" as two trained points)."""
+    from hpclb.tools.sweep_points import Point, SweepStatus
+
+    ok, bad, left = (Point(512, s, 0, "adam", 2.0, 1) for s in ("legw", "goyal", "sqrt"))
+    rows = [{"batch_size": 512, "scheme": "legw", "seed": 0, "optimizer": "adam", "epochs": 2.0,
+             "status": "done", "error": None, "wall_time_s": 42.0},
+            {"batch_size": 512, "scheme": "goyal", "seed": 0, "optimizer": "adam", "epochs": 2.0,
+             "status": "done", "error": "schedule: warmup ... must be shorter than training"}]
+    st = SweepStatus.of([ok, bad, left], rows, tmp_path, base_batch=128)
+    assert st.done == [ok, bad] and st.rejected == [bad] and st.left == [left]
+    assert st.line().startswith("2 done (1 of them rejected, not trained: see the table's error "
+                                "column), 0 running elsewhere, 1 left (about 0.0 h")

@@ -161,6 +161,8 @@ class SweepStatus:
     expected_s: float | None = None
     stale: list[Point] = field(default_factory=list)
     array: str | None = None  # the job array submitted for the sweep (hpclb sweep --submit)
+    #: of ``done``, the points recorded as rejected (an error, not trained: not a result)
+    rejected: list[Point] = field(default_factory=list)
 
     @classmethod
     def of(cls, points: list[Point], rows: list[dict], runs_dir: Path, base_batch: int,
@@ -170,7 +172,10 @@ class SweepStatus:
         st = cls()
         for p in points:
             if p in recorded:
-                (st.done if current(p, recorded[p]) else st.stale).append(p)
+                row = recorded[p]
+                (st.done if current(p, row) else st.stale).append(p)
+                if row.get("error") and row.get("status") != "diverged":
+                    st.rejected.append(p)
             elif _held(runs_dir / f".{p.dir_name}.lock"):
                 st.running.append(p)
             else:
@@ -196,7 +201,9 @@ class SweepStatus:
             f"about {self.expected_s / 3600:.1f} h expected on this machine"
         stale = f", {len(self.stale)} recorded with other settings than now (refused " \
             f"without --overwrite)" if self.stale else ""
-        return (f"{len(self.done)} done{stale}, {len(self.running)} running elsewhere, "
+        rejected = f" ({len(self.rejected)} of them rejected, not trained: see the table's " \
+            f"error column)" if self.rejected else ""
+        return (f"{len(self.done)} done{rejected}{stale}, {len(self.running)} running elsewhere, "
                 f"{len(self.left)} left ({eta})")
 
 

@@ -401,3 +401,19 @@ def test_cli_render_error_exit_2(capsys):
                  "--gpus-per-node", "4"]) == 2
     assert "hpclb: error: --nodes 0" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
+def test_a_missing_virtualenv_stops_the_job_naming_the_fix(tmp_path, scheduler):
+    """Submitted from a directory without the (relative) virtualenv, the job says so and exits 2
+    before it launches anything (a fresh-user review ran a sweep's printed sbatch command from
+    another directory: `hpclb` was then not found, far from the cause)."""
+    script = tmp_path / "job.sh"
+    script.write_text(render(spec(scheduler=scheduler, venv=".venv-absent"))[0])
+    env = {"PATH": "/usr/bin:/bin", "PBS_O_WORKDIR": str(tmp_path),
+           "SLURM_SUBMIT_DIR": str(tmp_path), "PBS_NODEFILE": "/dev/null"}
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert f"[job] error: no virtualenv .venv-absent/bin/activate in {tmp_path}: submit from " \
+           "the directory that holds it, or render with --venv ABSOLUTE_PATH" in done.stderr

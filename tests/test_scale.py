@@ -8,7 +8,7 @@ import yaml
 from hpclb import cli
 from hpclb.config import load_recipe, resolve
 from hpclb.errors import ConfigError
-from hpclb.tools.scale import scale_run, write_job
+from hpclb.tools.scale import format_changes, scale_run, write_job
 from hpclb.train.metrics import RunLogger
 
 pytestmark = pytest.mark.timeout(120)
@@ -145,3 +145,16 @@ def test_advise_recommends_no_batch_above_the_training_set(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "recommended_batch 32768 (LEGW, k = 256" in out
     assert "nor the training set (>= 59905 samples)" in out and "32768 - 32768 over" in out
+
+
+def test_a_new_budget_keeps_the_run_column_and_warns_of_a_long_warmup(tmp_path):
+    """--epochs changes the new run only: the "run" column is the source run's schedule (it
+    showed the new budget's total steps); a warmup over half the new run is warned, as the dry
+    run warns (fresh-user review: 117 of 120 steps went by silently)."""
+    run = fake_run(tmp_path, batch=512, epochs=2)  # 118 steps an epoch, 236 steps
+    s = scale_run(run, 2048, epochs=4)   # LEGW at k = 16: 117 warmup steps of 30 x 4 = 120
+    assert s.before["total_steps"] == 236 and s.after["total_steps"] == 120
+    text = format_changes(s)
+    assert "warning: warmup takes 98% of the new run (more than half): train more epochs " \
+           "(--epochs) or scale to a smaller --to-batch" in text, text
+    assert "warning" not in format_changes(scale_run(run, 256))  # 117 of 470 steps

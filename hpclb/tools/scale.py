@@ -28,6 +28,7 @@ from hpclb.config import RUN_SETTINGS, resolve
 from hpclb.config.outputs import check_output_file
 from hpclb.errors import ConfigError, JobError
 from hpclb.schedules import SCHEMES, Schedule, scale_warmup_epochs
+from hpclb.tools.dryrun import WARMUP_WARN_FRACTION
 from hpclb.tools.jobs import render
 from hpclb.tools.jobs_spec import JobSpec
 from hpclb.tools.plot import num_train_samples
@@ -158,8 +159,8 @@ def scale_run(run_dir: str | Path, to_batch: int, *, scaling: str = "legw",
     write_text_atomic(path, header + yaml.safe_dump(recipe, sort_keys=False))
     try:  # the file must resolve exactly as the printed command will resolve it
         after = resolve(str(path), batch_size=to_batch, scaling=scaling).schedule(n)
-        before = resolve(str(path), batch_size=cfg["global_batch_size"],
-                         scaling=cfg["scaling"]).schedule(n)
+        before = resolve(str(path), batch_size=cfg["global_batch_size"],  # the run's budget
+                         scaling=cfg["scaling"], epochs=cfg.get("epochs")).schedule(n)
     except ConfigError as e:
         path.unlink()
         raise ConfigError(f"--to-batch {to_batch} --scaling {scaling}: "
@@ -179,6 +180,10 @@ def format_changes(s: Scaled) -> str:
     for key, fmt in rows:
         a, b = fmt.format(s.before[key]), fmt.format(s.after[key])
         lines.append(f"{key:16s} {a:>12s} {b:>12s}{'' if a == b else '  *'}")
+    share = s.after["warmup_steps"] / s.after["total_steps"]
+    if share > WARMUP_WARN_FRACTION:  # as hpclb train --dry-run warns
+        lines.append(f"warning: warmup takes {share:.0%} of the new run (more than half): train "
+                     f"more epochs (--epochs) or scale to a smaller --to-batch")
     lines.append(f"B0 = {s.base_batch}; recipe written to {s.recipe_path}")
     lines.append(f"run it with:  {s.command}")
     return "\n".join(lines)

@@ -263,8 +263,9 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
     inputs["b_simple"] = _b_simple_per_epoch(rows)
     planned = (cfg.get("recipe") or {}).get("epochs")
     if finite(planned) and not math.isclose(planned, inputs["epochs"]):
-        warn(f"{run}: trained {inputs['epochs']:g} epochs, not its recipe's {planned:g}: k_max is "
-             f"for a budget of {inputs['epochs']:g} epochs (the noise scale of the epochs it did "
+        e = f"{inputs['epochs']:g} epoch{'' if inputs['epochs'] == 1 else 's'}"
+        warn(f"{run}: trained {e}, not its recipe's {planned:g}: k_max is "
+             f"for a budget of {e} (the noise scale of the epochs it did "
              f"not train is unknown); train the B0 run for the recipe's epochs to predict for them")
     if probe is None and stable_lr is None:
         probe = saved_probe(run, inputs, warn)

@@ -4,6 +4,9 @@ raises, so any tensor of the step left on the CPU (a batch, carried LSTM state, 
 gradient bucket, optimizer state) fails this test: the CPU-side proof of the GPU path."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -13,6 +16,8 @@ from hpclb.config import load_recipe, resolve
 from hpclb.train.loop import train_step
 from hpclb.train.setup import setup_run
 from tests.conftest import REPO
+
+DATA = Path(os.environ.get("HPCLB_DATA", REPO / "data"))  # where `make data` staged it
 
 pytestmark = pytest.mark.timeout(300)
 META = torch.device("meta")
@@ -41,7 +46,7 @@ def _cfg(tmp_path, experiment, optimizer, subset, data_root, **kw):
                          ids=[f"{c[0]}-{c[2] or 'recipe'}" for c in CASES])
 def test_one_training_step_runs_entirely_on_the_meta_device(tmp_path, experiment, data,
                                                             optimizer, subset):
-    root = REPO / "data"
+    root = DATA
     if not (root / data / ".verified").exists():
         pytest.skip(f"{data} not staged (make data)")
     cfg = _cfg(tmp_path, experiment, optimizer, subset, root, accumulation_steps=2)
@@ -60,11 +65,11 @@ def test_one_training_step_runs_entirely_on_the_meta_device(tmp_path, experiment
 
 def test_the_dry_run_catches_a_tensor_left_on_the_cpu(tmp_path, monkeypatch):
     """The check can fail: a task whose batch stays on the CPU breaks the meta step."""
-    if not (REPO / "data" / "mnist" / ".verified").exists():
+    if not (DATA / "mnist" / ".verified").exists():
         pytest.skip("mnist not staged (make data)")
     import hpclb.tasks.classification as task_mod
 
-    cfg = _cfg(tmp_path, "mnist-lstm", None, (512, 100), REPO / "data")
+    cfg = _cfg(tmp_path, "mnist-lstm", None, (512, 100), DATA)
     run = setup_run(cfg, SelfCommunicator(), device=META)
     run.task.start_epoch(0)
     monkeypatch.setattr(task_mod, "to_device", lambda batch, device: batch)

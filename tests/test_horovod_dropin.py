@@ -125,9 +125,9 @@ def test_distributed_optimizer_reduces_as_horovod_does(comm, op, passes, compres
     assert_all(comm, err < tol * max(1.0, want.abs().max().item()), f"max |g - g_hvd| = {err}")
 
 
-def _run_port(script: str, ranks: int, tmp_path) -> dict:
+def _run_port(script: str, ranks: int, tmp_path, mnist_dir) -> dict:
     env = {**LAUNCH_ENV, "PYTHONPATH": os.pathsep.join([str(REPO), str(PORTS)])}
-    args = [sys.executable, str(PORTS / script), "--data-dir", str(REPO / "data" / "mnist"),
+    args = [sys.executable, str(PORTS / script), "--data-dir", str(mnist_dir),
             "--samples", "600", "--batch-size", str(32 // ranks), "--lr", "0.05",
             "--epochs", "2"]
     if ranks > 1:
@@ -214,8 +214,8 @@ def test_join_on_uneven_batches_names_join_and_the_fix(tmp_path):
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.extended), 2])
 def test_horovods_mnist_script_runs_with_its_import_changed(ranks, tmp_path, mnist_dir):
     """The same result, bit for bit, as the script on hpclb's own API; and it learns."""
-    hvd_result = _run_port("horovod_mnist.py", ranks, tmp_path)
-    own = _run_port("hpclb_mnist.py", ranks, tmp_path)
+    hvd_result = _run_port("horovod_mnist.py", ranks, tmp_path, mnist_dir)  # $HPCLB_DATA's
+    own = _run_port("hpclb_mnist.py", ranks, tmp_path, mnist_dir)
     assert hvd_result == own
     assert hvd_result["size"] == ranks
     assert hvd_result["test_loss"] < 2.0 and hvd_result["test_accuracy"] > 0.3, hvd_result

@@ -229,6 +229,10 @@ def test_advise_review_findings(tmp_path, capsys, monkeypatch):
     doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert doc["inputs"]["b_simple"] == [1000.0, 3000.0, None, 3000.0]
     assert doc["advice"]["capped_at"] == 512 and doc["advice"]["recommended_batch"] == 512
+    from hpclb.tools.kmax import predict_for_run  # the library gives the same, not the CLI only
+
+    lib = predict_for_run(run, stable_lr=0.004, warn=lambda _: None)["advice"]
+    assert (lib["capped_at"], lib["recommended_batch"], lib["recommended_hi"]) == (512, 512, 512)
     # a run's record keeps its probe beside config.json (results/science/b0-noise/<w>/)
     probe = {"optimizer": "adam", "base_lr": 0.002, "stable_lr": 0.004, "probes": []}
     (run / "lr_probe.json").write_text(json.dumps(probe))

@@ -85,21 +85,6 @@ def _strict(x):
     return x
 
 
-def cap_at_k_max(p: dict) -> None:
-    """The advice's recommended batches, in place, at most the predicted k_max's batch (where
-    there is a prediction): the critical-batch rule alone recommended batches the k_max line
-    (and ``hpclb train``'s warmup check) refused (fresh-user review); ``capped_at``: that
-    batch, or None."""
-    a, pred = p["advice"], p.get("prediction")
-    a["capped_at"] = None
-    if pred is None or a["recommended_batch"] <= pred["batch"]:
-        return
-    a["capped_at"] = pred["batch"]
-    for key in ("recommended_batch", "recommended_lo", "recommended_hi"):
-        if a.get(key) is not None:
-            a[key] = min(a[key], pred["batch"])
-
-
 def run(args: argparse.Namespace) -> int:
     """``hpclb advise``: critical batch, recommended batch and the k_max prediction; 2 without
     noise data or for a bad run directory."""
@@ -117,7 +102,6 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, DataError, OSError, ValueError) as e:
         error(str(e))
         return EXIT_USAGE
-    cap_at_k_max(p)
     if args.json:
         print(json.dumps(_strict(p), indent=2, allow_nan=False))
         return 0

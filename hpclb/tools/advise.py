@@ -147,7 +147,7 @@ def advice_of(rows: RunRows, last: int = 3) -> dict[str, Any]:
     return {"critical_batch": critical, "critical_lo": lo, "critical_hi": hi,
             "epochs": [r.get("epoch") for r in tail], "base_batch_size": b0,
             "run_batch_size": cfg.get("global_batch_size"),
-            "train_samples_min": n,
+            "train_samples_min": n, "capped_at": None,
             "recommended_batch": recommend_batch(critical, b0, n) if critical > 0 else b0,
             "recommended_lo": recommend_batch(lo, b0, n) if pos(lo) else None,
             "recommended_hi": recommend_batch(hi, b0, n) if pos(hi) else None}

@@ -242,10 +242,23 @@ def saved_probe(run: Path, inputs: dict, warn: Warn) -> dict | None:
     return probe
 
 
+def _cap_at_k_max(a: dict, batch: int) -> None:
+    """The advice ``a``'s recommended batches, in place, at most ``batch`` (the predicted
+    k_max's): the critical batch alone recommended batches the k_max line (and ``hpclb
+    train``'s warmup check) refused (fresh-user review); ``a["capped_at"]``: ``batch`` when it
+    capped one."""
+    if a["recommended_batch"] > batch:
+        a["capped_at"] = batch
+        for key in ("recommended_batch", "recommended_lo", "recommended_hi"):
+            if a.get(key) is not None:
+                a[key] = min(a[key], batch)
+
+
 def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
                     probe: dict | None = None, warn: Warn | None = None) -> dict[str, Any]:
     """The advice (:func:`~hpclb.tools.advise.advise`) and, for a run at its recipe's B0, the
-    prediction: ``{"advice", "inputs", "prediction", "probe", "stable_from"}`` (``stable_from``:
+    prediction: ``{"advice", "inputs", "prediction", "probe", "stable_from"}`` (the advice's
+    recommended batches at most the prediction's batch, ``capped_at`` it; ``stable_from``:
     ``"given"``, ``"probe at B0"`` or None without a stable LR)
     (``prediction`` None, with ``why``, for a run at another batch). The stable LR is
     ``stable_lr`` if given, else ``probe["stable_lr"]``, else the probe saved beside the run
@@ -275,6 +288,7 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
     pred = predict_k_max(**{k: inputs[k] for k in ("base_batch_size", "num_samples", "epochs",
                                                    "base_warmup_epochs", "base_lr",
                                                    "b_simple")}, stable_lr=stable_lr)
+    _cap_at_k_max(a, pred["batch"])
     return {"advice": a, "inputs": inputs, "prediction": pred, "stable_from": stable_from,
             "probe": None if probe is None else {k: v for k, v in probe.items()
                                                  if k != "probes"} | {

@@ -54,7 +54,7 @@ from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.figures import pyplot
 from hpclb.tools.jobs_spec import JobSpec
 from hpclb.tools.sweep_jobs import array_status, submit_array, sweep_argv, task_indices, task_points
-from hpclb.tools.sweep_points import Point, SweepStatus, flock, row_of, shown
+from hpclb.tools.sweep_points import Point, SweepStatus, flock, is_rejected, row_of, shown
 from hpclb.tools.sweep_records import Settings, check_outputs, load_rows, refuse_stale
 from hpclb.tools.sweep_report import write_results
 from hpclb.train.loop import train
@@ -457,5 +457,4 @@ def failed_points(rows: list[dict], batch_sizes: Iterable[int],
     not listed)."""
     asked = {(int(b), s) for b in batch_sizes for s in schemes}
     return [f"B={r['batch_size']} {r['scheme']} seed {r.get('seed')}: {r['error']}" for r in rows
-            if r.get("error") and r.get("status") != "diverged"
-            and (r["batch_size"], r["scheme"]) in asked]
+            if is_rejected(r) and (r["batch_size"], r["scheme"]) in asked]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["Point", "SweepStatus", "flock", "row_of", "shown"]
+__all__ = ["Point", "SweepStatus", "flock", "is_rejected", "row_of", "shown"]
 
 
 @contextlib.contextmanager
@@ -147,6 +147,12 @@ def row_of(summary: dict, p: Point, *, metric: str, run_dir: Path) -> dict:
             "run_dir": shown(run_dir, scratch=True), "status": "done", "error": None, "note": None}
 
 
+def is_rejected(row: dict) -> bool:
+    """Whether a sweep row records a rejected point (an error, not trained; a diverged point
+    has an error too, but it is a result)."""
+    return bool(row.get("error")) and row.get("status") != "diverged"
+
+
 @dataclass
 class SweepStatus:
     """A sweep's points split into ``done`` (recorded), ``stale`` (recorded with other settings
@@ -174,7 +180,7 @@ class SweepStatus:
             if p in recorded:
                 row = recorded[p]
                 (st.done if current(p, row) else st.stale).append(p)
-                if row.get("error") and row.get("status") != "diverged":
+                if current(p, row) and is_rejected(row):  # of the done points
                     st.rejected.append(p)
             elif _held(runs_dir / f".{p.dir_name}.lock"):
                 st.running.append(p)
@@ -201,9 +207,9 @@ class SweepStatus:
             f"about {self.expected_s / 3600:.1f} h expected on this machine"
         stale = f", {len(self.stale)} recorded with other settings than now (refused " \
             f"without --overwrite)" if self.stale else ""
-        rejected = f" ({len(self.rejected)} of them rejected, not trained: see the table's " \
+        refused = f" ({len(self.rejected)} of them rejected, not trained: see the table's " \
             f"error column)" if self.rejected else ""
-        return (f"{len(self.done)} done{rejected}{stale}, {len(self.running)} running elsewhere, "
+        return (f"{len(self.done)} done{refused}{stale}, {len(self.running)} running elsewhere, "
                 f"{len(self.left)} left ({eta})")
 
 

@@ -70,6 +70,23 @@ def test_rejected_point_is_recorded_not_fatal(tmp_path, mnist_dir):
     assert rows[0]["metric"] is None and "warmup" in rows[0]["error"]
 
 
+def test_rejected_point_is_said_before_any_point_trains(tmp_path, mnist_dir):
+    """A point the schedule refuses is recorded at the start, not after the points before it
+    have trained (it was reached, and said, only after B0 trained)."""
+    recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                          "test_samples": 200})
+    said: list[str] = []
+    rows = sweep.run_sweep(recipe, [128, 512], ["legw"], epochs=1,
+                           data_dir=str(mnist_dir.parent), out_dir=tmp_path / "res",
+                           runs_dir=tmp_path / "runs", log=said.append)
+    rejected = next(i for i, m in enumerate(said) if "B=512 legw seed 0: rejected" in m)
+    trained = next(i for i, m in enumerate(said) if "B=128 legw seed 0: training" in m)
+    assert rejected < trained, said
+    by = {r["batch_size"]: r for r in rows}
+    assert by[128]["status"] == "done" and by[512]["status"] == "rejected"
+    assert "warmup" in by[512]["error"] and by[512]["metric"] is None
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ConfigError, match="--schemes"):
         sweep.run_sweep("mnist-lstm", [128], ["cubic"], out_dir=tmp_path, runs_dir=tmp_path)

@@ -247,6 +247,24 @@ class _Sweep:
                 return
             self._run_point(p)
 
+    def reject_early(self, points: list[Point]) -> None:
+        """Record at once, as rejected, each point of ``points`` above B0 and not yet recorded
+        whose settings or LR schedule are refused (a warmup not shorter than training, a batch
+        over the training set, ...): the sweep says so before it trains any point, not when it
+        reaches that one. A B0 point is left to its turn (at k = 1 it takes another scheme's
+        run)."""
+        rows = self.rows()
+        for p in points:
+            if p.batch == self.recipe["base_batch_size"] or any(self.done(p, r) for r in rows):
+                continue
+            try:
+                cfg = self.settings.resolve(p)
+                cfg.schedule(self.settings.train_samples(cfg))
+            except ConfigError as e:
+                self.log(f"sweep {self.name}: {p}: rejected: {e}")
+                self.record({**p.failed_row(self.metric, e, self.runs_dir / p.dir_name, 0.0,
+                                            None), "recipe": self.settings.fields(p.optimizer)})
+
     def _finished_summary(self, run_dir: Path, p: Point) -> dict | None:
         """The summary.json of this very point's finished run, else None."""
         path = run_dir / "summary.json"
@@ -382,7 +400,8 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     per-rank batch). Before each point ``log`` gets the
     status line (:meth:`SweepStatus.line`: done, running, left, hours expected).
     A point the schedule rejects (e.g. a warmup longer than training) is recorded with its
-    ``error`` and no metric; a point that diverges with its ``error`` and ``diverged_at_step``
+    ``error`` and no metric, before any point trains; a point that diverges with its
+    ``error`` and ``diverged_at_step``
     (:func:`failed_points` lists both). Raises ConfigError for bad arguments or a recipe
     device that cannot be had here (``device: cuda`` without a GPU), and
     MissingExtraError without matplotlib (the figure), both before any training, and
@@ -401,6 +420,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     _check_device(experiment, epochs, ranks)
     sweep.check(points)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
+    sweep.reject_early(todo)
     for p in todo:
         status = SweepStatus.of(points, sweep.rows(), sweep.runs_dir,
                                 base_batch=sweep.recipe["base_batch_size"])

@@ -123,3 +123,27 @@ def test_task_index_runs_its_point_then_only_the_rest_is_submitted(tmp_path, mni
     assert "2 done" in out and "2 left" in out
     assert re.search(r"array job 4242 \(slurm, 2 task\(s\), submitted .*\): 1 pending, 1 running",
                      out), out
+
+
+def test_a_one_node_cpu_task_shares_its_node_unless_asked(tmp_path):
+    """A sweep's 1-rank CPU task asked for a whole node (--exclusive) unless --shared was given:
+    an array of them held a node each for one core. Now a one-node task without GPUs shares
+    by default; --exclusive asks for whole nodes; GPU tasks and `hpclb jobs render` keep whole
+    nodes by default."""
+    recipe = quick_recipe(tmp_path, data=SMALL)
+
+    def script(*flags, cmd="sweep"):
+        out = tmp_path / f"{cmd}-{len(list(tmp_path.iterdir()))}"
+        argv = [cmd, recipe, "--batch-sizes", "256", "--schemes", "legw", "--submit", "slurm",
+                "--no-submit", "--runs-dir", str(out), *flags] if cmd == "sweep" else \
+            ["jobs", "render", "--scheduler", "slurm", recipe, "--nodes", "1", "--gpus-per-node", "0",
+             "--tasks-per-node", "1", "-o", str(out), *flags]
+        assert cli.main(argv) == 0
+        return (next(out.rglob("*.sbatch")) if cmd == "sweep" else out).read_text()
+
+    assert "#SBATCH --exclusive" not in script()
+    assert "#SBATCH --exclusive" in script("--exclusive")
+    assert "#SBATCH --exclusive" in script("--gpus-per-node", "1")
+    assert "#SBATCH --exclusive" not in script("--gpus-per-node", "1", "--shared")
+    assert "#SBATCH --exclusive" in script(cmd="jobs")
+    assert "#SBATCH --exclusive" not in script("--shared", cmd="jobs")

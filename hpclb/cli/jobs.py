@@ -75,7 +75,14 @@ def add_job_size(r: argparse.ArgumentParser, title: str | None = None) -> None:
     g.add_argument("--module", action="append", help="environment module to load (repeatable)")
     g.add_argument("--signal-lead", type=int, default=300, metavar="SECONDS",
                    help="preemption signal this long before the time limit (SLURM --signal)")
-    g.add_argument("--shared", action="store_true", help="do not ask for whole nodes")
+    whole = g.add_mutually_exclusive_group()
+    whole.add_argument("--exclusive", action="store_true", default=None,
+                       help="ask for whole nodes (the default" + (", except for one-node "
+                       "tasks without GPUs)" if title else ")"))
+    whole.add_argument("--shared", dest="exclusive", action="store_false", default=None,
+                       help="do not ask for whole nodes: the scheduler may place other jobs "
+                       "beside it" + (" (the default for one-node tasks without GPUs)"
+                                      if title else ""))
     _add_fabric(r)
 
 
@@ -122,8 +129,11 @@ def _add_run_settings(r: argparse.ArgumentParser) -> None:
     r.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
 
-def job_spec(args: argparse.Namespace, **settings) -> JobSpec:
-    """The :class:`JobSpec` of the options :func:`add_job_size` added, with ``settings``."""
+def job_spec(args: argparse.Namespace, *, array: bool = False, **settings) -> JobSpec:
+    """The :class:`JobSpec` of the options :func:`add_job_size` added, with ``settings``.
+    Whole nodes (``--exclusive``) unless ``--shared``, or, for a job ``array`` (a sweep's
+    tasks), unless neither was given and a task is one node without GPUs: such a task (one
+    rank of a 1-rank point) would otherwise hold a whole node for one core."""
     return JobSpec(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
@@ -131,7 +141,8 @@ def job_spec(args: argparse.Namespace, **settings) -> JobSpec:
         modules=args.module or [], fabric=args.fabric, allreduce=args.allreduce,
         ucx_net_devices=args.ucx_net_devices, nccl_ib_hca=args.nccl_ib_hca,
         socket_ifname=args.socket_ifname, signal_lead=args.signal_lead,
-        exclusive=not args.shared, **settings)
+        exclusive=args.exclusive if args.exclusive is not None else
+        args.nodes > 1 or bool(args.gpus_per_node) or not array, **settings)
 
 
 def _spec(args: argparse.Namespace) -> JobSpec:

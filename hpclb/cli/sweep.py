@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.submit:
             submit_sweep(args.experiment, batches, schemes, submit=not args.no_submit, log=log,
-                         job=job_spec(args, experiment=args.experiment, scheduler=args.submit,
+                         job=job_spec(args, array=True, experiment=args.experiment, scheduler=args.submit,
                                       data_dir=args.data_dir), **common)
             return 0
         rows = run_sweep(args.experiment, batches, schemes, quiet=not args.verbose, log=log,

@@ -32,14 +32,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
-from hpclb._io import write_text_atomic
-from hpclb.bench.launch import run_mpi
+from hpclb.bench.launch import cli_main, run_mpi, save, write_rank0
 from hpclb.bench.measure import Timer, best, busbw, conditions, interleaved, iterations, med
+from hpclb.bench.scaling import BATCHES, batch, build, make_step, sync_steps
 
 __all__ = ["add_run_arguments", "bench_sync", "driver", "main", "run_suite", "summarize_steps",
            "sync_row", "worker"]
@@ -55,15 +54,20 @@ HOROVOD_FUSION_DEFAULT_BYTES = 64 * MiB  # Horovod 0.28's default HOROVOD_FUSION
 
 
 # --------------------------------------------------------------------------- worker parts
-def bench_raw(comm, timer: Timer, sizes: list[int], quick: bool) -> list[dict]:
-    out = []
+def bench_raw(comm, timer: Timer, sizes: list[int], quick: bool, reduce=None) -> list[dict]:
+    """One row per message size in ``sizes``: the median and fastest round of ``reduce(buffer)``
+    (default ``comm.allreduce_``) and the bus bandwidth; with a ``reduce`` (Horovod's) the
+    median's bus bandwidth is left out."""
+    fn, out = reduce or comm.allreduce_, []
     for nbytes in sizes:
         buf = torch.ones(nbytes // 4)
-        ts = interleaved({"x": lambda: comm.allreduce_(buf)}, timer, iterations(nbytes, quick))
+        ts = interleaved({"x": lambda: fn(buf)}, timer, iterations(nbytes, quick))
         t, tmin = med(ts["x"]), best(ts["x"])
-        out.append({"bytes": nbytes, "time_s": t, "time_min_s": tmin,
-                    "busbw_Bps": busbw(nbytes, tmin, comm.world_size),
-                    "busbw_median_Bps": busbw(nbytes, t, comm.world_size)})
+        row = {"bytes": nbytes, "time_s": t, "time_min_s": tmin,
+               "busbw_Bps": busbw(nbytes, tmin, comm.world_size)}
+        if reduce is None:
+            row["busbw_median_Bps"] = busbw(nbytes, t, comm.world_size)
+        out.append(row)
     return out
 
 
@@ -159,27 +163,14 @@ def sync_row(ts: dict[str, list[float]], described: dict, mode: str, threshold: 
             "fastest_raw_busbw_Bps": busbw(nbytes, t[fastest], p)}
 
 
-def hpclb_steps(comm, model: str, x, y, modes=MODES) -> tuple[dict, list]:
-    """The compute-only step and one hpclb step per overlap mode of ``model``, each
-    GradientSync on its own duplicate of ``comm`` (one communicator carries one
-    GradientSync): ``(variants by name, the syncs)``; the caller closes the syncs."""
-    from hpclb.bench.scaling import build
-    from hpclb.sync.gradients import GradientSync
-    variants, syncs = {}, []
-    net, opt = build(model)
-    variants["compute_only"] = make_step(net, opt, x, y)
-    for mode in modes:
-        net, opt = build(model)
-        syncs.append(GradientSync(net.named_parameters(), comm.dup(), overlap=mode))
-        variants[f"hpclb_{mode}"] = make_step(net, opt, x, y, syncs[-1].synchronize)
-    return variants, syncs
-
-
 def timed_steps(comm, timer: Timer, rounds: int, model: str, x, y, modes=MODES,
                 extra: dict | None = None) -> dict[str, list[float]]:
-    """:func:`hpclb_steps` (and the ``extra`` variants) interleaved for ``rounds`` rounds; the
-    syncs closed afterwards, also on error."""
-    variants, syncs = hpclb_steps(comm, model, x, y, modes)
+    """The compute-only step and one hpclb step per overlap mode of ``model``
+    (:func:`hpclb.bench.scaling.sync_steps`: ``compute_only``, ``hpclb_<mode>``) and the
+    ``extra`` variants, interleaved for ``rounds`` rounds; the syncs closed afterwards, also on
+    error."""
+    variants, syncs = sync_steps(comm, model, x, y, {f"hpclb_{m}": m for m in modes},
+                                 "compute_only")
     try:
         return interleaved({**variants, **(extra or {})}, timer, rounds)
     finally:
@@ -187,30 +178,15 @@ def timed_steps(comm, timer: Timer, rounds: int, model: str, x, y, modes=MODES,
             s.close()
 
 
-def make_step(model, opt, x, y, after_backward: Callable[[], None] | None = None,
-              zero: Callable[[], None] | None = None):
-    zero = zero or (lambda: opt.zero_grad(set_to_none=False))
-
-    def step():
-        zero()
-        nn.functional.cross_entropy(model(x), y).backward()
-        if after_backward is not None:
-            after_backward()
-        opt.step()
-    return step
-
-
 def step_data(comm, model: str):
     """This rank's batch for the step benchmark of ``model`` (its per-rank weak-scaling batch
     of :data:`hpclb.bench.scaling.BATCHES`)."""
-    from hpclb.bench.scaling import BATCHES, batch
     return batch(model, BATCHES[model][0], comm.rank)
 
 
 def bench_steps(comm, timer: Timer, rounds: int, model: str, with_ddp: bool) -> dict:
     """Step times of ``model``: compute only, hpclb per overlap mode and DDP over Gloo
     (``bucket_cap_mb`` 25, its default), interleaved."""
-    from hpclb.bench.scaling import build
     x, y = step_data(comm, model)
     extra = {}
     if with_ddp:
@@ -256,7 +232,7 @@ def bench_horovod(comm, timer: Timer, sizes: list[int], rounds: int, quick: bool
                   model: str = "resnet50") -> dict:
     """hpclb's step first (Horovod not yet started: its background thread would load the CPU),
     then Horovod's allreduce and DistributedOptimizer step, in the same job."""
-    from hpclb.bench.scaling import build
+    from functools import partial
     x, y = step_data(comm, model)
     hp = timed_steps(comm, timer, rounds, model, x, y, modes=("thread", "nonblocking"))
     import horovod
@@ -267,14 +243,7 @@ def bench_horovod(comm, timer: Timer, sizes: list[int], rounds: int, quick: bool
     dopt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
     hv = interleaved({"horovod": make_step(net, dopt, x, y, zero=dopt.zero_grad)}, timer,
                      rounds)
-    raw = []
-    for nbytes in sizes:
-        buf = torch.ones(nbytes // 4)
-        ts = interleaved({"x": lambda: hvd.allreduce_(buf, op=hvd.Sum, name="bench")}, timer,
-                         iterations(nbytes, quick))
-        t, tmin = med(ts["x"]), best(ts["x"])
-        raw.append({"bytes": nbytes, "time_s": t, "time_min_s": tmin,
-                    "busbw_Bps": busbw(nbytes, tmin, comm.world_size)})
+    raw = bench_raw(comm, timer, sizes, quick, partial(hvd.allreduce_, op=hvd.Sum, name="bench"))
     t = {k: best(v) for k, v in {**hp, **hv}.items()}
     top = min(("thread", "nonblocking"), key=lambda m: t[f"hpclb_{m}"])
     return {"horovod_version": horovod.__version__, "raw_horovod": raw, "workload": model,
@@ -296,11 +265,7 @@ def worker(args) -> int:
     from hpclb.comm.world import get_communicator
     comm = get_communicator("mpi")
     torch.set_num_threads(1)
-    res = run_suite(comm, args)
-    if comm.rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    comm.barrier()
+    write_rank0(comm, args.out, run_suite(comm, args))
     return 0
 
 
@@ -398,9 +363,7 @@ def driver(args) -> int:
     wanted = [k for k, part in (("hpclb_vs_raw_allreduce", "sync"),
                                 ("hpclb_vs_ddp_gloo", "step")) if part in args.parts]
     missing = [k for k in wanted if result.get(k) is None]
-    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
-    drew = plot(runs, out.with_suffix(".png"))
-    print(f"[bench-allreduce] wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
+    print(f"[bench-allreduce] {save(out, result, plot=lambda png: plot(runs, png))}")
     print(report(result))
     if failed or missing:
         print(f"[bench-allreduce] FAILED: jobs {failed or 'none'} failed; ratios missing: "
@@ -437,18 +400,17 @@ def add_run_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--timeout", type=float, default=1200.0, help="seconds per mpirun job")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m hpclb.bench.allreduce run|worker``: parses ``argv`` (default ``sys.argv[1:]``)
-    and runs the driver or one worker; returns its exit status."""
-    p = argparse.ArgumentParser(prog="python -m hpclb.bench.allreduce", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    add_run_arguments(sub.add_parser("run"))
-    w = sub.add_parser("worker")
+def add_worker_arguments(w: argparse.ArgumentParser) -> None:
+    """Options of one rank of the ``mpirun`` job: the common ones and the suite it runs."""
     add_common(w)
     w.add_argument("--suite", choices=("main", "horovod"), default="main")
-    args = p.parse_args(argv)
-    return driver(args) if args.cmd == "run" else worker(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpclb.bench.allreduce run|worker`` (:func:`hpclb.bench.launch.cli_main`): the
+    driver or one worker; returns its exit status."""
+    return cli_main("hpclb.bench.allreduce", __doc__, argv, add_run_arguments, driver,
+                    add_worker_arguments, worker)
 
 
 if __name__ == "__main__":

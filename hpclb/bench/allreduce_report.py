@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpclb._io import write_atomic
+from hpclb.bench.launch import pyplot, save_png
 from hpclb.bench.measure import med
 from hpclb.bench.raw import SUM_ONLY
 
@@ -127,11 +127,8 @@ def plot(runs: dict, path: Path) -> bool:
     matplotlib or without a finished job."""
     if not any(runs.values()):
         return False
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("[bench-allreduce] matplotlib not installed (make install): no plot")
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -159,10 +156,7 @@ def plot(runs: dict, path: Path) -> bool:
     ax.set_title("Allreduce bus bandwidth on this machine (ranks share its cores)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
-    return True
+    return save_png(fig, path, 120)
 
 
 def report(result: dict) -> str:

@@ -25,14 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from hpclb._io import write_text_atomic
+from hpclb.bench.launch import run_mpi, save
+from hpclb.bench.measure import median_range, round_order
 
 __all__ = ["AIMS_US", "OPTIMIZERS", "TinyModel", "add_run_arguments", "driver", "worker"]
 
@@ -139,18 +139,13 @@ def measure(kind: str, n: int, steps: int, rounds: int, comm) -> dict:
     for side in us:                      # warm-up: state, plans, buckets
         _block_us(steps_of[side], 0, 3, comm)
     for r in range(rounds):
-        for side in (("plain", "hpclb") if r % 2 == 0 else ("hpclb", "plain")):
+        for side in round_order(["plain", "hpclb"], r):
             us[side].append(_block_us(steps_of[side], 3 + r * steps, steps, comm))
     steps_of["hpclb"].close()
-    added = [h - p for h, p in zip(us["hpclb"], us["plain"])]
-    med = statistics.median(added)
-    world = comm.Get_size()
-    return {"plain_us": statistics.median(us["plain"]),
-            "plain_us_range": [min(us["plain"]), max(us["plain"])],
-            "hpclb_us": statistics.median(us["hpclb"]),
-            "hpclb_us_range": [min(us["hpclb"]), max(us["hpclb"])],
-            "added_us": med, "added_us_range": [min(added), max(added)],
-            "added_us_per_tensor": med / n, "aim_added_us": AIMS_US.get((world, n))}
+    added = median_range("added_us", [h - p for h, p in zip(us["hpclb"], us["plain"])])
+    return {**median_range("plain_us", us["plain"]), **median_range("hpclb_us", us["hpclb"]),
+            **added, "added_us_per_tensor": added["added_us"] / n,
+            "aim_added_us": AIMS_US.get((comm.Get_size(), n))}
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -191,8 +186,6 @@ def driver(args: argparse.Namespace) -> int:
     """``hpclb bench host-overhead``: ``--np 1`` in this process, larger world sizes under
     ``mpirun`` (:func:`hpclb.bench.launch.run_mpi`); the JSON to ``args.out``, a table printed.
     Returns 0, or 1 when a world size failed (the aims are reported, not enforced)."""
-    from hpclb.bench.launch import run_mpi
-
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     common = ["--steps", str(args.steps), "--rounds", str(args.rounds), "--tensors",
@@ -209,8 +202,7 @@ def driver(args: argparse.Namespace) -> int:
     doc = {"benchmark": "host-overhead", "runs": runs, "torch": torch.__version__,
            "conditions": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
                           "loadavg_start": load0, "loadavg_end": os.getloadavg()}}
-    write_text_atomic(out, json.dumps(doc, indent=1) + "\n")
-    print(f"{report(doc)}\nwrote {out}")
+    print(f"{report(doc)}\n{save(out, doc)}")
     return 1 if any(v is None for v in runs.values()) else 0
 
 

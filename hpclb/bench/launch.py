@@ -1,7 +1,9 @@
-"""Launching a benchmark's worker under ``mpirun`` (the venv's Open MPI) and reading back the
-JSON it wrote."""
+"""A benchmark's driver side, shared by the benchmarks: its ``python -m`` entry, launching its
+worker under ``mpirun`` (the venv's Open MPI) and reading back the JSON it wrote, and writing
+its results (JSON, a PNG beside it)."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -11,7 +13,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
+from hpclb._io import write_atomic, write_text_atomic
 from hpclb.comm.launcher import (
     explain_launch_failure,
     mpirun_path,
@@ -19,7 +23,7 @@ from hpclb.comm.launcher import (
     stop_session,
 )
 
-__all__ = ["run_group", "run_mpi"]
+__all__ = ["cli_main", "pyplot", "run_group", "run_mpi", "save", "save_png", "write_rank0"]
 
 
 def run_group(argv: list[str], env: dict[str, str], timeout_s: float
@@ -90,3 +94,64 @@ def run_mpi(np_: int, module: str, argv: list[str], out: Path, timeout_s: float,
         return None
     print(f"[{tag}]   done in {time.perf_counter() - t0:.0f} s", flush=True)
     return json.loads(out.read_text())
+
+
+def cli_main(module: str, doc: str, argv: list[str] | None, add_run: Callable,
+             driver: Callable, add_worker: Callable | None = None,
+             worker: Callable | None = None) -> int:
+    """``python -m module``: parses ``argv`` (default ``sys.argv[1:]``; the help shows ``doc``)
+    with ``add_run``'s options and runs ``driver``; with a ``worker``, as two commands, ``run``
+    (the driver) and ``worker`` (``add_worker``'s options: what :func:`run_mpi` starts). Returns
+    the exit status of what ran."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if worker is None:
+        add_run(p)
+        return driver(p.parse_args(argv))
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add_run(sub.add_parser("run"))
+    add_worker(sub.add_parser("worker"))
+    args = p.parse_args(argv)
+    return driver(args) if args.cmd == "run" else worker(args)
+
+
+def write_rank0(comm, out: str | Path, doc: dict) -> None:
+    """A worker's result: rank 0 of ``comm`` (a Communicator) writes ``doc`` to ``out`` as JSON
+    (what :func:`run_mpi` reads back); every rank waits until it is written."""
+    if comm.rank == 0:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+    comm.barrier()
+
+
+def save(out: str | Path, doc: dict, indent: int = 1,
+         plot: Callable[[Path], bool] | None = None) -> str:
+    """A driver's result: ``doc`` as JSON at ``out`` (atomically, its folder made) and, with
+    ``plot``, ``plot(png)`` drawing a PNG beside it (False: nothing drawn). Returns the line
+    that says so: ``wrote OUT`` (`` and PNG``)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(doc, indent=indent) + "\n")
+    png = out.with_suffix(".png")
+    return f"wrote {out}" + (f" and {png}" if plot is not None and plot(png) else "")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed), or None without matplotlib
+    (a benchmark's plot is then left out)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_png(fig, path: Path, dpi: int) -> bool:
+    """``fig`` laid out and written to ``path`` as a PNG of ``dpi`` (atomically, its folder
+    made); returns True (drawn)."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+    return True

@@ -42,7 +42,6 @@ each path hands it to the host-to-device copy. Writes ``results/bench_loader.jso
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -50,7 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpclb._io import write_text_atomic
+from hpclb.bench.launch import save
+from hpclb.bench.measure import round_order
 
 __all__ = ["SIZES", "TARGET_IMAGES_PER_S", "add_run_arguments", "driver", "measure",
            "reference_sample", "synthetic_jpegs"]
@@ -187,7 +187,7 @@ def measure(root: Path, shards: Path, n: int, rounds: int, size: int = 224,
         names = list(fns)
         cpu[transform], wall[transform] = {v: [] for v in names}, {v: [] for v in names}
         for r in range(rounds):
-            for v in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
+            for v in round_order(names, r):
                 c0, w0 = time.process_time(), time.perf_counter()
                 for i in range(n):
                     fns[v](i, r)
@@ -333,15 +333,13 @@ def driver(args) -> int:
              "libjpeg_region": _libjpeg_version(), "restart_markers": marked,
              "note": args.note}
     doc = report(rates, setup, batch_bytes, scaled, load)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(doc, indent=2) + "\n")
+    wrote = save(args.out, doc, indent=2)
     med = doc["images_per_s_per_core"]
     for t in med:
         print(f"{t}: " + ", ".join(f"{v} {x:.0f}/s" for v, x in med[t].items()) +
               f" per core; {doc['fast']}/current {doc['speedup'][t][doc['fast']]:.2f}x")
     print(f"batch of {args.batch_size}: {batch_bytes['current']} -> {batch_bytes['fast']} bytes;"
-          f" wrote {out}")
+          f" {wrote}")
     return 0
 
 

@@ -33,9 +33,7 @@ Writes ``results/bench_logging.json`` (times in seconds).
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
-import json
 import math
 import os
 import statistics
@@ -44,12 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpclb._io import write_text_atomic
+from hpclb.bench.launch import cli_main, run_mpi, save, write_rank0
+from hpclb.bench.measure import conditions, round_order
 
 __all__ = [
     "COMPARISONS", "SHARED_NOTE", "TARGET_PERCENT", "VARIANTS", "add_run_arguments",
-    "bench_recipe", "blocks", "compare", "driver", "interleaved_steps", "main", "report",
-    "round_order", "run_stats", "summarize", "worker"]
+    "add_worker_arguments", "bench_recipe", "blocks", "compare", "driver", "interleaved_steps",
+    "main", "report", "run_stats", "summarize", "worker"]
 
 B0 = 128  # the packaged MNIST-LSTM recipe's base batch, the benchmark's batch
 VARIANTS = {"log50": {"log_every": 50, "noise_scale": False},
@@ -77,11 +76,6 @@ def bench_recipe(path: Path, train_samples: int, test_samples: int, epochs: floa
     path.write_text(yaml.safe_dump(recipe))
     return path
 
-
-def round_order(names: list[str], r: int) -> list[str]:
-    """Round ``r``'s order: ``names`` rotated left by ``r`` (ABC, BCA, CAB, ABC, ...)."""
-    k = r % len(names)
-    return names[k:] + names[:k]
 
 
 class _StepLogTimer:
@@ -114,14 +108,6 @@ def run_stats(run_dir: Path) -> dict:
             "step_lines": len(steps)}
 
 
-def _own_comm(comm):
-    """``comm`` over its own duplicate MPI communicator (``MPI_Comm_dup``): a communicator
-    carries one GradientSync, and each side-by-side run needs its own."""
-    own = copy.copy(comm)
-    own._comm, own._stagings, own._side = comm._comm.Dup(), {}, None
-    return own
-
-
 def interleaved_steps(comm, recipe: str, work: Path, data_dir: str | None,
                       epochs: float) -> dict:
     """Every variant's run set up side by side in this job and stepped in turn, one optimizer
@@ -141,7 +127,7 @@ def interleaved_steps(comm, recipe: str, work: Path, data_dir: str | None,
     for name, settings in VARIANTS.items():
         cfg = resolve(recipe, out=str(work / f"interleaved_{name}"), data_dir=data_dir,
                       epochs=epochs, **settings)
-        run = setup_run(cfg, _own_comm(comm))
+        run = setup_run(cfg, comm.dup())  # its own communicator: one carries one GradientSync
         logger = RunLogger(run.out, enabled=comm.rank == 0)
         runs[name] = (run, logger, StepLog(run, logger))
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -178,7 +164,6 @@ def worker(args) -> int:
     """Inside ``mpirun``: every variant once per round (rotated order); rank 0 writes the runs."""
     import torch
 
-    from hpclb.bench.measure import conditions
     from hpclb.comm.world import get_communicator
     from hpclb.config import resolve
     from hpclb.train.loop import train
@@ -204,14 +189,12 @@ def worker(args) -> int:
                       flush=True)
     times = interleaved_steps(comm, args.recipe, Path(args.work), args.data_dir,
                               args.interleaved_epochs)
-    if comm.rank == 0:
-        cond.update(loadavg_end=os.getloadavg(), wall_s=time.perf_counter() - t_start)
-        size = VARIANTS["log50"]["log_every"]  # one log point per block
-        inter = {"block_steps": size, "steps": len(times["off"]),
-                 "block_step_time_s": {k: blocks(v, size) for k, v in times.items()},
-                 "step_time_s": {k: sum(v) / len(v) for k, v in times.items()}}
-        Path(args.out).write_text(json.dumps({"conditions": cond, "runs": runs,
-                                              "interleaved": inter}) + "\n")
+    cond.update(loadavg_end=os.getloadavg(), wall_s=time.perf_counter() - t_start)
+    size = VARIANTS["log50"]["log_every"]  # one log point per block
+    inter = {"block_steps": size, "steps": len(times["off"]),
+             "block_step_time_s": {k: blocks(v, size) for k, v in times.items()},
+             "step_time_s": {k: sum(v) / len(v) for k, v in times.items()}}
+    write_rank0(comm, args.out, {"conditions": cond, "runs": runs, "interleaved": inter})
     return 0
 
 
@@ -279,8 +262,6 @@ def report(res: dict) -> str:
 
 def driver(args) -> int:
     """``hpclb bench logging``: write the recipe, run the mpirun job, summarize, write JSON."""
-    from hpclb.bench.launch import run_mpi
-
     if args.rounds < 1 or args.np < 2:
         raise SystemExit("hpclb bench logging: --rounds must be >= 1 and --np >= 2 (the noise "
                          "scale needs two ranks)")
@@ -289,7 +270,6 @@ def driver(args) -> int:
         raise SystemExit(f"hpclb bench logging: --interleaved-epochs {args.interleaved_epochs:g} "
                          f"x --train-samples {args.train_samples} / {B0} (B0) gives fewer than "
                          f"two log intervals of {interval} steps to compare; raise either")
-    out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="hpclb-bench-logging-") as tmp:
         recipe = bench_recipe(Path(tmp) / "recipe.yaml", args.train_samples, args.test_samples,
                               args.epochs)
@@ -308,9 +288,7 @@ def driver(args) -> int:
              "interleaved_epochs": args.interleaved_epochs,
              "step_time": "sum of epoch_time_s (training loop, no evaluation) / steps"}
     res = summarize(raw, setup)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(res, indent=1) + "\n")
-    print(f"[bench-logging] wrote {out}\n{report(res)}", flush=True)
+    print(f"[bench-logging] {save(args.out, res)}\n{report(res)}", flush=True)
     return 0
 
 
@@ -329,21 +307,20 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results/bench_logging.json")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m hpclb.bench.logging_cost run|worker``: parses ``argv`` (default ``sys.argv[1:]``)
-    and runs the driver or the worker; returns its exit status."""
-    p = argparse.ArgumentParser(prog="python -m hpclb.bench.logging_cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    add_run_arguments(sub.add_parser("run"))
-    w = sub.add_parser("worker")
+def add_worker_arguments(w: argparse.ArgumentParser) -> None:
+    """Options of the ``mpirun`` job's ranks (the driver passes them)."""
     for flag in ("--recipe", "--work", "--out"):
         w.add_argument(flag, required=True)
     w.add_argument("--rounds", type=int, required=True)
     w.add_argument("--interleaved-epochs", type=float, required=True)
     w.add_argument("--data-dir")
-    args = p.parse_args(argv)
-    return driver(args) if args.cmd == "run" else worker(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpclb.bench.logging_cost run|worker`` (:func:`hpclb.bench.launch.cli_main`):
+    the driver or the worker; returns its exit status."""
+    return cli_main("hpclb.bench.logging_cost", __doc__, argv, add_run_arguments, driver,
+                    add_worker_arguments, worker)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Timing shared by the benchmarks: per-iteration times agreed across ranks, variants
-interleaved round by round, the statistics kept (fastest and median round), ring-allreduce bus
-bandwidth, and the conditions a measurement was taken under."""
+interleaved round by round (shuffled, or rotated: :func:`round_order`), the statistics kept
+(fastest and median round, median and range), ring-allreduce bus bandwidth, and the conditions
+a measurement was taken under."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Timer", "best", "busbw", "conditions", "interleaved", "iterations", "med"]
+__all__ = ["Timer", "best", "busbw", "conditions", "interleaved", "iterations", "med",
+           "median_range", "round_order"]
 
 MiB = 2 ** 20
 
@@ -60,6 +62,19 @@ def interleaved(variants: dict[str, Callable[[], None]], timer: Timer, rounds: i
         for k in order:
             times[k].append(timer(variants[k]))
     return times
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order of the variants ``names``: rotated left by ``r`` (ABC, BCA, CAB, ABC,
+    ...; two alternate, AB, BA), so that load drifting between rounds hits all of them alike."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def median_range(key: str, xs: list[float], range_key: str | None = None) -> dict:
+    """The summary of rounds ``xs``: ``{key: median, range_key: [min, max]}`` (``range_key``
+    default ``key + "_range"``)."""
+    return {key: statistics.median(xs), range_key or f"{key}_range": [min(xs), max(xs)]}
 
 
 def med(xs: list[float]) -> float:

@@ -48,15 +48,16 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
-from hpclb._io import write_atomic, write_text_atomic
+from hpclb.bench.launch import cli_main, pyplot, save, save_png
 
 __all__ = [
     "ALPHA_LINK_S", "ALPHA_NVLINK_S", "BACKWARD_SHARE", "DEFAULT_FUSION_BYTES", "GPUS_PER_NODE",
     "LINKS_GBPS", "LINK_EFFICIENCY", "NODES", "NVLINK_BPS", "Calibration", "LocalFit", "Workload",
-    "add_arguments", "allreduce_time", "calibrate", "comm_time", "fit_alpha_beta", "fit_local",
-    "local_check", "main", "n_buckets", "plot", "project", "run", "schedule_step_time",
-    "step_time", "table", "workloads"]
+    "add_arguments", "allreduce_time", "calibrate", "comm_time", "efficiency_panels",
+    "fit_alpha_beta", "fit_local", "local_check", "main", "n_buckets", "plot", "project", "run",
+    "schedule_step_time", "step_time", "table", "workloads"]
 
 NODES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 LINKS_GBPS = [100, 200, 400]
@@ -372,34 +373,38 @@ def plot(rows: list[dict], path: Path) -> bool:
     """Efficiency (%) against GPUs of the hierarchical rows of :func:`project`, one panel per
     workload and a line per link speed and overlap, as a PNG at ``path``; False (nothing drawn)
     without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    names = sorted({r["workload"] for r in rows})
-    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    def draw(ax, mine: list[dict]) -> None:
         for link in sorted({r["link_gbps"] for r in rows}):
-            pts = [r for r in rows if r["workload"] == name and r["link_gbps"] == link and
-                   r["topology"] == "hierarchical"]
+            pts = [r for r in mine if r["link_gbps"] == link and r["topology"] == "hierarchical"]
             ax.plot([r["gpus"] for r in pts], [100 * r["efficiency_measured_overlap"]
                                                for r in pts], marker="o",
                     label=f"{link:g} Gb/s, measured overlap")
             ax.plot([r["gpus"] for r in pts], [100 * r["efficiency_full_overlap"] for r in pts],
                     linestyle="--", label=f"{link:g} Gb/s, full overlap")
+    return efficiency_panels(rows, path, "GPUs (4 per node)", draw)
+
+
+def efficiency_panels(rows: list[dict], path: Path, xlabel: str,
+                      draw: Callable[[object, list[dict]], None]) -> bool:
+    """Weak-scaling efficiency (%) against GPUs (log scale), one panel per workload of ``rows``:
+    ``draw(ax, the workload's rows)`` draws its lines, ``xlabel`` formatted with the panel's
+    first row labels its x axis; a PNG at ``path``; False (nothing drawn) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    names = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        pts = [r for r in rows if r["workload"] == name]
+        draw(ax, pts)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 105)
-        ax.set_xlabel("GPUs (4 per node)")
+        ax.set_xlabel(xlabel.format(**pts[0]))
         ax.set_ylabel("weak-scaling efficiency (%)")
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    return True
+    return save_png(fig, path, 110)
 
 
 def _print_setup(cal: Calibration, args: argparse.Namespace) -> None:
@@ -424,18 +429,17 @@ def _print_setup(cal: Calibration, args: argparse.Namespace) -> None:
               f"{w.compute_s * 1e3:.0f} ms per step at {w.batch_per_gpu} per GPU ({w.source})")
 
 
-def _write_results(out: Path, args: argparse.Namespace, cal: Calibration, rows: list[dict],
-                   key: dict, hvr: dict, measured: Path | None) -> None:
-    """The projection and what it assumed, as JSON at ``out``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps({"calibration": asdict(cal), "assumptions": {
+def _results(args: argparse.Namespace, cal: Calibration, rows: list[dict], key: dict, hvr: dict,
+             measured: Path | None) -> dict:
+    """The projection and what it assumed (the JSON ``hpclb bench model`` writes)."""
+    return {"calibration": asdict(cal), "assumptions": {
         "gpus_per_node": GPUS_PER_NODE, "alpha_link_s": ALPHA_LINK_S,
         "link_efficiency": LINK_EFFICIENCY, "nvlink_Bps": NVLINK_BPS,
         "backward_share": BACKWARD_SHARE, "fusion_threshold_bytes": args.fusion_threshold_bytes,
         "fp16": args.fp16, "workloads": {n: {k: v for k, v in asdict(w).items() if k != "tensors"}
                                          for n, w in workloads().items()}},
         "resnet50_256x4_200gbps": key, "horovod_paper_setting": hvr,
-        "local_check": local_check(cal, measured), "projection": rows}, indent=1) + "\n")
+        "local_check": local_check(cal, measured), "projection": rows}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -473,10 +477,8 @@ def run(args: argparse.Namespace) -> int:
           f"25 Gb/s RoCE, 128 nodes x 4 = 512 GPUs): modeled "
           f"{100 * hvr['efficiency_measured_overlap']:.1f}% (measured overlap) / "
           f"{100 * hvr['efficiency_full_overlap']:.1f}% (full overlap); published ~90%")
-    out = Path(args.out)
-    _write_results(out, args, cal, rows, key, hvr, measured)
-    drew = plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
+    print(save(args.out, _results(args, cal, rows, key, hvr, measured),
+               plot=lambda png: plot(rows, png)))
     return 0
 
 
@@ -495,10 +497,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m hpclb.bench.model``: parses ``argv`` (default ``sys.argv[1:]``) and runs
     :func:`run`; returns its exit status."""
-    p = argparse.ArgumentParser(prog="python -m hpclb.bench.model", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return cli_main("hpclb.bench.model", __doc__, argv, add_arguments, run)
 
 
 if __name__ == "__main__":

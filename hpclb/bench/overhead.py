@@ -34,8 +34,8 @@ from pathlib import Path
 
 import yaml
 
-from hpclb._io import write_text_atomic
-from hpclb.bench.launch import run_group
+from hpclb.bench.launch import run_group, save
+from hpclb.bench.measure import median_range, round_order
 from hpclb.comm.launcher import mpirun_path
 
 __all__ = ["LOSS_RTOL", "WORKLOADS", "add_run_arguments", "commands", "driver", "summarize"]
@@ -133,11 +133,10 @@ def summarize(runs: dict[str, list[dict]], setting: str) -> dict:
     lh, lb = runs["hpclb"][-1]["final_test_loss"], runs["baseline"][-1]["final_test_loss"]
     ratio = statistics.median(h) / statistics.median(b)
     return {"baseline": BASELINES[setting], "hpclb_wall_s": h, "baseline_wall_s": b,
-            "hpclb_median_s": statistics.median(h), "baseline_median_s": statistics.median(b),
-            "hpclb_range_s": [min(h), max(h)], "baseline_range_s": [min(b), max(b)],
+            **median_range("hpclb_median_s", h, "hpclb_range_s"),
+            **median_range("baseline_median_s", b, "baseline_range_s"),
             "ratio_of_medians": ratio, "paired_ratios": paired,
-            "paired_ratio_median": statistics.median(paired),
-            "paired_ratio_range": [min(paired), max(paired)],
+            **median_range("paired_ratio_median", paired, "paired_ratio_range"),
             "target": f"<= {TARGETS[setting]}", "target_met": ratio <= TARGETS[setting],
             "final_test_loss": {"hpclb": lh, "baseline": lb},
             "final_test_accuracy": {"hpclb": runs["hpclb"][-1]["final_test_accuracy"],
@@ -153,7 +152,7 @@ def compare(workload: str, setting: str, args, where: Path) -> tuple[dict | None
     runs: dict[str, list[dict]] = {"hpclb": [], "baseline": []}
     for r in range(args.rounds):
         cmds = commands(workload, setting, args, where / f"round{r + 1}")
-        for side in (("hpclb", "baseline") if r % 2 == 0 else ("baseline", "hpclb")):
+        for side in round_order(["hpclb", "baseline"], r):
             res = timed(*cmds[side], args.timeout)
             if "error" in res:
                 return None, [f"{workload}/{setting} {side}, round {r + 1}: {res['error']}"]
@@ -189,9 +188,7 @@ def driver(args) -> int:
                         "omp_num_threads": environment()["OMP_NUM_THREADS"]},
            "conditions": {"date": t0, "cpus": os.cpu_count(), "loadavg_start": load0,
                           "loadavg_end": os.getloadavg()}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(doc, indent=1) + "\n")
-    print(f"[bench-overhead] wrote {out}\n{report(results)}")
+    print(f"[bench-overhead] {save(out, doc)}\n{report(results)}")
     for e in errors + [f"{k}: the two sides end with different test losses" for k in bad]:
         print(f"[bench-overhead] FAILED: {e}", file=sys.stderr)
     return 1 if errors or bad else 0

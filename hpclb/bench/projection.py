@@ -11,15 +11,14 @@ PNG beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from hpclb._io import write_atomic, write_text_atomic
 from hpclb.bench import model
 from hpclb.bench.fattree import PLACEMENTS, host_order, ring_link_load
+from hpclb.bench.launch import save
 from hpclb.bench.model import (
     BACKWARD_SHARE,
     GPUS_PER_NODE,
@@ -134,32 +133,15 @@ _CURVES = [
 
 def plot_compare(rows: list[dict], path: Path) -> bool:
     """Efficiency (%) against GPUs, closed form and simulation, one panel per workload, as a
-    PNG at ``path``; False (nothing drawn) without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    names = sorted({r["workload"] for r in rows})
-    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        pts = [r for r in rows if r["workload"] == name]
-        gpus = [r["gpus"] for r in pts]
+    PNG at ``path`` (:func:`hpclb.bench.model.efficiency_panels`); False (nothing drawn)
+    without matplotlib."""
+    def draw(ax, pts: list[dict]) -> None:
         for key, style, label in _CURVES:
             if key in pts[0]:
-                ax.plot(gpus, [100 * r[key] for r in pts], label=label, **style)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(0, 105)
-        ax.set_xlabel(f"GPUs ({GPUS_PER_NODE} per node), {pts[0]['link_gbps']:g} Gb/s fat tree")
-        ax.set_ylabel("weak-scaling efficiency (%)")
-        ax.set_title(name)
-        ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    return True
+                ax.plot([r["gpus"] for r in pts], [100 * r[key] for r in pts], label=label,
+                        **style)
+    return model.efficiency_panels(
+        rows, path, f"GPUs ({GPUS_PER_NODE} per node), {{link_gbps:g}} Gb/s fat tree", draw)
 
 
 def _effects(r: dict) -> str:
@@ -223,14 +205,10 @@ def run(args: argparse.Namespace) -> int:
     hv = horovod_check(cal, args.fusion_threshold_bytes)
     rows = compare(cal, args.fusion_threshold_bytes, args.fp16, args.sim_nodes)
     _print_compare(rows, hv)
-    out = Path(args.sim_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps({"calibration": asdict(cal), "horovod_check": hv,
-                               "comparison": rows, "wall_s": time.perf_counter() - t0},
-                              indent=1) + "\n")
-    drew = plot_compare(rows, out.with_suffix(".png"))
-    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else "") +
-          f"; simulations took {time.perf_counter() - t0:.0f} s")
+    wrote = save(args.sim_out, {"calibration": asdict(cal), "horovod_check": hv,
+                                "comparison": rows, "wall_s": time.perf_counter() - t0},
+                 plot=lambda png: plot_compare(rows, png))
+    print(f"{wrote}; simulations took {time.perf_counter() - t0:.0f} s")
     return 0 if hv["within_10_points"] else 1
 
 

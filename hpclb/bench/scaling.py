@@ -27,17 +27,18 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
-from hpclb._io import write_atomic, write_text_atomic
-from hpclb.bench.launch import run_mpi
+from hpclb.bench.launch import cli_main, pyplot, run_mpi, save, save_png, write_rank0
 from hpclb.bench.measure import Timer, best, conditions, interleaved, med
 
 __all__ = [
     "BATCHES", "IMAGE", "add_common", "add_run_arguments", "batch", "build", "derive", "driver",
-    "efficiencies", "main", "measure", "merge", "plot", "report", "worker"]
+    "efficiencies", "main", "make_step", "measure", "merge", "plot", "report", "sync_steps",
+    "worker"]
 
 # model -> (per-rank batch for weak scaling, global batch for strong scaling)
 BATCHES = {"mnist_lstm": (128, 512), "resnet50": (16, 32)}
@@ -65,32 +66,45 @@ def batch(name: str, n: int, rank: int):
     return x, torch.randint(0, 10, (n,), generator=g)
 
 
+def make_step(model, opt, x, y, after_backward: Callable[[], None] | None = None,
+              zero: Callable[[], None] | None = None) -> Callable[[], None]:
+    """One training step of ``model`` on the batch ``(x, y)`` as a function: ``zero()``
+    (default ``opt.zero_grad(set_to_none=False)``), cross-entropy forward and backward,
+    ``after_backward()`` when given (a GradientSync's ``synchronize``), ``opt.step()``."""
+    zero = zero or (lambda: opt.zero_grad(set_to_none=False))
+
+    def step():
+        zero()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+    return step
+
+
+def sync_steps(comm, name: str, x, y, modes: dict[str, str | None],
+               compute: str) -> tuple[dict, list]:
+    """The steps of model ``name`` on ``(x, y)`` timed side by side: compute only (key
+    ``compute``) and one per key of ``modes`` with a GradientSync of that overlap mode, each on
+    its own duplicate of ``comm`` (one communicator carries one GradientSync, MPI_Comm_dup):
+    ``(variants by key, the syncs)``; the caller closes the syncs."""
+    from hpclb.sync.gradients import GradientSync
+    variants, syncs = {compute: make_step(*build(name), x, y)}, []
+    for key, mode in modes.items():
+        m, o = build(name)
+        syncs.append(GradientSync(m.named_parameters(), comm.dup(), overlap=mode))
+        variants[key] = make_step(m, o, x, y, syncs[-1].synchronize)
+    return variants, syncs
+
+
 def measure(comm, timer: Timer, name: str, per_rank: int, rounds: int) -> dict:
     """Model ``name`` at ``per_rank`` samples per rank, ``rounds`` interleaved rounds of compute
     only, blocking and overlapped GradientSync steps and the sync alone (seconds, slowest rank);
     returns :func:`derive` of them with the batch sizes, ranks, overlap mode, buckets and gradient
     bytes."""
-    from hpclb.sync.gradients import GradientSync
     x, y = batch(name, per_rank, comm.rank)
-    variants, syncs = {}, []
-
-    def stepper(model, opt, sync=None):
-        def step():
-            opt.zero_grad(set_to_none=False)
-            nn.functional.cross_entropy(model(x), y).backward()
-            if sync is not None:
-                sync.synchronize()
-            opt.step()
-        return step
-
-    m, o = build(name)
-    variants["compute_s"] = stepper(m, o)
-    for key, mode in (("blocking_s", "none"), ("overlapped_s", None)):
-        m, o = build(name)
-        # its own communicator: one communicator carries one GradientSync (MPI_Comm_dup)
-        sync = GradientSync(m.named_parameters(), comm.dup(), overlap=mode)
-        syncs.append(sync)
-        variants[key] = stepper(m, o, sync)
+    variants, syncs = sync_steps(comm, name, x, y, {"blocking_s": "none", "overlapped_s": None},
+                                 "compute_s")
     sync_only = syncs[-1]
 
     def comm_only():
@@ -157,10 +171,7 @@ def worker(args) -> int:
                               args.rounds)}
     res["conditions"]["loadavg_end"] = os.getloadavg()
     res["conditions"]["wall_s"] = time.perf_counter() - t0
-    if comm.rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    comm.barrier()
+    write_rank0(comm, args.out, res)
     return 0
 
 
@@ -207,13 +218,8 @@ def plot(table: dict, path: Path) -> bool:
     """Stacked bars per model/mode and rank count of compute, exposed and hidden communication
     (seconds per step), as a PNG at ``path``; False (nothing drawn) without matplotlib or
     without a row (every job failed)."""
-    if not table:
-        return False
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot() if table else None
+    if plt is None:
         return False
     keys = list(table)
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 4), squeeze=False)
@@ -232,9 +238,7 @@ def plot(table: dict, path: Path) -> bool:
         ax.set_xlabel("ranks")
         ax.set_ylabel("seconds per step")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    return True
+    return save_png(fig, path, 110)
 
 
 def driver(args) -> int:
@@ -258,10 +262,7 @@ def driver(args) -> int:
                       f"{os.cpu_count()}): beyond that many ranks compute time per rank grows "
                       "and strong scaling cannot improve; weak-scaling efficiency there "
                       "mostly measures the oversubscription"}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
-    drew = plot(table, out.with_suffix(".png"))
-    print(f"[bench-scaling] wrote {out}" + (f" and {out.with_suffix('.png')}" if drew else ""))
+    print(f"[bench-scaling] {save(out, result, plot=lambda png: plot(table, png))}")
     print(report(table))
     return 0 if all(r is not None for r in runs.values()) else 1
 
@@ -284,15 +285,10 @@ def add_run_arguments(r: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hpclb.bench.scaling run|worker``: parses ``argv`` (default ``sys.argv[1:]``) and
-    runs the driver or one worker; returns its exit status."""
-    p = argparse.ArgumentParser(prog="python -m hpclb.bench.scaling", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    add_run_arguments(sub.add_parser("run"))
-    add_common(sub.add_parser("worker"))
-    args = p.parse_args(argv)
-    return driver(args) if args.cmd == "run" else worker(args)
+    """``python -m hpclb.bench.scaling run|worker`` (:func:`hpclb.bench.launch.cli_main`): the
+    driver or one worker; returns its exit status."""
+    return cli_main("hpclb.bench.scaling", __doc__, argv, add_run_arguments, driver,
+                    add_common, worker)
 
 
 if __name__ == "__main__":

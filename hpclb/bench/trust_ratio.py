@@ -38,18 +38,16 @@ the torch path on ResNet-50. Prints a table and writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from hpclb._io import write_text_atomic
+from hpclb.bench.launch import cli_main, save
 from hpclb.bench.shapes import SETS
 from hpclb.extras import gpu_extra
 
@@ -374,20 +372,14 @@ def main_args(args: argparse.Namespace) -> int:
                  host_rounds=args.host_rounds)
     print(format_table(result))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out, json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        print(save(args.out, result, indent=2))
     return 1 if args.assert_targets and result["targets"]["failed"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hpclb.bench.trust_ratio``: parses ``argv`` (default ``sys.argv[1:]``) and runs
     :func:`main_args`; returns its exit status."""
-    p = argparse.ArgumentParser(prog="python -m hpclb.bench.trust_ratio", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return main_args(p.parse_args(argv))
+    return cli_main("hpclb.bench.trust_ratio", __doc__, argv, add_arguments, main_args)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,21 @@ HELP = "benchmarks"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``hpclb bench`` and its benchmarks on the top-level subparsers."""
+    """Register ``hpclb bench`` and its benchmarks on the top-level subparsers, each with
+    ``--overwrite`` and the check that its ``--out`` is not replaced without it."""
+    b = subparsers.add_parser("bench", help=HELP)
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    for name, add_arguments, func, help_ in _benchmarks():
+        sub = bsub.add_parser(name, help=help_)
+        add_arguments(sub)
+        sub.add_argument("--overwrite", action="store_true", help="replace an existing --out "
+                         "file (e.g. a committed results/*.json); without it one is refused")
+        sub.set_defaults(func=_refusing_to_replace(func))
+    return b
+
+
+def _benchmarks() -> list[tuple]:
+    """``(command, its arguments, what runs it, help)`` of each benchmark, in help order."""
     from hpclb.bench import (
         allreduce,
         host_overhead,
@@ -28,62 +42,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         scaling,
         trust_ratio,
     )
-
-    b = subparsers.add_parser("bench", help=HELP)
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    tr = bsub.add_parser("trust-ratio", help="K back-to-back fused LARS/LAMB steps: kernel time, "
-                         "host overhead, bytes over copy bandwidth, vs the torch path "
-                         "(ResNet-50, BERT-large shapes)")
-    trust_ratio.add_arguments(tr)
-    tr.set_defaults(func=run)
-    # bench model|allreduce|scaling (gradient sync)
-    m = bsub.add_parser("model", help="alpha-beta ring allreduce model: projected step time "
-                        "and scaling efficiency at 1-1024 nodes x 4 GPUs; --simulate: checked "
-                        "by a SimGrid replay of the sync schedule")
-    projection.add_arguments(m)
-    m.set_defaults(func=projection.run)
-    a = bsub.add_parser("allreduce", help="allreduce bandwidth, GradientSync, DDP and Horovod "
-                        "step times at 2 and 4 ranks (launches mpirun itself)")
-    allreduce.add_run_arguments(a)
-    a.set_defaults(func=allreduce.driver)
-    s = bsub.add_parser("scaling", help="step time of MNIST-LSTM and ResNet-50 at 1, 2, 4 "
-                        "ranks, weak and strong (launches mpirun itself)")
-    scaling.add_run_arguments(s)
-    s.set_defaults(func=scaling.driver)
-    o = bsub.add_parser("overhead", help="hpclb train against a plain PyTorch loop (1 process) "
-                        "and DDP over Gloo (2 ranks): paired whole-process runs")
-    overhead.add_run_arguments(o)
-    o.set_defaults(func=overhead.driver)
-    h = bsub.add_parser("host-overhead", help="host time hpclb adds per step over a plain torch "
-                        "loop: tiny model, 16 and 160 tensors, SGD/Adam/LARS/LAMB, 1 process "
-                        "and 2 ranks (launches mpirun itself)")
-    host_overhead.add_run_arguments(h)
-    h.set_defaults(func=host_overhead.driver)
-    # bench logging (per-step logging cost, issue #13)
-    lc = bsub.add_parser("logging", help="per-step logging and noise-scale cost: 2-rank "
-                         "MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, alternated")
-    logging_cost.add_run_arguments(lc)
-    lc.set_defaults(func=logging_cost.driver)
-    _guard_outputs(tr, m, a, s, o, h, lc, _add_loader(bsub, loader))
-    return b
-
-
-def _add_loader(bsub, loader) -> argparse.ArgumentParser:
-    ld = bsub.add_parser("loader", help="images/s per core of the ImageNet train and eval "
-                         "transforms (DCT-scaled decode, uint8) against the path before, on "
-                         "synthetic ImageNet-sized JPEGs; writes results/bench_loader.json")
-    loader.add_run_arguments(ld)
-    ld.set_defaults(func=loader.driver)
-    return ld
-
-
-def _guard_outputs(*subs: argparse.ArgumentParser) -> None:
-    """Give each benchmark ``--overwrite`` and the check that its ``--out`` is not replaced
-    without it."""
-    for sub in subs:
-        sub.add_argument("--overwrite", action="store_true", help="replace an existing --out "
-                         "file (e.g. a committed results/*.json); without it one is refused")
-        sub.set_defaults(func=_refusing_to_replace(sub.get_default("func")))
+    return [
+        ("trust-ratio", trust_ratio.add_arguments, run, "K back-to-back fused LARS/LAMB steps: "
+         "kernel time, host overhead, bytes over copy bandwidth, vs the torch path (ResNet-50, "
+         "BERT-large shapes)"),
+        # bench model|allreduce|scaling (gradient sync)
+        ("model", projection.add_arguments, projection.run, "alpha-beta ring allreduce model: "
+         "projected step time and scaling efficiency at 1-1024 nodes x 4 GPUs; --simulate: "
+         "checked by a SimGrid replay of the sync schedule"),
+        ("allreduce", allreduce.add_run_arguments, allreduce.driver, "allreduce bandwidth, "
+         "GradientSync, DDP and Horovod step times at 2 and 4 ranks (launches mpirun itself)"),
+        ("scaling", scaling.add_run_arguments, scaling.driver, "step time of MNIST-LSTM and "
+         "ResNet-50 at 1, 2, 4 ranks, weak and strong (launches mpirun itself)"),
+        ("overhead", overhead.add_run_arguments, overhead.driver, "hpclb train against a plain "
+         "PyTorch loop (1 process) and DDP over Gloo (2 ranks): paired whole-process runs"),
+        ("host-overhead", host_overhead.add_run_arguments, host_overhead.driver, "host time "
+         "hpclb adds per step over a plain torch loop: tiny model, 16 and 160 tensors, "
+         "SGD/Adam/LARS/LAMB, 1 process and 2 ranks (launches mpirun itself)"),
+        # bench logging (per-step logging cost, issue #13)
+        ("logging", logging_cost.add_run_arguments, logging_cost.driver, "per-step logging and "
+         "noise-scale cost: 2-rank MNIST-LSTM runs with --log-every 50 / 0 / --noise-scale, "
+         "alternated"),
+        ("loader", loader.add_run_arguments, loader.driver, "images/s per core of the ImageNet "
+         "train and eval transforms (DCT-scaled decode, uint8) against the path before, on "
+         "synthetic ImageNet-sized JPEGs; writes results/bench_loader.json")]
 
 
 def _refusing_to_replace(func):

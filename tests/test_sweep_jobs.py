@@ -127,9 +127,9 @@ def test_task_index_runs_its_point_then_only_the_rest_is_submitted(tmp_path, mni
 
 def test_a_one_node_cpu_task_shares_its_node_unless_asked(tmp_path):
     """A sweep's 1-rank CPU task asked for a whole node (--exclusive) unless --shared was given:
-    an array of them held a node each for one core. Now a one-node task without GPUs shares
-    by default; --exclusive asks for whole nodes; GPU tasks and `hpclb jobs render` keep whole
-    nodes by default."""
+    an array of them held a node each for one core (and a 1-GPU point a whole GPU node). Now a
+    one-node task shares by default; --exclusive asks for whole nodes; `hpclb jobs render`
+    keeps whole nodes by default."""
     recipe = quick_recipe(tmp_path, data=SMALL)
 
     def script(*flags, cmd="sweep"):
@@ -143,7 +143,41 @@ def test_a_one_node_cpu_task_shares_its_node_unless_asked(tmp_path):
 
     assert "#SBATCH --exclusive" not in script()
     assert "#SBATCH --exclusive" in script("--exclusive")
-    assert "#SBATCH --exclusive" in script("--gpus-per-node", "1")
-    assert "#SBATCH --exclusive" not in script("--gpus-per-node", "1", "--shared")
+    assert "#SBATCH --exclusive" not in script("--gpus-per-node", "1")
+    assert "#SBATCH --exclusive" in script("--gpus-per-node", "1", "--exclusive")
     assert "#SBATCH --exclusive" in script(cmd="jobs")
     assert "#SBATCH --exclusive" not in script("--shared", cmd="jobs")
+
+
+def test_a_point_the_schedule_refuses_gets_no_task(tmp_path):
+    """--submit sent a task for a point certain to be refused (it ran, to exit 1): the point
+    is recorded as rejected at submission and the array has a task for each other point."""
+    recipe = quick_recipe(tmp_path, data=SMALL)
+    said: list[str] = []
+    script = sweep.submit_sweep(recipe, [128, 512], ["legw"], submit=False, log=said.append,
+                                job=JobSpec(recipe, "slurm", 1, 0, venv=None), epochs=1,
+                                runs_dir=tmp_path / "runs")
+    text = script.read_text()
+    assert "TASKS=(0)\n" in text and "B=512" not in text, text
+    assert any("B=512 legw seed 0: rejected" in m for m in said), said
+    rows = json.loads((tmp_path / "runs" / "mnist-lstm" / "mnist-lstm.json").read_text())
+    assert [(r["batch_size"], r["status"]) for r in rows] == [(512, "rejected")]
+
+
+def test_status_creates_nothing(tmp_path, capsys):
+    """--status reads; it made <runs-dir>/<experiment>/.results.lock where nothing was."""
+    recipe = quick_recipe(tmp_path, data=SMALL)
+    runs = tmp_path / "committed"
+    runs.mkdir()
+    assert cli.main(["sweep", recipe, "--batch-sizes", "128,256", "--schemes", "legw",
+                     "--runs-dir", str(runs), "--status"]) == 0
+    assert "0 done" in capsys.readouterr().out
+    assert list(runs.iterdir()) == []
+
+
+def test_seed_and_seeds_together_are_refused(tmp_path, capsys):
+    """--seed 3 --seeds 0,1 ran seed 3 alone, dropping --seeds without a word."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["sweep", "mnist-lstm", "--batch-sizes", "128", "--schemes", "legw",
+                  "--seed", "3", "--seeds", "0,1", "--status"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

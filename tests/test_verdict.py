@@ -102,3 +102,23 @@ def test_two_different_b0_values_for_one_seed_are_refused():
     rows = _rows({(20, "legw"): [113.3], (20, "sqrt"): [120.0], (640, "legw"): [116.0]})
     with pytest.raises(ValueError, match="seed 0 has two values"):
         verdict(rows, metric="test_perplexity", mode="min", base_batch=20)
+
+
+def test_a_rejected_point_is_not_a_result():
+    """A point the schedule refused (no metric, an error, status rejected) was shown as
+    "diverged", and LEGW there as "does not hold", the claim "not supported": it is neither."""
+    rejected = {"metric": None, "status": "rejected", "error": "schedule: warmup (293 steps) "
+                "must be shorter than training (177 steps)"}
+    rows = _rows(B0) + [{**r, **rejected} for r in _rows({(1024, "legw"): [None],
+                                                          (1024, "goyal"): [None]})]
+    v = verdict(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert v["holds"] == {} and v["loses"] == {} and v["supported"] is None
+    md = verdict_markdown(rows, metric="test_accuracy", mode="max", base_batch=128)
+    assert "diverged" not in md and "does not hold" not in md and "not supported" not in md, md
+    assert "| 1024 | legw | — | 0: rejected, not trained |" in md, md
+    assert "**not decided yet" in md
+    # a diverged point (an error too, but a result) still breaks holds
+    diverged = [{**r, "metric": None, "status": "diverged", "error": "loss is nan"}
+                for r in _rows({(1024, "legw"): [None, None, None]})]
+    assert verdict(_rows(B0) + diverged, metric="test_accuracy", mode="max",
+                   base_batch=128)["holds"] == {1024: False}

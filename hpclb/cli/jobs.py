@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hpclb.cli.common import error
@@ -78,10 +79,10 @@ def add_job_size(r: argparse.ArgumentParser, title: str | None = None) -> None:
     whole = g.add_mutually_exclusive_group()
     whole.add_argument("--exclusive", action="store_true", default=None,
                        help="ask for whole nodes (the default" + (", except for one-node "
-                       "tasks without GPUs)" if title else ")"))
+                       "tasks)" if title else ")"))
     whole.add_argument("--shared", dest="exclusive", action="store_false", default=None,
                        help="do not ask for whole nodes: the scheduler may place other jobs "
-                       "beside it" + (" (the default for one-node tasks without GPUs)"
+                       "beside it" + (" (the default for one-node tasks)"
                                       if title else ""))
     _add_fabric(r)
 
@@ -132,8 +133,8 @@ def _add_run_settings(r: argparse.ArgumentParser) -> None:
 def job_spec(args: argparse.Namespace, *, array: bool = False, **settings) -> JobSpec:
     """The :class:`JobSpec` of the options :func:`add_job_size` added, with ``settings``.
     Whole nodes (``--exclusive``) unless ``--shared``, or, for a job ``array`` (a sweep's
-    tasks), unless neither was given and a task is one node without GPUs: such a task (one
-    rank of a 1-rank point) would otherwise hold a whole node for one core."""
+    tasks), unless neither was given and a task is one node: a sweep's point on one CPU core or
+    one GPU would otherwise hold a whole node."""
     return JobSpec(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
@@ -142,7 +143,7 @@ def job_spec(args: argparse.Namespace, *, array: bool = False, **settings) -> Jo
         ucx_net_devices=args.ucx_net_devices, nccl_ib_hca=args.nccl_ib_hca,
         socket_ifname=args.socket_ifname, signal_lead=args.signal_lead,
         exclusive=args.exclusive if args.exclusive is not None else
-        args.nodes > 1 or bool(args.gpus_per_node) or not array, **settings)
+        args.nodes > 1 or not array, **settings)
 
 
 def _spec(args: argparse.Namespace) -> JobSpec:
@@ -160,6 +161,10 @@ def _render(args: argparse.Namespace) -> None:
     from hpclb.tools.jobs import render
 
     text, plan = render(_spec(args))
+    if args.scheduler == "pbs" and not args.data_dir and os.environ.get("HPCLB_DATA"):
+        print(f"hpclb jobs render: warning: PBS passes no environment to a job, so $HPCLB_DATA "
+              f"({os.environ['HPCLB_DATA']}) does not reach it and it reads ./data in the "
+              f"submit directory; give --data-dir to export it in the script", file=sys.stderr)
     if args.output in (None, "-"):
         sys.stdout.write(text)
         return

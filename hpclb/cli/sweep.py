@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hpclb.cli.common import error, setup_logging
 from hpclb.cli.jobs import add_job_size, job_spec
@@ -43,12 +44,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "point accumulates B / (ranks x MICRO_BATCH) micro-batches per step (BatchNorm "
                    "then sees MICRO_BATCH samples, as on that many ranks); default: no "
                    "accumulation")
-    w.add_argument("--seeds", default="0", help="comma-separated seeds; each (batch, scheme, "
-                   "seed) is a point of its own, e.g. 0,1,2")
-    w.add_argument("--seed", type=int, help="one seed (the same as --seeds N)")
+    seeds = w.add_mutually_exclusive_group()
+    seeds.add_argument("--seeds", default="0", help="comma-separated seeds; each (batch, "
+                       "scheme, seed) is a point of its own, e.g. 0,1,2")
+    seeds.add_argument("--seed", type=int, help="one seed (the same as --seeds N)")
     w.add_argument("--status", action="store_true", help="print what is done, running in "
                    "another sweep process and left, with the hours expected; train nothing")
-    w.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data)")
+    w.add_argument("--data-dir", help="where the data lives (default $HPCLB_DATA or ./data; "
+                   "with --submit, $HPCLB_DATA as set here is passed to the tasks)")
     w.add_argument("--out-dir", help="where the tables and plots go (default: "
                    "RUNS_DIR/<experiment>, beside the points; the committed ones are in "
                    "results/sweeps)")
@@ -111,9 +114,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"sweep {args.experiment}: {line}")
             return 0
         if args.submit:
+            # the tasks read the data this sweep checked: PBS passes no environment to a job
+            data_dir = args.data_dir or os.environ.get("HPCLB_DATA") or None
+            job = job_spec(args, array=True, experiment=args.experiment,
+                           scheduler=args.submit, data_dir=data_dir)
             submit_sweep(args.experiment, batches, schemes, submit=not args.no_submit, log=log,
-                         job=job_spec(args, array=True, experiment=args.experiment, scheduler=args.submit,
-                                      data_dir=args.data_dir), **common)
+                         job=job, **{**common, "data_dir": data_dir})
             return 0
         rows = run_sweep(args.experiment, batches, schemes, quiet=not args.verbose, log=log,
                          task_index=args.task_index, **common)

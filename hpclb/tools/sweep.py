@@ -48,7 +48,14 @@ from hpclb.comm.launcher import (
 from hpclb.comm.local import SelfCommunicator
 from hpclb.config import load_recipe, resolve
 from hpclb.config.outputs import check_run_dir, clear_run, refuse_foreign
-from hpclb.errors import PREEMPTED_EXIT_CODE, ConfigError, Diverged, NonFiniteError, Preempted
+from hpclb.errors import (
+    PREEMPTED_EXIT_CODE,
+    ConfigError,
+    DataError,
+    Diverged,
+    NonFiniteError,
+    Preempted,
+)
 from hpclb.schedules import SCHEMES
 from hpclb.tasks.spec import metric_mode, primary_metric
 from hpclb.tools.figures import pyplot
@@ -206,6 +213,11 @@ class _Sweep:
         return Point.of_row(row) == p and not self.settings.stale(p, row)
 
     def rows(self) -> list[dict]:
+        """The recorded rows, read under the results lock; without a runs directory (no sweep
+        process has run here: ``--status`` on committed results) read as they are, creating
+        nothing."""
+        if not self.runs_dir.is_dir():
+            return load_rows(self.json_path)
         with flock(self.results_lock):
             return load_rows(self.json_path)
 
@@ -262,6 +274,7 @@ class _Sweep:
                 cfg.schedule(self.settings.train_samples(cfg))
             except ConfigError as e:
                 self.log(f"sweep {self.name}: {p}: rejected: {e}")
+                self.out_dir.mkdir(parents=True, exist_ok=True)
                 self.record({**p.failed_row(self.metric, e, self.runs_dir / p.dir_name, 0.0,
                                             None), "recipe": self.settings.fields(p.optimizer)})
 
@@ -449,13 +462,20 @@ def submit_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[
     :func:`run_sweep`'s; each task runs its point as ``run_sweep(..., task_index=I)``.
     ConfigError (bad arguments, points recorded with other settings, a job of other than
     ``ranks`` ranks, no submit command here), JobError (a job that cannot be rendered) and
-    RuntimeError (the submit command failed) before anything is submitted."""
+    RuntimeError (the submit command failed) before anything is submitted. A point whose
+    schedule is refused (a warmup not shorter than training, ...) is recorded as rejected
+    and gets no task."""
     seeds = list(seeds)
     sweep, points = _prepare(experiment, epochs=epochs, ranks=ranks, optimizer=optimizer,
                              seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
                              quiet=True, log=log, overwrite=overwrite, batch_sizes=batch_sizes,
                              schemes=schemes, micro_batch=micro_batch)
     sweep.check(points)
+    try:  # a task certain to be refused is not submitted: its rejection is recorded now
+        sweep.reject_early(points)
+    except DataError as e:  # the data is not here: each task checks its own point
+        log(f"sweep {sweep.name}: schedules not checked before submitting (the training set "
+            f"cannot be counted here: {e})")
     rows = sweep.rows()
     indices = task_indices(points, lambda p: any(sweep.done(p, r) for r in rows),
                            sweep.recipe["base_batch_size"])

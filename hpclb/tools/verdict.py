@@ -11,7 +11,9 @@
 - **The central claim is supported** at a workload only if LEGW holds at the largest k and both
   sqrt-with-fixed-warmup (``sqrt``) and Goyal's linear scaling (``goyal``) lose there.
 
-Standard deviations use ``n - 1`` (sample); one seed gives sigma 0.
+Standard deviations use ``n - 1`` (sample); one seed gives sigma 0. A point the schedule
+rejected (not trained: :func:`~hpclb.tools.sweep_points.is_rejected`) is not a result: it is left
+out of every cell and shown as rejected, so it can neither fail nor support the claim.
 """
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from hpclb.tools.sweep_points import is_rejected
+
 __all__ = ["Cell", "cells", "base_cell", "tolerance", "verdict", "verdict_markdown"]
 
 
 @dataclass(frozen=True)
 class Cell:
-    """The seeds of one ``(batch, scheme)``: ``values`` by seed (None: diverged or rejected)."""
+    """The seeds of one ``(batch, scheme)``: ``values`` by seed (None: diverged)."""
 
     batch: int
     scheme: str
@@ -49,9 +53,12 @@ class Cell:
 
 
 def cells(rows: list[dict]) -> dict[tuple[int, str], Cell]:
-    """Rows of one budget (same epochs, ranks, optimizer) grouped by ``(batch, scheme)``."""
+    """Rows of one budget (same epochs, ranks, optimizer) grouped by ``(batch, scheme)``;
+    rejected rows (not trained) are left out."""
     out: dict[tuple[int, str], dict[int, float | None]] = {}
     for r in rows:
+        if is_rejected(r):
+            continue
         out.setdefault((r["batch_size"], r["scheme"]), {})[r.get("seed", 0)] = r.get("metric")
     return {key: Cell(key[0], key[1], dict(sorted(v.items()))) for key, v in out.items()}
 
@@ -62,7 +69,7 @@ def base_cell(rows: list[dict], base_batch: int) -> Cell:
     there is no finite B0 point, or when one seed has two different B0 values."""
     values: dict[int, float | None] = {}
     for r in rows:
-        if r["batch_size"] != base_batch:
+        if r["batch_size"] != base_batch or is_rejected(r):
             continue
         seed, v = r.get("seed", 0), r.get("metric")
         if seed in values and values[seed] != v:
@@ -154,6 +161,13 @@ def verdict_markdown(rows: list[dict], *, metric: str, mode: str, base_batch: in
         else:
             word = {True: "loses", False: "does not lose"}.get(v["loses"].get((b, s)), "—")
         lines.append(f"| {b} | {s} | {mean} | {seeds} | {word} |")
+    rejected = {}
+    for r in rows:
+        if is_rejected(r):
+            rejected.setdefault((r["batch_size"], r["scheme"]), []).append(str(r.get("seed", 0)))
+    for (b, s), seeds in sorted(rejected.items()):
+        lines.append(f"| {b} | {s} | — | {', '.join(seeds)}: rejected, not trained | — (see the "
+                     f"error column) |")
     claim = {None: "not decided yet (a point is missing)", True: "supported",
              False: "not supported"}[v["supported"]]
     lines += ["", f"Central claim at the largest batch ({v['largest_batch']}): **{claim}**.", ""]

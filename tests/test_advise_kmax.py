@@ -3,12 +3,16 @@ breaks") and the LR probe's verdict (hpclb/tools/lr_probe.py), on made-up inputs
 runs on a tiny recipe."""
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 from helpers import quick_recipe
 
 from hpclb.tools.kmax import PROGRESS_MIN, format_prediction, predict_k_max, progress_ratio
 from hpclb.tools.lr_probe import trains
+
+REPO = Path(__file__).resolve().parents[1]
 
 MNIST = dict(base_batch_size=128, num_samples=60000, epochs=20, base_warmup_epochs=0.25,
              base_lr=2e-3)
@@ -256,3 +260,47 @@ def test_advise_review_findings(tmp_path, capsys, monkeypatch):
         main(["advise", str(run), "--lr-probe", "--data-dir", str(tmp_path / "d")])
     with pytest.raises(Probed, match="^None$"):  # the run's --data-dir: none, so $HPCLB_DATA
         main(["advise", str(run), "--lr-probe"])
+
+
+def test_the_run_data_is_found_where_the_user_says(tmp_path, monkeypatch):
+    """advise on a word-level LM run counts its training set by reading the data: it read the
+    run's recorded data_root (relative: ./data of wherever advise ran) and ignored --data-dir and
+    $HPCLB_DATA, so the committed PTB record failed outside the repository."""
+    from hpclb.tools.kmax import run_data_dir
+
+    here = tmp_path / "staged"
+    here.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPCLB_DATA", raising=False)
+    recorded = {"data_dir": None, "data_root": "data"}  # the run read ./data where it ran
+    assert run_data_dir(recorded, str(here)) == str(here)  # --data-dir wins
+    assert run_data_dir({**recorded, "data_dir": "/given"}) == "/given"  # the run's own flag
+    assert run_data_dir(recorded) is None  # ./data is not here: the default (./data) says so
+    assert run_data_dir({**recorded, "data_root": str(here)}) == str(here)  # it is here
+    monkeypatch.setenv("HPCLB_DATA", "/env/data")
+    assert run_data_dir({**recorded, "data_root": str(here)}) is None  # resolve reads the env
+
+
+def test_advise_on_the_committed_ptb_record_from_elsewhere(tmp_path, monkeypatch, capsys):
+    """The committed PTB record, from a directory without ./data: --data-dir is used."""
+    from hpclb import cli
+
+    data = Path(os.environ.get("HPCLB_DATA", REPO / "data")).resolve()
+    if not (data / "ptb" / "ptb.train.txt").is_file():
+        pytest.fail(f"PTB is not staged under {data}: run `make data`")
+    record = (REPO / "results" / "science" / "b0-noise" / "ptb").resolve()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPCLB_DATA", raising=False)
+    assert cli.main(["advise", str(record), "--data-dir", str(data)]) == 0
+    assert "k_max 16 (batch 320)" in capsys.readouterr().out
+
+
+def test_an_sgd_family_prediction_says_it_is_an_upper_bound(capsys):
+    """advise recommended LEGW up to k = 32 with momentum, where the k-map measured failure at
+    every k from 8, with no word of it: SGD-family runs get the caveat, Adam's do not."""
+    from hpclb import cli
+
+    for record, caveat in (("mnist-momentum", True), ("mnist-adam", False)):
+        assert cli.main(["advise", str(REPO / "results/science/b0-noise" / record)]) == 0
+        out = capsys.readouterr().out
+        assert ("caveat: with SGD (+ momentum) read k_max as an upper bound" in out) == caveat

@@ -41,8 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     stable.add_argument("--stable-lr", type=_positive, default=None,
                         help="a stable LR at B0 measured otherwise (instead of the probe)")
     p.add_argument("--data-dir", default=None,
-                   help="where --lr-probe reads the run's data (default: the run's own "
-                        "--data-dir, else $HPCLB_DATA, else ./data)")
+                   help="where the run's data is, for a training set counted by reading it "
+                        "(a word-level LM's) and for --lr-probe (default: the run's own "
+                        "--data-dir, else $HPCLB_DATA, else the directory the run read)")
     p.add_argument("--json", action="store_true",
                    help="print the advice, the prediction and its inputs as one JSON object "
                         "(strict JSON: an infinite B_simple, an epoch whose gradient was all "
@@ -57,7 +58,7 @@ def _probe(args, first: dict) -> dict:
     from pathlib import Path
 
     from hpclb.tools.advise import run_config
-    from hpclb.tools.kmax import PROBE_DIR, run_recipe
+    from hpclb.tools.kmax import PROBE_DIR, run_data_dir, run_recipe
     from hpclb.tools.lr_probe import stability_probe
 
     run = Path(args.run_dir)
@@ -66,7 +67,7 @@ def _probe(args, first: dict) -> dict:
     top = max(r["k"] for r in first["prediction"]["rows"])
     return stability_probe(
         str(run_recipe(cfg, work)), optimizer=cfg.get("optimizer"), lr=cfg.get("lr"),
-        data_dir=args.data_dir or cfg.get("data_dir"), work=work,
+        data_dir=run_data_dir(cfg, args.data_dir), work=work,
         max_j=max(1, top.bit_length() - 1),
         record={"recipe_sha256": first["inputs"]["recipe_sha256"]},
         report=lambda p: print(f"lr probe: LR {p['lr']:.4g} (k = {p['k']}): "
@@ -96,9 +97,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         p = predict_for_run(args.run_dir, last=args.last, stable_lr=args.stable_lr,
-                            warn=(lambda _: None) if args.lr_probe else warn)
+                            warn=(lambda _: None) if args.lr_probe else warn,
+                            data_dir=args.data_dir)
         if args.lr_probe and p["prediction"] is not None:
-            p = predict_for_run(args.run_dir, last=args.last, probe=_probe(args, p), warn=warn)
+            p = predict_for_run(args.run_dir, last=args.last, probe=_probe(args, p), warn=warn,
+                                data_dir=args.data_dir)
     except (ConfigError, DataError, OSError, ValueError) as e:
         error(str(e))
         return EXIT_USAGE

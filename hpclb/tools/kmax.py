@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from hpclb.tools.runrows import RunRows, Warn, read_run
 from hpclb.train.metrics import finite
 
 __all__ = ["PROBE_DIR", "PROGRESS_MIN", "WARMUP_SHARE_MAX", "progress_ratio", "predict_k_max",
-           "format_prediction", "run_recipe", "saved_probe", "predict_for_run"]
+           "format_prediction", "run_data_dir", "run_recipe", "saved_probe", "predict_for_run"]
 
 #: where ``hpclb advise RUN_DIR --lr-probe`` keeps its probe runs and ``lr_probe.json``
 PROBE_DIR = "lr_probe"
@@ -128,6 +129,15 @@ def predict_k_max(*, base_batch_size: int, num_samples: int, epochs: float,
             "table_end": end, "stable_lr": stable_lr, "rows": rows}
 
 
+#: the optimizers whose k_max the k-maps found to be an upper bound only (docs/science.md)
+SGD_FAMILY = ("sgd", "momentum")
+SGD_CAVEAT = ("with SGD (+ momentum) read k_max as an upper bound: the rule's bounds (budget, "
+              "warmup, stability) do not bound an LR too small for the batch, and on "
+              "MNIST-LSTM with momentum LEGW failed at every k measured, 8 to 64, where this "
+              "rule predicted 32; the linear rule (--scaling goyal) did better there up to its "
+              "stability bound (docs/science.md, 'Momentum: the miss, and why')")
+
+
 def format_prediction(p: dict[str, Any], stable_from: str = "probe at B0") -> str:
     """The lines ``hpclb advise`` prints for :func:`predict_k_max`'s result; ``stable_from``
     says where the stable LR came from."""
@@ -159,6 +169,8 @@ def format_prediction(p: dict[str, Any], stable_from: str = "probe at B0") -> st
         lines.append(f"  stability: sqrt(k) x eta0 <= stable LR {p['stable_lr']:.4g} "
                      f"({stable_from}) -> k <= {b['stability']}{below}" + (
                          f" (peak {s['peak_lr']:.4g} at k = {s['k']})" if s else at(top)))
+    if p.get("caveat"):
+        lines.append(f"  caveat: {p['caveat']}")
     return "\n".join(lines)
 
 
@@ -194,10 +206,23 @@ def _recipe_digest(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(cfg.get("recipe"), sort_keys=True).encode()).hexdigest()
 
 
-def _run_inputs(run: Path, cfg: dict) -> dict[str, Any]:
+def run_data_dir(cfg: dict, given: str | None = None) -> str | None:
+    """Where to read the data of a run of ``config.json`` ``cfg``: ``given`` (``--data-dir``),
+    else the run's own ``--data-dir``, else None (``$HPCLB_DATA``, as a run resolves it) when
+    that is set, else the directory the run read (``data_root``) when it is an absolute path
+    to a directory here, else None (``./data``)."""
+    if given or cfg.get("data_dir"):
+        return given or cfg["data_dir"]
+    root = Path(cfg.get("data_root") or ".")
+    if os.environ.get("HPCLB_DATA") or not root.is_absolute() or not root.is_dir():
+        return None
+    return str(root)
+
+
+def _run_inputs(run: Path, cfg: dict, data_dir: str | None = None) -> dict[str, Any]:
     """The inputs of :func:`predict_k_max` from a B0 run's ``config.json`` ``cfg``: its recorded
     recipe, optimizer, ``--lr``, epochs and data; the training set sized as the run's dry run
-    sizes it (registry, else read)."""
+    sizes it (registry, else read from :func:`run_data_dir`)."""
     from hpclb.config import resolve
     from hpclb.tools.dryrun import train_set_size_of
 
@@ -205,7 +230,7 @@ def _run_inputs(run: Path, cfg: dict) -> dict[str, Any]:
         try:
             one = resolve(str(run_recipe(cfg, Path(tmp))), optimizer=cfg.get("optimizer"),
                           lr=cfg.get("lr"), epochs=cfg.get("epochs"),
-                          data_dir=cfg.get("data_root"), out=str(Path(tmp) / "unused"))
+                          data_dir=run_data_dir(cfg, data_dir), out=str(Path(tmp) / "unused"))
             n, unit, _ = train_set_size_of(one)
         except ConfigError as e:
             raise ConfigError(f"{run}: cannot rebuild the recipe the run trained "
@@ -255,14 +280,18 @@ def _cap_at_k_max(a: dict, batch: int) -> None:
 
 
 def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
-                    probe: dict | None = None, warn: Warn | None = None) -> dict[str, Any]:
+                    probe: dict | None = None, warn: Warn | None = None,
+                    data_dir: str | None = None) -> dict[str, Any]:
     """The advice (:func:`~hpclb.tools.advise.advise`) and, for a run at its recipe's B0, the
     prediction: ``{"advice", "inputs", "prediction", "probe", "stable_from"}`` (the advice's
     recommended batches at most the prediction's batch, ``capped_at`` it; ``stable_from``:
     ``"given"``, ``"probe at B0"`` or None without a stable LR)
     (``prediction`` None, with ``why``, for a run at another batch). The stable LR is
     ``stable_lr`` if given, else ``probe["stable_lr"]``, else the probe saved beside the run
-    (:func:`saved_probe`), else none. Raises ConfigError as ``advise`` does."""
+    (:func:`saved_probe`), else none. ``data_dir``: where the run's data is, when the training
+    set is counted by reading it (:func:`run_data_dir`). For an SGD-family optimizer the
+    prediction has a ``caveat`` (:data:`SGD_CAVEAT`). Raises ConfigError as ``advise``
+    does, DataError when the data cannot be read."""
     rows = read_run(Path(run_dir), warn)
     warn = rows.warn
     a = advice_of(rows, last)
@@ -272,7 +301,7 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
                 "why": f"trained at batch {a['run_batch_size']}, not at its recipe's B0 "
                        f"{a['base_batch_size']}: the k_max prediction starts from a B0 run"}
     cfg = run_config(run)
-    inputs = _run_inputs(run, cfg)
+    inputs = _run_inputs(run, cfg, data_dir)
     inputs["b_simple"] = _b_simple_per_epoch(rows)
     planned = (cfg.get("recipe") or {}).get("epochs")
     if finite(planned) and not math.isclose(planned, inputs["epochs"]):
@@ -288,6 +317,8 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
     pred = predict_k_max(**{k: inputs[k] for k in ("base_batch_size", "num_samples", "epochs",
                                                    "base_warmup_epochs", "base_lr",
                                                    "b_simple")}, stable_lr=stable_lr)
+    if inputs["optimizer"] in SGD_FAMILY:
+        pred["caveat"] = SGD_CAVEAT
     _cap_at_k_max(a, pred["batch"])
     return {"advice": a, "inputs": inputs, "prediction": pred, "stable_from": stable_from,
             "probe": None if probe is None else {k: v for k, v in probe.items()

@@ -196,6 +196,8 @@ def test_dry_run_tells_what_happens_to_out(finished):
     recipe, out, _ = finished
     rc, stdout, stderr = _dry("--out", out, experiment=recipe)
     assert rc == 2 and "already holds a finished run; add --resume" in stderr, stderr
+    # --resume on a finished run trains nothing: not "to continue it" (fresh-user review)
+    assert "--resume to keep it (reported, nothing trained)" in stderr, stderr
     rc, stdout, stderr = _dry("--out", out, "--resume", "auto", experiment=recipe)
     # a finished run: the dry run says what the run does (leaves it as it is), not "resumes"
     assert rc == 0 and f"{out}: holds a finished run (global step 8): --resume leaves it as " \

@@ -21,7 +21,8 @@ def hpclb(*args, ranks=1, timeout=120):
 BAD_INPUT = [
     (["--batch-size", "1023"], "not divisible by the world size 2"),
     (["--batch-size", "0"], "--batch-size: must be a positive integer"),
-    (["--lr", "-0.1"], "--lr: must be a positive number"),
+    (["--lr", "-0.1"], "--lr: must be a positive finite number"),
+    (["--lr", "inf"], "--lr: must be a positive finite number .*got inf"),
     (["--epochs", "0.001"], "warmup .* must be shorter than training"),
     (["--accumulation-steps", "0"], r"--accumulation-steps \(recipe field accumulation_steps\): "
      r"must be an integer >= 1"),
@@ -32,7 +33,7 @@ BAD_INPUT = [
 # Every case at 1 process; under mpirun -n 2 the world-size cases and the data check in make
 # test, the other 2-rank variants (the same validation code, ~4 s of launch each) in
 # make test-extended.
-_TWO_RANKS_IN_MAKE_TEST = (0, 5, 6)
+_TWO_RANKS_IN_MAKE_TEST = (0, 6, 7)
 
 
 @pytest.mark.parametrize("ranks,args,message", [
@@ -279,3 +280,20 @@ def test_warmup_check_uses_the_epochs_of_the_command_line(tmp_path):
                      r"more than 0.25 epochs", str(e.value)), e.value
     with pytest.raises(ConfigError, match=r"--epochs: must be a finite number > 0, got -1"):
         resolve(short, epochs=-1)
+
+
+def test_a_dry_run_into_head_ends_quietly():
+    """`hpclb train ... --dry-run | head -1` printed `hpclb: error: BrokenPipeError` and exit 1:
+    the reader leaving is not an error of the run (status 141, as for SIGPIPE; no message).
+    Here the reader has left before the first line (a pipe whose read end is closed)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "hpclb", "train", "mnist-lstm", "--dry-run"],
+                           stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                           env=LAUNCH_ENV)
+    finally:
+        os.close(write)
+    assert r.returncode == 141 and "error" not in r.stderr, (r.returncode, r.stderr[-2000:])

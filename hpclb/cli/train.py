@@ -191,5 +191,7 @@ def run(args: argparse.Namespace) -> int:
 
             return dry_run(cfg, comm, profile=args.profile_window)
         return _train(args, comm, cfg, early)
+    except BrokenPipeError:  # `--dry-run | head`: the reader left; hpclb's run() ends quietly
+        raise
     except Exception as e:  # ConfigError, DataError, CheckpointError, anything else
         return exit_status(e, comm)

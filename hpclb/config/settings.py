@@ -85,7 +85,8 @@ class RunConfig(RunSettings):
         problem=lambda v: f"must be a positive integer (the global batch in samples), got {v}")
     scaling: str = option(
         "legw", "--scaling", "how the B0 recipe moves to this batch: legw (sqrt LR, warmup "
-        "epochs x k), linear (LR x k, fixed warmup), sqrt (fixed warmup), none",
+        "epochs x k), goyal (LR x k, a 5-epoch warmup from the B0 LR: Goyal et al. 2017), "
+        "linear (LR x k, the recipe's warmup), sqrt (sqrt LR, the recipe's warmup), none",
         choices=list(schedules.SCHEMES), check=lambda v: v in schedules.SCHEMES, column="scheme",
         problem=lambda v: f"{v!r} is not one of {tuple(schedules.SCHEMES)}")
     optimizer: str = option(
@@ -119,7 +120,7 @@ class RunConfig(RunSettings):
     lr: float | None = option(
         None, "--lr", "override the recipe's peak LR at B0 (for tuning)", type=float,
         check=lambda v: v is None or positive_number(v),
-        problem=lambda v: f"must be a positive number, got {v}")
+        problem=lambda v: f"must be a positive finite number (the peak LR at B0), got {v}")
     overwrite: bool = option(
         False, "--overwrite", "delete the run already in --out (summary, metrics, checkpoints) "
         "and start afresh", action="store_true")

@@ -417,3 +417,35 @@ def test_a_missing_virtualenv_stops_the_job_naming_the_fix(tmp_path, scheduler):
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert f"[job] error: no virtualenv .venv-absent/bin/activate in {tmp_path}: submit from " \
            "the directory that holds it, or render with --venv ABSOLUTE_PATH" in done.stderr
+
+
+@pytest.mark.parametrize("array", [False, True])
+def test_a_refused_qrerun_ends_the_job_as_cut(tmp_path, array):
+    """Many PBS sites keep qrerun for operators: the job then exited 0 (a cut run looked
+    finished) after one line. Now it ends with exit 75 and says how to resume: qsub the script
+    again, or submit the sweep again (its missing points only). Run here: the script's tail,
+    from the requeue test on, with a qrerun that refuses and one that accepts."""
+    import subprocess
+
+    from hpclb.tools import sweep
+    from hpclb.tools.jobs import render
+    from hpclb.tools.jobs_spec import JobSpec
+
+    if array:
+        recipe = quick_recipe(tmp_path, data={"name": "mnist", "train_samples": 512,
+                                              "test_samples": 200})
+        text = sweep.submit_sweep(recipe, [128, 256], ["legw"], submit=False,
+                                  job=JobSpec(recipe, "pbs", 1, 0, venv=None),
+                                  runs_dir=tmp_path / "runs", log=lambda m: None).read_text()
+    else:
+        text, _ = render(JobSpec("mnist-lstm", "pbs", 1, 0, tasks_per_node=2))
+    tail = text[text.index('if [ "$rc" -eq 75 ]'):]
+    for answer, status, said in ((1, 75, "qrerun refused: " + (
+            "submit the sweep again" if array else "qsub this script again")), (0, 0, "")):
+        bin_dir = tmp_path / f"bin{answer}"
+        bin_dir.mkdir(exist_ok=True)
+        (bin_dir / "qrerun").write_text(f"#!/bin/sh\nexit {answer}\n")
+        (bin_dir / "qrerun").chmod(0o755)
+        r = subprocess.run(["bash", "-c", f"rc=75\n{tail}"], capture_output=True, text=True,
+                           env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PBS_JOBID": "7.pbs"})
+        assert r.returncode == status and said in r.stderr, (r.returncode, r.stderr)

@@ -449,3 +449,21 @@ def test_a_refused_qrerun_ends_the_job_as_cut(tmp_path, array):
         r = subprocess.run(["bash", "-c", f"rc=75\n{tail}"], capture_output=True, text=True,
                            env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PBS_JOBID": "7.pbs"})
         assert r.returncode == status and said in r.stderr, (r.returncode, r.stderr)
+
+
+def test_a_venv_missing_where_the_job_is_submitted_is_warned(tmp_path, monkeypatch, capsys):
+    """The script activates --venv (default .venv) in the submit directory; rendered where
+    there is none, every task would stop with exit 2 on the cluster, and nothing said so."""
+    from hpclb import cli
+
+    argv = ["jobs", "render", "--scheduler", "slurm", "mnist-lstm", "--nodes", "1",
+            "--gpus-per-node", "1", "-o", str(tmp_path / "job.sbatch"), "--overwrite"]
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 0
+    assert "--venv .venv: the job activates it in the directory it is submitted from" in \
+        capsys.readouterr().err
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "activate").write_text("")
+    for extra in ([], ["--venv", "/opt/any/venv"]):
+        assert cli.main(argv + extra) == 0
+        assert "warning" not in capsys.readouterr().err

@@ -135,6 +135,12 @@ def job_spec(args: argparse.Namespace, *, array: bool = False, **settings) -> Jo
     Whole nodes (``--exclusive``) unless ``--shared``, or, for a job ``array`` (a sweep's
     tasks), unless neither was given and a task is one node: a sweep's point on one CPU core or
     one GPU would otherwise hold a whole node."""
+    if args.venv and not os.path.isabs(args.venv) and \
+            not os.path.isfile(os.path.join(args.venv, "bin", "activate")):
+        print(f"hpclb: warning: --venv {args.venv}: the job activates it in the directory it is "
+              f"submitted from, and there is no {args.venv}/bin/activate here "
+              f"({os.getcwd()}): submit from the directory that holds it, or give --venv "
+              f"ABSOLUTE_PATH", file=sys.stderr)
     return JobSpec(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,

@@ -225,9 +225,12 @@ def check_run_dir(out: str | Path, *, resume: bool, overwrite: bool, flag: str =
         checkpointed = any(f.startswith("checkpoint") for f in found)
         if not checkpointed and "summary.json" not in found:  # stopped before its first one
             state += " without a checkpoint"
-        resume_it = "add " if not (resumable and checkpointed) else \
-            "add --resume to keep it (reported, nothing trained), " if "summary.json" in found \
-            else "add --resume to continue it, "
+        if not (resumable and checkpointed):
+            resume_it = "add "
+        elif "summary.json" in found:  # --resume trains nothing more
+            resume_it = "add --resume to keep it (reported, nothing trained), "
+        else:
+            resume_it = "add --resume to continue it, "
         raise ConfigError(f"{flag} {out} already holds {state}; {resume_it}--overwrite to "
                           f"delete it ({', '.join(found)}) and start afresh, or choose another "
                           f"{flag}")

@@ -54,3 +54,10 @@ def test_the_helpers(tmp_path):
     out = subprocess.run([*PRED, "--stable-eta0", str(probe), "640"], capture_output=True,
                          text=True, check=True).stdout.strip()
     assert float(out) == pytest.approx(40 / 32 ** 0.5, rel=1e-5)  # k = 640 / 20 = 32
+    # a committed probe names a recipe copy under runs/ (not kept): B0 comes from the B0 run's
+    # config.json beside it, here 128 (a recipe name would have given 20)
+    probe.write_text(json.dumps({"experiment": "runs/gone/run-recipe.yaml", "stable_lr": 16.0}))
+    (tmp_path / "config.json").write_text(json.dumps({"recipe": {"base_batch_size": 128}}))
+    out = subprocess.run([*PRED, "--stable-eta0", str(probe), "4096"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert float(out) == pytest.approx(16 / 32 ** 0.5, rel=1e-5)  # k = 4096 / 128 = 32

@@ -96,9 +96,13 @@ def best(diag: Path, prefix: str) -> int:
 
 
 def stable_eta0(probe: Path, batch: int) -> int:
-    """Print ``stable_lr / sqrt(batch / B0)`` of the probe; 0."""
+    """Print ``stable_lr / sqrt(batch / B0)`` of the probe; 0. B0 is the recipe's, from the B0
+    run's ``config.json`` beside the probe (the committed record: the probe's own ``experiment``
+    names a recipe copy under the runs folder, not kept), else from that recipe."""
     p = json.loads(probe.read_text())
-    b0 = load_recipe(p["experiment"])["base_batch_size"]
+    config = probe.parent / "config.json"
+    b0 = (json.loads(config.read_text())["recipe"]["base_batch_size"] if config.is_file()
+          else load_recipe(p["experiment"])["base_batch_size"])
     print(f"{p['stable_lr'] / math.sqrt(batch / b0):.6g}")
     return 0
 

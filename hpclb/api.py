@@ -133,21 +133,6 @@ def broadcast_optimizer_state(optimizer, comm: Communicator | None = None, root:
         optimizer.load_state_dict(state)
 
 
-def _schedule(optimizer, scheme: str, *, base_batch_size: int, batch_size: int, num_samples: int,
-              epochs: float, base_warmup_epochs: float, decay: str, decay_params: dict | None,
-              base_lr: float | None) -> ScheduleLR:
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if base_lr is None:
-        base_lr = _base_lr_of(inner)
-    sched = Schedule.from_recipe(base_lr=base_lr, base_batch_size=base_batch_size,
-                                 base_warmup_epochs=base_warmup_epochs,
-                                 global_batch_size=batch_size, num_samples=num_samples,
-                                 epochs=epochs, scheme=scheme, decay=decay,
-                                 decay_params=decay_params)
-    updates = (lambda: optimizer.steps) if inner is not optimizer else None
-    return ScheduleLR(inner, sched, updates=updates, keep_peak_lr=True)
-
-
 def _base_lr_of(inner: torch.optim.Optimizer) -> float:
     """eta0 from the groups' ``initial_lr`` (set by a scheduler), else their ``lr``; warns when
     it has to guess from the ``lr`` of an optimizer that has state (a loaded or stepped one,
@@ -160,7 +145,7 @@ def _base_lr_of(inner: torch.optim.Optimizer) -> float:
         warnings.warn(f"taking the base LR eta0 = {next(iter(lrs)):g} from the optimizer's "
                       f"current 'lr', but the optimizer has state (loaded or stepped): that lr "
                       f"may be a scheduled value. Pass base_lr=, or load the scheduler's "
-                      f"state_dict (it keeps the peak LR)", UserWarning, stacklevel=4)
+                      f"state_dict (it keeps the peak LR)", UserWarning, stacklevel=3)
     return lrs.pop()
 
 
@@ -168,10 +153,16 @@ def _scheduler_factory(scheme: str):
     def make(optimizer, *, base_batch_size: int, batch_size: int, num_samples: int,
              epochs: float, base_warmup_epochs: float, decay: str = "poly",
              decay_params: dict | None = None, base_lr: float | None = None) -> ScheduleLR:
-        return _schedule(optimizer, scheme, base_batch_size=base_batch_size,
-                         batch_size=batch_size, num_samples=num_samples, epochs=epochs,
-                         base_warmup_epochs=base_warmup_epochs, decay=decay,
-                         decay_params=decay_params, base_lr=base_lr)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if base_lr is None:
+            base_lr = _base_lr_of(inner)
+        sched = Schedule.from_recipe(base_lr=base_lr, base_batch_size=base_batch_size,
+                                     base_warmup_epochs=base_warmup_epochs,
+                                     global_batch_size=batch_size, num_samples=num_samples,
+                                     epochs=epochs, scheme=scheme, decay=decay,
+                                     decay_params=decay_params)
+        updates = (lambda: optimizer.steps) if inner is not optimizer else None
+        return ScheduleLR(inner, sched, updates=updates, keep_peak_lr=True)
     return make
 
 

@@ -42,8 +42,8 @@ import os
 import platform
 import sys
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
+from unittest.mock import patch
 
 import torch
 
@@ -65,19 +65,6 @@ HOST_TARGET_US = 100.0
 GPU_FIELDS = ("kernel_ms", "host_us", "host_synced", "gb_s", "copy_gb_s",
               "fraction_of_copy_bandwidth",
               "step_ms_fused", "speedup_vs_torch", "path")
-
-
-@contextmanager
-def _backend(name: str) -> Iterator[None]:
-    before = os.environ.get("HPCLB_TRUST_BACKEND")
-    os.environ["HPCLB_TRUST_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HPCLB_TRUST_BACKEND", None)
-        else:
-            os.environ["HPCLB_TRUST_BACKEND"] = before
 
 
 def make_params(shapes, device, dtype, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -167,7 +154,7 @@ def _bench_one(kind: str, shapes, device, dtype, steps: int, warmup: int,
     row: dict = dict(n_tensors=len(params), n_params=sum(p.numel() for p in params),
                      bytes_per_step=nbytes, **{k: None for k in GPU_FIELDS})
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    with _backend("torch"):
+    with patch.dict(os.environ, {"HPCLB_TRUST_BACKEND": "torch"}):
         opt = make_optimizer(kind, params)
         wall_ms_per_step(opt.step, warmup, sync)
         row["step_ms_torch"] = wall_ms_per_step(opt.step, steps, sync)

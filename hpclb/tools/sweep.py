@@ -82,14 +82,6 @@ def metric_of(recipe: dict) -> tuple[str, str]:
 _BLOCKED = ("env", "--block-signal=USR2", "--block-signal=TERM")
 
 
-class _PointDiverged(Exception):
-    """A point's run stopped on non-finite values: ``step`` (or None) and the message."""
-
-    def __init__(self, message: str, step: int | None):
-        super().__init__(message)
-        self.step = step
-
-
 def _run_in_process(experiment: str, p: Point, run_dir: Path, data_dir: str | None,
                     resume: bool, quiet: bool) -> dict:
     cfg = resolve(experiment, batch_size=p.batch, scaling=p.scheme, optimizer=p.optimizer,
@@ -97,8 +89,8 @@ def _run_in_process(experiment: str, p: Point, run_dir: Path, data_dir: str | No
                   resume=resume, accumulation_steps=p.accumulation)
     try:
         return train(cfg, SelfCommunicator(), quiet=quiet)
-    except (Diverged, NonFiniteError) as e:
-        raise _PointDiverged(str(e), getattr(e, "step", None)) from e
+    except NonFiniteError as e:
+        raise Diverged(str(e), e.step) from e
 
 
 def _run_mpi(experiment: str, p: Point, run_dir: Path, data_dir: str | None, resume: bool,
@@ -126,8 +118,8 @@ def _run_mpi(experiment: str, p: Point, run_dir: Path, data_dir: str | None, res
         raise ConfigError(err.splitlines()[-1] if err else "hpclb train rejected the settings")
     if done.returncode == 3:
         step = re.findall(r"(?:global|optimizer) step (\d+)", err)
-        raise _PointDiverged(err.splitlines()[-1] if err else "diverged (exit 3)",
-                             int(step[-1]) if step else None)
+        raise Diverged(err.splitlines()[-1] if err else "diverged (exit 3)",
+                       int(step[-1]) if step else None)
     if done.signal is not None or done.returncode == PREEMPTED_EXIT_CODE:
         # the point checkpointed (or keeps its last checkpoint when stopped): the sweep stops
         if done.forced:
@@ -314,8 +306,8 @@ class _Sweep:
             t0 = time.perf_counter()
             try:
                 summary = runner(self.experiment, p, run_dir, self.data_dir, resume, self.quiet)
-            except (ConfigError, _PointDiverged) as e:
-                diverged = isinstance(e, _PointDiverged)
+            except (ConfigError, Diverged) as e:
+                diverged = isinstance(e, Diverged)
                 self.log(f"sweep {self.name}: {p}: {'diverged' if diverged else 'rejected'}: {e}")
                 self.record({**p.failed_row(self.metric, e, run_dir, time.perf_counter() - t0,
                                             getattr(e, "step", None) if diverged else None),

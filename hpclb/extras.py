@@ -12,7 +12,7 @@ from types import ModuleType
 
 from hpclb.errors import MissingExtraError
 
-__all__ = ["OPTIONAL", "gpu_extra", "require"]
+__all__ = ["OPTIONAL", "gpu_extra", "installed_version", "require"]
 
 #: top-level module -> (distribution name, extra that installs it)
 OPTIONAL: dict[str, tuple[str, str]] = {
@@ -41,6 +41,16 @@ def gpu_extra() -> str:
     if major in ("12", "13"):
         return f"'hpclb[gpu-cuda{major}]'"
     return "'hpclb[gpu-cuda12]' or 'hpclb[gpu-cuda13]' (the CUDA major of your GPU torch)"
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, None where it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def require(module: str, purpose: str) -> ModuleType:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from hpclb.bench.launch import save
 from hpclb.bench.measure import round_order
+from hpclb.extras import installed_version
 
 __all__ = ["SIZES", "TARGET_IMAGES_PER_S", "add_run_arguments", "driver", "measure",
            "reference_sample", "synthetic_jpegs"]
@@ -253,16 +254,6 @@ def report(rates: tuple[dict, dict], setup: dict, batch_bytes: dict, scaled: flo
                        "loadavg_end": os.getloadavg(), "python": sys.version.split()[0]}}
 
 
-def _version(dist: str) -> str | None:
-    """The installed version of distribution ``dist``, None where it is not installed."""
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _libjpeg_version() -> str | None:
     """The libjpeg-turbo version whose headers the region decoder was built with ("2.1.5"),
     None where it was not built."""
@@ -329,7 +320,7 @@ def driver(args) -> int:
              "jpeg_quality": QUALITY, "mean_file_bytes": float(np.mean(file_bytes)),
              "image_size": 224, "resize": 256, "torch_threads": 1, "torch": torch.__version__,
              "pillow": PIL.__version__, "libjpeg_turbo": bool(features.check("libjpeg_turbo")),
-             "simplejpeg": _version("simplejpeg"), "default_decoder": default_decoder(),
+             "simplejpeg": installed_version("simplejpeg"), "default_decoder": default_decoder(),
              "libjpeg_region": _libjpeg_version(), "restart_markers": marked,
              "note": args.note}
     doc = report(rates, setup, batch_bytes, scaled, load)

@@ -12,7 +12,6 @@ slower or falls back (staging through host memory, the torch path of the trust r
 """
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import platform
 import socket
@@ -21,7 +20,7 @@ from collections import Counter
 
 from hpclb import __version__
 from hpclb.errors import ConfigError, DataError
-from hpclb.extras import gpu_extra
+from hpclb.extras import gpu_extra, installed_version
 
 __all__ = ["AGREE", "ITEMS", "rank_report", "verdict", "format_report"]
 
@@ -30,14 +29,6 @@ ITEMS = ("python", "hpclb", "torch", "devices", "nccl", "mpi", "horovod", "cupy"
          "data", "launcher", "gpu map")
 #: the versions every rank must share (a mix of installs is a blocker)
 AGREE = ("python", "hpclb", "torch", "nccl", "mpi", "mpi4py", "horovod", "cupy")
-
-
-def _version(package: str) -> str | None:
-    """The installed version of distribution ``package``, or None."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def rank_report(comm, *, gpu: bool = False, share_gpu: bool = False, data_dir=None,
@@ -136,7 +127,7 @@ def _nccl(r: dict, device) -> None:
 def _mpi(r: dict, device) -> None:
     from hpclb.comm.mpi import cuda_aware_mpi
 
-    r["versions"]["mpi4py"] = _version("mpi4py")
+    r["versions"]["mpi4py"] = installed_version("mpi4py")
     if importlib.util.find_spec("mpi4py") is None:
         r["versions"]["mpi"] = None
         r["items"]["mpi"] = "mpi4py not installed: pip install mpi4py (the mpi backend needs it)"
@@ -164,7 +155,7 @@ def _mpi(r: dict, device) -> None:
 
 
 def _horovod(r: dict, device) -> None:
-    version = r["versions"]["horovod"] = _version("horovod")
+    version = r["versions"]["horovod"] = installed_version("horovod")
     if version is None:
         r["items"]["horovod"] = "not installed (only the horovod backend needs it: `make " \
                                 "install-horovod` builds it)"
@@ -214,7 +205,7 @@ def _cupy(r: dict, device) -> None:
 def _jpeg(r: dict) -> None:
     from hpclb.data.transforms import default_decoder
 
-    simplejpeg = _version("simplejpeg")
+    simplejpeg = installed_version("simplejpeg")
     extra = f"; simplejpeg {simplejpeg} installed" if simplejpeg else ""
     r["items"]["jpeg"] = {
         "libjpeg": f"libjpeg (hpclb's region decoder, built){extra}",

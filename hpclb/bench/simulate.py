@@ -47,7 +47,7 @@ from pathlib import Path
 from hpclb.bench.fattree import LEAF_NODES, host_order
 
 __all__ = ["DIST_PACKAGES", "INSTALL_HINT", "SimSetting", "SimulatorMissing", "available",
-           "require", "simulate", "simulate_many"]
+           "require", "simulate_many"]
 
 #: where Debian's python3-simgrid lives; HPCLB_SIMGRID_PATH names another directory
 DIST_PACKAGES = os.environ.get("HPCLB_SIMGRID_PATH", "/usr/lib/python3/dist-packages")
@@ -188,15 +188,11 @@ def _run(s: SimSetting) -> dict:
             "exposed_comm_s": step - s.compute_s, "sim_wall_s": time.perf_counter() - t0}
 
 
-def simulate(s: SimSetting, timeout_s: float = 600) -> dict:
-    """Replay ``s`` on SimGrid in a child process; returns ``{comm_end_s, step_s, efficiency,
-    exposed_comm_s, sim_wall_s}`` (seconds; efficiency = compute_s / step_s). Raises
-    :class:`SimulatorMissing` without SimGrid, RuntimeError when the child fails."""
-    return simulate_many([s], timeout_s)[0]
-
-
 def simulate_many(settings: list[SimSetting], timeout_s: float = 600) -> list[dict]:
-    """:func:`simulate` for each setting, one child process each, at most two at a time."""
+    """Replay each setting on SimGrid, one child process each, at most two at a time; returns,
+    in order, ``{comm_end_s, step_s, efficiency, exposed_comm_s, sim_wall_s}`` per setting
+    (seconds; efficiency = compute_s / step_s). Raises :class:`SimulatorMissing` without
+    SimGrid, RuntimeError when a child fails."""
     procs, out = [], []
     for s in settings:
         if len(procs) == 2:

@@ -218,11 +218,5 @@ def _held(lock: Path) -> bool:
     exist)."""
     if not lock.exists():
         return False
-    fd = os.open(lock, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    with flock(lock, block=False) as mine:
+        return not mine

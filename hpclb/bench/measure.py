@@ -77,16 +77,11 @@ def median_range(key: str, xs: list[float], range_key: str | None = None) -> dic
     return {key: statistics.median(xs), range_key or f"{key}_range": [min(xs), max(xs)]}
 
 
-def med(xs: list[float]) -> float:
-    """The median of the round times ``xs`` (seconds); StatisticsError when ``xs`` is empty."""
-    return statistics.median(xs)
-
-
-def best(xs: list[float]) -> float:
-    """The fastest round: other processes on a shared machine only ever add time, so the
-    minimum is the closest estimate of a variant's own cost (ratios use it; medians are kept
-    beside them)."""
-    return min(xs)
+#: the median of the round times (seconds); StatisticsError when there are none
+med = statistics.median
+#: the fastest round: other processes on a shared machine only ever add time, so the minimum is
+#: the closest estimate of a variant's own cost (ratios use it; medians are kept beside them)
+best = min
 
 
 def conditions(comm) -> dict:

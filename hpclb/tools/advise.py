@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +131,7 @@ def advice_of(rows: RunRows, last: int = 3) -> dict[str, Any]:
     cfg = run_config(rows.path.parent)
     b0 = cfg["base_batch_size"]
     tail = noisy[-last:]
-    values = sorted(r["noise"]["b_simple"] for r in tail)
-    mid = len(values) // 2
-    critical = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    critical = statistics.median(r["noise"]["b_simple"] for r in tail)
     # each epoch's window quantiles, widened to its end value (the estimate rises within an
     # epoch, so the end value can lie above the window's 90 % quantile)
     def spread(r: dict, key: str) -> list[float]:  # the end value and the quantile, if any

@@ -190,13 +190,12 @@ def format_changes(s: Scaled) -> str:
 
 
 def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
-              tasks_per_node: int | None = None, out: str | Path | None = None,
-              overwrite: bool = False) -> Path:
+              tasks_per_node: int | None = None, overwrite: bool = False) -> Path:
     """Render the ``scheduler`` job script for the scaled recipe on ``nodes`` x (``gpus_per_node``
     or ``tasks_per_node``) ranks, each with ``batch / ranks`` samples, with the source run's
     seed and data directory (exported as ``HPCLB_DATA``), through
-    :func:`hpclb.tools.jobs.render`; written to ``out`` (default: the recipe's path with ``.sbatch``
-    or ``.pbs``). ConfigError when the batch does not split evenly over the ranks or the job
+    :func:`hpclb.tools.jobs.render`; written beside the recipe (its path with ``.sbatch`` or
+    ``.pbs``). ConfigError when the batch does not split evenly over the ranks or the job
     cannot be rendered (the message says what to change), or the file exists unless
     ``overwrite``."""
     ranks = nodes * (tasks_per_node or gpus_per_node or 1) if nodes > 0 else 0
@@ -213,8 +212,7 @@ def write_job(s: Scaled, scheduler: str, nodes: int, gpus_per_node: int, *,
         raise ConfigError(str(e)) from e
     if plan.global_batch != s.batch or plan.warmup_steps != s.after["warmup_steps"]:
         raise AssertionError(f"job plan {plan} disagrees with the scaled recipe {s.after}")
-    path = Path(out) if out else s.recipe_path.with_suffix(
-        ".sbatch" if scheduler == "slurm" else ".pbs")
+    path = s.recipe_path.with_suffix(".sbatch" if scheduler == "slurm" else ".pbs")
     check_output_file(path, overwrite=overwrite)
     write_text_atomic(path, text)
     path.chmod(0o755)

@@ -384,7 +384,7 @@ def _check_device(experiment: str, epochs: float | None, ranks: int) -> None:
 
 
 def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str], *,
-              epochs: float | None = None, ranks: int = 1, seed: int | None = None,
+              epochs: float | None = None, ranks: int = 1,
               seeds: Iterable[int] | None = None, optimizer: str | None = None,
               data_dir: str | None = None, out_dir: str | Path | None = None,
               runs_dir: str | Path = "runs/sweeps", quiet: bool = True, log=print,
@@ -397,7 +397,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
 
     Args: ``experiment`` (packaged name or recipe path), ``batch_sizes`` (global batches in
     samples, each divisible by ``ranks``; run smallest first), ``schemes`` (subset of
-    :data:`~hpclb.schedules.SCHEMES`), ``seeds`` (or one ``seed``; default 0), ``epochs``
+    :data:`~hpclb.schedules.SCHEMES`), ``seeds`` (default ``[0]``), ``epochs``
     (default the recipe's, the same for every point), ``ranks`` (MPI ranks per point),
     ``out_dir`` (default ``<runs_dir>/<recipe name>``), ``micro_batch`` (samples per forward
     pass on a rank: each point accumulates ``B / (ranks * micro_batch)`` micro-batches per step,
@@ -414,7 +414,7 @@ def run_sweep(experiment: str, batch_sizes: Iterable[int], schemes: Iterable[str
     it). A point directory holding a run of other settings is deleted only with
     ``overwrite``; otherwise ConfigError names ``--overwrite``.
     """
-    seeds = list(seeds) if seeds is not None else [0 if seed is None else seed]
+    seeds = list(seeds) if seeds is not None else [0]
     sweep, points = _prepare(experiment, epochs=epochs, ranks=ranks, optimizer=optimizer,
                              seeds=seeds, out_dir=out_dir, runs_dir=runs_dir, data_dir=data_dir,
                              quiet=quiet, log=log, overwrite=overwrite,

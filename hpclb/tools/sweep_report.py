@@ -189,12 +189,12 @@ def verdict_sections(rows: list[dict], metric: str, mode: str, base_batch: int) 
 
 
 def write_results(rows: list[dict], out_dir: Path, name: str, metric: str, mode: str,
-                  base_batch: int | None = None) -> None:
-    """Write ``<name>.json``, ``.md`` and ``.png`` under ``out_dir`` (each atomically); with
-    ``base_batch`` the markdown ends with the seeds' means and the verdict
-    (:func:`verdict_sections`)."""
+                  base_batch: int) -> None:
+    """Write ``<name>.json``, ``.md`` and ``.png`` under ``out_dir`` (each atomically); the
+    markdown ends with the seeds' means and the verdict at B0 ``base_batch`` (samples;
+    :func:`verdict_sections`)."""
     md = markdown_table(rows, name, metric, mode)
-    if base_batch is not None and rows:
+    if rows:
         md += "\n" + verdict_sections(rows, metric, mode, base_batch)
     for suffix, text in ((".json", json.dumps(rows, indent=2) + "\n"), (".md", md)):
         write_text_atomic(out_dir / f"{name}{suffix}", text)

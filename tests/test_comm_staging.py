@@ -350,11 +350,10 @@ def test_horovod_binds_its_local_ranks_gpu(monkeypatch):
 
 
 def test_torch_backend_picks_the_local_ranks_gpu(monkeypatch):
-    from hpclb.comm.torch_dist import TorchCommunicator
-    tc = TorchCommunicator.__new__(TorchCommunicator)
-    tc.local_rank = 5
+    from hpclb.comm.torch_dist import bind_local_gpu  # what the torch backend binds with
+    local_rank = 5
     bound = _fake_gpus(monkeypatch, 4)
-    assert tc._pick_device("cuda") == torch.device("cuda", 1) == bound[-1]
-    assert tc._pick_device(torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert bind_local_gpu("cuda", local_rank) == torch.device("cuda", 1) == bound[-1]
+    assert bind_local_gpu(torch.device("cuda", 3), local_rank) == torch.device("cuda", 3)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tc._pick_device("auto") == torch.device("cpu") and len(bound) == 2
+    assert bind_local_gpu("auto", local_rank) == torch.device("cpu") and len(bound) == 2

@@ -6,6 +6,7 @@ every collective in the same order with the same sizes.
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -13,7 +14,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "REDUCE_OPS", "Communicator", "CompletedHandle", "Handle", "SideChannel", "check_op"]
+    "REDUCE_OPS", "Communicator", "CompletedHandle", "Handle", "SideChannel", "check_collective",
+    "check_op", "on_stream"]
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -170,4 +172,17 @@ def check_op(op: str) -> None:
     """Raise ValueError unless ``op`` is one of :data:`REDUCE_OPS`."""
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduction {op!r}; use sum, max or min")
+
+
+def check_collective(tensor: Tensor, op: str = "sum") -> None:
+    """:func:`check_op`, then ValueError unless ``tensor`` is contiguous: every backend checks
+    the same (``self`` too), so code that runs on one runs on the others."""
+    check_op(op)
+    if not tensor.is_contiguous():
+        raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
+
+
+def on_stream(stream):
+    """``torch.cuda.stream(stream)``, or a no-op context for ``None``."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 

@@ -7,7 +7,6 @@ bfloat16 tensors; ``allreduce_`` raises TypeError for them.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from typing import Any
@@ -15,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hpclb.comm.base import Communicator, Handle, SideChannel, check_op
+from hpclb.comm.base import Communicator, Handle, SideChannel, check_collective, on_stream
+from hpclb.comm.device import bind_local_gpu
 
 __all__ = ["HorovodCommunicator"]
 
@@ -34,10 +34,6 @@ class _HorovodHandle(Handle):
         if not self._done and self._hvd.poll(self._handle):
             self.wait()
         return self._done
-
-
-def _on_stream(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class HorovodCommunicator(Communicator):
@@ -74,28 +70,20 @@ class HorovodCommunicator(Communicator):
         hvd.init()
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-        self.device = self._bind(device)
+        self.device = bind_local_gpu(device, self.local_rank)
         self._ops = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
         self._side: SideChannel | None = None
         self._n = 0
 
-    def _bind(self, device) -> torch.device:
-        """The rank's device; CUDA: this rank's local GPU, made current."""
-        from hpclb.comm.device import bind_local_gpu
-
-        return bind_local_gpu(device, self.local_rank)
-
     def _check(self, tensor: Tensor, op: str) -> None:
-        check_op(op)
-        if not tensor.is_contiguous():
-            raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
+        check_collective(tensor, op)
         if tensor.dtype == torch.bfloat16:
             raise TypeError("Horovod 0.28.1 cannot reduce bfloat16 tensors; use fp16 "
                             "compression or the mpi/torch backend")
 
     def allreduce_(self, tensor: Tensor, op: str = "sum", *, stream: Any = None) -> Tensor:
         self._check(tensor, op)
-        with _on_stream(stream):  # Horovod orders CUDA work after the current stream's
+        with on_stream(stream):  # Horovod orders CUDA work after the current stream's
             self._hvd.allreduce_(tensor, op=self._ops[op])
         return tensor
 
@@ -105,12 +93,12 @@ class HorovodCommunicator(Communicator):
         if name is None:  # Horovod matches collectives across ranks by name
             self._n += 1
             name = f"hpclb.iallreduce.{self._n}"
-        with _on_stream(stream):
+        with on_stream(stream):
             handle = self._hvd.allreduce_async_(tensor, op=self._ops[op], name=name)
         return _HorovodHandle(self._hvd, handle, tensor)
 
     def broadcast_(self, tensor: Tensor, root: int = 0, *, stream: Any = None) -> Tensor:
-        with _on_stream(stream):
+        with on_stream(stream):
             self._hvd.broadcast_(tensor, root_rank=root)
         return tensor
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hpclb.comm.base import Communicator, check_op
+from hpclb.comm.base import Communicator, check_collective
 
 __all__ = ["SelfCommunicator"]
 
@@ -20,9 +20,7 @@ class SelfCommunicator(Communicator):
         self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
 
     def allreduce_(self, tensor: Tensor, op: str = "sum", *, stream: Any = None) -> Tensor:
-        check_op(op)
-        if not tensor.is_contiguous():  # as the other backends, so code that runs here runs there
-            raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
+        check_collective(tensor, op)
         return tensor
 
     def broadcast_(self, tensor: Tensor, root: int = 0, *, stream: Any = None) -> Tensor:

@@ -11,6 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from hpclb.comm.base import Communicator, SideChannel, check_op
+from hpclb.comm.local import SelfCommunicator
 
 __all__ = ["assert_all", "ScaledComm"]
 
@@ -24,7 +25,7 @@ def assert_all(comm: Communicator, ok: bool, detail: str = "") -> None:
         raise AssertionError("; ".join(f"rank {r}: {d or 'failed'}" for r, d in bad))
 
 
-class ScaledComm(Communicator):
+class ScaledComm(SelfCommunicator):
     """A pretend world of ``world_size`` identical ranks inside one process: ``allreduce_`` sum
     multiplies by ``world_size`` *in the tensor's dtype* (so fp16 overflows where a real sum
     would), max/min leave the tensor as it is, ``allgather_object`` repeats this rank's object.
@@ -32,8 +33,6 @@ class ScaledComm(Communicator):
     """
 
     backend = "scaled"
-    async_progress = False
-    thread_safe = True
 
     def __init__(self, world_size: int, side: SideChannel | None = None):
         self.rank, self.world_size, self.local_rank, self.local_size = 0, world_size, 0, 1
@@ -47,17 +46,8 @@ class ScaledComm(Communicator):
             tensor.mul_(self.world_size)
         return tensor
 
-    def broadcast_(self, tensor: Tensor, root: int = 0) -> Tensor:
-        return tensor
-
     def allgather_object(self, obj: Any) -> list[Any]:
         return [obj] * self.world_size
-
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        return obj
-
-    def barrier(self) -> None:
-        pass
 
     def abort(self, code: int = 1) -> None:
         raise SystemExit(code)

@@ -15,7 +15,6 @@ algorithm itself; ``NCCL_ALGO=Ring`` forces the ring (docs/gradient-sync.md,
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import pickle
 import socket
@@ -26,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hpclb.comm.base import Communicator, Handle, SideChannel, check_op
+from hpclb.comm.base import Communicator, Handle, SideChannel, check_collective, on_stream
+from hpclb.comm.device import bind_local_gpu
 from hpclb.comm.env import (
     env_local_rank,
     launcher_world_size,
@@ -63,11 +63,6 @@ def _destroy_at_exit() -> None:
 _EXIT_HOOKED = False
 
 
-def _on_stream(stream):
-    """``torch.cuda.stream(stream)``, or no-op context for ``None``."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
 class _TorchHandle(Handle):
     """A ``torch.distributed`` work; ``wait()`` orders ``stream`` (the consumer, for CUDA
     tensors) after the collective, whichever thread calls it."""
@@ -76,7 +71,7 @@ class _TorchHandle(Handle):
         self._work, self._tensor, self._stream = work, tensor, stream
 
     def wait(self) -> Tensor:
-        with _on_stream(self._stream):
+        with on_stream(self._stream):
             self._work.wait()
         return self._tensor
 
@@ -231,7 +226,7 @@ class TorchCommunicator(Communicator):
         if dist.is_initialized():
             self._store = _default_store(dist)
             self.local_rank, self.local_size = env_local_rank() or 0, local_size()
-            self.device = self._pick_device(device)
+            self.device = bind_local_gpu(device, self.local_rank)
             if self.device.type == "cuda" and "nccl" in str(dist.get_backend()):
                 self._cpu_group = dist.new_group(backend="gloo")
         else:
@@ -250,7 +245,7 @@ class TorchCommunicator(Communicator):
             store, rank, self.local_rank, self.local_size = _mpi_rendezvous(launched)
         else:
             self.local_rank, self.local_size = 0, 1
-        self.device = self._pick_device(device)  # before NCCL initialises
+        self.device = bind_local_gpu(device, self.local_rank)  # before NCCL initialises
         gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
         nccl = self.device.type == "cuda" and not (share_gpu and self.local_size > gpus)
         pg_backend = "nccl" if nccl else "gloo"
@@ -270,38 +265,27 @@ class TorchCommunicator(Communicator):
         if nccl:  # every rank creates it at the same point (new_group is collective)
             self._cpu_group = dist.new_group(backend="gloo")
 
-    def _pick_device(self, device) -> torch.device:
-        """The rank's device; CUDA: this rank's local GPU, made current."""
-        from hpclb.comm.device import bind_local_gpu
-
-        return bind_local_gpu(device, self.local_rank)
-
     def _group(self, tensor: Tensor):
         """The group for ``tensor``: Gloo for CPU tensors beside an NCCL default group."""
         return self._cpu_group if tensor.device.type == "cpu" else None
 
-    def _check(self, tensor: Tensor, op: str = "sum") -> None:
-        check_op(op)
-        if not tensor.is_contiguous():
-            raise ValueError("collectives need a contiguous tensor; call .contiguous() first")
-
     def allreduce_(self, tensor: Tensor, op: str = "sum", *, stream: Any = None) -> Tensor:
-        self._check(tensor, op)
-        with _on_stream(stream):
+        check_collective(tensor, op)
+        with on_stream(stream):
             self._dist.all_reduce(tensor, op=self._ops[op], group=self._group(tensor))
         return tensor
 
     def iallreduce_(self, tensor: Tensor, op: str = "sum", name: str | None = None, *,
                     stream: Any = None) -> Handle:
-        self._check(tensor, op)
-        with _on_stream(stream):
+        check_collective(tensor, op)
+        with on_stream(stream):
             work = self._dist.all_reduce(tensor, op=self._ops[op], group=self._group(tensor),
                                          async_op=True)
         return _TorchHandle(work, tensor, stream)
 
     def broadcast_(self, tensor: Tensor, root: int = 0, *, stream: Any = None) -> Tensor:
-        self._check(tensor)
-        with _on_stream(stream):
+        check_collective(tensor)
+        with on_stream(stream):
             self._dist.broadcast(tensor, src=root, group=self._group(tensor))
         return tensor
 

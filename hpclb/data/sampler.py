@@ -59,8 +59,8 @@ class GlobalBatchSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Draw epoch ``epoch``'s global permutation (``permutation``, int64 ``[N]``) and its
-        plan: ``plan[i]`` is :meth:`step` ``(i)``, ``(global_size(i), share(i))``, for each
-        step of the epoch (a list; the shares are views of the permutation, no copies)."""
+        plan: ``plan[i]`` is ``(global_size(i), share(i))``, what training step ``i`` needs, for
+        each step of the epoch (a list; the shares are views of the permutation, no copies)."""
         self.epoch = _check_int("epoch", epoch, 0)
         g = torch.Generator()
         g.manual_seed(self.seed + epoch)
@@ -76,13 +76,6 @@ class GlobalBatchSampler:
                              f"{self.steps_per_epoch} steps [0, {self.steps_per_epoch})")
         b = self.global_batch
         return self.permutation[i * b:(i + 1) * b]
-
-    def step(self, i: int) -> tuple[int, torch.Tensor]:
-        """``(global_size(i), share(i))`` in one call: what a training step needs (the
-        epoch's :attr:`plan` holds it for every step). Raises IndexError as
-        :meth:`global_batch_indices` does."""
-        batch = self.global_batch_indices(i)
-        return len(batch), batch[self.rank::self.world_size]
 
     def share(self, i: int) -> torch.Tensor:
         """This rank's sample indices in global step ``i``: int64 ``[n]`` with

@@ -51,10 +51,6 @@ class DataSpec:
     def test_samples(self) -> int | None:
         return self.options.get("test_samples")
 
-    def kwargs(self, exclude=()) -> dict[str, Any]:
-        """The options, less ``exclude``, as keyword arguments."""
-        return {k: v for k, v in self.options.items() if k not in exclude}
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -86,10 +82,6 @@ class OptimizerSpec:
 
     name: str
     params: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def lr(self) -> float:
-        return self.params["lr"]
 
 
 def task_name(task: Any) -> str:

@@ -33,11 +33,9 @@ class PreemptionFlag:
         self.requested = False
         self.interrupted = False  # agreed: the stop was asked for by Ctrl-C, not a scheduler
         self._ctrl_c = False
-        # Periodic checkpoints ride on the same allreduce: rank 0 sets checkpoint_due when its
-        # clock says so, and agreed() leaves checkpoint_now set on every rank.
-        self.checkpoint_due = False
+        # Periodic checkpoints ride on the same allreduce: when rank 0's clock says one is due
+        # (every checkpoint_interval_s; None/0: never), agreed() sets checkpoint_now on every rank.
         self.checkpoint_now = False
-        # ... or rank 0's own clock does: due every checkpoint_interval_s (None/0: never)
         self.checkpoint_interval_s = checkpoint_interval_s
         self.checkpoint_saved()
         self._previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
@@ -62,12 +60,12 @@ class PreemptionFlag:
 
     def agreed(self, comm: Communicator) -> bool:
         """True on every rank when any rank received a signal (one 1-element allreduce); the same
-        allreduce sets ``checkpoint_now`` on every rank when rank 0 set ``checkpoint_due`` or
-        its clock is ``checkpoint_interval_s`` past :meth:`checkpoint_saved`, and
+        allreduce sets ``checkpoint_now`` on every rank when rank 0's clock is
+        ``checkpoint_interval_s`` past :meth:`checkpoint_saved`, and
         ``interrupted`` when the signal was a Ctrl-C."""
         interval = self.checkpoint_interval_s
-        due = self.checkpoint_due or bool(interval and comm.rank == 0 and
-                                          time.monotonic() - self._last_checkpoint >= interval)
+        due = bool(interval and comm.rank == 0 and
+                   time.monotonic() - self._last_checkpoint >= interval)
         mine = 3.0 if self._ctrl_c else 2.0 if self.requested else (1.0 if due else 0.0)
         if comm.world_size > 1:
             mine = comm.allreduce_(torch.tensor([mine]), op="max").item()

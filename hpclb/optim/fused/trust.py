@@ -260,9 +260,6 @@ class FusedTrust:
             return hp.to(self.device, torch.float32).contiguous(), hp
         return upload(np.ascontiguousarray(hp, dtype=np.float32), self.device, self.pinned)
 
-    def _upload_hp(self, hp: "np.ndarray | Tensor") -> "Tensor":
-        return self.upload_hp(hp)[0]
-
     def _outputs(self, n: int, out: TrustResult | None) -> TrustResult:
         import torch
 
@@ -367,7 +364,7 @@ class FusedTrust:
         hp = np.zeros((n, HP_WORDS), dtype=np.float32)
         for slot, v in values.items():
             hp[:, slot] = _hp_vector(v, n)
-        return self._upload_hp(hp)
+        return self.upload_hp(hp)[0]
 
     def lars_step(self, params: Sequence["Tensor"], grads: Sequence["Tensor"],
                   momentum_buffers: Sequence["Tensor"], hp_rows: np.ndarray,
@@ -386,7 +383,7 @@ class FusedTrust:
         if n == 0:
             return self._empty()
         tab = self.table(params, grads, momentum_buffers, adapt=adapt, rows=rows)
-        return self.run_step("lars", tab, self._upload_hp(hp_rows), found_inf=found_inf, out=out)
+        return self.run_step("lars", tab, self.upload_hp(hp_rows)[0], found_inf=found_inf, out=out)
 
     def run_step(self, kind: str, tab: Table, hp: "Tensor", *, found_inf: "Tensor | None" = None,
                  out: TrustResult | None = None) -> TrustResult:
@@ -425,7 +422,7 @@ class FusedTrust:
         if n == 0:
             return self._empty()
         tab = self.table(params, grads, exp_avgs, exp_avg_sqs, adapt=adapt, rows=rows)
-        return self.run_step("lamb", tab, self._upload_hp(hp_rows), found_inf=found_inf,
+        return self.run_step("lamb", tab, self.upload_hp(hp_rows)[0], found_inf=found_inf,
                              out=out)
 
 

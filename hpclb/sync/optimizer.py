@@ -574,9 +574,8 @@ class NonFiniteGuard:
         return self.found_inf
 
     def _counted(self, found: Tensor) -> Tensor:
-        """Skips that count toward the limit: all, or with an fp16 scaler those at scale < 1."""
-        if self.scaler is None:
-            return found
+        """Skips that count toward the limit under the fp16 scaler (its callers have one): those
+        at scale < 1."""
         scale = self.scaler._get_scale_async()
         if scale is None:   # never scaled yet: the initial scale (>= 1)
             return torch.zeros_like(found)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 from helpers import quick_recipe
 
-from hpclb.config import RUN_SETTINGS, load_recipe, resolve
+from hpclb.config import SETTINGS, load_recipe, resolve
 from hpclb.errors import ConfigError, RecipeWarning
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,7 +95,7 @@ def test_run_settings_default_recipe_and_command_line(tmp_path):
     cfg = resolve(quick_recipe(tmp_path))
     assert (cfg.device, cfg.precision, cfg.log_every, cfg.noise_scale, cfg.max_nonfinite_steps,
             cfg.keep_checkpoints) == ("auto", "fp32", 50, False, 3, 2)
-    assert {k: v[0] for k, v in RUN_SETTINGS.items()} == {
+    assert {k: v[0] for k, v in SETTINGS.items()} == {
         "accumulation_steps": 1, "device": "auto", "precision": "fp32", "log_every": 50,
         "noise_scale": False, "max_nonfinite_steps": 3, "keep_checkpoints": 2}
     recipe = quick_recipe(tmp_path, device="cpu", precision="bf16", log_every=0,
@@ -127,7 +127,7 @@ def test_run_settings_default_recipe_and_command_line(tmp_path):
     ("accumulation_steps", 2.0, r"must be an integer >= 1"),
 ])
 def test_bad_run_setting_names_flag_and_recipe_field(tmp_path, key, bad, message):
-    flag = RUN_SETTINGS[key][1]
+    flag = SETTINGS[key][1]
     with pytest.raises(ConfigError, match=rf"quick.yaml: {key} \(or {flag}\): {message}.*, got "
                        rf"{re.escape(repr(bad))}$"):
         load_recipe(quick_recipe(tmp_path, **{key: bad}))

@@ -29,7 +29,6 @@ from hpclb.config.schema import (
     LR_WARN_ABOVE,
     PRECISIONS,
     RECIPE_KEYS,
-    RUN_SETTINGS,
 )
 from hpclb.config.settings import (
     COMPILE_MODES,
@@ -50,7 +49,7 @@ from hpclb.tasks.spec import (
 )
 
 __all__ = ["COMPILE_MODES", "DATASETS", "DEVICES", "LR_WARN_ABOVE", "OPTIMIZERS", "OPTIONS",
-           "PRECISIONS", "RECIPE_KEYS", "RUN_SETTINGS", "SETTINGS", "SYNC_SETTINGS", "TASKS",
+           "PRECISIONS", "RECIPE_KEYS", "SETTINGS", "SYNC_SETTINGS", "TASKS",
            "ConfigError", "DataSpec", "ModelSpec", "OptimizerSpec", "Recipe", "RecipeWarning",
            "RunConfig", "RunSettings", "ScheduleSpec", "TargetSpec", "available_experiments",
            "check_checkpoint_interval", "check_expect_world_size", "load_recipe", "parse_recipe",

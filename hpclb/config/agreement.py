@@ -90,6 +90,7 @@ def _recipe_fields(value, path: str, skip: tuple[str, ...] = ()) -> dict[str, An
 
 
 def _canonical(settings: dict[str, Any]) -> dict[str, str]:
+    """``settings``' values as JSON text (sorted keys), which compare and print alike."""
     return {k: json.dumps(v, sort_keys=True, default=repr) for k, v in settings.items()}
 
 

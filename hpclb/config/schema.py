@@ -28,7 +28,7 @@ from hpclb.optim import OPTIMIZERS
 from hpclb.tasks.registry import TASKS, datasets_of, task_metrics
 from hpclb.tasks.spec import task_name
 
-__all__ = ["DEVICES", "LR_WARN_ABOVE", "PRECISIONS", "RECIPE_KEYS", "RUN_SETTINGS",
+__all__ = ["DEVICES", "LR_WARN_ABOVE", "PRECISIONS", "RECIPE_KEYS",
            "check_builtin_data", "check_lr", "check_model", "check_plugin_data",
            "check_sample_counts", "check_settings", "check_target_metric",
            "check_task_functions", "check_types", "did_you_mean", "number", "optimizer_arguments",
@@ -59,9 +59,6 @@ RECIPE_KEYS = (
 )
 
 LR_WARN_ABOVE = 1e3  # a B0 peak LR above this is almost surely a typo (diverges at once)
-# Run settings a recipe may set and the command line may override: recipe field -> its
-# declaration (hpclb.config.fields.Setting: default, flag, check, valid values, help).
-RUN_SETTINGS = SETTINGS
 
 
 def did_you_mean(word: Any, choices) -> str:

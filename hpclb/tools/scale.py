@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from hpclb._io import read_json, write_text_atomic
-from hpclb.config import RUN_SETTINGS, resolve
+from hpclb.config import SETTINGS, resolve
 from hpclb.config.outputs import check_output_file
 from hpclb.errors import ConfigError, JobError
 from hpclb.schedules import SCHEMES, Schedule, scale_warmup_epochs
@@ -72,7 +72,7 @@ def _read_config(run_dir: Path) -> dict:
 def b0_recipe(cfg: dict, batch: int) -> dict:
     """The source run's recipe with its command-line overrides folded in (``--optimizer``,
     ``--lr`` as the B0 peak LR, ``--epochs`` and the run settings of
-    :data:`hpclb.config.RUN_SETTINGS`: ``--accumulation-steps``, ``--device``, ...), named
+    :data:`hpclb.config.SETTINGS`: ``--accumulation-steps``, ``--device``, ...), named
     ``<name>-b<batch>`` so its default run directory is new."""
     recipe = json.loads(json.dumps(cfg["recipe"]))  # deep copy
     opt = cfg["optimizer"]
@@ -81,7 +81,7 @@ def b0_recipe(cfg: dict, batch: int) -> dict:
         recipe["optimizers"][opt]["lr"] = cfg["lr"]
     if cfg.get("epochs") is not None:
         recipe["epochs"] = cfg["epochs"]
-    for key in RUN_SETTINGS:  # the settings the run used, command line and recipe folded
+    for key in SETTINGS:  # the settings the run used, command line and recipe folded
         if cfg.get(key) is not None:
             recipe[key] = cfg[key]
     recipe["name"] = f"{cfg['recipe']['name']}-b{batch}"

@@ -21,7 +21,7 @@ from typing import Any
 
 from hpclb.comm.base import Communicator
 from hpclb.config import RunConfig
-from hpclb.config.agreement import FINGERPRINT_PARTS, config_settings
+from hpclb.config.agreement import FINGERPRINT_PARTS, _canonical, config_settings
 from hpclb.config.fields import SETTINGS, SYNC_SETTINGS
 from hpclb.config.outputs import RUN_MARKER, check_run_dir, clear_run, run_files, start_run
 from hpclb.errors import CheckpointError, ConfigError, RunFinished
@@ -307,11 +307,6 @@ def _config_json_recipe(out: str, default: dict) -> dict:
     except (OSError, ValueError, KeyError, TypeError):
         return default
     return recipe if isinstance(recipe, dict) else default
-
-
-def _canonical(settings: dict[str, Any]) -> dict[str, str]:
-    """``settings``' values as JSON text (sorted keys), which compare and print alike."""
-    return {k: json.dumps(v, sort_keys=True, default=repr) for k, v in settings.items()}
 
 
 _ABSENT = object()

@@ -47,8 +47,6 @@ from hpclb.optim.fused.layout import (
     D_ROW,
     D_V,
     D_W,
-    DEFAULT_BLOCK,
-    DEFAULT_CHUNK,
     DESC_WORDS,
     F16,
     F32,
@@ -68,20 +66,14 @@ from hpclb.optim.fused.layout import (
     MODE_LAMB_FUSED,
     MODE_LAMB_NORMS,
     MODE_LARS,
-    Table,
     build_layout,
-    dtype_code,
-    upload,
     vector_chunks,
 )
 from hpclb.optim.fused.nvrtc import find_nvrtc, nvrtc_compile, nvrtc_version
 from hpclb.optim.fused.source import (
     KERNEL_PATH,
     KERNELS,
-    KERNELS_DIR,
     NVRTC_OPTIONS,
-    PACKAGE_KERNELS_DIR,
-    REPO_KERNELS_DIR,
     kernel_source,
 )
 from hpclb.optim.fused.trust import (
@@ -95,12 +87,10 @@ from hpclb.optim.fused.trust import (
 )
 
 __all__ = [
-    "BF16", "D_FIRST", "D_G", "D_M", "D_META", "D_NUMEL", "D_ROW", "D_V", "D_W", "DEFAULT_BLOCK",
-    "DEFAULT_CHUNK", "DESC_WORDS", "F16", "F32", "HP_BC1", "HP_BC2", "HP_BETA1", "HP_BETA2",
-    "HP_EPS", "HP_ETA", "HP_LR", "HP_OMB1", "HP_OMB2", "HP_TMAX", "HP_TMIN", "HP_WD", "HP_WORDS",
-    "KERNEL_PATH", "KERNELS", "KERNELS_DIR", "MODE_LAMB_FUSED", "MODE_LAMB_NORMS", "MODE_LARS",
-    "NVRTC_OPTIONS", "PACKAGE_KERNELS_DIR", "REPO_KERNELS_DIR", "SERVED", "CupyLauncher",
-    "FusedTrust",
-    "KernelCompileError", "Table", "TrustResult", "build_layout", "cupy_available", "dtype_code",
+    "BF16", "D_FIRST", "D_G", "D_M", "D_META", "D_NUMEL", "D_ROW", "D_V", "D_W", "DESC_WORDS",
+    "F16", "F32", "HP_BC1", "HP_BC2", "HP_BETA1", "HP_BETA2", "HP_EPS", "HP_ETA", "HP_LR",
+    "HP_OMB1", "HP_OMB2", "HP_TMAX", "HP_TMIN", "HP_WD", "HP_WORDS", "KERNEL_PATH", "KERNELS",
+    "MODE_LAMB_FUSED", "MODE_LAMB_NORMS", "MODE_LARS", "NVRTC_OPTIONS", "SERVED", "CupyLauncher",
+    "FusedTrust", "KernelCompileError", "TrustResult", "build_layout", "cupy_available",
     "find_nvrtc", "fused_for", "is_backend_error", "kernel_source", "nvrtc_compile",
-    "nvrtc_version", "refuse", "upload", "use_fused", "vector_chunks"]
+    "nvrtc_version", "refuse", "use_fused", "vector_chunks"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from hpclb.data.paths import data_dir
-from hpclb.data.registry import DATASETS, DataSet, check_subset, dataset, register_dataset
+from hpclb.data.registry import DATASETS, DataSet, dataset, register_dataset, subset_splits
 
 __all__ = ["DATASETS", "DataSet", "data_dir", "dataset", "load_dataset", "register_dataset"]
 
@@ -33,7 +33,4 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, *,
     if ds is None or "classification" not in ds.tasks:
         raise DataError(f"unknown data set {name!r}")
     train, test = ds.load(root, {"name": name, "augment": augment})
-    check_subset("train_samples", train_samples, len(train), f"{name}'s training split")
-    check_subset("test_samples", test_samples, len(test), f"{name}'s test split")
-    return (train.subset(train_samples) if train_samples else train,
-            test.subset(test_samples) if test_samples else test)
+    return subset_splits(train, test, train_samples, test_samples, name, prefix="")

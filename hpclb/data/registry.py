@@ -29,7 +29,7 @@ from hpclb.errors import ConfigError, DataError
 from hpclb.plugins import Registry, is_plugin, resolve_ref
 
 __all__ = ["DATASETS", "DataSet", "check_subset", "data_dir", "dataset", "fetchable",
-           "register_dataset", "train_set_sizes"]
+           "register_dataset", "subset_splits", "train_set_sizes"]
 
 
 def check_subset(field: str, n: int | None, size: int, split: str,
@@ -41,6 +41,17 @@ def check_subset(field: str, n: int | None, size: int, split: str,
         raise ConfigError(f"{field} {n}: more than the {size} {unit} of {split}; it takes the "
                           f"first N of them: set {field} to {size} or less, or remove it to use "
                           f"the whole split")
+
+
+def subset_splits(train, test, train_samples: int | None, test_samples: int | None, name: str,
+                  prefix: str = "data.") -> tuple:
+    """``(train, test)`` cut to their first ``train_samples`` / ``test_samples`` (None or 0:
+    the whole split); ConfigError (:func:`check_subset`, naming ``<prefix>train_samples`` or
+    ``<prefix>test_samples`` and ``name``'s split) when one is more than its split holds."""
+    check_subset(f"{prefix}train_samples", train_samples, len(train), f"{name}'s training split")
+    check_subset(f"{prefix}test_samples", test_samples, len(test), f"{name}'s test split")
+    return (train.subset(train_samples) if train_samples else train,
+            test.subset(test_samples) if test_samples else test)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpclb.data.registry import check_subset
+from hpclb.data.registry import subset_splits
 from hpclb.data.sampler import GlobalBatchSampler
 from hpclb.tasks.base import EVAL_BATCH_SIZE, Task, device_of, to_device
 
@@ -45,11 +45,7 @@ class ClassificationTask(Task):
         """The task over a reader's ``(train, test)`` splits, cut to their first
         ``train_samples`` / ``test_samples``; ``spec.num_workers`` as below."""
         train, test = data
-        check_subset("data.train_samples", train_samples, len(train),
-                     f"{spec.name}'s training split")
-        check_subset("data.test_samples", test_samples, len(test), f"{spec.name}'s test split")
-        return cls(train.subset(train_samples) if train_samples else train,
-                   test.subset(test_samples) if test_samples else test,
+        return cls(*subset_splits(train, test, train_samples, test_samples, spec.name),
                    num_workers=spec.get("num_workers"))
 
     def setup(self, *, per_rank_batch, global_batch, rank, world_size, seed, steps_per_epoch,

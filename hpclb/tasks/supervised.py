@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from hpclb.data.registry import check_subset
+from hpclb.data.registry import subset_splits
 from hpclb.errors import ConfigError
 from hpclb.plugins import load_object
 from hpclb.tasks.base import EVAL_BATCH_SIZE, device_of, to_device
@@ -64,12 +64,7 @@ class SupervisedTask(ClassificationTask):
             raise ConfigError("task.loss: required by task supervised; name your loss function "
                               "as package.module:function, e.g. `loss: my_regression:mse`")
         train, test = data
-        check_subset("data.train_samples", train_samples, len(train),
-                     f"{recipe.data.name}'s training split")
-        check_subset("data.test_samples", test_samples, len(test),
-                     f"{recipe.data.name}'s test split")
-        return cls(train.subset(train_samples) if train_samples else train,
-                   test.subset(test_samples) if test_samples else test,
+        return cls(*subset_splits(train, test, train_samples, test_samples, recipe.data.name),
                    loss_fn=load_object(spec.loss, "task.loss"),
                    metric_fns={m: load_object(ref, f"task.metrics.{m}")
                                for m, ref in spec.metrics.items()},

@@ -304,3 +304,15 @@ def test_an_sgd_family_prediction_says_it_is_an_upper_bound(capsys):
         assert cli.main(["advise", str(REPO / "results/science/b0-noise" / record)]) == 0
         out = capsys.readouterr().out
         assert ("caveat: with SGD (+ momentum) read k_max as an upper bound" in out) == caveat
+        assert "caveat: with LARS" not in out
+
+
+def test_a_lars_prediction_bound_by_stability_says_it_was_conservative(capsys):
+    """The CNN's k-map measured k_max 4 where advise, bound by the B0 probe's stable LR,
+    predicted 1 and said nothing of it: a LARS/LAMB prediction bound by stability says so."""
+    from hpclb import cli
+
+    assert cli.main(["advise", str(REPO / "results/science/b0-noise/cnn")]) == 0
+    out = capsys.readouterr().out
+    assert "k_max 1 (batch 128)" in out
+    assert "caveat: with LARS, a k_max bound by stability from a probe at B0 was conservative" in out

@@ -132,10 +132,18 @@ def predict_k_max(*, base_batch_size: int, num_samples: int, epochs: float,
 #: the optimizers whose k_max the k-maps found to be an upper bound only (docs/science.md)
 SGD_FAMILY = ("sgd", "momentum")
 SGD_CAVEAT = ("with SGD (+ momentum) read k_max as an upper bound: the rule's bounds (budget, "
-              "warmup, stability) do not bound an LR too small for the batch, and on "
-              "MNIST-LSTM with momentum LEGW failed at every k measured, 8 to 64, where this "
-              "rule predicted 32; the linear rule (--scaling goyal) did better there up to its "
-              "stability bound (docs/science.md, 'Momentum: the miss, and why')")
+              "warmup, stability) do not bound an LR too small for the batch; LEGW failed at "
+              "every k measured (8 to 64) on MNIST-LSTM with momentum, where this rule predicted "
+              "32, and from k = 8 on PTB-small with plain SGD (under-trained, not unstable), "
+              "where it predicted 16; the linear rule (--scaling goyal) did better with momentum "
+              "up to its stability bound (docs/science.md, 'Momentum: the miss, and why')")
+#: the trust-ratio optimizers, whose stability bound the CNN's k-map found conservative
+TRUST_FAMILY = ("lars", "lamb")
+TRUST_CAVEAT = ("with {optimizer}, a k_max bound by stability from a probe at B0 was "
+                "conservative where measured: on Fashion ResNet-8 with LARS this rule predicted "
+                "1 and LEGW held at k = 4 (its short warmup's peak, 2x the probe's stable LR, "
+                "trained), failing at 8 (docs/science.md, 'Which batch should I use?'); LAMB "
+                "was not measured")
 
 
 def format_prediction(p: dict[str, Any], stable_from: str = "probe at B0") -> str:
@@ -319,6 +327,8 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
                                                    "b_simple")}, stable_lr=stable_lr)
     if inputs["optimizer"] in SGD_FAMILY:
         pred["caveat"] = SGD_CAVEAT
+    elif inputs["optimizer"] in TRUST_FAMILY and "stability" in pred["binding"]:
+        pred["caveat"] = TRUST_CAVEAT.format(optimizer=inputs["optimizer"].upper())
     _cap_at_k_max(a, pred["batch"])
     return {"advice": a, "inputs": inputs, "prediction": pred, "stable_from": stable_from,
             "probe": None if probe is None else {k: v for k, v in probe.items()

@@ -298,8 +298,9 @@ def predict_for_run(run_dir, *, last: int = 3, stable_lr: float | None = None,
     ``stable_lr`` if given, else ``probe["stable_lr"]``, else the probe saved beside the run
     (:func:`saved_probe`), else none. ``data_dir``: where the run's data is, when the training
     set is counted by reading it (:func:`run_data_dir`). For an SGD-family optimizer the
-    prediction has a ``caveat`` (:data:`SGD_CAVEAT`). Raises ConfigError as ``advise``
-    does, DataError when the data cannot be read."""
+    prediction has a ``caveat`` (:data:`SGD_CAVEAT`), for LARS/LAMB bound by stability another
+    (:data:`TRUST_CAVEAT`). Raises ConfigError as ``advise`` does, DataError when the data cannot
+    be read."""
     rows = read_run(Path(run_dir), warn)
     warn = rows.warn
     a = advice_of(rows, last)
